@@ -1,0 +1,82 @@
+"""Action: one op (F, B, I or W) of one stage on one micro-batch, written ``<stage><op><mb>``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["Op", "Action"]
+
+
+class Op(str, Enum):
+    """The four operations a schedule places.
+
+    F: forward.  B: full backward (input and weight gradients together).
+    I: input-gradient backward (what the previous stage waits for).
+    W: weight-gradient backward (nobody waits for it; it fills bubbles).
+    """
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741  (the letter is the glossary's)
+    W = "W"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One op of one stage (global index) on one micro-batch.
+
+    >>> Action.parse("2I5")
+    Action(stage=2, op=<Op.I: 'I'>, mb=5)
+    >>> str(Action(3, Op.F, 0))
+    '3F0'
+    """
+
+    stage: int
+    op: Op
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op.value}{self.mb}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse ``<stage><op><mb>`` such as ``"3F0"``, ``"2W5"``.
+
+        Raises:
+            ValueError: if the text is not of that form.
+        """
+        match = _ACTION_RE.match(text)
+        if match is None:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected <stage><op><mb> with op one of "
+                "F, B, I, W, for example '3F0' or '2W5'"
+            )
+        return cls(int(match.group(1)), Op(match.group(2)), int(match.group(3)))
+
+
+def F(stage: int, mb: int) -> Action:  # noqa: N802  (reads like the glossary)
+    """Shorthand for a forward action."""
+    return Action(stage, Op.F, mb)
+
+
+def B(stage: int, mb: int) -> Action:  # noqa: N802
+    """Shorthand for a full-backward action."""
+    return Action(stage, Op.B, mb)
+
+
+def I(stage: int, mb: int) -> Action:  # noqa: N802, E741, E743
+    """Shorthand for an input-gradient action."""
+    return Action(stage, Op.I, mb)
+
+
+def W(stage: int, mb: int) -> Action:  # noqa: N802
+    """Shorthand for a weight-gradient action."""
+    return Action(stage, Op.W, mb)
