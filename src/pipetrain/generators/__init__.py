@@ -58,4 +58,7 @@ def make_schedule(
 
 def _load_builtin() -> None:
     # Importing the modules registers their kinds; kept lazy so the registry has no cycles.
-    from pipetrain.generators import basic  # noqa: F401
+    import importlib
+
+    for module in ("basic", "interleaved", "zerobubble", "vshape", "dualpipev"):
+        importlib.import_module(f"pipetrain.generators.{module}")
