@@ -1,0 +1,319 @@
+"""Simulation: when each action of a schedule runs, given op costs and a per-hop comm delay.
+
+Times come from :func:`pipetrain.dataflow.walk`: every rank runs its list in order, each action
+as soon as the rank is free and its inputs have arrived; an input produced on another rank
+arrives ``comm`` after its producer ends.
+
+Memory model (``peak_activations``), counted per rank in stage-activation units, where one
+unit is what one F of one stage on one micro-batch keeps alive for its backward:
+
+    F        allocates 1 unit when it starts
+    B        frees 1 unit when it ends
+    I        frees ``1 - w_share`` units when it ends
+    W        frees ``w_share`` units when it ends
+
+The peak is the maximum of the running sum over the rank's timeline; at equal times frees are
+counted before allocations. Weights, optimizer state, gradients and in-flight messages are not
+counted; every stage is assumed to keep the same activation size.
+
+``w_share`` is the part of a micro-batch's saved tensors that must survive from I until W.
+The weight gradient of a linear layer needs that layer's input, and the runtime keeps the
+micro-batch's saved tensors until its W, so the conservative default is ``w_share = 1.0``
+(I frees nothing). Smaller values model a runtime that drops what only I needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipetrain.action import Action, Op
+from pipetrain.dataflow import walk
+from pipetrain.schedule import Schedule
+from pipetrain.timeline import Span, Timeline
+from pipetrain.validate import validate
+
+__all__ = ["Costs", "Simulation", "simulate"]
+
+Cost = float | tuple[float, ...]  # one value for every stage, or one value per stage
+DEFAULT_W_SHARE = 1.0
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time per stage per micro-batch of each op: a float, or a tuple with one value per stage.
+
+    Unset backward costs are derived: with B alone, I = W = B/2; with B and one of I/W, the
+    other is B minus it; without B, I and W default to 1.0 and B = I + W. After construction
+    every field holds a value. A B given together with I and W may differ from I + W (a fused
+    backward can be cheaper than its two halves).
+
+    Example:
+        >>> Costs(F=1.0, B=2.0).of(Op.W, 0)
+        1.0
+        >>> Costs.parse("F=1:2,B=2").of(Op.F, 1)
+        2.0
+
+    Raises:
+        ValueError: for a negative or non-finite cost, per-stage tuples of different lengths,
+            or derived I/W that would be negative.
+    """
+
+    F: Cost = 1.0
+    """Forward."""
+    B: Cost | None = None
+    """Fused backward; default I + W."""
+    I: Cost | None = None  # noqa: E741  (the glossary's letter)
+    """Input-gradient backward; default B/2 when only B is given, else 1.0."""
+    W: Cost | None = None
+    """Weight-gradient backward; default B/2 when only B is given, else 1.0."""
+
+    def __post_init__(self) -> None:
+        given = {op: _normalize(op, getattr(self, op)) for op in "FBIW"}
+        lengths = {len(v) for v in given.values() if isinstance(v, tuple)}
+        if len(lengths) > 1:
+            raise ValueError(f"per-stage costs have different lengths {sorted(lengths)}; give "
+                             "one value per stage for every per-stage op")
+        b, i, w = _derive_backward(given["B"], given["I"], given["W"])
+        for op, value in zip("FBIW", (given["F"], b, i, w), strict=True):
+            object.__setattr__(self, op, value)
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """Read ``"F=1,B=2"``, ``"F=1,I=1,W=1"`` or per stage ``"F=1:2:1:1,B=2"``.
+
+        Raises:
+            ValueError: for an unknown op, a repeated op, or a value that is not a number.
+        """
+        fields: dict[str, Cost] = {}
+        for item in text.split(","):
+            key, sep, value = (part.strip() for part in item.partition("="))
+            op = key.upper()
+            if not sep or op not in ("F", "B", "I", "W"):
+                raise ValueError(f"cannot parse costs {text!r} at {item.strip()!r}: expected "
+                                 "OP=VALUE items with OP one of F, B, I, W, for example "
+                                 "'F=1,B=2' or per stage 'F=1:2:1:1,B=2'")
+            if op in fields:
+                raise ValueError(f"cannot parse costs {text!r}: {op} is given twice")
+            fields[op] = _parse_value(text, op, value)
+        return cls(**fields)
+
+    def of(self, op: Op, stage: int) -> float:
+        """The cost of ``op`` on ``stage``.
+
+        Raises:
+            ValueError: if per-stage costs do not cover ``stage``.
+        """
+        value = getattr(self, op.value)
+        if not isinstance(value, tuple):
+            return float(value)
+        if not 0 <= stage < len(value):
+            raise ValueError(f"costs give {len(value)} per-stage values for {op.value}, "
+                             f"no value for stage {stage}")
+        return float(value[stage])
+
+    @property
+    def n_stages(self) -> int | None:
+        """The number of per-stage values, or None when every op has one value for all."""
+        for op in "FBIW":
+            value = getattr(self, op)
+            if isinstance(value, tuple):
+                return len(value)
+        return None
+
+    def to_dict(self) -> dict[str, float | list[float]]:
+        return {op: _jsonable(getattr(self, op)) for op in "FBIW"}
+
+    def __str__(self) -> str:
+        """The text :meth:`parse` reads back into an equal Costs."""
+        return ",".join(f"{op}={_format(getattr(self, op))}" for op in "FBIW")
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A simulated run of one schedule: its timeline and the metrics derived from it."""
+
+    schedule: Schedule
+    costs: Costs
+    comm: float
+    """Delay added to every dependency that crosses ranks."""
+    w_share: float
+    """Share of a micro-batch's activation freed by W rather than I (see module docstring)."""
+    timeline: Timeline
+    """One span per action."""
+    makespan: float
+    """Time from the first start to the last end, over all ranks."""
+    span: tuple[float, ...]
+    """Per rank: its last end minus its first start."""
+    idle: tuple[float, ...]
+    """Per rank: makespan minus the rank's busy time."""
+    bubble_fraction: float
+    """1 - total busy / (ranks x makespan): the share of device time spent waiting."""
+    bubble_rate: float
+    """Zero Bubble (Qi et al. 2024): (cost - work) / cost, cost = the longest per-rank span,
+    work = the largest per-rank busy time (their m·v·(F+I+W) for uniform costs)."""
+    peak_activations: tuple[float, ...]
+    """Per rank, the most stage-activation units alive at once (see module docstring)."""
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready summary, with the action lists and every span's start and end."""
+        s = self.schedule
+        return {
+            "schedule": s.name, "ranks": s.n_ranks, "stages": s.n_stages,
+            "microbatches": s.n_microbatches, "makespan": self.makespan,
+            "span": list(self.span), "idle": list(self.idle),
+            "bubble_fraction": self.bubble_fraction, "bubble_rate": self.bubble_rate,
+            "peak_activations": list(self.peak_activations),
+            "costs": self.costs.to_dict(), "comm": self.comm, "w_share": self.w_share,
+            "actions": [[str(a) for a in acts] for acts in s.actions],
+            "spans": [[[str(x.action), x.start, x.end] for x in self.timeline.of_rank(r)]
+                      for r in range(s.n_ranks)],
+        }
+
+
+def simulate(
+    schedule: Schedule, costs: Costs | None = None, comm: float = 0.0, *,
+    w_share: float = DEFAULT_W_SHARE,
+) -> Simulation:
+    """Validate ``schedule`` and compute when each action runs and what it costs.
+
+    Args:
+        schedule: the schedule to simulate.
+        costs: op costs, uniform or per stage; None means F = I = W = 1, B = 2.
+        comm: delay added to every dependency that crosses ranks (0 = free communication).
+        w_share: share of a micro-batch's stage activation that W (not I) frees, in [0, 1].
+
+    Returns:
+        A :class:`Simulation` with the timeline, makespan, bubble and peak-memory metrics.
+
+    Raises:
+        ScheduleError: if the schedule is invalid (see :func:`pipetrain.validate.validate`).
+        ValueError: for per-stage costs of the wrong length, a negative or non-finite
+            ``comm``, or ``w_share`` outside [0, 1].
+
+    Example:
+        >>> from pipetrain import make_schedule
+        >>> simulate(make_schedule("gpipe", 4, 8), Costs(F=1, B=2)).makespan
+        33.0
+    """
+    costs = Costs() if costs is None else costs
+    _check_arguments(schedule, costs, comm, w_share)
+    validate(schedule)
+    result = walk(schedule, lambda rank, a: costs.of(a.op, a.stage), comm)
+    spans = tuple(Span(rank, schedule.actions[rank][step], result.start[rank, step],
+                       result.end[rank, step]) for rank, step in result.order)
+    timeline = Timeline(schedule.n_ranks, spans)
+    ranks = range(schedule.n_ranks)
+    span = tuple(timeline.span(r) for r in ranks)
+    busy = [timeline.busy(r) for r in ranks]
+    cost, work = max(span), max(busy)
+    return Simulation(
+        schedule=schedule, costs=costs, comm=comm, w_share=w_share, timeline=timeline,
+        makespan=timeline.makespan, span=span, idle=tuple(timeline.idle(r) for r in ranks),
+        bubble_fraction=timeline.bubble_fraction,
+        bubble_rate=(cost - work) / cost if cost > 0 else 0.0,
+        peak_activations=tuple(_peak(timeline.of_rank(r), w_share) for r in ranks),
+    )
+
+
+def _check_arguments(schedule: Schedule, costs: Costs, comm: float, w_share: float) -> None:
+    if costs.n_stages is not None and costs.n_stages != schedule.n_stages:
+        raise ValueError(f"costs give {costs.n_stages} per-stage values but schedule "
+                         f"{schedule.name!r} has {schedule.n_stages} stages")
+    if not (math.isfinite(comm) and comm >= 0):
+        raise ValueError(f"comm must be a finite number >= 0, got {comm!r}")
+    if not 0.0 <= w_share <= 1.0:
+        raise ValueError(f"w_share must be in [0, 1], got {w_share!r}")
+
+
+def _peak(spans: Sequence[Span], w_share: float) -> float:
+    # (time, order, delta): order 0 frees, 1 allocations, so frees win ties.
+    events: list[tuple[float, int, float]] = []
+    for s in spans:
+        if s.action.op is Op.F:
+            events.append((s.start, 1, 1.0))
+        else:
+            events.append((s.end, 0, -_freed(s.action, w_share)))
+    alive = peak = 0.0
+    for _, _, delta in sorted(events):
+        alive += delta
+        peak = max(peak, alive)
+    return peak
+
+
+def _freed(action: Action, w_share: float) -> float:
+    return {Op.B: 1.0, Op.I: 1.0 - w_share, Op.W: w_share}[action.op]
+
+
+# -- cost values ---------------------------------------------------------------------------
+
+
+def _normalize(op: str, value: object) -> Cost | None:
+    if value is None and op != "F":
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _finite_nonneg(op, float(value))
+    if isinstance(value, (tuple, list)) and value:
+        return tuple(_finite_nonneg(op, x) for x in value)
+    raise ValueError(f"cost {op} must be a number or a non-empty sequence of numbers, "
+                     f"got {value!r}")
+
+
+def _finite_nonneg(op: str, x: object) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"cost {op} must be numeric, got {x!r}")
+    if not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"cost {op} must be a finite number >= 0, got {x!r}")
+    return float(x)
+
+
+def _derive_backward(b: Cost | None, i: Cost | None, w: Cost | None) -> tuple[Cost, Cost, Cost]:
+    # The unset ones of B, I, W from the set ones (rules in the Costs docstring).
+    if b is None:
+        i, w = (1.0 if i is None else i), (1.0 if w is None else w)
+        return _combine(i, w, lambda x, y: x + y), i, w
+    if i is None and w is None:
+        half = _combine(b, b, lambda x, _: x / 2)
+        return b, half, half
+    if i is None:
+        assert w is not None  # the branch above took i and w both None
+        return b, _nonneg("I", "B - W", _combine(b, w, lambda x, y: x - y)), w
+    if w is None:
+        return b, i, _nonneg("W", "B - I", _combine(b, i, lambda x, y: x - y))
+    return b, i, w
+
+
+def _combine(a: Cost, b: Cost, fn: Callable[[float, float], float]) -> Cost:
+    if not isinstance(a, tuple) and not isinstance(b, tuple):
+        return fn(a, b)
+    n = max(len(v) for v in (a, b) if isinstance(v, tuple))
+    xs = a if isinstance(a, tuple) else (a,) * n
+    ys = b if isinstance(b, tuple) else (b,) * n
+    return tuple(fn(x, y) for x, y in zip(xs, ys, strict=True))
+
+
+def _nonneg(op: str, formula: str, value: Cost) -> Cost:
+    values = value if isinstance(value, tuple) else (value,)
+    if any(v < 0 for v in values):
+        raise ValueError(f"derived cost {op} = {formula} is negative ({_format(value)}); "
+                         f"give {op} explicitly or a larger B")
+    return value
+
+
+def _parse_value(text: str, op: str, value: str) -> Cost:
+    try:
+        numbers = [float(v) for v in value.split(":")]
+    except ValueError:
+        raise ValueError(f"cannot parse costs {text!r}: {op}={value!r} is not a number or "
+                         "colon-separated numbers per stage (like F=1:2:1:1)") from None
+    return numbers[0] if len(numbers) == 1 else tuple(numbers)
+
+
+def _format(value: Cost) -> str:
+    values = value if isinstance(value, tuple) else (value,)
+    return ":".join(str(int(v)) if v.is_integer() else repr(v) for v in values)
+
+
+def _jsonable(value: Cost | None) -> float | list[float]:
+    return list(value) if isinstance(value, tuple) else float(value or 0.0)
