@@ -10,7 +10,7 @@ communication of the other). Here a pair is simply two consecutive actions, forw
 from __future__ import annotations
 
 from pipetrain.generators import ScheduleKind, register
-from pipetrain.generators.vshape import RankOps, require_v2, v_placement
+from pipetrain.generators.vshape import RankOps, check_v_args, v_placement
 from pipetrain.schedule import Schedule
 
 __all__: list[str] = []
@@ -38,9 +38,9 @@ def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
     repository (DualPipeV).
 
     Raises:
-        ValueError: if ``v != 2``.
+        ValueError: if ``v != 2``, ``p < 1`` or ``m < 1``.
     """
-    require_v2("dualpipev", v)
+    check_v_args("dualpipev", p, m, v)
     n = max(m, 2 * p)
     lists = [_dualpipev_rank(p, n, r).below(m) for r in range(p)]
     return Schedule.from_lists("dualpipev", m, v_placement(p), lists)

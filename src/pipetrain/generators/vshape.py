@@ -20,19 +20,24 @@ from pipetrain.action import Action, Op
 from pipetrain.generators import ScheduleKind, register
 from pipetrain.schedule import Schedule
 
-__all__ = ["RankOps", "require_v2", "v_placement"]
+__all__ = ["RankOps", "check_v_args", "v_placement"]
 
 
-def require_v2(name: str, v: int) -> None:
-    """Reject any stages_per_rank other than the V's two.
+def check_v_args(name: str, p: int, m: int, v: int) -> None:
+    """Reject counts outside the V: p >= 1 ranks, m >= 1 micro-batches, v = 2 stages per rank.
 
     Raises:
-        ValueError: if ``v != 2``.
+        ValueError: naming the broken constraint and the fix.
     """
     if v != 2:
         raise ValueError(
             f"{name} places two stages per rank as a V (stages_per_rank=2), got "
             f"stages_per_rank={v}; use stages_per_rank=2, or interleaved-1f1b for other values"
+        )
+    if p < 1 or m < 1:
+        raise ValueError(
+            f"{name} needs at least 1 rank and 1 micro-batch, got n_ranks={p}, "
+            f"n_microbatches={m}"
         )
 
 
@@ -99,9 +104,9 @@ def zbv(p: int, m: int, v: int = 2) -> Schedule:
     Parallelism with Controllable Memory" (NeurIPS 2024).
 
     Raises:
-        ValueError: if ``v != 2``.
+        ValueError: if ``v != 2``, ``p < 1`` or ``m < 1``.
     """
-    require_v2("zbv", v)
+    check_v_args("zbv", p, m, v)
     n = max(m, 2 * p - 1)
     lists = [_zbv_rank(p, n, r).below(m) for r in range(p)]
     return Schedule.from_lists("zbv", m, v_placement(p), lists)
