@@ -104,6 +104,8 @@ class Schedule:
             raise ScheduleError("schedule text has no rank header and no actions")
         header, body = rows[0][1], rows[1:]
         n_ranks = len(header)
+        if _is_action_row(header):  # no header line: the first row already holds actions
+            body, n_ranks = rows, max(len(row) for _, row in rows)
         columns: list[list[Action]] = [[] for _ in range(n_ranks)]
         for line_no, row in body:
             if len(row) > n_ranks:
@@ -143,16 +145,24 @@ def _grid_rows(text: str) -> tuple[str | None, list[tuple[int, list[str]]]]:
         if not line:
             continue
         cells = [c.strip() for c in line.split(",")] if "," in line else line.split()
-        if not rows:  # header: "rank 0, rank 1" or "r0 r1"; only its width matters
+        if not rows and not _is_action_row(cells):
+            # header: "rank 0, rank 1" or "r0 r1"; only its width matters
             cells = [c for c in cells if c] if "," in line else _merge_rank_words(cells)
         rows.append((line_no, cells))
     return name, rows
 
 
+def _is_action_row(cells: list[str]) -> bool:
+    try:
+        return any([Action.parse(c) for c in cells if c not in _PAD])
+    except ValueError:
+        return False
+
+
 def _merge_rank_words(words: list[str]) -> list[str]:
     # "rank 0 rank 1" written with spaces: pair each "rank" with its number.
     if words and all(w.lower() == "rank" for w in words[0::2]):
-        return [f"{a} {b}" for a, b in zip(words[0::2], words[1::2])]
+        return [f"{a} {b}" for a, b in zip(words[0::2], words[1::2], strict=False)]
     return words
 
 

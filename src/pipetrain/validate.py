@@ -32,7 +32,7 @@ Cell = tuple[int, int]  # (rank, step)
 Problem = tuple[str, set[Cell]]  # one message line, the cells it marks
 
 _MARK = "<<"
-_ROW_MARK = "  <-- ERROR HERE"
+_ROW_MARK = "<-- ERROR HERE"
 _MAX_LISTED = 12  # problems listed per error; the rest are counted
 _FULL_GRID_ROWS = 60  # longer grids are shown only around the marked rows
 _CONTEXT_ROWS = 4
@@ -100,7 +100,7 @@ def _grid_row(schedule: Schedule, step: int, marks: set[Cell] | frozenset[Cell],
         text = str(acts[step]) if step < len(acts) else "."
         cells.append((text + (_MARK if (rank, step) in marks else "")).ljust(width))
     row_marked = any((rank, step) in marks for rank in range(schedule.n_ranks))
-    return f"{step:>4}  " + "  ".join(cells).rstrip() + (_ROW_MARK if row_marked else "")
+    return f"{step:>4}  " + "  ".join(cells) + ("  " + _ROW_MARK if row_marked else "")
 
 
 def _shown_rows(depth: int, marked: set[int], context: int | None) -> list[int]:
