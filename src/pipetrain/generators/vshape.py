@@ -96,7 +96,7 @@ def zbv(p: int, m: int, v: int = 2) -> Schedule:
     micro-batches and the extra ones are dropped, which keeps it deadlock-free.
     Bubble: with per-stage costs F = I = W and no communication time, every rank's span
     (first start to last end) is exactly its 6m busy units once m >= 2p-1: bubble rate 0.
-    Smaller m leaves idle time in the warm-up's place.
+    For m < 2p-1 the longest span is 4m + 4p - 2 units of F, i.e. 2(2p-1-m) idle.
     Memory: at most 2p stage-activations per rank (the same as 1F1B's p micro-batches of a
     whole rank's layers) for any split of an activation between I and W.
 
