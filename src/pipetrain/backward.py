@@ -1,0 +1,203 @@
+"""Split backward: I computes only input gradients now, W only weight gradients later.
+
+The autograd graph of one stage for one micro-batch is cut in two (the method of Qi et al.,
+"Zero Bubble Pipeline Parallelism", 2024), without redoing work:
+
+    stage input x ──► [node N1] ──► [node N2] ──► ... ──► stage output y
+                        │              │
+                        ▼              ▼                      X = nodes that lead back to x
+                     weights        weights                   P = nodes that lead to weights
+
+  I: ``autograd.grad(y, x)`` runs only the X nodes, computing only the outputs that lead to x.
+     A pre-hook on every X node that also has an edge into P-only territory (an "intermediate",
+     such as the matmul whose other operand is a weight) saves the gradient arriving there.
+  W: for each intermediate N, ``autograd.grad(GradientEdge(N), its weights, saved grads)`` runs N
+     again computing only its weight outputs, plus the P-only nodes below it. Stage outputs that
+     do not lead to x at all (a first stage fed integer tokens) are W roots with their own grad.
+
+A weight reachable from two intermediates (a weight used twice inside one stage) would be
+counted twice by W, so such micro-batches fall back to a full backward inside I and W is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__: list[str] = []
+
+
+def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    # The same arithmetic as autograd's AccumulateGrad: first grad is stored, later ones added.
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad += g
+
+
+def backward_full(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """B: input and weight gradients in one pass; weights accumulate into ``.grad``."""
+    roots, root_grads = _roots(outputs, grads)
+    if roots:
+        torch.autograd.backward(roots, root_grads)
+    return [x.grad for x in inputs]
+
+
+@dataclass
+class WeightWork:
+    """What W needs from I: the saved gradients at intermediates, and the W-only roots."""
+
+    groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] = field(
+        default_factory=list
+    )  # (output edges, their grads, weights reached)
+    done: bool = False
+
+    def run(self) -> None:
+        """W: compute the weight gradients and accumulate them into ``.grad``."""
+        for edges, edge_grads, params in self.groups:
+            got = torch.autograd.grad(edges, params, edge_grads, allow_unused=True)  # type: ignore[arg-type]
+            _accumulate(params, got)
+        self.groups.clear()
+        self.done = True
+
+
+def backward_input(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """I: gradients w.r.t. ``inputs`` only; returns them and the deferred :class:`WeightWork`."""
+    roots, root_grads = _roots(outputs, grads)
+    diff_inputs = [x for x in inputs if x.requires_grad]
+    trainable = [p for p in params if p.requires_grad]
+    graph = _Graph(roots, diff_inputs, trainable)
+    if graph.shared_weights:
+        return backward_full(outputs, grads, inputs), WeightWork(done=True)
+    work = WeightWork()
+    saved: dict[Node, tuple[Any, ...]] = {}
+    handles = [n.register_prehook(_saver(saved, n)) for n in graph.intermediates]
+    try:
+        got: Sequence[torch.Tensor | None] = []
+        if diff_inputs and roots:
+            got = torch.autograd.grad(roots, diff_inputs, root_grads, retain_graph=True,
+                                      allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for node in graph.intermediates:
+        _add_group(work, graph, node, saved.get(node))
+    for root, g in zip(roots, root_grads):
+        if root.grad_fn in graph.w_roots:
+            params_hit = graph.weights_below(root.grad_fn)
+            if params_hit:
+                work.groups.append(([get_gradient_edge(root)], [g], params_hit))
+    by_input = dict(zip(map(id, diff_inputs), got))
+    return [by_input.get(id(x)) for x in inputs], work
+
+
+def _saver(saved: dict[Node, tuple[Any, ...]], node: Node) -> Any:
+    def hook(grad_outputs: tuple[Any, ...]) -> None:
+        saved[node] = grad_outputs
+    return hook
+
+
+def _add_group(work: WeightWork, graph: _Graph, node: Node, got: tuple[Any, ...] | None) -> None:
+    if got is None:
+        return
+    pairs = [(GradientEdge(node, i), g) for i, g in enumerate(got) if g is not None]
+    params_hit = graph.weights_below(node)
+    if pairs and params_hit:
+        work.groups.append(([e for e, _ in pairs], [g for _, g in pairs], params_hit))
+
+
+def _grad_or_ones(t: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    return torch.ones_like(t) if g is None else g
+
+
+def _roots(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    roots, root_grads = [], []
+    for y, g in zip(outputs, grads):
+        if not y.requires_grad:
+            continue
+        if g is None and y.numel() != 1:
+            continue  # no gradient arrived for this output: it did not influence the loss
+        roots.append(y)
+        root_grads.append(_grad_or_ones(y, g))
+    return roots, root_grads
+
+
+class _Graph:
+    """Reachability over one stage's autograd graph: X (leads to inputs), P (leads to weights)."""
+
+    def __init__(self, roots: list[torch.Tensor], inputs: list[torch.Tensor],
+                 params: list[torch.Tensor]) -> None:
+        self.input_nodes = {get_gradient_edge(x).node for x in inputs}
+        self.param_of = {get_gradient_edge(p).node: p for p in params}
+        self.children: dict[Node, list[Node]] = {}
+        self.reach_x: dict[Node, bool] = {}
+        self.reach_p: dict[Node, bool] = {}
+        for r in roots:
+            if r.grad_fn is not None:
+                self._visit(r.grad_fn)
+        self.x_nodes = {n for n, v in self.reach_x.items() if v}
+        self.intermediates = [n for n in self.x_nodes if any(self._p_only(c)
+                                                             for c in self.children[n])]
+        self.w_roots = [r.grad_fn for r in roots
+                        if r.grad_fn is not None and r.grad_fn not in self.x_nodes]
+        self.shared_weights = self._weights_shared(self.w_roots)
+
+    def _visit(self, root: Node) -> None:
+        stack: list[tuple[Node, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in self.reach_x and not expanded:
+                continue
+            if not expanded:
+                kids = [n for n, _ in node.next_functions if n is not None]
+                self.children[node] = kids
+                self.reach_x.setdefault(node, False)  # mark as seen
+                stack.append((node, True))
+                stack.extend((k, False) for k in kids if k not in self.reach_x)
+                continue
+            kids = self.children[node]
+            self.reach_x[node] = node in self.input_nodes or any(self.reach_x[k] for k in kids)
+            self.reach_p[node] = node in self.param_of or any(self.reach_p[k] for k in kids)
+
+    def _p_only(self, node: Node) -> bool:
+        return self.reach_p.get(node, False) and not self.reach_x.get(node, False)
+
+    def weights_below(self, node: Node) -> list[torch.Tensor]:
+        """Weights reached from ``node`` through P-only children."""
+        found: list[torch.Tensor] = []
+        seen: set[Node] = set()
+        stack = [c for c in self.children.get(node, []) if self._p_only(c)]
+        if node in self.param_of or (self._p_only(node) and node not in self.x_nodes):
+            stack.append(node)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in self.param_of:
+                found.append(self.param_of[n])
+            stack.extend(c for c in self.children.get(n, []) if self._p_only(c))
+        return found
+
+    def _weights_shared(self, w_roots: list[Node]) -> bool:
+        owners: dict[int, int] = {}
+        for i, n in enumerate(self.intermediates + w_roots):
+            for p in self.weights_below(n):
+                if owners.setdefault(id(p), i) != i:
+                    return True
+        return False

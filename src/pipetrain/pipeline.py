@@ -1,0 +1,273 @@
+"""Pipeline: the user-facing object that trains a layer list under any schedule.
+
+    pipe = Pipeline(model, schedule="zbv", microbatches=8, loss_fn=loss_fn)
+    result = pipe.step(inputs, targets)      # the same call on every rank
+    result.loss                               # the batch loss, on every rank
+
+Inside an initialised ``torch.distributed`` job each process hosts one rank of the pipeline
+group; with ``local_ranks=N`` one process hosts all N ranks (debugging, tests, one device) and
+runs exactly the same action lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain import microbatch
+from pipetrain.comm import DONE, OPS, Key, Message, P2P, PeerFailed
+from pipetrain.errors import PipelineError
+from pipetrain.generators import make_schedule
+from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
+from pipetrain.runtime import Executor, StepData, expected_messages
+from pipetrain.schedule import Schedule
+from pipetrain.stage import Stage
+from pipetrain.timeline import Span, Timeline
+
+__all__ = ["Pipeline", "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step returns on every rank."""
+
+    loss: torch.Tensor | None
+    """The batch loss (sum of the weighted micro-batch losses); None without targets."""
+    outputs: Any
+    """Merged model outputs, on the rank(s) holding the last stage, when asked for."""
+    timeline: Timeline
+    """Measured start/end (seconds, wall clock) of every action of every rank."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Measured 1 - busy / (ranks x makespan) of this step."""
+        return self.timeline.bubble_fraction
+
+
+class Pipeline:
+    """Train ``model`` (an ``nn.Sequential`` or a list of layers) with a pipeline schedule.
+
+    Args:
+        model: the full model; this rank keeps only its stages' layers.
+        schedule: a schedule name (``pipetrain schedules``) or a :class:`Schedule`.
+        microbatches: micro-batches per step (taken from ``schedule`` if it is a Schedule).
+        loss_fn: ``loss_fn(outputs, targets) -> scalar`` applied per micro-batch.
+        balance: layers per stage; None splits evenly.
+        stages_per_rank: None takes the schedule's own (2 for interleaved-1f1b, zbv, dualpipev).
+        group: the pipeline process group (default: the world).
+        local_ranks: run this many ranks in this one process instead of distributed.
+        device: where the stages live (default: the current CUDA device under NCCL, else CPU).
+        split_dim: the batch dimension that micro-batches split.
+        loss_reduction: ``"mean"`` (micro-batch i weighted by its share of the batch) or
+            ``"sum"`` (weight 1), matching how ``loss_fn`` reduces.
+        timeout: seconds any wait for a peer may last before the step fails.
+
+    Raises:
+        ValueError: for an unknown schedule or integers outside its constraints.
+        PartitionError: when the layers do not fit the stages.
+    """
+
+    def __init__(
+        self, model: nn.Module | Sequence[nn.Module], schedule: str | Schedule = "1f1b",
+        microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *, balance: Sequence[int] | None = None, stages_per_rank: int | None = None,
+        group: dist.ProcessGroup | None = None, local_ranks: int | None = None,
+        device: torch.device | str | None = None, split_dim: int = 0,
+        loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
+    ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.loss_fn, self.split_dim, self.loss_reduction = loss_fn, split_dim, loss_reduction
+        self.local = local_ranks is not None
+        n_ranks, self.rank = self._ranks(group, local_ranks)
+        self.schedule = _resolve(schedule, n_ranks, microbatches, stages_per_rank)
+        self.device = _device(device, group)
+        layers = named_layers(model)
+        n_stages = self.schedule.n_stages
+        sizes = (even_balance(len(layers), n_stages) if balance is None
+                 else check_balance(balance, len(layers), n_stages))
+        self.balance = sizes
+        self.hosted = list(range(n_ranks)) if self.local else [self.rank]
+        self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
+        self.stages: dict[int, Stage] = {}
+        for s, (lo, hi) in enumerate(stage_bounds(sizes)):
+            if self.schedule.rank_of(s) in self.hosted:
+                chunk = [(name, layer.to(self.device)) for name, layer in layers[lo:hi]]
+                self._stage_layers[s] = chunk
+                self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == n_stages - 1,
+                                       loss_fn=loss_fn, device=self.device)
+        self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
+                                                     timeout, max_message_bytes)
+        self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport)
+        self._step = 0
+        self._broken: str | None = None
+
+    @staticmethod
+    def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
+        if local_ranks is not None:
+            if local_ranks < 1:
+                raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
+            return local_ranks, 0
+        if not dist.is_initialized():
+            raise PipelineError(
+                "torch.distributed is not initialised: start the processes with pt.launch or "
+                "torchrun, or pass local_ranks=N to run all ranks in this process"
+            )
+        return dist.get_world_size(group), dist.get_rank(group)
+
+    # -- parameters ----------------------------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the original model (``"3.weight"``)."""
+        seen: set[int] = set()
+        for s in sorted(self._stage_layers):
+            for name, layer in self._stage_layers[s]:
+                for pname, p in layer.named_parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        yield f"{name}.{pname}", p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    # -- steps ---------------------------------------------------------------------------
+    def step(self, inputs: Any = None, targets: Any = None, *,
+             return_outputs: bool = False) -> StepResult:
+        """One training step: forward and backward of every micro-batch as scheduled.
+
+        Gradients accumulate into ``.grad`` exactly as running the micro-batches one after
+        another through the whole model would. ``inputs`` is needed on the rank holding
+        stage 0, ``targets`` on the rank holding the last stage; others may pass None.
+        """
+        return self._run(inputs, targets, train=True, keep_outputs=return_outputs)
+
+    def eval_step(self, inputs: Any = None, targets: Any = None) -> StepResult:
+        """Forward only, without autograd: the loss (if targets are given) and the outputs."""
+        with torch.no_grad():
+            return self._run(inputs, targets, train=False, keep_outputs=True)
+
+    def _run(self, inputs: Any, targets: Any, *, train: bool, keep_outputs: bool) -> StepResult:
+        if self._broken is not None:
+            raise PipelineError(f"[rank {self.rank}] this pipeline failed earlier and cannot run "
+                                f"again: {self._broken}")
+        step = self._step
+        self._step += 1
+        data = StepData(step, [], [], [], keep_outputs, train)
+        if self.transport is not None:
+            self.transport.start_step(expected_messages(self.schedule, self.rank, step, train))
+        try:
+            self._prepare(data, inputs, targets)
+            self.executor.run(data)
+            loss, timeline = self._finish(data)
+        except BaseException as e:
+            self._fail(step, e)
+            raise
+        outputs = None
+        if keep_outputs and data.outputs:
+            outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
+                                       self.split_dim)
+        return StepResult(loss, outputs, timeline)
+
+    def _prepare(self, data: StepData, inputs: Any, targets: Any) -> None:
+        m = self.schedule.n_microbatches
+        first, last = 0, self.schedule.n_stages - 1
+        where = f"[rank {self.rank}] step {data.step}"
+        if first in self.stages:
+            if inputs is None:
+                raise ValueError(f"{where}: this rank holds stage 0 and needs inputs, got None")
+            data.inputs = microbatch.split(inputs, m, self.split_dim)
+        data.targets, data.weights = [None] * m, [1.0] * m
+        if last in self.stages and self.loss_fn is not None:
+            if targets is None and data.train:
+                raise ValueError(f"{where}: this rank holds the last stage {last} and computes "
+                                 "the loss, so it needs targets, got None")
+            if targets is not None:
+                data.targets = microbatch.split(targets, m, self.split_dim)
+                total = microbatch.batch_size(targets, self.split_dim)
+                sizes = microbatch.sizes(total, m)
+                if self.loss_reduction == "mean":
+                    data.weights = [n / total for n in sizes]
+
+    def _finish(self, data: StepData) -> tuple[torch.Tensor | None, Timeline]:
+        loss = _total(data)
+        if self.transport is None:
+            return loss, Timeline(self.schedule.n_ranks, tuple(data.spans), "s")
+        spans = list(data.spans)
+        own = torch.tensor([[s.start, s.end] for s in data.spans], dtype=torch.float64)
+        holder = self.schedule.rank_of(self.schedule.n_stages - 1)
+        tensors: list[torch.Tensor | None] = [own.reshape(-1, 2)]
+        if loss is not None:
+            tensors.append(loss.detach().reshape(()).to(torch.float64).cpu())
+        done = Key(DONE, data.step, -1, -1, -1)
+        for peer in range(self.schedule.n_ranks):
+            if peer != self.rank:
+                self.transport.send(peer, Message(done, tensors))
+        for peer in range(self.schedule.n_ranks):
+            if peer == self.rank:
+                continue
+            msg = self.transport.recv(done, f"[rank {self.rank}] end of step {data.step}")
+            spans += _spans_of(self.schedule, peer, msg.tensors[0], data.train)
+            if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
+                loss = msg.tensors[1].clone()
+        self.transport.finish_step(f"[rank {self.rank}] end of step {data.step}")
+        return loss, Timeline(self.schedule.n_ranks, tuple(spans), "s")
+
+    def _fail(self, step: int, error: BaseException) -> None:
+        for stage in self.stages.values():
+            stage.clear()
+        self._broken = f"{type(error).__name__}: {error}"
+        if self.transport is None or isinstance(error, PeerFailed):
+            return
+        current = self.executor.current
+        stage, mb, op = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
+                         ) if current else (-1, -1, 0)
+        self.transport.abort(step, stage, mb, op, f"{type(error).__name__}: {error}")
+
+
+def _total(data: StepData) -> torch.Tensor | None:
+    if not data.losses:
+        return None
+    total = data.losses[min(data.losses)]
+    for mb in sorted(data.losses)[1:]:
+        total = total + data.losses[mb]
+    return total
+
+
+def _spans_of(schedule: Schedule, rank: int, times: torch.Tensor | None,
+              train: bool) -> list[Span]:
+    acts = [a for a in schedule.actions[rank] if train or a.op.value == "F"]
+    rows = [] if times is None else times.reshape(-1, 2).tolist()
+    return [Span(rank, a, t0, t1) for a, (t0, t1) in zip(acts, rows)]
+
+
+def _resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,
+             stages_per_rank: int | None) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if schedule.n_ranks != n_ranks:
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_ranks} ranks but the "
+                             f"pipeline group has {n_ranks}")
+        if microbatches not in (None, schedule.n_microbatches):
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_microbatches} "
+                             f"micro-batches, but microbatches={microbatches} was passed")
+        resolved = schedule
+    else:
+        if microbatches is None:
+            raise ValueError("microbatches is required with a schedule name")
+        resolved = make_schedule(schedule, n_ranks, microbatches, stages_per_rank)
+    from pipetrain.validate import validate
+
+    validate(resolved)
+    return resolved
+
+
+def _device(device: torch.device | str | None, group: dist.ProcessGroup | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
