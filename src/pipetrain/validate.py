@@ -72,7 +72,8 @@ def format_grid(
         context: if given, show only rows within ``context`` steps of a mark (``...`` between).
 
     Example:
-        >>> print(format_grid(make_schedule("gpipe", 2, 1), {(1, 1)}))  # doctest: +SKIP
+        >>> from pipetrain import make_schedule
+        >>> print(format_grid(make_schedule("gpipe", 2, 1), {(1, 1)}))
         step  rank 0  rank 1
            0  0F0     1F0
            1  0B0     1B0<<   <-- ERROR HERE
