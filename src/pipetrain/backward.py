@@ -65,7 +65,7 @@ class WeightWork:
     def run(self) -> None:
         """W: compute the weight gradients and accumulate them into ``.grad``."""
         for edges, edge_grads, params in self.groups:
-            got = torch.autograd.grad(edges, params, edge_grads, allow_unused=True)  # type: ignore[arg-type]
+            got = torch.autograd.grad(edges, params, edge_grads, allow_unused=True)
             _accumulate(params, got)
         self.groups.clear()
         self.done = True

@@ -108,7 +108,8 @@ def encode(msg: Message, src_rank: int, device: torch.device, op: int = 0
             offset += _pad(nbytes) - nbytes
     h[9] = offset
     header = torch.tensor(h, dtype=torch.int64)
-    payload = torch.cat([p.to(device) for p in parts]) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    payload = torch.cat([p.to(device) for p in parts]) if parts else empty
     return header, payload
 
 
@@ -253,14 +254,14 @@ class P2P:
 
     def abort(self, step: int, stage: int, mb: int, op: int, text: str) -> None:
         """Tell every peer this rank failed (best effort, bounded), so they fail fast too."""
-        msg = Message(Key(ABORT, step, mb, stage, -1),
-                      [torch.frombuffer(bytearray(text.encode()[:4096] or b" "), dtype=torch.uint8)])
+        raw = bytearray(text.encode()[:4096] or b" ")
+        msg = Message(Key(ABORT, step, mb, stage, -1), [torch.frombuffer(raw, dtype=torch.uint8)])
         works = []
         for peer in range(self.n_ranks):
             if peer == self.rank:
                 continue
             try:
-                header, payload = encode(msg, self.rank, torch.device("cpu") if self.device.type == "cpu" else self.device, op)
+                header, payload = encode(msg, self.rank, self.device, op)
                 dst = self._global(peer)
                 works.append(dist.isend(header, dst=dst, group=self.group, tag=_TAG_HEADER))
                 works.append(dist.isend(payload, dst=dst, group=self.group, tag=_TAG_PAYLOAD))
@@ -269,7 +270,8 @@ class P2P:
         deadline = time.monotonic() + 2.0
         for w in works:
             try:
-                w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                if w is not None:
+                    w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError:
                 pass
 
@@ -308,6 +310,8 @@ class P2P:
         return msg
 
     def _wait(self, work: Any, where: str) -> None:
+        if work is None:
+            raise CommError(f"{where}: this rank is not part of the pipeline group")
         try:
             work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as e:

@@ -14,7 +14,7 @@ import torch
 
 __all__: list[str] = []
 
-Spec = Any  # nested JSON values: {"t": i} | {"v": value} | ["tuple"|"list", [...]] | ["dict", {...}]
+Spec = Any  # JSON: {"t": i} | {"v": value} | ["tuple"|"list", [...]] | ["dict", {...}]
 
 _PLAIN = (int, float, bool, str, type(None))
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain import microbatch
-from pipetrain.comm import DONE, OPS, Key, Message, P2P, PeerFailed
+from pipetrain.comm import DONE, OPS, P2P, Key, Message, PeerFailed
 from pipetrain.errors import PipelineError
 from pipetrain.generators import make_schedule
 from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
@@ -224,9 +224,9 @@ class Pipeline:
         if self.transport is None or isinstance(error, PeerFailed):
             return
         current = self.executor.current
-        stage, mb, op = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
-                         ) if current else (-1, -1, 0)
-        self.transport.abort(step, stage, mb, op, f"{type(error).__name__}: {error}")
+        where = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
+                 ) if current else (-1, -1, 0)
+        self.transport.abort(step, *where, f"{type(error).__name__}: {error}")
 
 
 def _total(data: StepData) -> torch.Tensor | None:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from pipetrain.action import Action, Op
-from pipetrain.comm import ACT, DONE, GRAD, CommError, Key, Message, P2P
+from pipetrain.comm import ACT, DONE, GRAD, P2P, Key, Message
 from pipetrain.dataflow import walk
-from pipetrain.errors import PipelineError, StageError
+from pipetrain.errors import CommError, PipelineError, StageError
 from pipetrain.payload import flatten, unflatten
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
@@ -126,7 +126,7 @@ class Executor:
         if dst in self.stages:
             self._local[msg.key] = msg
         elif self.transport is None:
-            raise CommError(f"rank {rank}: stage {dst} is not hosted here and there is no transport")
+            raise CommError(f"rank {rank}: stage {dst} is not hosted here and no transport exists")
         else:
             self.transport.send(self.schedule.rank_of(dst), msg)
 

@@ -1,4 +1,4 @@
-"""Generators: every named schedule, built from integers (ranks p, micro-batches m, stages per rank v)."""
+"""Generators: every named schedule, built from integers (ranks p, micro-batches m, v)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Basic schedules: GPipe (all forwards, then all backwards) and 1F1B (one forward, one backward)."""
+"""Basic schedules: GPipe (all forwards, then all backwards) and 1F1B (alternating)."""
 
 from __future__ import annotations
 
