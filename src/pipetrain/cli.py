@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"pipetrain {args.command}"
     try:
         code: int = args.run(args)
+    except BrokenPipeError:  # e.g. `pipetrain simulate ... | head`: the reader left early
+        _silence_stdout()
+        return EXIT_INVALID
     except ScheduleError as e:  # before ValueError: ScheduleError is also a ValueError
         print(f"{prog}: invalid schedule: {e}", file=sys.stderr)
         return EXIT_INVALID
@@ -91,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_INVALID
     return code
+
+
+def _silence_stdout() -> None:
+    # Point stdout at devnull so the interpreter's final flush does not fail a second time.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 # ------------------------------------------------------------------------------ schedules

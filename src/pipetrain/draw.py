@@ -32,6 +32,7 @@ _TEXT_ON = {Op.F: "white", Op.B: "white", Op.I: "black", Op.W: "white"}
 _IDLE = "."
 _MAX_WIDTH = 160  # default text width never exceeds this many characters of time
 _REL_TOL = 1e-6
+_DIGIT_EM = 0.62  # width of a digit in the PNG's font, in ems
 
 
 # ----------------------------------------------------------------------------------- text
@@ -228,12 +229,12 @@ def _display_units(tl: Timeline) -> Timeline:
 
 
 def _fig_width(tl: Timeline) -> float:
-    return min(16.0, max(8.0, 0.11 * len(tl.spans) / max(tl.n_ranks, 1) + 4.0))
+    return min(16.0, max(8.0, 0.16 * len(tl.spans) / max(tl.n_ranks, 1) + 4.0))
 
 
 def _draw_boxes(ax: Axes, tl: Timeline, axis_points: float) -> None:
     points_per_unit = axis_points / tl.makespan if tl.makespan > 0 else 0.0
-    fontsize = 7.5 if tl.n_ranks <= 8 else 6.0
+    fontsize = _label_size(tl, points_per_unit)
     for r in range(tl.n_ranks):
         later = _later_stages(tl, r)
         for s in tl.of_rank(r):
@@ -242,10 +243,18 @@ def _draw_boxes(ax: Axes, tl: Timeline, axis_points: float) -> None:
             ax.barh(r, s.duration, left=s.start, height=0.78, color=colour,
                     edgecolor="white", linewidth=0.6)
             label = str(s.action.mb)
-            if s.duration * points_per_unit >= fontsize * 0.62 * len(label) + 3:
+            if s.duration * points_per_unit >= fontsize * _DIGIT_EM * len(label) + 2:
                 ax.text(s.start + s.duration / 2, r, label, ha="center", va="center",
                         fontsize=fontsize, fontweight="bold",
                         color="white" if second else _TEXT_ON[s.action.op])
+
+
+def _label_size(tl: Timeline, points_per_unit: float) -> float:
+    """The largest font (5.5 to 7.5 pt) at which every micro-batch number fits its box."""
+    shortest = min((s.duration for s in tl.spans if s.duration > 0), default=0.0)
+    digits = max(len(str(s.action.mb)) for s in tl.spans)
+    fitting = (shortest * points_per_unit - 2) / (_DIGIT_EM * digits)
+    return 7.5 if fitting < 5.5 else min(7.5, fitting)
 
 
 def _darker(colour: str, amount: float = 0.45) -> str:
@@ -317,7 +326,7 @@ def chrome_trace(timeline: Timeline) -> dict[str, object]:
                        "ts": (s.start - t0) * scale, "dur": s.duration * scale,
                        "args": {"stage": a.stage, "mb": a.mb, "op": a.op.value}})
     note = (f"times in {timeline.unit}, converted to microseconds" if timeline.unit in _US_PER
-            else f"abstract time unit {timeline.unit!r} drawn as 1 {timeline.unit} = 1 ms")
+            else f"time unit {timeline.unit!r} is abstract; each one is drawn as 1 ms")
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"unit": timeline.unit, "note": note}}
 
