@@ -56,7 +56,7 @@ class Key:
     def describe(self) -> str:
         name = KIND_NAMES.get(self.kind, f"kind {self.kind}")
         if self.kind == DONE:
-            return f"{name} (step {self.step})"
+            return f"{name} message of rank {self.mb} (step {self.step})"
         return (f"{name} of mb {self.mb} from stage {self.src_stage} to stage {self.dst_stage} "
                 f"(step {self.step})")
 
@@ -120,7 +120,13 @@ def _bytes_tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:
 
 
 def expected_bytes(header: list[int]) -> int:
-    """Payload size implied by the header's tensor descriptions (to cross-check its claim)."""
+    """Payload size implied by the header's tensor descriptions (to cross-check its claim).
+
+    Returns -1 for a header that describes no valid payload (too many tensors, a negative
+    spec length, an unknown dtype code, a bad number of dims or a negative dim).
+    """
+    if not (0 <= header[7] <= MAX_TENSORS) or header[8] < 0:
+        return -1
     total = _pad(header[8])
     for i in range(header[7]):
         base = _FIXED + i * _PER_TENSOR
@@ -325,7 +331,7 @@ def _abort_error(peer: int, header: list[int], msg: Message) -> PeerFailed:
     t = msg.tensors[0]
     text = bytes(t.cpu().tolist()).decode(errors="replace") if t is not None else ""
     op = OPS[header[10]] if 0 <= header[10] < len(OPS) else "?"
-    return PeerFailed(
-        f"rank {peer} failed at stage {header[4]}, mb {header[3]}, action "
-        f"{header[4]}{op}{header[3]} (step {header[2]}): {text}"
-    )
+    stage, mb, step = header[4], header[3], header[2]
+    where = (f"at stage {stage}, mb {mb}, action {stage}{op}{mb}" if stage >= 0
+             else "outside any action")
+    return PeerFailed(f"rank {peer} failed {where} (step {step}): {text}")

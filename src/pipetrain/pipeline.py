@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain import microbatch
-from pipetrain.comm import DONE, OPS, P2P, Key, Message, PeerFailed
+from pipetrain.comm import OPS, P2P, Message, PeerFailed
 from pipetrain.errors import PipelineError
 from pipetrain.generators import make_schedule
 from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
-from pipetrain.runtime import Executor, StepData, expected_messages
+from pipetrain.runtime import Executor, StepData, done_key, expected_messages
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
 from pipetrain.timeline import Span, Timeline
@@ -203,14 +203,14 @@ class Pipeline:
         tensors: list[torch.Tensor | None] = [own.reshape(-1, 2)]
         if loss is not None:
             tensors.append(loss.detach().reshape(()).to(torch.float64).cpu())
-        done = Key(DONE, data.step, -1, -1, -1)
         for peer in range(self.schedule.n_ranks):
             if peer != self.rank:
-                self.transport.send(peer, Message(done, tensors))
+                self.transport.send(peer, Message(done_key(data.step, self.rank), tensors))
         for peer in range(self.schedule.n_ranks):
             if peer == self.rank:
                 continue
-            msg = self.transport.recv(done, f"[rank {self.rank}] end of step {data.step}")
+            msg = self.transport.recv(done_key(data.step, peer),
+                                      f"[rank {self.rank}] end of step {data.step}")
             spans += _spans_of(self.schedule, peer, msg.tensors[0], data.train)
             if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
                 loss = msg.tensors[1].clone()

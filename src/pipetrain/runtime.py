@@ -156,6 +156,11 @@ def _detach(obj: Any) -> Any:
     return unflatten([t.detach() for t in tensors], spec)
 
 
+def done_key(step: int, sender: int) -> Key:
+    """The end-of-step message ``sender`` sends every other rank (its mb field names it)."""
+    return Key(DONE, step, sender, -1, -1)
+
+
 def expected_messages(schedule: Schedule, rank: int, step: int, train: bool = True
                       ) -> dict[int, list[Key]]:
     """For each peer, the messages it sends ``rank`` in one step, in the order it sends them.
@@ -174,7 +179,7 @@ def expected_messages(schedule: Schedule, rank: int, step: int, train: bool = Tr
             elif (train and a.op in (Op.B, Op.I) and a.stage > 0
                   and schedule.rank_of(a.stage - 1) == rank):
                 keys.append(Key(GRAD, step, a.mb, a.stage, a.stage - 1))
-        keys.append(Key(DONE, step, -1, -1, -1))
+        keys.append(done_key(step, peer))
         out[peer] = keys
     return out
 

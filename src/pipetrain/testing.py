@@ -1,0 +1,54 @@
+"""Testing: the single-device reference a pipeline must match, and the comparison of gradients.
+
+The reference runs the same micro-batches one after another through the unsplit model, each
+loss weighted as the pipeline weights it, so on fp32 CPU the pipeline's loss and every
+parameter's gradient must be *bitwise* equal to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain import microbatch
+
+__all__ = ["reference_step", "grad_mismatches"]
+
+
+def reference_step(
+    model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+    microbatches: int, *, split_dim: int = 0, loss_reduction: str = "mean",
+) -> torch.Tensor:
+    """Accumulate ``model``'s gradients over the micro-batches in order; return the batch loss."""
+    xs = microbatch.split(inputs, microbatches, split_dim)
+    ys = microbatch.split(targets, microbatches, split_dim)
+    total_size = microbatch.batch_size(targets, split_dim)
+    sizes = microbatch.sizes(total_size, microbatches)
+    total: torch.Tensor | None = None
+    for x, y, n in zip(xs, ys, sizes):
+        weight = n / total_size if loss_reduction == "mean" else 1.0
+        loss = loss_fn(model(x), y) * weight
+        loss.backward()  # type: ignore[no-untyped-call]
+        total = loss.detach() if total is None else total + loss.detach()
+    if total is None:
+        raise ValueError("no micro-batches")
+    return total
+
+
+def grad_mismatches(
+    pipeline_params: Iterable[tuple[str, nn.Parameter]], reference: nn.Module
+) -> list[str]:
+    """Names of parameters whose ``.grad`` differs (bitwise) from the reference model's."""
+    ref = dict(reference.named_parameters())
+    bad = []
+    for name, p in pipeline_params:
+        q = ref[name]
+        if (p.grad is None) != (q.grad is None):
+            bad.append(f"{name}: grad is None on one side only")
+        elif p.grad is not None and q.grad is not None and not torch.equal(p.grad.cpu(), q.grad):
+            diff = (p.grad.cpu() - q.grad).abs().max().item()
+            bad.append(f"{name}: max abs difference {diff:.3g}")
+    return bad

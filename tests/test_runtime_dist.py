@@ -1,0 +1,80 @@
+"""Multi-process gloo: every schedule matches single-device training bitwise, over two steps.
+
+Each test launches one process group and runs many cases inside it (starting processes costs
+seconds); every rank checks its own parameters against a reference model it builds itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import pipetrain as pt
+from models import MULTI, SCHEDULES, batch, mlp, structured
+from pipetrain.testing import grad_mismatches, reference_step
+
+LOSS = nn.MSELoss()
+
+
+def _case(name: str, m: int, v: int, n_layers: int, steps: int = 2) -> list[str]:
+    ref, model = mlp(n_layers), mlp(n_layers)
+    pipe = pt.Pipeline(model, name, m, LOSS, stages_per_rank=v, timeout=30)
+    opt, opt_ref = (torch.optim.AdamW(pipe.parameters(), lr=0.01),
+                    torch.optim.AdamW(ref.parameters(), lr=0.01))
+    problems = []
+    for step in range(steps):
+        x, y = batch(10 + step, seed=step)  # a different batch size on the second step
+        want = reference_step(ref, x, y, LOSS, m)
+        got = pipe.step(x, y)
+        if got.loss is None or not torch.equal(got.loss, want.to(got.loss.dtype)):
+            problems.append(f"{name} m={m} v={v} step {step}: loss {got.loss} != {want}")
+        problems += [f"{name} m={m} v={v} step {step}: {b}"
+                     for b in grad_mismatches(pipe.named_parameters(), ref)]
+        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+    return problems
+
+
+def _all_schedules(ctx: pt.RankContext, ms: list[int]) -> list[str]:
+    problems = []
+    for name in SCHEDULES:
+        for v in ((2, 3) if name == "interleaved-1f1b" else (2,) if name in MULTI else (1,)):
+            for m in ms:
+                problems += _case(name, m, v, n_layers=ctx.world_size * v * 2 - 1)
+    return problems
+
+
+def _structured(ctx: pt.RankContext) -> list[str]:
+    ref, model = structured(), structured()
+    x, y = batch(8)
+    want = reference_step(ref, x, y, LOSS, 4)
+    pipe = pt.Pipeline(model, "zbv", 4, LOSS)  # 2 ranks x 2 stages, one layer each
+    got = pipe.step(x, y, return_outputs=True)
+    problems = [] if got.loss is not None and torch.equal(got.loss, want) else ["loss differs"]
+    if ctx.rank == 0 and not torch.equal(got.outputs, ref(x).detach()):
+        problems.append("outputs differ")
+    timeline = got.timeline
+    if {s.rank for s in timeline.spans} != {0, 1} or not 0 <= got.bubble_fraction < 1:
+        problems.append(f"timeline incomplete: {timeline}")
+    return problems + grad_mismatches(pipe.named_parameters(), ref)
+
+
+def _two_ranks(ctx: pt.RankContext) -> list[str]:
+    return _all_schedules(ctx, [1, 3, 4]) + _structured(ctx)
+
+
+def _four_ranks(ctx: pt.RankContext) -> list[str]:
+    return _all_schedules(ctx, [3, 8])
+
+
+def _flatten(results: list[Any]) -> list[str]:
+    return [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs]
+
+
+def test_every_schedule_two_ranks() -> None:
+    assert _flatten(pt.launch(_two_ranks, 2, timeout=240)) == []
+
+
+def test_every_schedule_four_ranks() -> None:
+    assert _flatten(pt.launch(_four_ranks, 4, timeout=240)) == []
