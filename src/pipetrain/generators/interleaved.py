@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from pipetrain.action import Action, Op
 from pipetrain.generators import ScheduleKind, register
+from pipetrain.generators.zerobubble import split_backward_list
 from pipetrain.schedule import Schedule
 
-__all__: list[str] = []  # public entry point: make_schedule("interleaved-1f1b")
+__all__: list[str] = []  # public entry points: make_schedule("interleaved-1f1b" | "interleaved-zb")
 
 # One rank-local unit of work: (stage, mb).
 Unit = tuple[int, int]
@@ -65,9 +66,9 @@ def _unit_order(p: int, v: int, rank: int, sizes: list[int], *, backward: bool) 
     order: list[Unit] = []
     first = 0
     for size in sizes:
-        for c in range(v):
-            chunk = v - 1 - c if backward else c
-            order += [(chunk * p + rank, first + i) for i in range(size)]
+        for n in range(v):
+            local = v - 1 - n if backward else n  # the rank's local stage index
+            order += [(local * p + rank, first + i) for i in range(size)]
         first += size
     return order
 
@@ -120,6 +121,41 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
     return Schedule.from_lists("interleaved-1f1b", m, _placement(p, v), lists)
 
 
+def interleaved_zb(p: int, m: int, v: int = 2) -> Schedule:
+    """Interleaved zero bubble: interleaved 1F1B with the backward split into I and W, and the
+    W's placed as in ZB-H1 (Qi et al., "Zero Bubble (Almost) Pipeline Parallelism", ICLR 2024;
+    torch calls its variant ScheduleInterleavedZeroBubble).
+
+    F's and I's run in :func:`interleaved_1f1b`'s order and warm-up; rank r then holds its
+    first r W's back and fills the cool-down with them. W's of a stage run in mb order.
+
+    Constraints: v >= 2; any m >= 1.
+    Bubble (comm = 0, per-stage costs f, i, w): for m >= p the makespan is
+    ``m*v*(f+i+w) + (p-1)*(f+i-w)`` exactly when ``w <= min(f, i)``, against interleaved
+    1F1B's ``m*v*(f+i+w) + (p-1)*(f+i+w)``; with a slower W or m < p it is larger, though on
+    the tested grid never above interleaved 1F1B's with b = i + w.
+    Memory: rank r holds at most ``(v-1)*g + 2*(p-1) - r + 1`` stage activations until their
+    W's (capped at m*v), so the peak (rank 0) is interleaved 1F1B's.
+
+    Raises:
+        ValueError: for v < 2 (use ``zb-h1``) or non-positive counts.
+
+    Example:
+        >>> [str(a) for a in interleaved_zb(2, 2, 2).actions[1]][:6]
+        ['1F0', '1F1', '3F0', '3I0', '3F1', '3I1']
+    """
+    _require_interleaved("interleaved-zb", p, m, v, "zb-h1")
+    sizes = _rounds(p, m)
+    lists = []
+    for r in range(p):
+        fwd = _actions(_unit_order(p, v, r, sizes, backward=False), Op.F)
+        bwd = _unit_order(p, v, r, sizes, backward=True)
+        warmup = _warmup(p, m, v, r, sizes[0])
+        lists.append(split_backward_list(fwd, _actions(bwd, Op.I), _actions(bwd, Op.W),
+                                         warmup, defer=r))
+    return Schedule.from_lists("interleaved-zb", m, _placement(p, v), lists)
+
+
 def _actions(units: list[Unit], op: Op) -> list[Action]:
     return [Action(j, op, i) for j, i in units]
 
@@ -131,4 +167,8 @@ def _placement(p: int, v: int) -> list[int]:
 register(ScheduleKind(
     "interleaved-1f1b", "1F1B over v stages per rank placed round-robin (Megatron interleaved)",
     2, interleaved_1f1b,
+))
+register(ScheduleKind(
+    "interleaved-zb", "interleaved 1F1B with split backward, W's deferred as in ZB-H1", 2,
+    interleaved_zb,
 ))

@@ -16,6 +16,8 @@ warm-up + 1 + defer. Here ``i`` is a micro-batch and, with one stage per rank, s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pipetrain.action import Action, Op
 from pipetrain.generators import ScheduleKind, register
 from pipetrain.schedule import Schedule
@@ -32,25 +34,37 @@ def _require_one_stage(name: str, p: int, m: int, v: int) -> None:
     if v != 1:
         raise ValueError(
             f"{name} places one stage per rank (stages_per_rank=1), got stages_per_rank={v}; "
-            "use interleaved-1f1b for several stages per rank"
+            "use interleaved-zb (or interleaved-1f1b) for several stages per rank"
         )
 
 
-def _rank_actions(rank: int, m: int, warmup: int, defer: int) -> list[Action]:
-    """One rank's list: ``warmup`` forwards first, W's held ``defer`` I's behind in the steady."""
-    warmup = min(warmup, m)
-    acts = [Action(rank, Op.F, i) for i in range(warmup)]  # warm-up: nF
-    n_w = 0  # W's issued so far; W's go in mb order
-    for i in range(m - warmup):  # steady: 1F 1I (+1W)
-        acts += [Action(rank, Op.F, warmup + i), Action(rank, Op.I, i)]
-        if i >= defer:
-            acts.append(Action(rank, Op.W, n_w))
+def split_backward_list(
+    fwd: Sequence[Action], ins: Sequence[Action], ws: Sequence[Action], warmup: int, defer: int,
+) -> list[Action]:
+    """One rank's list from its F's, I's and W's, each given in the order they must run.
+
+    ``warmup`` forwards first; in the steady phase each I is followed by a W once ``defer``
+    I's are ahead of the W's; each cool-down I is followed by a W; the deferred W's end it.
+    Shared with the interleaved schedules, whose units are (stage, mb) pairs.
+    """
+    n = len(fwd)
+    warmup = min(warmup, n)
+    acts = list(fwd[:warmup])  # warm-up: nF
+    n_w = 0  # W's issued so far
+    for k in range(n - warmup):  # steady: 1F 1I (+1W)
+        acts += [fwd[warmup + k], ins[k]]
+        if k >= defer:
+            acts.append(ws[n_w])
             n_w += 1
-    for i in range(m - warmup, m):  # cool-down: 1I 1W
-        acts += [Action(rank, Op.I, i), Action(rank, Op.W, n_w)]
+    for k in range(n - warmup, n):  # cool-down: 1I 1W
+        acts += [ins[k], ws[n_w]]
         n_w += 1
-    acts += [Action(rank, Op.W, i) for i in range(n_w, m)]  # cool-down: the deferred W's
-    return acts
+    return acts + list(ws[n_w:])  # cool-down: the deferred W's
+
+
+def _rank_actions(rank: int, m: int, warmup: int, defer: int) -> list[Action]:
+    fwd, ins, ws = ([Action(rank, op, i) for i in range(m)] for op in (Op.F, Op.I, Op.W))
+    return split_backward_list(fwd, ins, ws, warmup, defer)
 
 
 def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
