@@ -76,9 +76,9 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     Constraints: v = 1; any m >= 1.
     Bubble (comm = 0, costs F, I, W): for m >= p the makespan is
     ``m*(F+I+W) + (p-1)*(F+I-W)`` (a third of 1F1B's (p-1)(F+I+W) when F = I = W), exactly when
-    ``W <= min(F, I)``; with a slower W rank 0 still idles (p-1)*I before its first I, so the
-    makespan is larger. For m < p every micro-batch is in flight at once and the makespan is
-    ``(m+p-1)*(F+I) + W`` (again when ``W <= min(F, I)``).
+    ``W <= min(F, I)``. With a slower W it is larger, and at least ``m*(F+I+W) + (p-1)*I``:
+    rank 0 idles (p-1)*I before its first I whatever the costs. For m < p every micro-batch is
+    in flight at once and the makespan is ``(m+p-1)*(F+I) + W`` (again when W <= min(F, I)).
     Memory: at most p micro-batches in flight (forward done, W not yet) on every rank, the peak
     of 1F1B (on rank 0); deferred W's keep only W's smaller share of the activations.
 
@@ -105,11 +105,11 @@ def zb_h2(p: int, m: int, v: int = 1) -> Schedule:
     the warm-up is cut to m and ranks wait for their first I).
     Bubble (comm = 0, costs F, I, W), measured as the paper does on the longest per-rank span
     (a rank's last end minus its first start): for m >= 2p-1 that span is
-    ``m*(F+I+W) + (p-1)*max(0, F+I-2W, I-F)``. This is the
-    published ``(p-1)*(F+I-2W)`` (zero when F+I <= 2W) whenever ``I <= F`` or ``W <= F``; with
-    I > F and W > F rank 0 idles (p-1)*(I-F) waiting for its first I, which no reordering of
-    W's can fill. The spans are staggered by the fill, so the makespan of one step is longer;
-    the paper removes the stagger across steps by overlapping the optimizer step.
+    ``m*(F+I+W) + (p-1)*max(0, F+I-2W, I-F)``. This is the published ``(p-1)*(F+I-2W)``
+    (zero when F+I <= 2W) whenever ``I <= F`` or ``W <= F``; with I > F and W > F rank 0 idles
+    (p-1)*(I-F) waiting for its first I, which no reordering of W's can fill. The spans are
+    staggered by the fill, so one step's makespan is longer; the paper removes the stagger
+    across steps by overlapping the optimizer step.
     Memory: at most 2p-1 micro-batches in flight (forward done, W not yet) on every rank, about
     twice 1F1B's p.
 
