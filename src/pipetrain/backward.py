@@ -33,11 +33,14 @@ __all__: list[str] = []
 
 def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     # The same arithmetic as autograd's AccumulateGrad: first grad is stored, later ones added.
+    # The first is stored as a copy in the weight's layout: autograd.grad may hand out one
+    # tensor for several weights, or the very tensor that is also an input gradient or the
+    # incoming gradient (``x + b`` passes it through), and a later ``+=`` would change them all.
     for p, g in zip(params, grads):
         if g is None:
             continue
         if p.grad is None:
-            p.grad = g
+            p.grad = torch.empty_like(p).copy_(g)
         else:
             p.grad += g
 

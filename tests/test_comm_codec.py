@@ -1,0 +1,230 @@
+"""Comm codec and mailbox: encode/decode round trips, header checks, waiting with a deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from pipetrain.comm import (
+    ABORT,
+    ACT,
+    DONE,
+    GRAD,
+    HEADER_LEN,
+    MAX_DIMS,
+    MAX_TENSORS,
+    Key,
+    Mailbox,
+    Message,
+    decode,
+    encode,
+    expected_bytes,
+)
+from pipetrain.errors import CommError
+from pipetrain.payload import DTYPES, flatten
+
+CPU = torch.device("cpu")
+_FIXED, _PER_TENSOR = 16, 12  # header layout: fixed fields, then per-tensor slots
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+def _round_trip(msg: Message, src_rank: int = 3, op: int = 2) -> tuple[list[int], Message]:
+    header_t, payload = encode(msg, src_rank, CPU, op)
+    assert header_t.dtype == torch.int64 and header_t.shape == (HEADER_LEN,)
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    header = header_t.tolist()
+    assert header[9] == payload.numel() == expected_bytes(header)
+    assert header[6] == src_rank and header[10] == op
+    return header, decode(header, payload.clone())
+
+
+def _assert_same_tensors(got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        assert g is not None
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g, w)
+
+
+SHAPES = [(), (5,), (2, 3, 4, 5), (0,), (3, 0, 2)]
+DTYPE_CASES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", DTYPE_CASES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_round_trip_one_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = _tensor(dtype, shape)
+    key = Key(ACT, step=4, mb=7, src_stage=1, dst_stage=2)
+    header, got = _round_trip(Message(key, [t]))
+    assert got.key == key
+    assert got.spec is None
+    assert got.requires_grad == [False]
+    _assert_same_tensors(got.tensors, [t])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_every_wire_dtype(dtype: torch.dtype) -> None:
+    t = _tensor(dtype, (3, 5))  # odd byte counts for 1-byte dtypes exercise the padding
+    _, got = _round_trip(Message(Key(GRAD, 0, 0, 1, 0), [t, t[:1]]))
+    _assert_same_tensors(got.tensors, [t, t[:1]])
+
+
+def test_round_trip_many_tensors_none_entries_flags_and_spec() -> None:
+    payload = {"h": torch.randn(2, 3), "ids": torch.arange(5), "scale": 0.5, "name": "x",
+               "mask": torch.ones(2, dtype=torch.bool), "aux": (torch.randn(4).bfloat16(), None)}
+    tensors, spec = flatten(payload)
+    sent: list[torch.Tensor | None] = [tensors[0], None, tensors[1], tensors[2], None, tensors[3]]
+    flags = [True, False, False, False, False, True]
+    msg = Message(Key(ACT, 1, 2, 0, 1), sent, spec, flags)
+    header, got = _round_trip(msg)
+    assert got.spec == spec
+    assert got.requires_grad == flags
+    _assert_same_tensors(got.tensors, sent)
+    assert [header[_FIXED + i * _PER_TENSOR] for i in range(len(sent))] == [1, 0, 1, 1, 0, 1]
+
+
+def test_absent_gradients_cost_no_payload() -> None:
+    h_none, p_none = encode(Message(Key(GRAD, 0, 0, 1, 0), [None, None]), 0, CPU)
+    assert p_none.numel() == 0 and h_none[7] == 2
+    _, got = _round_trip(Message(Key(GRAD, 0, 0, 1, 0), [None, None]))
+    assert got.tensors == [None, None] and got.requires_grad == [False, False]
+
+
+def test_non_contiguous_tensor_round_trips() -> None:
+    t = torch.randn(4, 6)[:, ::2].t()
+    _, got = _round_trip(Message(Key(ACT, 0, 0, 0, 1), [t]))
+    _assert_same_tensors(got.tensors, [t])
+
+
+def test_no_tensors_only_spec() -> None:
+    _, got = _round_trip(Message(Key(ACT, 0, 0, 0, 1), [], {"v": 3}))
+    assert got.tensors == [] and got.spec == {"v": 3}
+
+
+def test_payload_is_16_byte_aligned() -> None:
+    ts: list[torch.Tensor | None] = [torch.ones(3, dtype=torch.uint8), torch.randn(3)]
+    header, payload = encode(Message(Key(ACT, 0, 0, 0, 1), ts, {"v": "abc"}), 0, CPU)
+    assert payload.numel() % 16 == 0
+    assert header[8] == len(b'{"v":"abc"}')
+
+
+def test_too_many_tensors() -> None:
+    key = Key(ACT, 0, 5, 0, 1)
+    msg = Message(key, [torch.zeros(1)] * (MAX_TENSORS + 1))
+    with pytest.raises(CommError) as e:
+        encode(msg, 0, CPU)
+    assert str(e.value) == (
+        f"a activation of mb 5 from stage 0 to stage 1 (step 0) holds {MAX_TENSORS + 1} tensors; "
+        f"at most {MAX_TENSORS} fit one message (pack them into fewer tensors)"
+    )
+    _round_trip(Message(key, [torch.zeros(1)] * MAX_TENSORS))  # the limit itself fits
+
+
+def test_too_many_dims() -> None:
+    with pytest.raises(CommError, match=f"9-d tensor; at most {MAX_DIMS} dims"):
+        encode(Message(Key(ACT, 0, 0, 0, 1), [torch.zeros([1] * 9)]), 0, CPU)
+
+
+def _header(*tensors: torch.Tensor) -> list[int]:
+    return encode(Message(Key(ACT, 0, 0, 0, 1), list(tensors), {"v": 1}), 0, CPU)[0].tolist()
+
+
+def test_expected_bytes_matches_payload_size() -> None:
+    header = _header(torch.randn(3, 5), torch.zeros(7, dtype=torch.uint8))
+    assert expected_bytes(header) == 16 + 64 + 16 == header[9]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", len(DTYPES)), ("dtype", -1),
+    ("ndim", MAX_DIMS + 1), ("ndim", -1),
+    ("dim", -3),
+    ("n_tensors", MAX_TENSORS + 1), ("n_tensors", -1), ("n_tensors", 10**6),
+    ("spec_bytes", -5),
+])
+def test_expected_bytes_rejects_a_corrupted_header(field: str, value: int) -> None:
+    header = _header(torch.randn(3, 5))
+    index = {"dtype": _FIXED + 1, "ndim": _FIXED + 3, "dim": _FIXED + 5,
+             "n_tensors": 7, "spec_bytes": 8}[field]
+    header[index] = value
+    assert expected_bytes(header) == -1
+
+
+def test_key_describe() -> None:
+    assert Key(ACT, 3, 5, 1, 2).describe() == "activation of mb 5 from stage 1 to stage 2 (step 3)"
+    assert Key(GRAD, 0, 1, 2, 1).describe() == "gradient of mb 1 from stage 2 to stage 1 (step 0)"
+    assert Key(DONE, 9, 2, 0, 0).describe() == "end-of-step message of rank 2 (step 9)"
+    assert Key(ABORT, 2, 4, 3, -1).describe() == "abort of mb 4 from stage 3 to stage -1 (step 2)"
+    assert Key(42, 0, 0, 0, 1).describe() == "kind 42 of mb 0 from stage 0 to stage 1 (step 0)"
+
+
+# -- Mailbox ---------------------------------------------------------------------------------
+
+KEY = Key(ACT, 1, 2, 0, 1)
+
+
+def _soon() -> float:
+    return time.monotonic() + 0.05
+
+
+def test_take_returns_a_put_message() -> None:
+    box = Mailbox()
+    msg = Message(KEY, [torch.ones(2)])
+    box.put(msg)
+    assert box.take(KEY, _soon(), "rank 1 F1") is msg
+    assert box.items == {}  # taken exactly once
+
+
+def test_take_waits_for_a_message_put_by_another_thread() -> None:
+    box = Mailbox()
+    msg = Message(KEY, [])
+    timer = threading.Timer(0.01, box.put, args=(msg,))
+    timer.start()
+    try:
+        assert box.take(KEY, time.monotonic() + 5.0, "rank 1 F1") is msg
+    finally:
+        timer.join()
+
+
+def test_take_raises_the_failure() -> None:
+    box = Mailbox()
+    error = CommError("rank 0 receiving ...: the peer closed the connection")
+    box.fail(error)
+    box.fail(CommError("a later failure"))  # the first one wins
+    with pytest.raises(CommError) as e:
+        box.take(KEY, _soon(), "rank 1 F1")
+    assert e.value is error
+
+
+def test_take_prefers_a_message_that_already_arrived() -> None:
+    box = Mailbox()
+    msg = Message(KEY, [])
+    box.put(msg)
+    box.fail(RuntimeError("later"))
+    assert box.take(KEY, _soon(), "rank 1 F1") is msg
+
+
+def test_take_times_out_naming_the_key() -> None:
+    box = Mailbox()
+    box.put(Message(Key(ACT, 1, 3, 0, 1), []))  # another micro-batch does not count
+    start = time.monotonic()
+    with pytest.raises(CommError) as e:
+        box.take(KEY, start + 0.05, "rank 1 | stage 1 | mb 2 | F")
+    assert time.monotonic() - start >= 0.05
+    assert str(e.value) == (
+        "rank 1 | stage 1 | mb 2 | F: timed out waiting for the activation of mb 2 from stage 0 "
+        "to stage 1 (step 1)"
+    )
