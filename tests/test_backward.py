@@ -292,3 +292,23 @@ def test_backward_full_matches_plain_backward() -> None:
     _assert_equal_grads(got, want)
     for p, q in zip(model.parameters(), ref.parameters()):
         _assert_equal_grads([p.grad], [q.grad])
+
+
+class WeightOut(nn.Module):
+    """Returns one of its weights itself, next to an output that also uses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * self.scale, self.scale
+
+
+@pytest.mark.parametrize("n_mb", [1, 2])
+def test_weight_returned_as_an_output_falls_back(n_mb: int) -> None:
+    # a leaf weight as an output has no autograd node, so W never gave it its gradient
+    torch.manual_seed(0)
+    model = WeightOut()
+    _check(model, _batches([_float_input(4, 6) for _ in range(n_mb)], [(4, 6), (4, 6)]),
+           fallback=True)

@@ -16,7 +16,8 @@ The autograd graph of one stage for one micro-batch is cut in two (the method of
      do not lead to x at all (a first stage fed integer tokens) are W roots with their own grad.
 
 A weight reachable from two intermediates (a weight used twice inside one stage) would be
-counted twice by W, so such micro-batches fall back to a full backward inside I and W is a no-op.
+counted twice by W, so such micro-batches fall back to a full backward inside I and W is a no-op;
+so do those where a stage returns a weight itself as an output (it has no node for W to run).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def backward_input(
     diff_inputs = [x for x in inputs if x.requires_grad]
     trainable = [p for p in params if p.requires_grad]
     graph = _Graph(roots, diff_inputs, trainable)
-    if graph.shared_weights:
+    weight_as_output = any(r is p for r in roots for p in trainable)  # W would not see it
+    if graph.shared_weights or weight_as_output:
         return backward_full(outputs, grads, inputs), WeightWork(done=True)
     work = WeightWork()
     saved: dict[Node, tuple[Any, ...]] = {}
