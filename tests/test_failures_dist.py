@@ -1,0 +1,74 @@
+"""Failures across processes: a raising stage or a dead peer makes every rank raise, quickly."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+import torch
+from models import batch
+from torch import nn
+
+import pipetrain as pt
+
+
+class FailAt(nn.Module):
+    """Raises (or kills its process) on the micro-batch of a given size."""
+
+    def __init__(self, size: int, how: str) -> None:
+        super().__init__()
+        self.size, self.how = size, how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == self.size:
+            if self.how == "die":
+                os._exit(3)
+            if self.how == "hang":
+                time.sleep(8)
+            raise RuntimeError("injected failure")
+        return x
+
+
+def _fail(ctx: pt.RankContext, how: str) -> str:
+    # 3 ranks, 1F1B; stage 1 fails on its last micro-batch (mb 3: 11 rows split into 3,3,3,2)
+    model = nn.Sequential(nn.Linear(8, 8), FailAt(2, how), nn.Linear(8, 8))
+    pipe = pt.Pipeline(model, "1f1b", 4, nn.MSELoss(), timeout=3.0)
+    x, y = batch(11)
+    start = time.monotonic()
+    try:
+        pipe.step(x, y)
+    except pt.PipelineError as e:
+        raise pt.PipelineError(f"elapsed={time.monotonic() - start:.1f}s: {e}") from None
+    return "no error"
+
+
+def _elapsed(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"elapsed=(\d+\.\d)s", text)] or [-1.0]
+
+
+def _messages(how: str) -> str:
+    with pytest.raises(pt.PipelineError) as info:
+        pt.launch(_fail, 3, how, timeout=60)
+    return str(info.value)
+
+
+def test_stage_exception_reaches_every_rank() -> None:
+    text = _messages("raise")
+    assert "3 of 3 ranks failed" in text
+    assert "[rank 1 | stage 1 | mb 3 | 1F3] step 0 failed: RuntimeError('injected failure')" in text
+    assert text.count("rank 1 failed at stage 1, mb 3, action 1F3 (step 0)") >= 2  # ranks 0, 2
+
+
+def test_dead_peer_is_reported_not_waited_for() -> None:
+    text = _messages("die")
+    assert "rank 1 ---\nprocess exited with code 3" in text
+    assert "the peer closed the connection" in text or "timed out" in text
+    assert 0 < max(_elapsed(text)) < 10, text
+
+
+def test_hung_peer_times_out() -> None:
+    text = _messages("hang")
+    assert "timed out" in text and "from rank 1" in text
+    assert 0 < max(_elapsed(text)) < 10, text
