@@ -8,10 +8,10 @@ import time
 
 import pytest
 import torch
-from models import batch
 from torch import nn
 
 import pipetrain as pt
+from models import batch
 
 
 class FailAt(nn.Module):

@@ -1,0 +1,1 @@
+"""Examples: small runnable programs (``python -m pipetrain.examples.quickstart``)."""
