@@ -40,7 +40,7 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _round_trip(msg: Message, src_rank: int = 3, op: int = 2) -> tuple[list[int], Message]:
-    header_t, payload = encode(msg, src_rank, CPU, op)
+    header_t, payload = encode(msg, src_rank, op)
     assert header_t.dtype == torch.int64 and header_t.shape == (HEADER_LEN,)
     assert payload.dtype == torch.uint8 and payload.dim() == 1
     header = header_t.tolist()
@@ -98,7 +98,7 @@ def test_round_trip_many_tensors_none_entries_flags_and_spec() -> None:
 
 
 def test_absent_gradients_cost_no_payload() -> None:
-    h_none, p_none = encode(Message(Key(GRAD, 0, 0, 1, 0), [None, None]), 0, CPU)
+    h_none, p_none = encode(Message(Key(GRAD, 0, 0, 1, 0), [None, None]), 0)
     assert p_none.numel() == 0 and h_none[7] == 2
     _, got = _round_trip(Message(Key(GRAD, 0, 0, 1, 0), [None, None]))
     assert got.tensors == [None, None] and got.requires_grad == [False, False]
@@ -117,7 +117,7 @@ def test_no_tensors_only_spec() -> None:
 
 def test_payload_is_16_byte_aligned() -> None:
     ts: list[torch.Tensor | None] = [torch.ones(3, dtype=torch.uint8), torch.randn(3)]
-    header, payload = encode(Message(Key(ACT, 0, 0, 0, 1), ts, {"v": "abc"}), 0, CPU)
+    header, payload = encode(Message(Key(ACT, 0, 0, 0, 1), ts, {"v": "abc"}), 0)
     assert payload.numel() % 16 == 0
     assert header[8] == len(b'{"v":"abc"}')
 
@@ -126,7 +126,7 @@ def test_too_many_tensors() -> None:
     key = Key(ACT, 0, 5, 0, 1)
     msg = Message(key, [torch.zeros(1)] * (MAX_TENSORS + 1))
     with pytest.raises(CommError) as e:
-        encode(msg, 0, CPU)
+        encode(msg, 0)
     assert str(e.value) == (
         f"a activation of mb 5 from stage 0 to stage 1 (step 0) holds {MAX_TENSORS + 1} tensors; "
         f"at most {MAX_TENSORS} fit one message (pack them into fewer tensors)"
@@ -136,11 +136,11 @@ def test_too_many_tensors() -> None:
 
 def test_too_many_dims() -> None:
     with pytest.raises(CommError, match=f"9-d tensor; at most {MAX_DIMS} dims"):
-        encode(Message(Key(ACT, 0, 0, 0, 1), [torch.zeros([1] * 9)]), 0, CPU)
+        encode(Message(Key(ACT, 0, 0, 0, 1), [torch.zeros([1] * 9)]), 0)
 
 
 def _header(*tensors: torch.Tensor) -> list[int]:
-    return encode(Message(Key(ACT, 0, 0, 0, 1), list(tensors), {"v": 1}), 0, CPU)[0].tolist()
+    return encode(Message(Key(ACT, 0, 0, 0, 1), list(tensors), {"v": 1}), 0)[0].tolist()
 
 
 def test_expected_bytes_matches_payload_size() -> None:

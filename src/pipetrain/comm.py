@@ -3,16 +3,19 @@
 Every message is a fixed-size int64 header followed by one uint8 payload::
 
     header  [magic, kind, step, mb, src_stage, dst_stage, src_rank, n_tensors,
-             spec_bytes, payload_bytes, op, 0...,  then per tensor:
+             spec_bytes, payload_bytes, op, on_device, 0...,  then per tensor:
              present, dtype, requires_grad, ndim, dim0..dim7]
     payload [JSON spec | pad | tensor 0 bytes | pad | tensor 1 bytes | ...]   (16-byte aligned)
 
 The receiver knows, from the schedule, the exact sequence of messages each peer will send it
 in a step, so one receiver thread per peer posts each receive ahead of need (communication
 overlaps compute) and checks every header against what it expects before touching the payload.
-Sends are asynchronous. The main thread waits for a message with a deadline, so a dead, stuck
-or failed peer becomes a :class:`CommError` instead of a hang. A rank that fails sends an ABORT
-header to every peer, which makes them fail at once with the origin named.
+Headers and CPU payloads travel over a gloo group; payloads on a GPU travel over one NCCL group
+per direction of each rank pair, so that a posted receive can never block a send queued behind
+it on the same NCCL stream. Sends are asynchronous. The main thread waits for a message with a
+deadline, so a dead, stuck or failed peer becomes a :class:`CommError` instead of a hang. A
+rank that fails sends an ABORT header to every peer, which makes them fail at once with the
+origin named.
 """
 
 from __future__ import annotations
@@ -75,10 +78,10 @@ def _pad(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def encode(msg: Message, src_rank: int, device: torch.device, op: int = 0
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Header and payload tensors for ``msg``."""
+def encode(msg: Message, src_rank: int, op: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Header (CPU) and payload (on the device of the message's tensors) for ``msg``."""
     tensors = msg.tensors
+    device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
     if len(tensors) > MAX_TENSORS:
         raise CommError(f"a {msg.key.describe()} holds {len(tensors)} tensors; at most "
                         f"{MAX_TENSORS} fit one message (pack them into fewer tensors)")
@@ -107,6 +110,7 @@ def encode(msg: Message, src_rank: int, device: torch.device, op: int = 0
             parts.append(torch.zeros(_pad(nbytes) - nbytes, dtype=torch.uint8, device=device))
             offset += _pad(nbytes) - nbytes
     h[9] = offset
+    h[11] = int(device.type != "cpu")
     header = torch.tensor(h, dtype=torch.int64)
     empty = torch.empty(0, dtype=torch.uint8, device=device)
     payload = torch.cat([p.to(device) for p in parts]) if parts else empty
@@ -213,6 +217,7 @@ class P2P:
                  device: torch.device, timeout: float, max_message_bytes: int) -> None:
         self.group, self.rank, self.n_ranks = group, rank, n_ranks
         self.device, self.timeout, self.max_bytes = device, timeout, max_message_bytes
+        self.cpu_group, self.device_groups = _groups(group, n_ranks, device)
         self.mailbox = Mailbox()
         self._sends: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         self._threads: list[threading.Thread] = []
@@ -232,12 +237,17 @@ class P2P:
             t.start()
 
     def send(self, dst_rank: int, msg: Message, op: int = 0) -> None:
-        header, payload = encode(msg, self.rank, self.device, op)
+        header, payload = encode(msg, self.rank, op)
         dst = self._global(dst_rank)
-        w1 = dist.isend(header, dst=dst, group=self.group, tag=_TAG_HEADER)
-        w2 = dist.isend(payload, dst=dst, group=self.group, tag=_TAG_PAYLOAD)
+        w1 = dist.isend(header, dst=dst, group=self.cpu_group, tag=_TAG_HEADER)
+        w2 = dist.isend(payload, dst=dst, group=self._payload_group(self.rank, dst_rank, payload),
+                        tag=_TAG_PAYLOAD)
         self._sends.append((w1, header, payload))
         self._sends.append((w2, header, payload))
+
+    def _payload_group(self, src: int, dst: int, payload: torch.Tensor
+                       ) -> dist.ProcessGroup | None:
+        return self.device_groups[(src, dst)] if payload.device.type != "cpu" else self.cpu_group
 
     def recv(self, key: Key, describe: str) -> Message:
         return self.mailbox.take(key, time.monotonic() + self.timeout, describe)
@@ -267,10 +277,10 @@ class P2P:
             if peer == self.rank:
                 continue
             try:
-                header, payload = encode(msg, self.rank, self.device, op)
+                header, payload = encode(msg, self.rank, op)
                 dst = self._global(peer)
-                works.append(dist.isend(header, dst=dst, group=self.group, tag=_TAG_HEADER))
-                works.append(dist.isend(payload, dst=dst, group=self.group, tag=_TAG_PAYLOAD))
+                works.append(dist.isend(header, dst=dst, group=self.cpu_group, tag=_TAG_HEADER))
+                works.append(dist.isend(payload, dst=dst, group=self.cpu_group, tag=_TAG_PAYLOAD))
             except RuntimeError:
                 continue
         deadline = time.monotonic() + 2.0
@@ -297,7 +307,7 @@ class P2P:
     def _receive_one(self, src: int, peer: int, key: Key) -> Message | None:
         where = f"rank {self.rank} receiving the {key.describe()} from rank {peer}"
         header_t = torch.empty(HEADER_LEN, dtype=torch.int64)
-        self._wait(dist.irecv(header_t, src=src, group=self.group, tag=_TAG_HEADER), where)
+        self._wait(dist.irecv(header_t, src=src, group=self.cpu_group, tag=_TAG_HEADER), where)
         header = header_t.tolist()
         if header[0] != _MAGIC:
             raise CommError(f"{where}: received a header without pipetrain's magic number")
@@ -305,8 +315,11 @@ class P2P:
         if not (0 <= size <= self.max_bytes) or expected_bytes(header) != size:
             raise CommError(f"{where}: the header claims {size} payload bytes but describes "
                             f"{expected_bytes(header)} (limit {self.max_bytes}); refusing it")
-        payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(payload, src=src, group=self.group, tag=_TAG_PAYLOAD), where)
+        on_device = bool(header[11]) and self.device.type != "cpu"
+        payload = torch.empty(size, dtype=torch.uint8,
+                              device=self.device if on_device else torch.device("cpu"))
+        group = self.device_groups[(peer, self.rank)] if on_device else self.cpu_group
+        self._wait(dist.irecv(payload, src=src, group=group, tag=_TAG_PAYLOAD), where)
         msg = decode(header, payload)
         if msg.key.kind == ABORT:
             raise _abort_error(peer, header, msg)
@@ -325,6 +338,24 @@ class P2P:
             reason = ("timed out" if "Timed out" in text or "timeout" in text.lower()
                       else "the peer closed the connection (did its process die?)")
             raise CommError(f"{where}: {reason} [{text.splitlines()[0][:200]}]") from None
+
+
+def _groups(group: dist.ProcessGroup | None, n_ranks: int, device: torch.device
+            ) -> tuple[dist.ProcessGroup | None, dict[tuple[int, int], dist.ProcessGroup]]:
+    """A gloo group for headers, and on GPUs one NCCL group per ordered pair of ranks."""
+    if device.type == "cpu" and dist.get_backend(group) == "gloo":
+        return group, {}
+    members = [dist.get_global_rank(group, r) if group is not None else r for r in range(n_ranks)]
+    me = dist.get_rank(group)
+    cpu_group = dist.new_group(members, backend="gloo", use_local_synchronization=True)
+    pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
+    for a in range(n_ranks):
+        for b in range(n_ranks):
+            if a != b and me in (a, b):
+                pg = dist.new_group([members[a], members[b]], use_local_synchronization=True)
+                if pg is not None:
+                    pairs[(a, b)] = pg
+    return cpu_group, pairs
 
 
 def _abort_error(peer: int, header: list[int], msg: Message) -> PeerFailed:
