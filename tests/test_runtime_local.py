@@ -119,3 +119,19 @@ def test_missing_inputs_and_targets_are_errors() -> None:
     pipe = pt.Pipeline(mlp(), "1f1b", 8, LOSS, local_ranks=2)
     with pytest.raises(ValueError, match="cannot be split into 8 micro-batches"):
         pipe.step(x, y)
+
+
+def test_measured_timeline_draws_like_a_simulated_one(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from pipetrain import draw
+
+    x, y = batch(8)
+    result = pt.Pipeline(mlp(), "zbv", 4, LOSS, local_ranks=2).step(x, y)
+    timeline = result.timeline
+    assert timeline.unit == "s" and len(timeline.spans) == 4 * 4 * 3  # 4 stages x 4 mb x F,I,W
+    out = Path(str(tmp_path))
+    draw.save_png(timeline, out / "measured.png", title="zbv measured")
+    draw.save_trace(timeline, out / "measured.json")
+    assert (out / "measured.png").stat().st_size > 1000
+    assert "rank 1" in draw.text_timeline(timeline)

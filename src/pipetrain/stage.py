@@ -53,7 +53,7 @@ class Stage:
         with torch.set_grad_enabled(track):
             out = self.module(unflatten(leaves, spec))
             if self.is_last and self.loss_fn is not None and target is not None:
-                loss = self.loss_fn(out, target) * weight
+                loss = self.loss_fn(out, _to_device(target, self.device)) * weight
                 flat, out_spec = [loss], None
             else:
                 flat, out_spec = flatten(out)
@@ -90,6 +90,11 @@ class Stage:
 
     def clear(self) -> None:
         self._flight.clear()
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    tensors, spec = flatten(obj)
+    return unflatten([t.to(device) for t in tensors], spec)
 
 
 def _leaf(t: torch.Tensor, requires_grad: bool, device: torch.device) -> torch.Tensor:
