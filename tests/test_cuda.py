@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import MULTI, SCHEDULES, batch, mlp
 from torch import nn
 
 import pipetrain as pt
+from models import MULTI, SCHEDULES, batch, mlp
 from pipetrain.testing import reference_step
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

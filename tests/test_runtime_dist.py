@@ -60,8 +60,29 @@ def _structured(ctx: pt.RankContext) -> list[str]:
     return problems + grad_mismatches(pipe.named_parameters(), ref)
 
 
+def _features(ctx: pt.RankContext) -> list[str]:
+    problems = []
+    for name in ("1f1b", "interleaved-1f1b", "zbv"):
+        for what in ("recompute", "frozen"):
+            ref, model = mlp(), mlp()
+            if what == "frozen":  # only layer 5 trains (an adapter); stage 0 has no grads at all
+                for m_ in (ref, model):
+                    for i, layer in enumerate(m_):
+                        layer.requires_grad_(i == 5)
+            x, y = batch(12)
+            want = reference_step(ref, x, y, LOSS, 4)
+            pipe = pt.Pipeline(model, name, 4, LOSS, timeout=30,
+                               recompute="always" if what == "recompute" else "never")
+            got = pipe.step(x, y)
+            if got.loss is None or not torch.equal(got.loss, want):
+                problems.append(f"{name} {what}: loss {got.loss} != {want}")
+            problems += [f"{name} {what}: {b}" for b in grad_mismatches(pipe.named_parameters(),
+                                                                          ref)]
+    return problems
+
+
 def _two_ranks(ctx: pt.RankContext) -> list[str]:
-    return _all_schedules(ctx, [1, 3, 4]) + _structured(ctx)
+    return _all_schedules(ctx, [1, 3, 4]) + _structured(ctx) + _features(ctx)
 
 
 def _four_ranks(ctx: pt.RankContext) -> list[str]:

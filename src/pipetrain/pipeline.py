@@ -11,7 +11,7 @@ runs exactly the same action lists.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,9 @@ class Pipeline:
         loss_reduction: ``"mean"`` (micro-batch i weighted by its share of the batch) or
             ``"sum"`` (weight 1), matching how ``loss_fn`` reduces.
         timeout: seconds any wait for a peer may last before the step fails.
+        recompute: activation recomputation per stage: ``"never"``, ``"always"``,
+            ``"except_last"`` (the last stage's backward follows its forward at once, so
+            recomputing it saves little), or a collection of stage indices.
 
     Raises:
         ValueError: for an unknown schedule or integers outside its constraints.
@@ -79,6 +82,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None, local_ranks: int | None = None,
         device: torch.device | str | None = None, split_dim: int = 0,
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
+        recompute: str | Collection[int] = "never",
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -95,12 +99,14 @@ class Pipeline:
         self.hosted = list(range(n_ranks)) if self.local else [self.rank]
         self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
         self.stages: dict[int, Stage] = {}
+        replay = _recompute_stages(recompute, n_stages)
         for s, (lo, hi) in enumerate(stage_bounds(sizes)):
             if self.schedule.rank_of(s) in self.hosted:
                 chunk = [(name, layer.to(self.device)) for name, layer in layers[lo:hi]]
                 self._stage_layers[s] = chunk
                 self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == n_stages - 1,
-                                       loss_fn=loss_fn, device=self.device)
+                                       loss_fn=loss_fn, device=self.device,
+                                       recompute=s in replay)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport)
@@ -227,6 +233,21 @@ class Pipeline:
         where = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
                  ) if current else (-1, -1, 0)
         self.transport.abort(step, *where, f"{type(error).__name__}: {error}")
+
+
+def _recompute_stages(policy: str | Collection[int], n_stages: int) -> set[int]:
+    named = {"never": set(), "always": set(range(n_stages)),
+             "except_last": set(range(n_stages - 1))}
+    if isinstance(policy, str):
+        if policy not in named:
+            raise ValueError(f"recompute must be one of {sorted(named)} or a collection of "
+                             f"stage indices, got {policy!r}")
+        return named[policy]
+    stages = set(policy)
+    bad = sorted(s for s in stages if not (isinstance(s, int) and 0 <= s < n_stages))
+    if bad:
+        raise ValueError(f"recompute names stages {bad}, but stages are 0..{n_stages - 1}")
+    return stages
 
 
 def _total(data: StepData) -> torch.Tensor | None:

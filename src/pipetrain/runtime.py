@@ -70,6 +70,8 @@ class Executor:
             if not data.train and action.op is not Op.F:
                 continue
             self.current = (rank, action)
+            if action.op in (Op.B, Op.I):  # recompute (if any) before waiting for the gradient
+                self._guarded(rank, action, data, self.stages[action.stage].prepare_backward)
             received = self._receive(rank, action, data)
             start = time.time()
             try:
@@ -80,6 +82,12 @@ class Executor:
                 raise StageError(_where(rank, action, data.step) + f" failed: {e!r}") from e
             data.spans.append(Span(rank, action, start, time.time()))
         self.current = None
+
+    def _guarded(self, rank: int, action: Action, data: StepData, fn: Any) -> None:
+        try:
+            fn(action.mb)
+        except Exception as e:
+            raise StageError(_where(rank, action, data.step) + f" recompute failed: {e!r}") from e
 
     def _receive(self, rank: int, a: Action, data: StepData) -> Message | None:
         """The message ``a`` consumes, if any (this is where a rank waits for its peers)."""

@@ -1,0 +1,77 @@
+"""Recomputation and frozen parameters: still the gradients of single-device training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain as pt
+from models import MULTI, SCHEDULES, batch, mlp
+from pipetrain.testing import grad_mismatches, reference_step
+
+LOSS = nn.MSELoss()
+
+
+def _v(name: str) -> int:
+    return 2 if name in MULTI else 1
+
+
+def dropout_mlp(p: float, seed: int = 3) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(p), nn.Tanh())
+                           for _ in range(8)])
+
+
+def frozen(model: nn.Sequential, trainable: set[int]) -> nn.Sequential:
+    for i, layer in enumerate(model):
+        for p in layer.parameters():
+            p.requires_grad_(i in trainable)
+    return model
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("policy", ["always", "except_last", [1]])
+def test_recompute_matches_single_device(name: str, policy: object) -> None:
+    ref, model = dropout_mlp(0.0), dropout_mlp(0.0)
+    x, y = batch(12)
+    want = reference_step(ref, x, y, LOSS, 4)
+    pipe = pt.Pipeline(model, name, 4, LOSS, local_ranks=2, stages_per_rank=_v(name),
+                       recompute=policy)  # type: ignore[arg-type]
+    got = pipe.step(x, y)
+    assert got.loss is not None and torch.equal(got.loss, want)
+    assert grad_mismatches(pipe.named_parameters(), ref) == []
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
+def test_recompute_replays_dropout_masks(name: str) -> None:
+    x, y = batch(12)
+    runs = []
+    for policy in ("never", "always"):
+        model = dropout_mlp(0.3)
+        pipe = pt.Pipeline(model, name, 4, LOSS, local_ranks=2, stages_per_rank=_v(name),
+                           recompute=policy)
+        torch.manual_seed(9)
+        runs.append((pipe.step(x, y).loss, model))
+    (loss_a, a), (loss_b, b) = runs
+    assert loss_a is not None and loss_b is not None and torch.equal(loss_a, loss_b)
+    assert grad_mismatches(a.named_parameters(), b) == []
+
+
+def test_recompute_policy_errors() -> None:
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        pt.Pipeline(mlp(), "1f1b", 2, LOSS, local_ranks=2, recompute="sometimes")
+    with pytest.raises(ValueError, match=r"recompute names stages \[5\], but stages are 0..1"):
+        pt.Pipeline(mlp(), "1f1b", 2, LOSS, local_ranks=2, recompute=[5])
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("trainable", [{5}, {0, 7}, set(range(4, 8))])
+def test_frozen_parameters(name: str, trainable: set[int]) -> None:
+    ref, model = frozen(mlp(), trainable), frozen(mlp(), trainable)
+    x, y = batch(12)
+    want = reference_step(ref, x, y, LOSS, 4)
+    pipe = pt.Pipeline(model, name, 4, LOSS, local_ranks=2, stages_per_rank=_v(name))
+    got = pipe.step(x, y)
+    assert got.loss is not None and torch.equal(got.loss, want)
+    assert grad_mismatches(pipe.named_parameters(), ref) == []
