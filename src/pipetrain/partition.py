@@ -19,7 +19,9 @@ def named_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.M
         TypeError: for a model that is neither.
     """
     if isinstance(model, nn.Sequential):
-        return list(model.named_children())
+        # not named_children(): it hides a module used twice (a tied layer), which would
+        # silently drop a layer from the pipeline
+        return [(name, m) for name, m in model._modules.items() if m is not None]
     if isinstance(model, (list, tuple, nn.ModuleList)):
         layers = list(model)
         for i, layer in enumerate(layers):

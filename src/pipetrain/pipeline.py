@@ -27,6 +27,7 @@ from pipetrain.partition import check_balance, even_balance, named_layers, stage
 from pipetrain.runtime import Executor, StepData, done_key, expected_messages
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
+from pipetrain.tied import TiedGrads, find_tied
 from pipetrain.timeline import Span, Timeline
 
 __all__ = ["Pipeline", "StepResult"]
@@ -107,8 +108,16 @@ class Pipeline:
                 self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == n_stages - 1,
                                        loss_fn=loss_fn, device=self.device,
                                        recompute=s in replay)
+        self._canonical: dict[int, str] = {}
+        for lname, layer in layers:
+            for pname, p in layer.named_parameters():
+                self._canonical.setdefault(id(p), f"{lname}.{pname}")
+        self.tied = find_tied([layers[lo:hi] for lo, hi in stage_bounds(sizes)],
+                              self.schedule.placement)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
+        self._tied_grads = None if self.local else TiedGrads(
+            self.tied, self.rank, group, dict(self.named_parameters()))
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport)
         self._step = 0
         self._broken: str | None = None
@@ -135,7 +144,7 @@ class Pipeline:
                 for pname, p in layer.named_parameters():
                     if id(p) not in seen:
                         seen.add(id(p))
-                        yield f"{name}.{pname}", p
+                        yield self._canonical.get(id(p), f"{name}.{pname}"), p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
@@ -221,6 +230,8 @@ class Pipeline:
             if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
                 loss = msg.tensors[1].clone()
         self.transport.finish_step(f"[rank {self.rank}] end of step {data.step}")
+        if data.train and self._tied_grads is not None:
+            self._tied_grads.all_reduce()
         return loss, Timeline(self.schedule.n_ranks, tuple(spans), "s")
 
     def _fail(self, step: int, error: BaseException) -> None:
