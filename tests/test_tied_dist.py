@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from models import batch
 from torch import nn
 
 import pipetrain as pt
+from models import batch
 from pipetrain.testing import reference_step
 
 LOSS = nn.MSELoss()
