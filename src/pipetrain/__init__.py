@@ -3,13 +3,14 @@
 from pipetrain.action import Action, Op
 from pipetrain.errors import PipelineError
 from pipetrain.generators import make_schedule
+from pipetrain.lazy import LayerSpec, build_layers
 from pipetrain.launch import RankContext, launch
 from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, simulate
 
 __all__ = [
-    "Action", "Costs", "Op", "Pipeline", "PipelineError", "RankContext", "Schedule",
-    "StepResult", "launch", "make_schedule", "simulate",
+    "Action", "Costs", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext", "Schedule",
+    "StepResult", "build_layers", "launch", "make_schedule", "simulate",
 ]
 __version__ = "0.1.0"

@@ -8,11 +8,13 @@ from typing import Any
 from torch import nn
 
 from pipetrain.errors import PartitionError
+from pipetrain.lazy import LayerSpec
 
 __all__: list[str] = []
 
 
-def named_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+def named_layers(model: nn.Module | Sequence[nn.Module | LayerSpec]
+                 ) -> list[tuple[str, nn.Module | LayerSpec]]:
     """The layers of an ``nn.Sequential`` (under its child names) or of a list (``"0"``, ``"1"``..).
 
     Raises:
@@ -25,8 +27,9 @@ def named_layers(model: nn.Module | Sequence[nn.Module]) -> list[tuple[str, nn.M
     if isinstance(model, (list, tuple, nn.ModuleList)):
         layers = list(model)
         for i, layer in enumerate(layers):
-            if not isinstance(layer, nn.Module):
-                raise TypeError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
+            if not isinstance(layer, (nn.Module, LayerSpec)):
+                raise TypeError(f"layer {i} is a {type(layer).__name__}, not an nn.Module or "
+                                "a LayerSpec")
         return [(str(i), layer) for i, layer in enumerate(layers)]
     raise TypeError(
         f"Pipeline takes an nn.Sequential or a list of layers, got {type(model).__name__}; "

@@ -23,6 +23,7 @@ from pipetrain import microbatch
 from pipetrain.comm import OPS, P2P, Message, PeerFailed
 from pipetrain.errors import PipelineError
 from pipetrain.generators import make_schedule
+from pipetrain.lazy import LayerSpec, resolve
 from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
 from pipetrain.runtime import Executor, StepData, done_key, expected_messages
 from pipetrain.schedule import Schedule
@@ -54,7 +55,8 @@ class Pipeline:
     """Train ``model`` (an ``nn.Sequential`` or a list of layers) with a pipeline schedule.
 
     Args:
-        model: the full model; this rank keeps only its stages' layers.
+        model: the full model, or a list of layers that may be :class:`LayerSpec` or live on
+            the ``meta`` device; this rank keeps (and builds) only its stages' layers.
         schedule: a schedule name (``pipetrain schedules``) or a :class:`Schedule`.
         microbatches: micro-batches per step (taken from ``schedule`` if it is a Schedule).
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` applied per micro-batch.
@@ -70,6 +72,8 @@ class Pipeline:
         recompute: activation recomputation per stage: ``"never"``, ``"always"``,
             ``"except_last"`` (the last stage's backward follows its forward at once, so
             recomputing it saves little), or a collection of stage indices.
+        init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
+            layers (see :mod:`pipetrain.lazy`); real modules are used as given.
 
     Raises:
         ValueError: for an unknown schedule or integers outside its constraints.
@@ -77,13 +81,13 @@ class Pipeline:
     """
 
     def __init__(
-        self, model: nn.Module | Sequence[nn.Module], schedule: str | Schedule = "1f1b",
+        self, model: nn.Module | Sequence[nn.Module | LayerSpec], schedule: str | Schedule = "1f1b",
         microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         *, balance: Sequence[int] | None = None, stages_per_rank: int | None = None,
         group: dist.ProcessGroup | None = None, local_ranks: int | None = None,
         device: torch.device | str | None = None, split_dim: int = 0,
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
-        recompute: str | Collection[int] = "never",
+        recompute: str | Collection[int] = "never", init_seed: int = 0,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -100,20 +104,12 @@ class Pipeline:
         self.hosted = list(range(n_ranks)) if self.local else [self.rank]
         self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
         self.stages: dict[int, Stage] = {}
-        replay = _recompute_stages(recompute, n_stages)
-        for s, (lo, hi) in enumerate(stage_bounds(sizes)):
-            if self.schedule.rank_of(s) in self.hosted:
-                chunk = [(name, layer.to(self.device)) for name, layer in layers[lo:hi]]
-                self._stage_layers[s] = chunk
-                self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == n_stages - 1,
-                                       loss_fn=loss_fn, device=self.device,
-                                       recompute=s in replay)
-        self._canonical: dict[int, str] = {}
-        for lname, layer in layers:
-            for pname, p in layer.named_parameters():
-                self._canonical.setdefault(id(p), f"{lname}.{pname}")
-        self.tied = find_tied([layers[lo:hi] for lo, hi in stage_bounds(sizes)],
-                              self.schedule.placement)
+        self._build_stages(layers, _recompute_stages(recompute, n_stages), init_seed)
+        modules = [(n, m) for n, m in layers if isinstance(m, nn.Module)]
+        self._canonical = {id(p): f"{ln}.{pn}" for ln, m in reversed(modules)
+                           for pn, p in reversed(list(m.named_parameters()))}
+        self.tied = find_tied([[(n, m) for n, m in layers[lo:hi] if isinstance(m, nn.Module)]
+                               for lo, hi in stage_bounds(self.balance)], self.schedule.placement)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         self._tied_grads = None if self.local else TiedGrads(
@@ -121,6 +117,21 @@ class Pipeline:
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport)
         self._step = 0
         self._broken: str | None = None
+
+    def _build_stages(self, layers: list[tuple[str, nn.Module | LayerSpec]], replay: set[int],
+                      init_seed: int) -> None:
+        """Build (or materialise) the layers of hosted stages; others stay as they are."""
+        last = self.schedule.n_stages - 1
+        for s, (lo, hi) in enumerate(stage_bounds(self.balance)):
+            if self.schedule.rank_of(s) not in self.hosted:
+                continue
+            chunk = [(name, resolve(layer, i, init_seed, self.device).to(self.device))
+                     for i, (name, layer) in enumerate(layers[lo:hi], start=lo)]
+            layers[lo:hi] = chunk
+            self._stage_layers[s] = chunk
+            self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == last,
+                                   loss_fn=self.loss_fn, device=self.device,
+                                   recompute=s in replay)
 
     @staticmethod
     def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
