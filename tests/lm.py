@@ -1,0 +1,87 @@
+"""A small GPT-style language model written the usual way (not for pipelining), for the tests.
+
+Token and learned position embeddings, a ``ModuleList`` of pre-norm blocks called in a loop
+with a padding mask built from the ``attention_mask`` keyword argument, a final LayerNorm and an
+LM head tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
+        k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
+        v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           is_causal=attn_mask is None)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, n_heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), attn_mask=attn_mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16, n_heads: int = 2, n_layers: int = 4,
+                 max_len: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+        self.blocks = nn.ModuleList([Block(dim, n_heads) for _ in range(n_layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        T = input_ids.size(1)
+        positions = torch.arange(T, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(positions)
+        mask = None
+        if attention_mask is not None:  # (B, T) padding mask, 1 = token, 0 = padding
+            causal = positions[None, :] <= positions[:, None]
+            mask = causal & attention_mask[:, None, None, :].bool()
+        for block in self.blocks:
+            x = block(x, attn_mask=mask)
+        return self.head(self.norm(x))
+
+
+def tiny_lm(seed: int = 0, n_layers: int = 4) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(n_layers=n_layers)
+
+
+def lm_batch(n: int = 4, length: int = 8, vocab: int = 32, seed: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, a right-padded attention mask (row i has ``length - i`` tokens), targets."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab, (n, length), generator=g)
+    mask = (torch.arange(length)[None, :] < (length - torch.arange(n))[:, None]).long()
+    targets = torch.randint(vocab, (n, length), generator=g)
+    return ids, mask, targets
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

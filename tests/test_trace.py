@@ -1,0 +1,253 @@
+"""Trace: a usual-style transformer LM cut by split points runs bitwise like the whole model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain as pt
+from lm import lm_batch, lm_loss, tiny_lm
+from pipetrain.errors import PartitionError
+from pipetrain.trace import TracedSplit, split_model
+
+POINTS = [[], ["blocks.2"], ["blocks.1", "blocks.3"], ["pos", "blocks.1.attn", "norm"],
+          ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]]
+
+
+def _inputs(masked: bool) -> tuple[dict[str, Any], torch.Tensor]:
+    ids, mask, targets = lm_batch()
+    return ({"input_ids": ids, "attention_mask": mask} if masked else {"input_ids": ids}), targets
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        grads[name] = p.grad.clone()
+    return grads
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
+@pytest.mark.parametrize("points", POINTS, ids=str)
+def test_chained_stages_match_the_model_bitwise(points: list[str], masked: bool) -> None:
+    model = tiny_lm()
+    kwargs, targets = _inputs(masked)
+    want = model(**kwargs)
+    lm_loss(want, targets).backward()  # type: ignore[no-untyped-call]
+    want_grads = _grads(model)
+    model.zero_grad()
+    split = split_model(model, points, kwargs)
+    assert len(split.stages) == len(points) + 1
+    got = split.run(split.pack(**kwargs))
+    assert torch.equal(got, want)
+    lm_loss(got, targets).backward()  # type: ignore[no-untyped-call]
+    got_grads = _grads(model)
+    assert all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
+def test_positional_example_inputs_and_pack() -> None:
+    model = tiny_lm()
+    ids, mask, _ = lm_batch()
+    split = split_model(model, ["blocks.2"], (ids, mask))
+    assert split.input_names == ["input_ids", "attention_mask"]
+    assert split.pack(ids, attention_mask=mask) == {"input_ids": ids, "attention_mask": mask}
+    assert torch.equal(split.run(split.pack(ids, mask)), model(ids, mask))
+
+
+@pytest.mark.parametrize("points", POINTS[1:], ids=str)
+def test_parameters_are_the_models_own_under_their_names(points: list[str]) -> None:
+    model = tiny_lm()
+    split = split_model(model, points, _inputs(True)[0])
+    seen = set()
+    for stage, names in zip(split.stages, split.param_names):
+        assert set(names) == {n for n, _ in stage.named_parameters()}
+        for name, p in stage.named_parameters():
+            assert p is model.get_parameter(names[name])
+            seen.add(names[name])
+    assert seen == {n for n, _ in model.named_parameters()}
+
+
+def test_each_block_lands_in_its_stage() -> None:
+    split = split_model(tiny_lm(), ["blocks.1", "blocks.3"], _inputs(True)[0])
+    owners = [{n.split(".")[0] + "." + n.split(".")[1] for n in names.values()
+               if n.startswith("blocks.")} for names in split.param_names]
+    assert owners == [{"blocks.0"}, {"blocks.1", "blocks.2"}, {"blocks.3"}]
+    assert "norm.weight" in split.param_names[2].values()
+
+
+@pytest.mark.parametrize("points", POINTS[1:], ids=str)
+def test_tied_embedding_is_one_parameter_in_first_and_last_stage(points: list[str]) -> None:
+    model = tiny_lm()
+    split = split_model(model, points, _inputs(True)[0])
+    last = len(split.stages) - 1
+    assert split.shared == {"embed.weight": [0, last]}
+    first_params = dict(split.stages[0].named_parameters())
+    last_params = dict(split.stages[last].named_parameters())
+    assert first_params["embed.weight"] is model.embed.weight
+    assert last_params["head.weight"] is model.embed.weight
+    assert split.param_names[last]["head.weight"] == "embed.weight"
+
+
+def test_mask_passes_through_the_middle_stage() -> None:
+    split = split_model(tiny_lm(), ["blocks.1", "blocks.3"], _inputs(True)[0])
+    mask_keys = set(split.boundaries[0]) & set(split.boundaries[1])
+    assert len(mask_keys) == 1  # the padding mask; the residual stream changes name
+    payload = split.stages[0](split.pack(**_inputs(True)[0]))
+    assert set(payload) == set(split.boundaries[0])
+    (key,) = mask_keys
+    assert payload[key].dtype == torch.bool and payload[key].shape == (4, 1, 8, 8)
+
+
+class Skip(nn.Module):
+    """A skip from the first stage to the last, an int from a shape, a fixed keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 2.0, extra: Any = None) -> torch.Tensor:
+        n = x.size(-1)
+        h = self.a(x)
+        skip = h * torch.tensor(0.5)  # a tensor constant, stored by the tracer
+        h = self.c(self.b(h)) + skip
+        return h * scale / n
+
+
+def test_skip_and_int_travel_through_every_stage() -> None:
+    torch.manual_seed(0)
+    model, x = Skip(), torch.randn(3, 4)
+    split = split_model(model, ["b", "c"], {"x": x})
+    assert split.input_names == ["x", "scale", "extra"]
+    mid = split.stages[1](split.stages[0](split.pack(x)))
+    assert len(mid) == 3  # n, skip and b's output
+    assert [v for v in mid.values() if not isinstance(v, torch.Tensor)] == [4]
+    assert torch.equal(split.run(split.pack(x)), model(x))
+    assert not [k for k in vars(model) if k.startswith("_tensor_constant")]
+
+
+def test_fixed_plain_argument_is_checked_at_run_time() -> None:
+    torch.manual_seed(0)
+    model, x = Skip(), torch.randn(3, 4)
+    split = split_model(model, ["c"], {"x": x, "scale": 3.0})
+    assert torch.equal(split.run(split.pack(x, 3.0)), model(x, 3.0))
+    with pytest.raises(AssertionError, match="scale has been specialized"):
+        split.run(split.pack(x, 4.0))
+
+
+@pytest.mark.parametrize("points,match", [
+    (["blocks.9"], r"'blocks.9' is not a submodule of TinyLM \(candidates: blocks\.\d"),
+    (["blocks.3", "blocks.1"], r"execution order.*'blocks.1' \(node \d+\) is not after"),
+    (["blocks.1", "blocks.1"], r"'blocks.1' appear more than once"),
+    (["blocks.1", "blocks.1.ln1"], r"distinct places"),
+    ("blocks.1", r"must be a list of module names"),
+])
+def test_bad_split_points(points: Any, match: str) -> None:
+    with pytest.raises(PartitionError, match=match):
+        split_model(tiny_lm(), points, _inputs(True)[0])
+
+
+def test_unused_split_point_and_bad_inputs() -> None:
+    x = torch.randn(3, 4)
+    with pytest.raises(PartitionError, match=r"\['unused'\] are never used"):
+        split_model(Skip(), ["unused"], {"x": x})
+    with pytest.raises(PartitionError, match="do not fit forward"):
+        split_model(Skip(), ["b"], {"y": x})
+    with pytest.raises(PartitionError, match="must be a tuple"):
+        split_model(Skip(), ["b"], [x])  # type: ignore[arg-type]
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.head = Gate(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gate(x))
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: fx cannot trace it
+            return self.lin(x)
+        return x
+
+
+def test_data_dependent_control_flow_is_a_clear_error_with_a_way_out() -> None:
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(3, 4)
+    with pytest.raises(PartitionError, match=r"(?s)could not trace Branchy.forward at .*"
+                       r"test_trace.py:\d+ \(`if x.sum\(\) > 0:.*leaf_modules.*balance"):
+        split_model(model, ["head"], (x,))
+    split = split_model(model, ["head"], (x,), leaf_modules=["gate"])
+    assert torch.equal(split.run(split.pack(x)), model(x))
+
+
+class DtypeSender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype  # made in stage 0, used in both stages
+        return self.b(self.a(x).to(dtype)).to(dtype)
+
+
+def test_unsendable_payload_is_found_at_split_time() -> None:
+    with pytest.raises(PartitionError, match=r"stage 0 would send 'getattr_1', a dtype"):
+        split_model(DtypeSender(), ["b"], (torch.randn(2, 4),))
+
+
+# -- the real Pipeline, local mode --------------------------------------------------------
+def _reference(model: nn.Module, kwargs: dict[str, Any], targets: torch.Tensor,
+               m: int) -> torch.Tensor:
+    """The model on m micro-batches one after another, losses weighted as the pipeline does."""
+    n = targets.shape[0]
+    total = torch.zeros(())
+    for part in range(m):
+        rows = slice(part * n // m, (part + 1) * n // m)
+        loss = lm_loss(model(**{k: v[rows] for k, v in kwargs.items()}),
+                       targets[rows]) * ((rows.stop - rows.start) / n)
+        loss.backward()  # type: ignore[no-untyped-call]
+        total = total + loss.detach()
+    return total
+
+
+def _pipeline_grads(pipe: pt.Pipeline, split: TracedSplit) -> dict[str, torch.Tensor]:
+    grads = {}
+    for stage, names in zip(split.stages, split.param_names):
+        for name, p in stage.named_parameters():
+            assert p.grad is not None, name
+            grads[names[name]] = p.grad
+    assert {id(p) for p in pipe.parameters()} == {id(p) for s in split.stages
+                                                   for p in s.parameters()}
+    return grads
+
+
+@pytest.mark.parametrize("schedule,points", [
+    ("1f1b", ["blocks.2"]),
+    ("gpipe", ["blocks.2"]),
+    ("interleaved-1f1b", ["blocks.1", "blocks.2", "blocks.3"]),
+    ("zbv", ["blocks.1", "blocks.2", "blocks.3"]),
+])
+def test_pipeline_trains_the_split_lm_like_the_model(schedule: str, points: list[str]) -> None:
+    ref, model = tiny_lm(), tiny_lm()
+    kwargs, targets = _inputs(True)
+    split = split_model(model, points, kwargs)
+    pipe = pt.Pipeline(split.stages, schedule, microbatches=2, loss_fn=lm_loss, local_ranks=2)
+    got = pipe.step(split.pack(**kwargs), targets)
+    want = _reference(ref, kwargs, targets, 2)
+    assert got.loss is not None and torch.equal(got.loss, want)
+    grads = _pipeline_grads(pipe, split)
+    ref_grads = dict(ref.named_parameters())
+    untied = [n for n in grads if n != "embed.weight"]
+    assert [n for n in untied if not torch.equal(grads[n], ref_grads[n].grad)] == []
+    # the tied weight's two contributions per micro-batch are summed in another order
+    torch.testing.assert_close(grads["embed.weight"], ref_grads["embed.weight"].grad)
