@@ -34,7 +34,7 @@ def test_named_layers_of_a_list(wrap: type) -> None:
 def test_named_layers_rejects_a_non_module_in_the_list() -> None:
     with pytest.raises(TypeError) as e:
         named_layers([nn.Linear(2, 2), "relu"])  # type: ignore[list-item]
-    assert str(e.value) == "layer 1 is a str, not an nn.Module"
+    assert str(e.value) == "layer 1 is a str, not an nn.Module or a LayerSpec"
 
 
 @pytest.mark.parametrize("model", [nn.Linear(2, 2), {"a": nn.Linear(2, 2)}, None])

@@ -3,8 +3,8 @@
 from pipetrain.action import Action, Op
 from pipetrain.errors import PipelineError
 from pipetrain.generators import make_schedule
-from pipetrain.lazy import LayerSpec, build_layers
 from pipetrain.launch import RankContext, launch
+from pipetrain.lazy import LayerSpec, build_layers
 from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, simulate
