@@ -21,7 +21,7 @@ from torch import nn
 
 from pipetrain import microbatch
 from pipetrain.comm import OPS, P2P, Message, PeerFailed
-from pipetrain.errors import PipelineError
+from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.generators import make_schedule
 from pipetrain.lazy import LayerSpec, resolve
 from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
@@ -30,6 +30,7 @@ from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
 from pipetrain.tied import TiedGrads, find_tied
 from pipetrain.timeline import Span, Timeline
+from pipetrain.trace import TracedSplit
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -72,6 +73,11 @@ class Pipeline:
         recompute: activation recomputation per stage: ``"never"``, ``"always"``,
             ``"except_last"`` (the last stage's backward follows its forward at once, so
             recomputing it saves little), or a collection of stage indices.
+        split_points: cut an arbitrary ``model`` (not a layer list) into stages by tracing it
+            (:func:`pipetrain.trace.split_model`): one stage starts at the first use of each
+            named module (``["blocks.4", "blocks.8"]``). Needs ``example_inputs``; ``step``
+            then takes the inputs as :meth:`pack` builds them.
+        example_inputs: positional (tuple) or keyword (dict) arguments of ``model.forward``.
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
             layers (see :mod:`pipetrain.lazy`); real modules are used as given.
 
@@ -88,6 +94,7 @@ class Pipeline:
         device: torch.device | str | None = None, split_dim: int = 0,
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
         recompute: str | Collection[int] = "never", init_seed: int = 0,
+        split_points: Sequence[str] | None = None, example_inputs: Any = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -96,8 +103,12 @@ class Pipeline:
         n_ranks, self.rank = self._ranks(group, local_ranks)
         self.schedule = _resolve(schedule, n_ranks, microbatches, stages_per_rank)
         self.device = _device(device, group)
-        layers = named_layers(model)
         n_stages = self.schedule.n_stages
+        self.traced: TracedSplit | None = None if split_points is None else _trace(
+            model, split_points, example_inputs, balance, n_stages)
+        layers: list[tuple[str, nn.Module | LayerSpec]] = (
+            named_layers(model) if self.traced is None
+            else [("", stage) for stage in self.traced.stages])
         sizes = (even_balance(len(layers), n_stages) if balance is None
                  else check_balance(balance, len(layers), n_stages))
         self.balance = sizes
@@ -106,7 +117,7 @@ class Pipeline:
         self.stages: dict[int, Stage] = {}
         self._build_stages(layers, _recompute_stages(recompute, n_stages), init_seed)
         modules = [(n, m) for n, m in layers if isinstance(m, nn.Module)]
-        self._canonical = {id(p): f"{ln}.{pn}" for ln, m in reversed(modules)
+        self._canonical = {id(p): _join(ln, pn) for ln, m in reversed(modules)
                            for pn, p in reversed(list(m.named_parameters()))}
         self.tied = find_tied([[(n, m) for n, m in layers[lo:hi] if isinstance(m, nn.Module)]
                                for lo, hi in stage_bounds(self.balance)], self.schedule.placement)
@@ -155,7 +166,14 @@ class Pipeline:
                 for pname, p in layer.named_parameters():
                     if id(p) not in seen:
                         seen.add(id(p))
-                        yield self._canonical.get(id(p), f"{name}.{pname}"), p
+                        yield self._canonical.get(id(p), _join(name, pname)), p
+
+    def pack(self, *args: Any, **kwargs: Any) -> Any:
+        """The inputs of a traced model's ``forward`` as the payload ``step`` takes."""
+        if self.traced is None:
+            raise ValueError("pack() is for pipelines built with split_points=; pass the input "
+                             "of the first layer to step() directly")
+        return self.traced.pack(*args, **kwargs)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
@@ -255,6 +273,26 @@ class Pipeline:
         where = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
                  ) if current else (-1, -1, 0)
         self.transport.abort(step, *where, f"{type(error).__name__}: {error}")
+
+
+def _join(layer_name: str, param_name: str) -> str:
+    return f"{layer_name}.{param_name}" if layer_name else param_name
+
+
+def _trace(model: Any, split_points: Sequence[str], example_inputs: Any, balance: Any,
+           n_stages: int) -> TracedSplit:
+    from pipetrain.trace import split_model
+
+    if not isinstance(model, nn.Module) or example_inputs is None:
+        raise TypeError("split_points= needs the model as one nn.Module and example_inputs= "
+                        "(a tuple or dict of its forward's arguments)")
+    if balance is not None:
+        raise PartitionError("pass either split_points= or balance=, not both")
+    if len(split_points) + 1 != n_stages:
+        raise PartitionError(f"{len(split_points)} split points make {len(split_points) + 1} "
+                             f"stages but the schedule has {n_stages} (ranks x stages per rank); "
+                             f"give {n_stages - 1} split points")
+    return split_model(model, split_points, example_inputs)
 
 
 def _recompute_stages(policy: str | Collection[int], n_stages: int) -> set[int]:

@@ -44,7 +44,8 @@ def find_tied(stage_layers: Sequence[Sequence[tuple[str, nn.Module]]],
     for stage, layers in enumerate(stage_layers):
         for layer_name, layer in layers:
             for pname, p in layer.named_parameters():
-                name, stages = seen.setdefault(id(p), (f"{layer_name}.{pname}", []))
+                full = f"{layer_name}.{pname}" if layer_name else pname
+                name, stages = seen.setdefault(id(p), (full, []))
                 if stage not in stages:
                     stages.append(stage)
     return [TiedParam(name, tuple(stages), tuple(sorted({rank_of[s] for s in stages})))
