@@ -1,0 +1,177 @@
+"""Profile: per layer, the time of F, I and W on a sample micro-batch and its memory.
+
+``profile_layers`` runs the layers in sequence like ``nn.Sequential`` (an optional loss lands on
+the last layer, so a heavy head counts), times each layer's forward, input-gradient and
+weight-gradient backward separately (the split of :mod:`pipetrain.backward`), and counts its
+parameter bytes (a shared parameter once, on its first layer) and activation bytes (the unique
+storages autograd saves, plus its output). Gradients, buffers and the RNG are restored after.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.backward import backward_input
+from pipetrain.payload import flatten, unflatten
+
+__all__ = ["LayerCost", "profile_layers"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer on one micro-batch: seconds of F, I, W, and bytes held."""
+
+    f: float
+    i: float
+    w: float
+    param_bytes: int
+    """Parameters first seen in this layer, trainable and frozen (a shared one counts once)."""
+    activation_bytes: int
+    """Tensors autograd saves for backward plus the output, excluding inputs and parameters."""
+    frozen_bytes: int = 0
+    """The part of ``param_bytes`` that needs no gradient (no grads or optimizer state)."""
+
+    @property
+    def b(self) -> float:
+        return self.i + self.w
+
+
+# -- profiling -----------------------------------------------------------------------------
+
+
+def profile_layers(
+    layers: Sequence[nn.Module], sample_input: Any, *, loss_fn: LossFn | None = None,
+    sample_target: Any = None, repeats: int = 3,
+) -> list[LayerCost]:
+    """Measure each layer, run in sequence like ``nn.Sequential`` on one sample micro-batch.
+
+    Each layer's F, I (:func:`pipetrain.backward.backward_input`) and W (``WeightWork.run``)
+    run separately with an all-ones output gradient; times are the median of ``repeats`` runs
+    after one warm-up. With ``loss_fn``, the last layer's F and backward include the loss.
+    Gradients, buffers and the CPU random state are restored afterwards.
+
+    Raises:
+        ValueError: for ``repeats < 1``, no layers, or ``loss_fn`` without ``sample_target``.
+
+    Example:
+        >>> costs = profile_layers([nn.Linear(4, 4), nn.Tanh()], torch.randn(2, 4))
+        >>> costs[0].param_bytes
+        80
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not layers:
+        raise ValueError("profile_layers needs at least one layer")
+    if loss_fn is not None and sample_target is None:
+        raise ValueError("loss_fn is given but sample_target is None; pass both or neither")
+    owned = param_owners(layers)
+    result, x = [], sample_input
+    with torch.random.fork_rng(devices=[]), _restored(layers):
+        for j, layer in enumerate(layers):
+            head = loss_fn if j == len(layers) - 1 else None
+            times, act, x = _profile_one(layer, x, head, sample_target, repeats)
+            frozen = [p for p in owned[j] if not p.requires_grad]
+            result.append(LayerCost(*times, param_bytes(owned[j]), act, param_bytes(frozen)))
+    return result
+
+
+def _profile_one(layer: nn.Module, x: Any, head: LossFn | None, target: Any,
+                 repeats: int) -> tuple[tuple[float, float, float], int, Any]:
+    tensors, spec = flatten(x)
+    leaves = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+              for t in tensors]
+    params = list(layer.parameters())
+    runs, out, act = [], None, 0
+    for k in range(repeats + 1):
+        t0 = _now(leaves)
+        with _saved_bytes(k == 0) as saved:  # the warm-up, untimed
+            out, flat = _forward(layer, unflatten(leaves, spec), head, target)
+        if k == 0:  # inputs are the previous layer's outputs; weights are no activations
+            held = _storages(params) | _storages(leaves)
+            act = sum(b for ptr, b in (saved | _storages(flat)).items() if ptr not in held)
+        t1 = _now(flat)
+        grads = [torch.ones_like(t) if t.requires_grad else None for t in flat]
+        _, work = backward_input(flat, grads, leaves, params)
+        t2 = _now(leaves)
+        work.run()
+        runs.append((t1 - t0, t2 - t1, _now(params) - t2))
+    f, i, w = (statistics.median(r[n] for r in runs[1:]) for n in range(3))
+    return (f, i, w), act, out
+
+
+def _forward(layer: nn.Module, x: Any, head: LossFn | None,
+             target: Any) -> tuple[Any, list[torch.Tensor]]:
+    with torch.enable_grad():
+        out = layer(x)
+        if head is not None:
+            return out, [head(out, target)]
+    return out, flatten(out)[0]
+
+
+@contextmanager
+def _saved_bytes(enabled: bool) -> Iterator[dict[int, int]]:
+    # The storage (address -> bytes) of every tensor autograd saves while the block runs.
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.update(_storages([t]))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if enabled else nullcontext():
+        yield seen
+
+
+def _storages(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
+    # Tensors without a plain storage (sparse, nested) are not counted.
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+            if t.layout == torch.strided and not t.is_nested}
+
+
+def param_bytes(params: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _now(tensors: Sequence[torch.Tensor]) -> float:
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()  # kernels run asynchronously: wait before reading the clock
+    return time.perf_counter()
+
+
+def param_owners(layers: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
+    seen: set[int] = set()
+    owned = []
+    for layer in layers:
+        mine = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in mine)
+        owned.append(mine)
+    return owned
+
+
+@contextmanager
+def _restored(layers: Sequence[nn.Module]) -> Iterator[None]:
+    # W accumulates into .grad in place and forwards update buffers (BatchNorm statistics).
+    params = {id(p): p for layer in layers for p in layer.parameters()}
+    grads = {k: p.grad for k, p in params.items()}
+    buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
+    for p in params.values():
+        p.grad = None
+    try:
+        yield
+    finally:
+        for k, p in params.items():
+            p.grad = grads[k]
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
