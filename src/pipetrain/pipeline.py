@@ -21,6 +21,7 @@ from torch import nn
 
 from pipetrain import microbatch
 from pipetrain.comm import OPS, P2P, Message, PeerFailed
+from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.generators import make_schedule
 from pipetrain.lazy import LayerSpec, resolve
@@ -61,7 +62,11 @@ class Pipeline:
         schedule: a schedule name (``pipetrain schedules``) or a :class:`Schedule`.
         microbatches: micro-batches per step (taken from ``schedule`` if it is a Schedule).
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` applied per micro-batch.
-        balance: layers per stage; None splits evenly.
+        balance: layers per stage; None splits evenly; ``"params"``, ``"time"`` or
+            ``"memory"`` (or ``fn(layer_costs, first, end) -> cost``) chooses the split that
+            minimises the bottleneck exactly (:mod:`pipetrain.balance`; the profiling modes
+            need ``example_inputs``, one micro-batch of the first layer's input). The plan is
+            kept as ``balance_plan``.
         stages_per_rank: None takes the schedule's own (2 for interleaved-1f1b, zbv, dualpipev).
         group: the pipeline process group (default: the world).
         local_ranks: run this many ranks in this one process instead of distributed.
@@ -77,7 +82,8 @@ class Pipeline:
             (:func:`pipetrain.trace.split_model`): one stage starts at the first use of each
             named module (``["blocks.4", "blocks.8"]``). Needs ``example_inputs``; ``step``
             then takes the inputs as :meth:`pack` builds them.
-        example_inputs: positional (tuple) or keyword (dict) arguments of ``model.forward``.
+        example_inputs: with ``split_points``, positional (tuple) or keyword (dict) arguments
+            of ``model.forward``; with a profiling ``balance``, one micro-batch of input.
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
             layers (see :mod:`pipetrain.lazy`); real modules are used as given.
 
@@ -89,7 +95,7 @@ class Pipeline:
     def __init__(
         self, model: nn.Module | Sequence[nn.Module | LayerSpec], schedule: str | Schedule = "1f1b",
         microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        *, balance: Sequence[int] | None = None, stages_per_rank: int | None = None,
+        *, balance: Sequence[int] | str | Callable[..., float] | None = None, stages_per_rank: int | None = None,
         group: dist.ProcessGroup | None = None, local_ranks: int | None = None,
         device: torch.device | str | None = None, split_dim: int = 0,
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
@@ -109,8 +115,13 @@ class Pipeline:
         layers: list[tuple[str, nn.Module | LayerSpec]] = (
             named_layers(model) if self.traced is None
             else [("", stage) for stage in self.traced.stages])
-        sizes = (even_balance(len(layers), n_stages) if balance is None
-                 else check_balance(balance, len(layers), n_stages))
+        self.balance_plan: BalancePlan | None = None
+        if isinstance(balance, str) or callable(balance):
+            self.balance_plan = self._plan(layers, balance, example_inputs, group)
+            sizes = self.balance_plan.balance
+        else:
+            sizes = (even_balance(len(layers), n_stages) if balance is None
+                     else check_balance(balance, len(layers), n_stages))
         self.balance = sizes
         self.hosted = list(range(n_ranks)) if self.local else [self.rank]
         self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
@@ -128,6 +139,27 @@ class Pipeline:
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport)
         self._step = 0
         self._broken: str | None = None
+
+    def _plan(self, layers: list[tuple[str, nn.Module | LayerSpec]], mode: Any,
+              sample: Any, group: dist.ProcessGroup | None) -> BalancePlan:
+        """Automatic balance: rank 0 profiles, every rank plans from the same layer costs."""
+        modules = [m for _, m in layers]
+        if not all(isinstance(m, nn.Module) for m in modules):
+            raise PartitionError(f"balance={mode!r} needs the layers built (it measures them); "
+                                 "with LayerSpec or meta layers pass balance=[...] explicitly")
+        if isinstance(mode, str) and mode not in MODES:
+            raise ValueError(f"unknown balance mode {mode!r}; choose one of {list(MODES)}, a "
+                             "cost function, or a list of layers per stage")
+        built = [m for m in modules if isinstance(m, nn.Module)]
+        costs = None
+        if mode != "params" and (self.local or self.rank == 0):
+            if sample is None:
+                raise ValueError(f"balance={mode!r} profiles every layer on a sample micro-batch: "
+                                 "pass example_inputs= (the first layer's input)")
+            costs = profile_layers(built, sample)
+        if mode != "params" and not self.local:
+            costs = _broadcast_costs(costs, len(built), group)
+        return plan_balance(built, self.schedule, mode, sample, layer_costs=costs)
 
     def _build_stages(self, layers: list[tuple[str, nn.Module | LayerSpec]], replay: set[int],
                       init_seed: int) -> None:
@@ -273,6 +305,17 @@ class Pipeline:
         where = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
                  ) if current else (-1, -1, 0)
         self.transport.abort(step, *where, f"{type(error).__name__}: {error}")
+
+
+def _broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessGroup | None
+                     ) -> list[LayerCost]:
+    table = torch.zeros(n, 6, dtype=torch.float64)
+    if costs is not None:
+        table = torch.tensor([[c.f, c.i, c.w, c.param_bytes, c.activation_bytes, c.frozen_bytes]
+                              for c in costs], dtype=torch.float64)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(table, src=src, group=group)
+    return [LayerCost(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5])) for r in table.tolist()]
 
 
 def _join(layer_name: str, param_name: str) -> str:
