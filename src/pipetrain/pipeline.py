@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain import microbatch
-from pipetrain.comm import OPS, P2P, Message, PeerFailed
 from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
+from pipetrain.comm import OPS, P2P, Message, PeerFailed
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.generators import make_schedule
 from pipetrain.lazy import LayerSpec, resolve
@@ -95,7 +95,8 @@ class Pipeline:
     def __init__(
         self, model: nn.Module | Sequence[nn.Module | LayerSpec], schedule: str | Schedule = "1f1b",
         microbatches: int | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        *, balance: Sequence[int] | str | Callable[..., float] | None = None, stages_per_rank: int | None = None,
+        *, balance: Sequence[int] | str | Callable[..., float] | None = None,
+        stages_per_rank: int | None = None,
         group: dist.ProcessGroup | None = None, local_ranks: int | None = None,
         device: torch.device | str | None = None, split_dim: int = 0,
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
