@@ -1,0 +1,36 @@
+"""Benchmarks still run: each script once at its tiny size (timings are not checked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_calibrated_tiny_prints_a_table_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "calibrated.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "calibrated.py"), "--tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "schedule" in proc.stdout and "pt eff" in proc.stdout
+    data = json.loads(out.read_text())
+    assert {"meta", "rows"} <= data.keys()
+    assert {"torch", "cpus", "platform"} <= data["meta"]["machine"].keys()
+    names = {row["schedule"] for row in data["rows"]}
+    assert {"gpipe", "1f1b", "zbv", "dualpipev", "zb-h1", "zb-h2"} <= names
+    for row in data["rows"]:
+        assert {"p", "m", "F_ms", "I_ms", "W_ms", "ideal_s", "pipetrain", "torch"} <= row.keys()
+        ours = row["pipetrain"]
+        assert {"measured_s", "predicted_s", "efficiency", "misplaced_sleeps"} <= ours.keys()
+        assert ours["measured_s"] > 0 and ours["predicted_s"] >= row["ideal_s"] * 0.999
+        # every sleep ran inside the op it belongs to: the split backward really splits
+        assert ours["misplaced_sleeps"] == 0
+        if row["schedule"] in ("zb-h1", "zb-h2"):
+            assert row["torch"] is None
+        else:
+            assert row["torch"]["misplaced_sleeps"] == 0
