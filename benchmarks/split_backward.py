@@ -19,35 +19,16 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from pipetrain.backward import backward_input
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
-
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-        self.fc, self.out = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (h.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
-                   for h in self.qkv(self.ln1(x)).split(d, dim=-1))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+from pipetrain.gpt import Block, GPTConfig
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
     """Median seconds of F, B, I and W over ``args.repeats`` runs (after warm-up)."""
     torch.manual_seed(0)
-    block = Block(args.d_model, args.heads)
+    block = Block(GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=1,
+                            seq_len=args.seq))
     params = list(block.parameters())
     x = torch.randn(args.batch, args.seq, args.d_model)
     grad = torch.randn_like(x)

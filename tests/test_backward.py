@@ -7,33 +7,19 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.backward import WeightWork, backward_full, backward_input
+from pipetrain.gpt import Block, GPTConfig
 
 Grads = list[torch.Tensor | None]
 
 
 # -- models ------------------------------------------------------------------------------------
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP, each with a residual."""
-
-    def __init__(self, d_model: int = 16, n_heads: int = 4) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
-        self.fc, self.out = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (h.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
-                   for h in self.qkv(self.ln1(x)).split(d, dim=-1))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+def block() -> nn.Module:
+    """The GPT model's pre-norm transformer block (attention, GELU MLP, residuals)."""
+    return Block(GPTConfig(d_model=16, n_heads=4, n_layers=1))
 
 
 class TwiceUsed(nn.Module):
@@ -196,7 +182,7 @@ def test_mlp(n_mb: int) -> None:
 @pytest.mark.parametrize("n_mb", [1, 2])
 def test_transformer_block(n_mb: int) -> None:
     torch.manual_seed(0)
-    _check(Block(), _batches([_float_input(2, 8, 16) for _ in range(n_mb)], [(2, 8, 16)]))
+    _check(block(), _batches([_float_input(2, 8, 16) for _ in range(n_mb)], [(2, 8, 16)]))
 
 
 @pytest.mark.parametrize("n_mb", [1, 2])
@@ -284,7 +270,7 @@ def test_gradient_passed_through_to_several_weights(n_mb: int) -> None:
 
 def test_backward_full_matches_plain_backward() -> None:
     torch.manual_seed(0)
-    model, x, g = Block(), torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    model, x, g = block(), torch.randn(2, 8, 16), torch.randn(2, 8, 16)
     ref = copy.deepcopy(model)
     want = _plain_backward(ref, [x], [g])
     leaves = _leaves([x])
