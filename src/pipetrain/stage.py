@@ -114,10 +114,6 @@ class Stage:
         if state.weight is not None:
             state.weight.run()
 
-    def pending(self) -> list[int]:
-        """Micro-batches whose backward has not finished (should be empty after a step)."""
-        return sorted(self._flight)
-
     def clear(self) -> None:
         self._flight.clear()
 
