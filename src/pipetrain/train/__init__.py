@@ -1,0 +1,1 @@
+"""Training: the ``pipetrain train`` job (a pipelined GPT on a byte corpus) and its parts."""

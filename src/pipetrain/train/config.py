@@ -1,0 +1,85 @@
+"""TrainConfig: every setting of a ``pipetrain train`` run, one field per flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Each field is a ``--flag`` of ``pipetrain train`` and a TOML key.
+
+    Sizes are global: ``batch_size`` sequences per step over all data-parallel replicas
+    (each replica takes ``batch_size // dp`` and splits it into ``microbatches``).
+    """
+
+    # model and data
+    preset: str = "tiny"
+    """GPT preset (:data:`pipetrain.gpt.PRESETS`)."""
+    data: str | None = None
+    """A text file or directory; None uses the default corpus (the stdlib's own sources)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    batch_size: int = 16
+    """Sequences per step over all data-parallel replicas."""
+    seed: int = 0
+    """Seed of the initialisation and of the data order."""
+    # layout
+    nproc: int = 2
+    """Processes a local launch starts (ignored under torchrun, which sets the world)."""
+    pp: int | None = None
+    """Pipeline ranks; None: world size // dp."""
+    dp: int = 1
+    """Data-parallel replicas of the whole pipeline."""
+    schedule: str = "1f1b"
+    """Schedule name (``pipetrain schedules``)."""
+    microbatches: int = 8
+    """Micro-batches per step on each replica."""
+    stages_per_rank: int | None = None
+    """None takes the schedule's own."""
+    balance: str = "params"
+    """``params``, ``time``, ``memory``, ``even`` or layers per stage such as ``3,4,4,3``."""
+    recompute: str = "never"
+    """Activation recomputation: ``never``, ``always`` or ``except_last``."""
+    device: str = "auto"
+    """``auto`` (CUDA + NCCL when there is a GPU, else CPU + gloo), ``cpu`` or ``cuda``."""
+    # optimisation
+    steps: int = 200
+    """Optimizer steps of the whole run."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after ``warmup`` steps, then cosine down to ``min_lr``."""
+    min_lr: float = 3e-4
+    """Learning rate at the last step."""
+    warmup: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to biases, norms and embeddings)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all stages, tied weights once) to this; 0: off."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` or ``fp16`` (autocast; fp16 with a dynamic loss scale)."""
+    nonfinite: str = "skip"
+    """A NaN/Inf loss or gradient on any rank: ``skip`` the step on every rank, or ``abort``."""
+    # evaluation and outputs
+    eval_every: int = 50
+    """Held-out loss every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 4
+    """Batches of the held-out split per evaluation."""
+    sample_tokens: int = 200
+    """Tokens to generate through the pipeline at the end; 0: none."""
+    prompt: str = "def "
+    """Start of the generated text."""
+    out: str = "runs/pipetrain"
+    """Directory of logs, pictures and checkpoints."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
+    resume: bool = True
+    """Continue from the newest committed checkpoint under ``out`` when there is one."""
+    max_restarts: int = 0
+    """Times a local launch restarts the job after a rank fails (resuming from a checkpoint)."""
+    timeout: float = 60.0
+    """Seconds any wait for a peer may last before every rank stops with an error."""
+    progress: bool = True
+    """A live progress bar on rank 0 (JSON logs are written either way)."""
