@@ -1,0 +1,84 @@
+"""Automatic split points: the units a traced model may be cut between, in execution order.
+
+``Pipeline(model, split_points="auto", example_inputs=...)`` needs candidate places to cut an
+ordinary module. The candidates are its *units*: the model's direct children, with every
+container (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) replaced by its own
+children, recursively. For a usual transformer that gives ``embed, pos, blocks.0, ...,
+blocks.N-1, norm, head``. The units are ordered by their first use in the traced ``forward``;
+units used at the same place (an embedding used only as the tied head's weight) or never used
+collapse into the unit before them.
+
+Cutting at every unit (:func:`pipetrain.trace.split_model` with all of them) gives one small
+stage per unit; those stages chain like the layers of ``nn.Sequential``, so the balancer
+(:mod:`pipetrain.balance`) groups them into pipeline stages by parameters, time or memory,
+exactly as it does for a layer list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from torch import fx, nn
+
+from pipetrain.errors import PartitionError
+from pipetrain.trace import _bind, _check_names, _first_use, _signature, _trace
+
+__all__ = ["units", "cut_points"]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def units(model: nn.Module) -> list[str]:
+    """The model's units in registration order: children, containers opened recursively."""
+    found: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, _CONTAINERS):
+                visit(path + ".", child)
+            else:
+                found.append(path)
+
+    visit("", model)
+    return found
+
+
+def cut_points(model: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,
+               leaf_modules: Collection[str] = ()) -> list[str]:
+    """Every unit that starts a new place in ``forward``, in execution order.
+
+    The first unit used is left out (a stage cannot start before the first one), so the
+    result can be given to :func:`~pipetrain.trace.split_model` as ``split_points``; it makes
+    ``len(result) + 1`` unit stages.
+
+    Raises:
+        PartitionError: when ``forward`` cannot be traced, or uses fewer than two units (then
+            there is nothing to cut between: give ``split_points`` by hand).
+    """
+    signature = _signature(model)
+    inputs = _bind(signature, example_inputs)
+    leaves = frozenset(_check_names(model, leaf_modules, "leaf_modules"))
+    before = set(model.__dict__)
+    try:
+        nodes = list(_trace(model, inputs, leaves).nodes)
+    finally:  # the tracer stores tensor constants on the model
+        for name in set(model.__dict__) - before:
+            delattr(model, name)
+    return _ordered(model, nodes)
+
+
+def _ordered(model: nn.Module, nodes: list[fx.Node]) -> list[str]:
+    first: dict[int, str] = {}
+    for name in units(model):
+        at = _first_use(nodes, name)
+        if at is not None and at not in first:
+            first[at] = name
+    ordered = [first[at] for at in sorted(first)]
+    if len(ordered) < 2:
+        raise PartitionError(
+            f"split_points='auto' found {len(ordered)} unit(s) used by "
+            f"{type(model).__name__}.forward ({ordered}), so there is nothing to cut between; "
+            "name the split points by hand (split_points=['blocks.4', ...])")
+    return ordered[1:]
