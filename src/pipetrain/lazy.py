@@ -6,10 +6,18 @@ materialises only the layers of its own stages. Each layer is initialised under 
 ``seed * 1_000_003 + index``, so a rank's parameters equal those of the whole model built with
 :func:`build_layers` (or :func:`materialize` on every layer) from the same seed, whatever the
 number of ranks or stages.
+
+An ordinary module cut by tracing (``split_points=``) has no layer list to number, so its
+parts are initialised by name instead (:class:`NamedInit`): every submodule with
+``reset_parameters()`` runs it under a seed made from its qualified name in the model, and a
+parameter shared by several submodules (a tied embedding and head) takes the value its first
+owner gives it, on every rank that holds it.
 """
 
 from __future__ import annotations
 
+import copy
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LayerSpec", "build_layers", "materialize"]
+__all__ = ["LayerSpec", "NamedInit", "build_layers", "materialize"]
 
 
 def layer_seed(seed: int, index: int) -> int:
@@ -93,3 +101,91 @@ def resolve(layer: nn.Module | LayerSpec, index: int, seed: int,
     if is_meta(layer):
         return materialize(layer, index, seed, device)
     return layer
+
+
+def name_seed(seed: int, name: str) -> int:
+    return seed * 1_000_003 + zlib.crc32(name.encode())
+
+
+class NamedInit:
+    """Materialise parts of a ``meta`` model so they equal the whole model built at once.
+
+    Args:
+        model: the model, built on the ``meta`` device (parts may share its submodules, as
+            the stages of :func:`pipetrain.trace.split_model` do).
+        seed: the initialisation seed.
+
+    ``NamedInit(model, seed).materialize(model, device)`` builds the whole model (the
+    single-device reference); ``materialize(part, device)`` builds any part, with the same
+    values. Parameters keep their sharing within the process (one tensor for a tied weight).
+    """
+
+    def __init__(self, model: nn.Module, seed: int) -> None:
+        self.model, self.seed = model, seed
+        holders: dict[int, list[tuple[str, str]]] = {}
+        for path, module in model.named_modules(remove_duplicate=False):
+            for pname, p in module.named_parameters(recurse=False):
+                holders.setdefault(id(p), []).append((path, pname))
+        self.owner = {pid: paths[0] for pid, paths in holders.items() if len(paths) > 1}
+        """Shared meta parameters -> (first owning module, its name there)."""
+        self._real: dict[int, nn.Parameter] = {}  # meta id -> the real one in this process
+        self._meta_of: dict[int, int] = {}  # real id -> meta id
+
+    def materialize(self, part: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+        """Give ``part``'s meta parameters real, deterministic values on ``device``; in place.
+
+        Buffers still on ``meta`` get storage; only a ``reset_parameters()`` gives them values.
+
+        Raises:
+            ValueError: when a parameter is left uninitialised (no ``reset_parameters``).
+        """
+        fresh = self._swap(part, torch.device(device))
+        covered: set[int] = set()
+        for path, module in part.named_modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset) and any(id(p) in fresh for p in module.parameters()):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(name_seed(self.seed, path))
+                    reset()
+                covered.update(id(p) for p in module.parameters())
+        missing = [n for n, p in part.named_parameters() if id(p) in fresh - covered]
+        if missing:
+            raise ValueError(f"parameters {missing} were built on the meta device but no "
+                             "reset_parameters() initialises them; give their module a "
+                             "reset_parameters() or build the model for real")
+        for p in part.parameters():  # a later holder's reset may have overwritten a shared one
+            if self._meta_of.get(id(p)) in self.owner:
+                with torch.no_grad():
+                    p.copy_(self._owner_value(self._meta_of[id(p)], p.device))
+        return part
+
+    def _swap(self, part: nn.Module, device: torch.device) -> set[int]:
+        """Replace meta parameters by real empty ones (one per meta tensor); the new ones' ids."""
+        fresh: set[int] = set()
+        for module in part.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in self._real:
+                    real = nn.Parameter(torch.empty_like(p, device=device),
+                                        requires_grad=p.requires_grad)
+                    self._real[id(p)], self._meta_of[id(real)] = real, id(p)
+                    fresh.add(id(real))
+                module._parameters[name] = self._real[id(p)]
+            for name, b in list(module._buffers.items()):
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device=device)
+        return fresh
+
+    def _owner_value(self, meta_id: int, device: torch.device) -> torch.Tensor:
+        """A shared parameter as its first owner initialises it (built alone, then dropped)."""
+        path, pname = self.owner[meta_id]
+        alone = copy.deepcopy(self.model.get_submodule(path)).to_empty(device=device)
+        reset = getattr(alone, "reset_parameters", None)
+        if not callable(reset):
+            raise ValueError(f"parameter {path}.{pname} is shared by several modules but its "
+                             f"first owner {path!r} has no reset_parameters() to initialise it")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(name_seed(self.seed, path))
+            reset()
+        return alone.get_parameter(pname).detach()
