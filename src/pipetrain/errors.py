@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PipelineError", "ScheduleError", "PartitionError", "StageError", "CommError"]
+__all__ = ["PipelineError", "ScheduleError", "PartitionError", "StageError", "CommError",
+           "CheckpointError"]
 
 
 class PipelineError(RuntimeError):
@@ -23,3 +24,7 @@ class StageError(PipelineError):
 
 class CommError(PipelineError):
     """A message between ranks was missing, late, malformed, or a peer died."""
+
+
+class CheckpointError(PipelineError):
+    """A checkpoint cannot be saved or loaded: missing, uncommitted, corrupt or incompatible."""
