@@ -39,9 +39,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer,
     exp_avg_sq, step), materialised first for trainable parameters that have none yet.
 
     The tensors are the optimizer's own, so :func:`load` fills them in place. Materialising
-    runs one optimizer step with zero gradients and learning rate 0, which leaves parameters
-    bitwise unchanged for torch's Adam/AdamW/SGD. Param-group settings (lr, betas, weight
-    decay) are not included: they come from the run's config and LR schedule.
+    runs one optimizer step with zero gradients and learning rate 0 (parameters stay bitwise
+    unchanged for torch's Adam/AdamW/SGD) and zeroes the new state (AdamW: step 0).
+    Param-group settings (lr, betas, weight decay) are not included: they come from the run's
+    config and LR schedule.
     """
     params = _index(optimizer, named_params)
     _materialise(optimizer, [p for p in params.values()
@@ -57,7 +58,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer,
 
 
 def _materialise(optimizer: torch.optim.Optimizer, fresh: list[nn.Parameter]) -> None:
-    """Create the state of ``fresh`` parameters with one zero-gradient, zero-lr step."""
+    """Create the state of ``fresh`` parameters with one zero-gradient, zero-lr step, zeroed."""
     if not fresh:
         return
     held = [p for g in optimizer.param_groups for p in g["params"]]
@@ -72,6 +73,10 @@ def _materialise(optimizer: torch.optim.Optimizer, fresh: list[nn.Parameter]) ->
             if "lr" in g:
                 g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
         optimizer.step()
+        for p in fresh:  # placeholders to load into: zeros, as if no step had been taken
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
     finally:
         for g, lr in zip(optimizer.param_groups, lrs):
             if lr is not None:
