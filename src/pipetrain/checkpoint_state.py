@@ -17,7 +17,7 @@ __all__ = ["model_state", "optimizer_state", "load_optimizer_state", "rng_state"
 
 
 def model_state(named_params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
-    """``{"model/<name>": parameter}``: the live tensors, so :func:`pipetrain.checkpoint.load` overwrites them."""
+    """``{"model/<name>": parameter}``: live tensors, which ``checkpoint.load`` overwrites."""
     return {f"model/{name}": p.detach() for name, p in named_params}
 
 
