@@ -24,6 +24,7 @@ from pipetrain.errors import ScheduleError
 from pipetrain.generators import REGISTRY, _load_builtin, make_schedule
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, Simulation, simulate
+from pipetrain.train import cli as train_cli
 from pipetrain.validate import format_grid, validate
 
 __all__ = ["Subcommand", "subcommands", "build_parser", "main"]
@@ -52,6 +53,7 @@ def subcommands() -> dict[str, Subcommand]:
                                _configure_simulate, _run_simulate),
         "validate": Subcommand("check a hand-written schedule file, then simulate it",
                                _configure_validate, _run_validate),
+        "train": Subcommand(train_cli.HELP, train_cli.configure, train_cli.run),
     }
 
 

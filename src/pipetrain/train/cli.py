@@ -1,0 +1,237 @@
+"""Train command: ``pipetrain train``, its flags generated from TrainConfig, and ``--config``.
+
+Every field of :class:`~pipetrain.train.config.TrainConfig` is a flag (``seq_len`` →
+``--seq-len``, booleans as ``--progress`` / ``--no-progress``) with the field's docstring as
+help, and a key of the TOML file given by ``--config``. Flags on the command line override
+the file; the file overrides the defaults. Outside torchrun the command starts ``--nproc``
+local processes (:func:`pipetrain.train.elastic.launch_local`); under torchrun it is one of
+them (:func:`pipetrain.train.elastic.worker`).
+
+    $ pipetrain train --nproc 2 --schedule zbv --steps 200
+    $ pipetrain train --config run.toml --steps 50
+    $ torchrun --nproc-per-node 4 -m pipetrain train --pp 2 --dp 2
+
+Exit codes: 0 the run finished, 1 it failed on some rank, 2 bad arguments or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pipetrain.train.config import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["HELP", "configure", "run", "resolve", "load_toml", "field_docs", "format_config",
+           "config_toml"]
+
+HELP = "train a pipelined GPT (local processes, or one worker under torchrun)"
+"""The command's line in ``pipetrain --help``."""
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+# ------------------------------------------------------------------------------ the fields
+
+
+def field_docs() -> dict[str, str]:
+    """Each TrainConfig field's attribute docstring (the string literal after it), by name."""
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body if isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _field_type(name: str) -> tuple[type, bool]:
+    """The field's base type (int, float, str, bool) and whether it may be None."""
+    hint = typing.get_type_hints(TrainConfig)[name]
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        base = [a for a in args if a is not type(None)]
+        if len(base) != 1:
+            raise TypeError(f"TrainConfig.{name}: unsupported type {hint}")
+        return base[0], type(None) in args
+    return hint, False
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ---------------------------------------------------------------------------------- parser
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per TrainConfig field to ``parser``.
+
+    Flags default to "not given" (absent from the parsed namespace), so that
+    :func:`resolve` can tell a flag given on the command line from the file's value.
+    """
+    parser.add_argument("--config", type=Path, metavar="FILE", default=argparse.SUPPRESS,
+                        help="TOML file of settings (keys as the flags, with _ or -); "
+                             "flags given on the command line override it")
+    docs = field_docs()
+    for f in dataclasses.fields(TrainConfig):
+        base, optional = _field_type(f.name)
+        help_text = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        if base is bool:
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(_flag(f.name), type=base, default=argparse.SUPPRESS,
+                                metavar=f.name.upper(), help=help_text)
+
+
+def resolve(args: argparse.Namespace) -> TrainConfig:
+    """The run's config: defaults, then the ``--config`` file, then the flags given.
+
+    Raises:
+        ValueError: the file is not valid TOML, has an unknown key or a value of the wrong
+            type, or a setting is out of range.
+        OSError: the file cannot be read.
+    """
+    values = load_toml(args.config) if getattr(args, "config", None) else {}
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    values.update({k: v for k, v in vars(args).items() if k in names})
+    cfg = TrainConfig(**values)
+    check(cfg)
+    return cfg
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """The settings of a TOML file, checked against TrainConfig's fields and types.
+
+    Raises:
+        ValueError: invalid TOML, an unknown key (naming the valid ones), a value of the wrong
+            type.
+        OSError: the file cannot be read.
+
+    Example:
+        >>> load_toml(Path("run.toml"))  # doctest: +SKIP
+        {'schedule': 'zbv', 'steps': 50}
+    """
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    valid = [f.name for f in dataclasses.fields(TrainConfig)]
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{path}: unknown key {key!r}{hint}; valid keys: "
+                             f"{', '.join(valid)}")
+        values[name] = _checked(path, key, name, value)
+    return values
+
+
+def _checked(path: Path, key: str, name: str, value: Any) -> Any:
+    base, optional = _field_type(name)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = isinstance(value, base) and (base is bool or not isinstance(value, bool))
+    if not ok:
+        wanted = {int: "an integer", float: "a number", str: "a string",
+                  bool: "true or false"}.get(base, base.__name__)
+        none = " (leave the key out for the default)" if optional else ""
+        raise ValueError(f"{path}: {key} must be {wanted}{none}, got {value!r}")
+    return value
+
+
+def check(cfg: TrainConfig) -> None:
+    """Reject settings that cannot start a run, before any process is started.
+
+    Raises:
+        ValueError: naming the setting, its value and what to use instead.
+    """
+    from pipetrain.generators import REGISTRY, _load_builtin
+    from pipetrain.gpt import PRESETS
+
+    _load_builtin()
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
+    if cfg.schedule not in REGISTRY:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of "
+                         f"{sorted(REGISTRY)}")
+    for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.pp is not None and cfg.pp < 1:
+        raise ValueError(f"--pp must be at least 1 (or left out), got {cfg.pp}")
+    if cfg.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be 0 or more, got {cfg.max_restarts}")
+    if not cfg.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
+
+
+def format_config(cfg: TrainConfig, *, world: int | None = None, width: int = 100) -> str:
+    """The resolved config as wrapped ``key=value`` lines, printed at the start of a run."""
+    head = "pipetrain train" + (f": {world} processes" if world is not None else "")
+    pairs = [f"{f.name}={_shown(getattr(cfg, f.name))}" for f in dataclasses.fields(TrainConfig)]
+    body = textwrap.wrap("  ".join(pairs), width - 2, break_on_hyphens=False)
+    return "\n".join([f"{head}; config:", *("  " + line for line in body)])
+
+
+def config_toml(cfg: TrainConfig) -> str:
+    """The resolved config as a TOML file that ``--config`` reads back (None fields left out)."""
+    lines = ["# pipetrain train --config FILE"]
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        lines.append(f"# {f.name}: automatic" if value is None
+                     else f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _shown(value: object) -> str:
+    return "auto" if value is None else str(value) if not isinstance(value, str) else (
+        value if value and " " not in value else repr(value))
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+# ------------------------------------------------------------------------------------- run
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``pipetrain train``: launch local workers, or be one under torchrun.
+
+    Raises:
+        ValueError, OSError: bad flags or config file (the command line turns them into exit 2).
+    """
+    cfg = resolve(args)
+    from pipetrain.train import elastic
+
+    if elastic.under_torchrun():
+        elastic.worker(cfg)  # exits 1 itself on failure, after naming the rank
+        return EXIT_OK
+    try:
+        elastic.launch_local(cfg)
+    except elastic.JobFailed as e:
+        print(f"pipetrain train: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

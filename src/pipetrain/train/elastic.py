@@ -1,0 +1,323 @@
+"""Elastic: start the ``pipetrain train`` workers locally, or be one of them under torchrun.
+
+A local launch (:func:`launch_local`) hands ``--nproc`` workers to torch's elastic agent
+(``torch.distributed.launcher.api.elastic_launch``): it watches them every 0.1 s, stops all of
+them as soon as one fails, and restarts the whole group up to ``max_restarts`` times (each
+restart resumes from the newest committed checkpoint, because ``resume`` is on by default).
+Under ``torchrun`` the agent is torchrun's and :func:`worker` runs directly in each process, so
+the same command line scales out unchanged::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m pipetrain train --pp 4 --dp 4 --preset 1b
+
+Security: torch.distributed has no authentication, so a local launch listens on 127.0.0.1
+only. The agent's TCPStore would bind every interface (it ignores the host it is given), so
+:func:`_loopback_store` binds a socket to 127.0.0.1 first and hands its file descriptor to a
+multi-tenant TCPStore, which the agent's static rendezvous then reuses for the same port.
+Gloo and NCCL listen on the interface named by ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``,
+set to the loopback interface unless the user chose one.
+
+Fail-stop: a rank that raises writes its message (with a precise time) to the agent's error
+file and exits 1; a killed rank is seen by the agent; a hung rank is detected by its peers'
+bounded waits (``timeout``), which raise. The agent then stops every other rank, and
+:class:`JobFailed` names the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]  # not in __all__
+
+from pipetrain.errors import PipelineError
+from pipetrain.train import faults
+from pipetrain.train.config import TrainConfig
+from pipetrain.train.events import NullReporter, Reporter
+
+__all__ = ["JobFailed", "RunFn", "under_torchrun", "launch_local", "worker", "backend_for",
+           "SHUTDOWN_GRACE"]
+
+RunFn = Callable[[TrainConfig, Reporter], dict[str, Any]]
+"""The training function every worker calls (default: ``pipetrain.train.loop.run``)."""
+SHUTDOWN_GRACE = 5
+"""Seconds the agent waits after SIGTERM before it SIGKILLs a worker it is stopping."""
+_LOOPBACK = "127.0.0.1"
+
+
+class JobFailed(PipelineError):
+    """A training job failed on some rank and no restart was left; names the first failure."""
+
+
+def under_torchrun(env: dict[str, str] | None = None) -> bool:
+    """True when this process is already a worker (torchrun, or RANK and WORLD_SIZE set)."""
+    env = dict(os.environ) if env is None else env
+    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+
+
+def backend_for(device: str, local_world_size: int) -> str:
+    """``nccl`` when the job computes on GPUs (one per local rank), else ``gloo``.
+
+    Raises:
+        ValueError: ``device`` is unknown, or ``cuda`` without enough GPUs.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cpu" or (device == "auto" and gpus < local_world_size):
+        return "gloo"
+    if device in ("auto", "cuda"):
+        if gpus < local_world_size:
+            raise ValueError(f"device='cuda' needs one GPU per local rank: {local_world_size} "
+                             f"ranks but {gpus} GPUs; start fewer processes or use "
+                             "--device cpu")
+        return "nccl"
+    raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+
+
+# -------------------------------------------------------------------------------- launcher
+
+
+def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
+    """Run ``cfg`` on ``cfg.nproc`` local processes; return rank 0's summary.
+
+    Args:
+        cfg: the run; ``nproc``, ``max_restarts``, ``device`` and ``out`` shape the launch.
+        run: the training function (module-level, picklable); None: ``loop.run``.
+
+    Raises:
+        JobFailed: a rank failed and no restart was left; the message names the rank that
+            failed first, how, and every other failure.
+        ValueError: ``nproc`` below 1 or an impossible device choice.
+    """
+    if cfg.nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {cfg.nproc}")
+    backend = backend_for(cfg.device, cfg.nproc)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with _loopback_store() as port, _worker_env(backend), _quiet_torch_logs():
+        launcher = _elastic(cfg, port)
+        try:
+            results = launcher(cfg, run)
+        except ChildFailedError as e:
+            raise JobFailed(_failure_report(e.failures, cfg.max_restarts)) from None
+    summary: dict[str, Any] = results.get(0) or {}
+    return summary
+
+
+def _elastic(cfg: TrainConfig, port: int) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logs = Path(cfg.out) / "launch"
+    logs.mkdir(parents=True, exist_ok=True)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=uuid.uuid4().hex[:12],
+        rdzv_backend="static", rdzv_endpoint=f"{_LOOPBACK}:{port}",
+        rdzv_configs={"rank": 0, "timeout": max(60, int(cfg.timeout))},
+        max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method="spawn",
+        local_addr=_LOOPBACK, logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
+        shutdown_timeout=SHUTDOWN_GRACE)
+    return elastic_launch(config, worker)
+
+
+@contextlib.contextmanager
+def _loopback_store() -> Iterator[int]:
+    """A TCPStore server listening on 127.0.0.1 only, alive for the block; yields its port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((_LOOPBACK, 0))
+    sock.listen(256)
+    port = int(sock.getsockname()[1])
+    # multi_tenant: the agent's own TCPStore(127.0.0.1, port, is_master=True) reuses this server
+    store = TCPStore(_LOOPBACK, port, is_master=True, multi_tenant=True,
+                          master_listen_fd=sock.detach(), timeout=timedelta(seconds=60))
+    try:
+        yield port
+    finally:
+        del store
+
+
+@contextlib.contextmanager
+def _worker_env(backend: str) -> Iterator[None]:
+    """Environment the workers inherit: loopback interfaces, one thread per CPU rank."""
+    loopback = _loopback_interface()
+    wanted = {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
+    if backend == "gloo":
+        wanted["OMP_NUM_THREADS"] = "1"
+    saved = {k: os.environ.get(k) for k in wanted}
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Hide the agent's per-failure tracebacks; :class:`JobFailed` says it more plainly."""
+    names = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    loggers = [logging.getLogger(name) for name in names]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, saved, strict=True):
+            lg.setLevel(level)
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), "lo")
+
+
+# --------------------------------------------------------------------------------- failure
+
+
+def _failure_report(failures: dict[int, Any], max_restarts: int) -> str:
+    """Who failed first and how, then every other failure (``ProcessFailure`` by rank)."""
+    ordered = sorted(failures.items(), key=lambda item: _failure_time(item[1]))
+    first_rank, first = ordered[0]
+    restarts = (f"after {max_restarts} restart{'s' * (max_restarts != 1)}" if max_restarts
+                else "without restarts (--max-restarts 0)")
+    lines = [f"the job failed {restarts}: rank {first_rank} failed first: {_how(first)}"]
+    lines += [f"  then rank {rank}: {_how(f)}" for rank, f in ordered[1:]]
+    lines.append(f"  logs and error files: {Path(first.error_file).parent.parent}"
+                 if first.error_file and os.path.isfile(first.error_file) else
+                 "  (no error file: the process died without raising)")
+    return "\n".join(lines)
+
+
+def _failure_time(failure: Any) -> tuple[int, float]:
+    """Sort key: a rank killed by a signal died first; then by the precise time of raising."""
+    ours = failure.error_file_data.get("pipetrain", {}) if failure.error_file_data else {}
+    precise = float(ours.get("time", failure.timestamp))
+    return (0 if failure.exitcode < 0 else 1, precise)
+
+
+def _how(failure: Any) -> str:
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()} (pid {failure.pid})"
+    ours = failure.error_file_data.get("pipetrain", {}) if failure.error_file_data else {}
+    message = ours.get("message") or failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return f"exit code {failure.exitcode}: {str(message).strip()}"
+
+
+# ---------------------------------------------------------------------------------- worker
+
+
+def worker(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
+    """One rank of the job: join the group, train, leave; runs in every worker process.
+
+    Expects the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``). Prints the resolved config on global rank 0, builds the
+    progress reporter there, calls ``run(cfg, reporter)`` (default ``loop.run``) and returns
+    its summary.
+
+    Raises:
+        SystemExit: code 1 after any exception, once its message is printed (naming the rank)
+            and written to the elastic agent's error file with its precise time.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return _work(cfg, run, rank)
+    except BaseException as e:  # noqa: BLE001  (every failure becomes a clean exit 1)
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            raise
+        _report_failure(e, rank)
+        raise SystemExit(1) from None
+
+
+def _work(cfg: TrainConfig, run: RunFn | None, rank: int) -> dict[str, Any]:
+    if cfg.out and os.environ.get(faults.ENV):
+        os.environ.setdefault(faults.DIR_ENV, str(Path(cfg.out) / "faults"))
+    backend = backend_for(cfg.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if backend == "gloo":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    _init_group(backend, rank, timedelta(seconds=cfg.timeout))
+    reporter = _reporter(cfg, rank)
+    try:
+        return (run or _default_run())(cfg, reporter)
+    finally:
+        reporter.close()
+        dist.destroy_process_group()
+
+
+def _default_run() -> RunFn:
+    from pipetrain.train.loop import run
+
+    return run
+
+
+def _init_group(backend: str, rank: int, timeout: timedelta) -> None:
+    """Join the process group through a store private to this restart attempt.
+
+    The elastic agent keeps one store across restarts; a prefix per attempt keeps the keys of
+    a failed attempt (peer addresses of dead processes) from being read by the next one.
+    """
+    world = int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout,
+                          multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=PrefixStore(f"pipetrain/{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
+
+
+def _reporter(cfg: TrainConfig, rank: int) -> Reporter:
+    if rank != 0:
+        return NullReporter()
+    from pipetrain.train.cli import config_toml, format_config
+    from pipetrain.train.report import ProgressReporter
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        print(f"pipetrain train: restart {restart} of "
+              f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS')}, resuming from the newest "
+              f"committed checkpoint under {cfg.out} (if any)", flush=True)
+    else:
+        print(format_config(cfg, world=dist.get_world_size()), flush=True)
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out) / "config.toml").write_text(config_toml(cfg))
+    return ProgressReporter(cfg)
+
+
+def _report_failure(error: BaseException, rank: int) -> None:
+    """Print one line naming the rank, and write the agent's error file with precise time."""
+    message = f"{type(error).__name__}: {error}"
+    if not str(error).startswith("[rank"):
+        message = f"[rank {rank}] {message}"
+    print(f"pipetrain train: {message}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": traceback.format_exc(),
+                                      "timestamp": str(int(now))}},
+            "pipetrain": {"time": now, "rank": rank, "message": message}}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(data))

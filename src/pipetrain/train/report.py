@@ -1,0 +1,286 @@
+"""Report: the reporting rank's live progress, JSON-lines log, summary and pictures of a run.
+
+:class:`ProgressReporter` is the :class:`~pipetrain.train.events.Reporter` that global rank 0
+hands to the training loop. It writes into ``cfg.out``:
+
+- ``log.jsonl``: every record as one JSON object per line, as it arrives (appended across
+  restarts, so a resumed run's log holds the whole curve);
+- ``loss.png``: train loss per step and eval loss, drawn from ``log.jsonl`` at the end (a
+  step replayed after a restart counts once, its latest value);
+- ``timeline.png``: the measured timeline of one step above the simulator's prediction, and
+  ``timeline.json``: both as one Chrome/Perfetto trace;
+- ``summary.json``: the ``end`` record's fields with the files written.
+
+On a terminal the progress is a live rich bar (step, loss, tokens/s, measured bubble); when
+stdout is not a terminal, or ``cfg.progress`` is False, it is about ten plain lines instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from pipetrain import draw
+from pipetrain.simulate import Simulation
+from pipetrain.timeline import Timeline
+from pipetrain.train.config import TrainConfig
+
+__all__ = ["ProgressReporter", "read_log", "save_loss_png", "save_timeline_png",
+           "timeline_trace"]
+
+_PLAIN_LINES = 10  # progress lines printed without a terminal
+
+
+class ProgressReporter:
+    """The reporter of global rank 0: progress on the console, files under ``cfg.out``.
+
+    Example:
+        >>> reporter = ProgressReporter(TrainConfig(out="runs/x", steps=3))  # doctest: +SKIP
+        >>> reporter.record("step", {"step": 0, "loss": 5.5})                # doctest: +SKIP
+        >>> reporter.close()                                                 # doctest: +SKIP
+    """
+
+    def __init__(self, cfg: TrainConfig, *, console: Console | None = None) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.console = console or Console()
+        self._log: IO[str] | None = (self.out / "log.jsonl").open("a", encoding="utf-8")
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._bubbles: dict[str, float] = {}
+        self._files: list[str] = ["log.jsonl"]
+
+    # -------------------------------------------------------------------- Reporter protocol
+
+    def record(self, kind: str, fields: dict[str, Any]) -> None:
+        """Log the record, then show it: start/step move the progress, end prints the summary."""
+        entry = {"kind": kind, "time": fields.get("time", time.time()), **fields}
+        if self._log is not None:
+            self._log.write(json.dumps(_finite(entry)) + "\n")
+            self._log.flush()
+        show = getattr(self, f"_on_{kind}", None)
+        if show is not None:
+            show(fields)
+
+    def timeline(self, step: int, measured: Timeline, simulated: Simulation) -> None:
+        """Draw the measured step above the simulator's prediction; write PNG and trace."""
+        self._bubbles = {"measured_bubble": measured.bubble_fraction,
+                         "simulated_bubble": simulated.bubble_fraction}
+        trace = timeline_trace(measured, simulated.timeline)
+        (self.out / "timeline.json").write_text(json.dumps(trace) + "\n")
+        self._files.append("timeline.json")
+        try:
+            save_timeline_png(measured, simulated, self.out / "timeline.png",
+                              title=f"{simulated.schedule.name}  step {step}")
+            self._files.append("timeline.png")
+        except ImportError as e:  # matplotlib is optional for the library, not for pictures
+            self._print(f"no timeline.png: {e}")
+
+    def close(self) -> None:
+        """Stop the live display and close the log (safe to call twice)."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # ----------------------------------------------------------------------------- records
+
+    def _on_start(self, fields: dict[str, Any]) -> None:
+        parts = [f"{k} {_text(fields[k])}" for k in ("world", "layout", "balance", "params")
+                 if k in fields]
+        self._print("start: " + ", ".join(parts) if parts else "start")
+        if self.cfg.progress and self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}  {task.fields[rate]} tok/s  "
+                           "bubble {task.fields[bubble]}"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
+            done = int(fields.get("first_step", 0))
+            self._task = self._progress.add_task("train", total=self.cfg.steps, completed=done,
+                                                 loss="-", rate="-", bubble="-")
+            self._progress.start()
+
+    def _on_step(self, fields: dict[str, Any]) -> None:
+        step = int(fields.get("step", 0))
+        loss, rate, bubble = (_fmt(fields.get("loss"), ".4f"),
+                              _fmt(fields.get("tokens_per_s"), ",.0f"),
+                              _fmt(fields.get("bubble"), ".2f"))
+        skipped = " (skipped)" if fields.get("skipped") else ""
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, completed=step + 1, loss=loss + skipped,
+                                  rate=rate, bubble=bubble)
+            return
+        every = max(1, self.cfg.steps // _PLAIN_LINES)
+        if step % every == 0 or step == self.cfg.steps - 1:
+            self._print(f"step {step:>{len(str(self.cfg.steps))}}/{self.cfg.steps}  loss {loss}"
+                        f"{skipped}  {rate} tok/s  bubble {bubble}")
+
+    def _on_eval(self, fields: dict[str, Any]) -> None:
+        self._print(f"eval  step {fields.get('step')}  loss {_fmt(fields.get('eval_loss'), '.4f')}")
+
+    def _on_checkpoint(self, fields: dict[str, Any]) -> None:
+        self._print(f"checkpoint  step {fields.get('step')}  {fields.get('path')}")
+
+    def _on_sample(self, fields: dict[str, Any]) -> None:
+        self._print("sample:\n" + str(fields.get("text", "")))
+
+    def _on_end(self, fields: dict[str, Any]) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        self._save_loss()
+        summary = {**fields, **self._bubbles, "out": str(self.out),
+                   "files": sorted(set(self._files + ["summary.json"]))}
+        (self.out / "summary.json").write_text(json.dumps(_finite(summary), indent=1) + "\n")
+        self.console.print(_summary_table(summary))
+
+    def _save_loss(self) -> None:
+        try:
+            save_loss_png(read_log(self.out / "log.jsonl"), self.out / "loss.png")
+            self._files.append("loss.png")
+        except ImportError as e:
+            self._print(f"no loss.png: {e}")
+
+    def _print(self, text: str) -> None:
+        (self._progress.console if self._progress is not None else self.console).print(
+            text, markup=False, highlight=False)
+
+
+# ---------------------------------------------------------------------------------- files
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The records of ``log.jsonl`` since the run's last fresh start (not a resume)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+    fresh = [i for i, r in enumerate(records)
+             if r.get("kind") == "start" and not r.get("first_step")]
+    return records[fresh[-1]:] if fresh else records
+
+
+def save_loss_png(records: list[dict[str, Any]], path: Path) -> None:
+    """Train loss per step (latest value of a replayed step) and eval loss, as a PNG.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("loss.png needs matplotlib: pip install matplotlib") from e
+    train = {r["step"]: r["loss"] for r in records
+             if r.get("kind") == "step" and r.get("loss") is not None}
+    evals = {r["step"]: r["eval_loss"] for r in records
+             if r.get("kind") == "eval" and r.get("eval_loss") is not None}
+    fig = Figure(figsize=(7, 4), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    steps = sorted(train)
+    ax.plot(steps, [train[s] for s in steps], color="#0072B2", linewidth=1, label="train")
+    if evals:
+        at = sorted(evals)
+        ax.plot(at, [evals[s] for s in at], "o-", color="#D55E00", label="eval (held out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per byte)")
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    fig.savefig(Path(path), format="png")
+
+
+def save_timeline_png(measured: Timeline, simulated: Simulation, path: Path, *,
+                      title: str) -> None:
+    """The measured timeline above the simulated one, as one PNG.
+
+    Raises:
+        ImportError: matplotlib (and its Pillow) is not installed.
+    """
+    from PIL import Image
+
+    with tempfile.TemporaryDirectory() as tmp:
+        top, bottom = Path(tmp) / "measured.png", Path(tmp) / "simulated.png"
+        draw.save_png(measured, top, title=f"{title}: measured")
+        draw.save_png(simulated.timeline, bottom,
+                      title=f"{title}: the simulator's prediction")
+        with Image.open(top) as a, Image.open(bottom) as b:
+            both = Image.new("RGB", (max(a.width, b.width), a.height + b.height), "white")
+            both.paste(a, (0, 0))
+            both.paste(b, (0, a.height))
+            both.save(path, format="PNG")
+
+
+def timeline_trace(measured: Timeline, simulated: Timeline) -> dict[str, object]:
+    """One Chrome trace: processes ``rank r measured`` then ``rank r simulated``."""
+    trace = draw.chrome_trace(measured)
+    other = draw.chrome_trace(simulated)
+    events: list[dict[str, Any]] = list(trace["traceEvents"])  # type: ignore[call-overload]
+    for event in other["traceEvents"]:  # type: ignore[attr-defined]
+        events.append({**event, "pid": event["pid"] + measured.n_ranks})
+    for event in events:
+        if event.get("name") == "process_name":
+            kind = "measured" if event["pid"] < measured.n_ranks else "simulated"
+            rank = event["pid"] % measured.n_ranks if measured.n_ranks else 0
+            event["args"] = {"name": f"rank {rank} {kind}"}
+        if event.get("name") == "process_sort_index":
+            event["args"] = {"sort_index": event["pid"]}
+    return {**trace, "traceEvents": events,
+            "otherData": {"measured": trace["otherData"], "simulated": other["otherData"]}}
+
+
+# -------------------------------------------------------------------------------- helpers
+
+
+def _summary_table(summary: dict[str, Any]) -> Table:
+    table = Table(title="pipetrain train: summary", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key, value in summary.items():
+        table.add_row(key.replace("_", " "), _text(value))
+    return table
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, float):
+        return _fmt(value, ".4g")
+    if isinstance(value, list | tuple):
+        return ", ".join(_text(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_text(v)}" for k, v in value.items())
+    return str(value)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return format(value, spec)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as None, so that every line is standard JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
