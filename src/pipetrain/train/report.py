@@ -45,6 +45,7 @@ __all__ = ["ProgressReporter", "read_log", "save_loss_png", "save_timeline_png",
            "timeline_trace"]
 
 _PLAIN_LINES = 10  # progress lines printed without a terminal
+_NOT_IN_TABLE = ("sample", "config")  # printed before, or too long for a table row
 
 
 class ProgressReporter:
@@ -114,7 +115,7 @@ class ProgressReporter:
                 TextColumn("loss {task.fields[loss]}  {task.fields[rate]} tok/s  "
                            "bubble {task.fields[bubble]}"),
                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
-            done = int(fields.get("first_step", 0))
+            done = int(fields.get("start_step", 0))
             self._task = self._progress.add_task("train", total=self.cfg.steps, completed=done,
                                                  loss="-", rate="-", bubble="-")
             self._progress.start()
@@ -172,7 +173,7 @@ def read_log(path: Path) -> list[dict[str, Any]]:
     """The records of ``log.jsonl`` since the run's last fresh start (not a resume)."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line]
     fresh = [i for i, r in enumerate(records)
-             if r.get("kind") == "start" and not r.get("first_step")]
+             if r.get("kind") == "start" and not r.get("start_step")]
     return records[fresh[-1]:] if fresh else records
 
 
@@ -253,6 +254,8 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     table.add_column("what", style="bold")
     table.add_column("value")
     for key, value in summary.items():
+        if key in _NOT_IN_TABLE:
+            continue
         table.add_row(key.replace("_", " "), _text(value))
     return table
 

@@ -1,0 +1,144 @@
+"""`pipetrain train` options: flags from TrainConfig, --config TOML, torchrun detection."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import build_parser, main
+from pipetrain.train import cli as train_cli
+from pipetrain.train import elastic, report
+from pipetrain.train.config import TrainConfig
+
+
+def _resolve(argv: list[str]) -> TrainConfig:
+    return train_cli.resolve(build_parser().parse_args(["train", *argv]))
+
+
+def test_every_field_is_a_documented_flag() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    train = sub.choices["train"]
+    flags = {opt for action in train._actions for opt in action.option_strings}
+    docs = train_cli.field_docs()
+    for f in dataclasses.fields(TrainConfig):
+        assert "--" + f.name.replace("_", "-") in flags, f.name
+        assert docs.get(f.name), f"TrainConfig.{f.name} has no docstring"
+    assert "--no-progress" in flags and "--config" in flags
+
+
+def test_flags_parse_to_the_field_types() -> None:
+    cfg = _resolve(["--steps", "7", "--lr", "1e-2", "--schedule", "zbv", "--no-progress",
+                    "--pp", "2", "--data", "corpus.txt"])
+    assert (cfg.steps, cfg.lr, cfg.schedule, cfg.progress, cfg.pp, cfg.data) == (
+        7, 0.01, "zbv", False, 2, "corpus.txt")
+    assert _resolve([]) == TrainConfig()  # nothing given: the dataclass defaults
+
+
+def test_toml_sets_and_flags_override(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('schedule = "zbv"\nsteps = 50\nseq-len = 32\nlr = 1\nprogress = false\n')
+    cfg = _resolve(["--config", str(path), "--steps", "9"])
+    assert (cfg.schedule, cfg.steps, cfg.seq_len, cfg.lr, cfg.progress) == (
+        "zbv", 9, 32, 1.0, False)
+    assert isinstance(cfg.lr, float)
+
+
+def test_written_config_reads_back(tmp_path: Path) -> None:
+    cfg = TrainConfig(schedule="zbv", steps=3, prompt='say "hi"', pp=2)
+    path = tmp_path / "config.toml"
+    path.write_text(train_cli.config_toml(cfg))
+    assert _resolve(["--config", str(path)]) == cfg
+    assert "schedule=zbv" in train_cli.format_config(cfg, world=2)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("stpes = 5\n", "unknown key 'stpes' (did you mean 'steps'?); valid keys: preset, "),
+    ("steps = \"5\"\n", "steps must be an integer, got '5'"),
+    ("progress = 1\n", "progress must be true or false, got 1"),
+    ("steps = true\n", "steps must be an integer, got True"),
+    ("pp = \"auto\"\n", "pp must be an integer (leave the key out for the default)"),
+    ("steps = \n", "not valid TOML"),
+], ids=["unknown-key", "wrong-type", "bool", "bool-for-int", "optional", "syntax"])
+def test_bad_toml_is_exit_2_naming_the_key(tmp_path: Path, text: str, message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--schedule", "wavefront"], "unknown schedule 'wavefront'; choose one of"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
+    (["--timeout", "0"], "--timeout must be a positive number"),
+    (["--steps", "many"], "invalid int value: 'many'"),
+    (["--config", "no/such.toml"], "no/such.toml"),
+])
+def test_bad_flags_are_exit_2(argv: list[str], message: str,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, False),
+    ({"RANK": "0"}, False),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, True),
+    ({"TORCHELASTIC_RUN_ID": "abc"}, True),
+])
+def test_torchrun_detection(env: dict[str, str], expected: bool) -> None:
+    assert elastic.under_torchrun(env) is expected
+
+
+def test_backend_choice() -> None:
+    assert elastic.backend_for("cpu", 4) == "gloo"
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda'"):
+        elastic.backend_for("tpu", 1)
+    if not elastic.torch.cuda.is_available():
+        assert elastic.backend_for("auto", 2) == "gloo"
+        with pytest.raises(ValueError, match="one GPU per local rank"):
+            elastic.backend_for("cuda", 2)
+
+
+def test_reporter_files_without_a_terminal(tmp_path: Path) -> None:
+    """Plain progress lines, JSON lines (NaN as null), summary and loss picture."""
+    cfg = TrainConfig(out=str(tmp_path), steps=4)
+    lines: list[str] = []
+    console = report.Console(file=_Lines(lines), force_terminal=False, width=100)
+    rep = report.ProgressReporter(cfg, console=console)
+    rep.record("start", {"world": 2, "params": 10, "start_step": 0})
+    for step, loss in enumerate([3.0, math.nan, 2.0, 1.5]):
+        rep.record("step", {"step": step, "loss": loss, "tokens_per_s": 10.0, "bubble": 0.25,
+                            "skipped": math.isnan(loss)})
+    rep.record("eval", {"step": 3, "eval_loss": 1.75})
+    rep.record("end", {"final_loss": 1.5, "steps": 4})
+    rep.close()
+    text = "".join(lines)
+    assert "step 1/4  loss nan (skipped)" in text and "final loss" in text
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["start"] + ["step"] * 4 + ["eval", "end"]
+    assert records[2]["loss"] is None and all("time" in r for r in records)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_loss"] == 1.5 and "loss.png" in summary["files"]
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+class _Lines:
+    def __init__(self, sink: list[str]) -> None:
+        self.sink = sink
+
+    def write(self, text: str) -> int:
+        self.sink.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        return None
