@@ -71,6 +71,9 @@ class TrainConfig:
     """Tokens to generate through the pipeline at the end; 0: none."""
     prompt: str = "def "
     """Start of the generated text."""
+    sample_top_k: int = 0
+    """0: generate the most likely token each time; k > 0: sample among the k most likely
+    (seeded by ``seed``, so the text is reproducible)."""
     out: str = "runs/pipetrain"
     """Directory of logs, pictures and checkpoints."""
     checkpoint_every: int = 0

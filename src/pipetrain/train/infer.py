@@ -1,0 +1,76 @@
+"""Inference through the pipeline: the held-out loss, and text generated token by token.
+
+Both run ``Pipeline.eval_step`` (forward only) on every rank of a replica. The logits of a
+generation step exist only on the rank holding the last stage: that rank picks the next token
+and broadcasts it over the pipeline group, so the rank holding stage 0 (and every other) can
+feed it back in. Each eval step needs one row per micro-batch, so the context is repeated
+``microbatches`` times and row 0's logits are used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.pipeline import Pipeline
+from pipetrain.train.mesh import Mesh
+
+__all__ = ["eval_loss", "generate", "pick"]
+
+
+def eval_loss(pipe: Pipeline, mesh: Mesh, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+              ) -> float:
+    """Mean loss over ``batches`` (this replica's rows), averaged over the replicas."""
+    total = 0.0
+    for inputs, targets in batches:
+        loss = pipe.eval_step(inputs, targets).loss
+        if loss is None:
+            raise RuntimeError(f"[rank {mesh.rank}] eval step returned no loss")
+        total += float(loss)
+    return mesh.dp_mean(total / max(len(batches), 1))
+
+
+def pick(logits: torch.Tensor, top_k: int, generator: torch.Generator) -> int:
+    """The next token from one position's logits: greedy (``top_k <= 0``) or seeded top-k."""
+    if top_k <= 0:
+        return int(logits.argmax())
+    values, index = logits.float().cpu().topk(min(top_k, logits.numel()))
+    choice = torch.multinomial(torch.softmax(values, dim=0), 1, generator=generator)
+    return int(index[choice])
+
+
+def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *,
+             context: int, top_k: int = 0, seed: int = 0) -> list[int]:
+    """``n_tokens`` new tokens after ``prompt``, the same list on every rank of the replica.
+
+    Args:
+        pipe: the trained pipeline (a model whose last stage outputs (B, T, vocab) logits).
+        mesh: this rank's mesh (the broadcast goes over its pipeline group).
+        prompt: token ids to start from (at least one).
+        n_tokens: how many tokens to generate.
+        context: the longest window fed to the model (its position table).
+        top_k: 0 picks the most likely token; k > 0 samples among the k most likely.
+        seed: the sampling generator's seed (the text is deterministic given it).
+
+    Raises:
+        ValueError: for an empty prompt.
+    """
+    if not prompt:
+        raise ValueError("generation needs a prompt of at least one token")
+    last = pipe.schedule.n_stages - 1
+    holder = pipe.schedule.rank_of(last)
+    src = mesh.global_rank(mesh.dp_rank, holder)
+    generator = torch.Generator().manual_seed(seed)
+    rows = pipe.schedule.n_microbatches
+    ids = list(prompt)
+    for _ in range(n_tokens):
+        window = torch.tensor(ids[-context:], dtype=torch.long).repeat(rows, 1)
+        outputs = pipe.eval_step(window).outputs
+        token = torch.zeros(1, dtype=torch.long, device=mesh.comm_device)
+        if pipe.rank == holder:
+            token[0] = pick(outputs[0, -1], top_k, generator)
+        dist.broadcast(token, src=src, group=mesh.pp_group)
+        ids.append(int(token))
+    return ids[len(prompt):]

@@ -1,0 +1,193 @@
+"""Training loop: the steps of a ``pipetrain train`` run on one rank, and its summary.
+
+One step, on every rank of the dp x pp mesh, in this order (every collective is called by
+every rank in the same sequence, because every branch depends only on values all ranks share)::
+
+    [1] faults.at_step                   injected kill / raise / hang / NaN (tests, soak)
+    [2] pipe.step under autocast         F/B/I/W of this replica's rows, as scheduled
+    [3] dp all-reduce of gradients       mean over the replicas (sum, then / dp)
+    [4] unscale (fp16)                   gradients of the true loss
+    [5] verdict over the world           OK / overflow / non-finite: all go, skip or stop
+    [6] global norm over the pp group    clip every rank's gradients by the same factor
+    [7] AdamW step at lr_at(step)        then zero the gradients
+
+Eval losses, checkpoints and the one timeline picture come between steps; generated text and
+the summary at the end. :func:`run` returns the same summary on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipetrain.data import decode, encode
+from pipetrain.timeline import Timeline
+from pipetrain.train import faults
+from pipetrain.train.config import TrainConfig
+from pipetrain.train.events import Reporter
+from pipetrain.train.infer import eval_loss, generate
+from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
+from pipetrain.train.optim import clip_grads_, grad_square_sum, lr_at, set_lr
+from pipetrain.train.precision import autocast
+from pipetrain.train.setup import Trainer, build
+from pipetrain.train.timing import predict
+
+__all__ = ["run", "train_step", "StepStats"]
+
+NEWLINE = 10
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step reports (the ``step`` record) plus its measured timeline."""
+
+    step: int
+    loss: float
+    """Mean over the replicas; NaN when the loss was non-finite."""
+    lr: float
+    grad_norm: float
+    """Global norm before clipping; NaN for a skipped step."""
+    tokens_per_s: float
+    bubble: float
+    skipped: bool
+    seconds: float
+    timeline: Timeline
+
+    def fields(self) -> dict[str, Any]:
+        return {"step": self.step, "loss": self.loss, "lr": self.lr,
+                "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s,
+                "bubble": self.bubble, "skipped": self.skipped}
+
+
+def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
+    """Train as ``cfg`` says; call in every process of an initialised torch.distributed job.
+
+    The world must hold ``cfg.dp x cfg.pp`` ranks. The reporter receives ``start``, ``step``,
+    ``eval``, ``sample`` and ``end`` records and one timeline; ``run`` does not close it.
+
+    Returns:
+        The summary, equal on every rank: final_loss, eval_loss, tokens_per_s, bubble, steps,
+        steps_run, skipped, params, layout, sample, seconds.
+
+    Raises:
+        ValueError: for a configuration that does not fit the world (all problems listed).
+        PipelineError: when a step fails, or a non-finite step with ``nonfinite='abort'``.
+
+    Example::
+
+        summary = run(TrainConfig(preset="tiny", steps=50), NullReporter())
+    """
+    trainer = build(cfg)
+    reporter.record("start", _start_fields(trainer))
+    history: list[StepStats] = []
+    first = trainer.step
+    clock = time.perf_counter()
+    for step in range(first, cfg.steps):
+        stats = train_step(trainer, step)
+        history.append(stats)
+        reporter.record("step", stats.fields())
+        if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            reporter.record("eval", {"step": step, "eval_loss": evaluate(trainer)})
+    elapsed = trainer.mesh.world_max(time.perf_counter() - clock)
+    final_eval = evaluate(trainer)
+    reporter.record("eval", {"step": cfg.steps - 1, "eval_loss": final_eval})
+    if history:
+        last = history[-1]
+        reporter.timeline(last.step, last.timeline, predict(last.timeline, trainer.pipe.schedule))
+    text = sample(trainer)
+    if text is not None:
+        reporter.record("sample", {"text": text})
+    summary = _summary(trainer, history, elapsed, final_eval, text)
+    reporter.record("end", summary)
+    return summary
+
+
+def train_step(trainer: Trainer, step: int) -> StepStats:
+    """Run step ``step`` (the markers refer to the module docstring's diagram)."""
+    cfg, mesh, pipe = trainer.cfg, trainer.mesh, trainer.pipe
+    start = time.perf_counter()
+    trainer.injector.armed = faults.at_step(step, mesh.rank) == "nan"  # [1]
+    lr = lr_at(step, peak=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps)
+    set_lr(trainer.optimizer, lr)
+    inputs, targets = trainer.batch(step)
+    try:
+        with autocast(cfg.precision, mesh.device):  # [2]
+            result = pipe.step(inputs, targets)
+    finally:
+        trainer.injector.armed = False
+    trainer.reducer.all_reduce()  # [3]
+    trainer.scale.unscale_(trainer.params)  # [4]
+    loss = trainer.scale.unscale_loss(float(result.loss if result.loss is not None else "nan"))
+    square_sum = grad_square_sum(trainer.counted, mesh.comm_device)
+    verdict = decide(finding(loss, float(square_sum), trainer.scale.enabled),  # [5]
+                     mesh.rank, mesh.dp * mesh.pp, mesh.comm_device)
+    grad_norm = math.nan
+    if verdict.skip:
+        if verdict.level == NONFINITE and cfg.nonfinite == "abort":
+            raise verdict.error(mesh.rank, step)
+        trainer.skipped += 1
+    else:
+        norm = mesh.pp_sum_(square_sum).sqrt()  # [6]
+        grad_norm = float(norm)
+        clip_grads_(trainer.params, norm, cfg.grad_clip)
+        trainer.optimizer.step()  # [7]
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.scale.update(overflow=verdict.level == OVERFLOW)
+    trainer.step = step + 1
+    seconds = time.perf_counter() - start
+    return StepStats(step, mesh.dp_mean(loss), lr, grad_norm,
+                     cfg.batch_size * cfg.seq_len / seconds, result.bubble_fraction,
+                     verdict.skip, seconds, result.timeline)
+
+
+def evaluate(trainer: Trainer) -> float:
+    """The held-out loss (mean over the eval batches and the replicas)."""
+    with autocast(trainer.cfg.precision, trainer.mesh.device):
+        scaled = eval_loss(trainer.pipe, trainer.mesh, trainer.eval_set)
+    return trainer.scale.unscale_loss(scaled)  # the loss function multiplies by the fp16 scale
+
+
+def sample(trainer: Trainer) -> str | None:
+    """``cfg.sample_tokens`` tokens after ``cfg.prompt``, as text; None when none are asked."""
+    cfg = trainer.cfg
+    if cfg.sample_tokens <= 0:
+        return None
+    prompt = encode(cfg.prompt).tolist() or [NEWLINE]
+    with autocast(cfg.precision, trainer.mesh.device):
+        ids = generate(trainer.pipe, trainer.mesh, prompt, cfg.sample_tokens,
+                       context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed)
+    return decode(prompt + ids)
+
+
+def _start_fields(trainer: Trainer) -> dict[str, Any]:
+    return {"config": dataclasses.asdict(trainer.cfg), "world": trainer.mesh.dp * trainer.mesh.pp,
+            "layout": _layout(trainer), "balance": list(trainer.pipe.balance),
+            "params": trainer.model.n_params, "start_step": trainer.step}
+
+
+def _layout(trainer: Trainer) -> dict[str, Any]:
+    s = trainer.pipe.schedule
+    return {**trainer.mesh.describe(), "schedule": s.name, "microbatches": s.n_microbatches,
+            "stages": s.n_stages, "stages_per_rank": s.n_stages // s.n_ranks,
+            "placement": list(s.placement), "balance": list(trainer.pipe.balance),
+            "precision": trainer.cfg.precision}
+
+
+def _summary(trainer: Trainer, history: list[StepStats], elapsed: float, final_eval: float,
+             text: str | None) -> dict[str, Any]:
+    done = [h for h in history if not h.skipped]
+    steady = history[1:] or history  # the first step also pays for warming up
+    bubble = sum(h.bubble for h in steady) / len(steady) if steady else math.nan
+    cfg = trainer.cfg
+    return {
+        "final_loss": done[-1].loss if done else math.nan, "eval_loss": final_eval,
+        "tokens_per_s": len(history) * cfg.batch_size * cfg.seq_len / elapsed
+        if elapsed > 0 else 0.0,
+        "bubble": trainer.mesh.dp_mean(bubble), "steps": trainer.step,
+        "steps_run": len(history), "skipped": trainer.skipped,
+        "params": trainer.model.n_params, "layout": _layout(trainer), "sample": text,
+        "seconds": elapsed,
+    }

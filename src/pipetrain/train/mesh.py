@@ -1,0 +1,186 @@
+"""Mesh: the dp x pp layout of a training job and the data-parallel gradient all-reduce.
+
+The world is a ``(dp, pp)`` grid of ranks, row-major: global rank ``r`` is pipeline rank
+``r % pp`` of data-parallel replica ``r // pp``. Each replica is a whole pipeline (its own
+``pp`` group); the ranks holding the same stages in different replicas form a ``dp`` group::
+
+    dp=2, pp=2          pp group        dp groups
+    replica 0:  0 1     {0, 1}          {0, 2}  (stage-0 holders)
+    replica 1:  2 3     {2, 3}          {1, 3}  (stage-1 holders)
+
+After each pipeline step every replica holds the gradient of its own part of the batch; the
+:class:`GradReducer` sums them over the dp group and then divides by ``dp`` (sum, then scale:
+for a power-of-two ``dp`` the division is exact, so a replica's averaged gradient is bitwise
+what one pipeline computes on the concatenated batch when the micro-batch sums line up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+__all__ = ["Mesh", "build_mesh", "GradReducer"]
+
+BUCKET_BYTES = 25 << 20
+"""Gradients are flattened into buckets of about this size, one all-reduce each."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the dp x pp grid and the groups it communicates over."""
+
+    dp: int
+    pp: int
+    rank: int
+    """Global rank."""
+    dp_rank: int
+    """Which replica (0 .. dp-1)."""
+    pp_rank: int
+    """Which pipeline rank inside the replica (0 .. pp-1)."""
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    device: torch.device
+    """Where this rank computes."""
+    comm_device: torch.device
+    """Where small tensors for collectives live (the device under NCCL, else CPU)."""
+
+    def global_rank(self, dp_rank: int, pp_rank: int) -> int:
+        return dp_rank * self.pp + pp_rank
+
+    def describe(self) -> dict[str, int]:
+        return {"world": self.dp * self.pp, "dp": self.dp, "pp": self.pp}
+
+    def dp_mean(self, value: float) -> float:
+        """The mean of ``value`` over this rank's dp group (call on every rank at once)."""
+        if self.dp == 1:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t) / self.dp
+
+    def pp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over this rank's pipeline group; return it."""
+        if self.pp > 1:
+            dist.all_reduce(tensor, group=self.pp_group)
+        return tensor
+
+    def world_max(self, value: float) -> float:
+        """The largest ``value`` of any rank (call on every rank at once)."""
+        t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+
+def layout(world: int, dp: int, pp: int | None) -> tuple[int, int]:
+    """``(dp, pp)`` for a world of ``world`` ranks; ``pp=None`` takes ``world // dp``.
+
+    Raises:
+        ValueError: when ``dp x pp`` is not the world size.
+    """
+    if dp < 1 or (pp is not None and pp < 1):
+        raise ValueError(f"dp and pp must be >= 1, got dp={dp}, pp={pp}")
+    if pp is None:
+        if world % dp:
+            raise ValueError(f"the world has {world} ranks, which dp={dp} does not divide; "
+                             f"start a multiple of {dp} processes or change --dp")
+        pp = world // dp
+    if dp * pp != world:
+        raise ValueError(f"the world has {world} ranks but dp={dp} x pp={pp} = {dp * pp}; "
+                         f"start {dp * pp} processes (--nproc) or change --dp/--pp")
+    return dp, pp
+
+
+def build_mesh(dp: int, pp: int | None, device: str = "auto") -> Mesh:
+    """The mesh of the current ``torch.distributed`` job (call on every rank at once).
+
+    Args:
+        dp: data-parallel replicas.
+        pp: pipeline ranks per replica; None: world size // dp.
+        device: ``auto`` (CUDA under NCCL, else CPU), ``cpu`` or ``cuda``.
+
+    Raises:
+        ValueError: when the world is not ``dp x pp`` ranks, or CUDA is asked for but absent.
+        RuntimeError: when torch.distributed is not initialised.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: start the job with "
+                           "`pipetrain train` (or torchrun), or pt.launch in tests")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, pp = layout(world, dp, pp)
+    nccl = dist.get_backend() == "nccl"
+    where = _device(device, nccl, rank)
+    grid = init_device_mesh("cuda" if nccl else "cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    return Mesh(dp, pp, rank, rank // pp, rank % pp, grid.get_group("pp"), grid.get_group("dp"),
+                where, where if nccl else torch.device("cpu"))
+
+
+def _device(choice: str, nccl: bool, rank: int) -> torch.device:
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {choice!r}")
+    if choice == "cpu" and nccl:
+        raise ValueError("device='cpu' needs the gloo backend, but this job runs NCCL; "
+                         "use device='cuda' or start the job on CPU")
+    if choice == "cuda" or (choice == "auto" and nccl):
+        if not torch.cuda.is_available():
+            raise ValueError(f"[rank {rank}] device='cuda' but CUDA is not available here; "
+                             "use device='cpu'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GradReducer:
+    """Average gradients over a dp group: flattened buckets, summed, then divided by ``dp``.
+
+    Args:
+        params: this rank's parameters (those not requiring grad are left out).
+        group: the dp group.
+        size: ranks in ``group``.
+        bucket_bytes: about this many bytes of gradient per all-reduce.
+
+    Example::
+
+        reducer = GradReducer(pipe.parameters(), mesh.dp_group, mesh.dp)
+        pipe.step(x, y)
+        reducer.all_reduce()        # every replica now holds the mean gradient
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, size: int,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.group, self.size = group, size
+        self.buckets = _buckets([p for p in params if p.requires_grad], bucket_bytes)
+
+    def all_reduce(self) -> None:
+        """Replace each gradient by its mean over the group (missing gradients count as 0)."""
+        if self.size == 1:
+            return
+        for bucket in self.buckets:
+            flat = torch.cat([_grad(p).reshape(-1) for p in bucket])
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.size)
+            for p, part in zip(bucket, torch.split(flat, [p.numel() for p in bucket]), strict=True):
+                _grad(p).copy_(part.view_as(p))
+
+
+def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
+    """Consecutive parameters of one dtype and device, about ``limit`` bytes per bucket."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        same = buckets and (buckets[-1][0].dtype, buckets[-1][0].device) == (p.dtype, p.device)
+        if not same or size >= limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    return buckets
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
