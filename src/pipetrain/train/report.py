@@ -41,7 +41,7 @@ from pipetrain.simulate import Simulation
 from pipetrain.timeline import Timeline
 from pipetrain.train.config import TrainConfig
 
-__all__ = ["ProgressReporter", "read_log", "save_loss_png", "save_timeline_png",
+__all__ = ["ProgressReporter", "describe_layout", "read_log", "save_loss_png", "save_timeline_png",
            "timeline_trace"]
 
 _PLAIN_LINES = 10  # progress lines printed without a terminal
@@ -82,8 +82,9 @@ class ProgressReporter:
 
     def timeline(self, step: int, measured: Timeline, simulated: Simulation) -> None:
         """Draw the measured step above the simulator's prediction; write PNG and trace."""
-        self._bubbles = {"measured_bubble": measured.bubble_fraction,
-                         "simulated_bubble": simulated.bubble_fraction}
+        self._bubbles = {"timeline_step": step,
+                         "timeline_bubble_measured": measured.bubble_fraction,
+                         "timeline_bubble_simulated": simulated.bubble_fraction}
         trace = timeline_trace(measured, simulated.timeline)
         (self.out / "timeline.json").write_text(json.dumps(trace) + "\n")
         self._files.append("timeline.json")
@@ -106,9 +107,12 @@ class ProgressReporter:
     # ----------------------------------------------------------------------------- records
 
     def _on_start(self, fields: dict[str, Any]) -> None:
-        parts = [f"{k} {_text(fields[k])}" for k in ("world", "layout", "balance", "params")
-                 if k in fields]
-        self._print("start: " + ", ".join(parts) if parts else "start")
+        parts = [describe_layout(fields.get("layout", {}))]
+        if "params" in fields:
+            parts.append(f"{fields['params']:,} parameters")
+        if fields.get("start_step"):
+            parts.append(f"resuming at step {fields['start_step']}")
+        self._print("start: " + ", ".join(p for p in parts if p))
         if self.cfg.progress and self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -249,6 +253,25 @@ def timeline_trace(measured: Timeline, simulated: Timeline) -> dict[str, object]
 # -------------------------------------------------------------------------------- helpers
 
 
+def describe_layout(layout: dict[str, Any]) -> str:
+    """``2 ranks (dp 1 x pp 2), zbv, 8 micro-batches, 4 stages (2 per rank), ...``."""
+    parts = []
+    if {"world", "dp", "pp"} <= layout.keys():
+        parts.append(f"{layout['world']} ranks (dp {layout['dp']} x pp {layout['pp']})")
+    if "schedule" in layout:
+        parts.append(str(layout["schedule"]))
+    if "microbatches" in layout:
+        parts.append(f"{layout['microbatches']} micro-batches")
+    if "stages" in layout:
+        per = layout.get("stages_per_rank")
+        parts.append(f"{layout['stages']} stages" + (f" ({per} per rank)" if per else ""))
+    if "balance" in layout:
+        parts.append(f"layers per stage {_text(layout['balance'])}")
+    if "precision" in layout:
+        parts.append(str(layout["precision"]))
+    return ", ".join(parts)
+
+
 def _summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title="pipetrain train: summary", show_header=False, title_justify="left")
     table.add_column("what", style="bold")
@@ -256,13 +279,16 @@ def _summary_table(summary: dict[str, Any]) -> Table:
     for key, value in summary.items():
         if key in _NOT_IN_TABLE:
             continue
-        table.add_row(key.replace("_", " "), _text(value))
+        shown = describe_layout(value) if key == "layout" else _text(value)
+        table.add_row(key.replace("_", " "), shown)
     return table
 
 
 def _text(value: Any) -> str:
     if isinstance(value, float):
-        return _fmt(value, ".4g")
+        return _fmt(value, ",.0f" if abs(value) >= 1e4 else ".4g")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
     if isinstance(value, list | tuple):
         return ", ".join(_text(v) for v in value)
     if isinstance(value, dict):

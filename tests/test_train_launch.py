@@ -1,0 +1,160 @@
+"""`pipetrain train` end to end as a subprocess: files, loopback-only sockets, fail-stop, resume.
+
+Each test starts one small job (tiny preset, seq_len 32, a few steps, 2 local processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = ["--nproc", "2", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8",
+        "--microbatches", "4", "--sample-tokens", "16", "--no-progress"]
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+BOUND = 20.0  # seconds from a fault to the end of every process (start-up included)
+
+pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(),
+                                reason="reads sockets and processes from Linux /proc")
+
+
+def _start(out: Path, *args: str, faults: str | None = None) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
+    if faults:
+        env["PIPETRAIN_FAULTS"] = faults
+    return subprocess.Popen([sys.executable, "-m", "pipetrain", "train", *TINY,
+                             "--out", str(out), *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+# ------------------------------------------------------------------------ /proc inspection
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant of ``pid`` (from /proc/<pid>/task/*/children)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = {int(c) for c in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            todo += list(kids - found)
+            found |= kids
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").glob("*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def _address(hex_addr: str) -> str:
+    """``0100007F`` → 127.0.0.1; 32 hex digits → an IPv6 address (kernel byte order)."""
+    import ipaddress
+
+    raw = bytes.fromhex(hex_addr)
+    if len(raw) == 4:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    v6 = ipaddress.IPv6Address(words)
+    return str(v6.ipv4_mapped and f"::ffff:{v6.ipv4_mapped}" or v6)
+
+
+def _listening(pids: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state owned by one of ``pids``."""
+    inodes: set[str] = set()
+    for pid in pids:
+        inodes |= _socket_inodes(pid)
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                addr, port = cols[1].split(":")
+                found.add((_address(addr), int(port, 16)))
+    return found
+
+
+def _watch(proc: subprocess.Popen[str]) -> tuple[set[tuple[str, int]], set[int]]:
+    """Until ``proc`` ends: the job's listening sockets and the processes seen."""
+    sockets: set[tuple[str, int]] = set()
+    pids: set[int] = set()
+    while proc.poll() is None:
+        try:
+            now = {proc.pid} | _children(proc.pid)
+            pids |= now
+            sockets |= _listening(now)
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return sockets, pids
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+# ----------------------------------------------------------------------------------- tests
+
+
+def test_train_writes_every_file_and_listens_on_loopback_only(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "--steps", "4", "--eval-every", "2", "--schedule", "zbv")
+    sockets, pids = _watch(proc)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, out + err
+    assert len(pids) >= 3, "the launcher and its 2 workers"
+    assert sockets, "no listening socket seen while the job ran"
+    assert {addr for addr, _ in sockets} <= LOOPBACK, sockets
+    for name in ("log.jsonl", "loss.png", "timeline.png", "timeline.json", "summary.json",
+                 "config.toml"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == [0, 1, 2, 3]
+    assert [r["kind"] for r in records].count("eval") == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_loss"] > 0
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert {"rank 0 measured", "rank 1 simulated"} <= names
+    assert "schedule=zbv" in out and "step 3/4" in out
+
+
+@pytest.mark.parametrize(("fault", "first"), [
+    ("kill@rank1:step2", "rank 1 failed first: killed by SIGKILL"),
+    ("hang@rank1:step2", "rank 0 failed first: exit code 1"),
+], ids=["kill", "hang"])
+def test_a_failed_rank_stops_every_rank_within_the_bound(tmp_path: Path, fault: str,
+                                                         first: str) -> None:
+    started = time.monotonic()
+    proc = _start(tmp_path, "--steps", "50", "--timeout", "3", faults=fault)
+    _, pids = _watch(proc)
+    elapsed = time.monotonic() - started
+    out, err = proc.communicate()
+    assert proc.returncode == 1, out + err
+    assert elapsed < BOUND, f"took {elapsed:.1f} s"
+    assert not _alive(pids - {proc.pid}), "a worker outlived the launcher"
+    assert first in err and "without restarts" in err, err
+    assert "step 49" not in out
