@@ -1,4 +1,4 @@
-"""Comm codec and mailbox: encode/decode round trips, header checks, waiting with a deadline."""
+"""Wire codec and mailbox: encode/decode round trips, frames, header checks, deadline waits."""
 
 from __future__ import annotations
 
@@ -8,23 +8,29 @@ import time
 import pytest
 import torch
 
-from pipetrain.comm import (
+from pipetrain.comm import Mailbox
+from pipetrain.errors import CommError
+from pipetrain.payload import DTYPES, flatten
+from pipetrain.wire import (
     ABORT,
     ACT,
     DONE,
+    FRAME_BYTES,
     GRAD,
+    HEADER_BYTES,
     HEADER_LEN,
+    INLINE_BYTES,
     MAX_DIMS,
     MAX_TENSORS,
     Key,
-    Mailbox,
     Message,
     decode,
     encode,
     expected_bytes,
+    inline_payload,
+    new_frame,
+    read_header,
 )
-from pipetrain.errors import CommError
-from pipetrain.payload import DTYPES, flatten
 
 CPU = torch.device("cpu")
 _FIXED, _PER_TENSOR = 16, 12  # header layout: fixed fields, then per-tensor slots
@@ -39,14 +45,25 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
 
 
+def _header(frame: torch.Tensor) -> list[int]:
+    return list(read_header(bytes(frame.tolist())))
+
+
 def _round_trip(msg: Message, src_rank: int = 3, op: int = 2) -> tuple[list[int], Message]:
-    header_t, payload = encode(msg, src_rank, op)
-    assert header_t.dtype == torch.int64 and header_t.shape == (HEADER_LEN,)
-    assert payload.dtype == torch.uint8 and payload.dim() == 1
-    header = header_t.tolist()
+    frame, separate = encode(msg, src_rank, op)
+    assert frame.dtype == torch.uint8 and frame.shape == (FRAME_BYTES,)
+    header = _header(frame)
+    assert header[:HEADER_LEN] == frame[:HEADER_BYTES].view(torch.int64).tolist()
+    payload = inline_payload(header, frame)
+    assert (payload is None) == (separate is not None) == (header[12] == 0)
+    payload = separate if payload is None else payload
+    assert payload is not None and payload.dtype == torch.uint8 and payload.dim() == 1
     assert header[9] == payload.numel() == expected_bytes(header)
     assert header[6] == src_rank and header[10] == op
-    return header, decode(header, payload.clone())
+    received_buf, received = new_frame()  # what a receiver does: a fresh frame, then decode
+    received.copy_(frame)
+    inside = inline_payload(read_header(received_buf), received)
+    return header, decode(header, payload.clone() if inside is None else inside)
 
 
 def _assert_same_tensors(got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> None:
@@ -98,8 +115,9 @@ def test_round_trip_many_tensors_none_entries_flags_and_spec() -> None:
 
 
 def test_absent_gradients_cost_no_payload() -> None:
-    h_none, p_none = encode(Message(Key(GRAD, 0, 0, 1, 0), [None, None]), 0)
-    assert p_none.numel() == 0 and h_none[7] == 2
+    frame, separate = encode(Message(Key(GRAD, 0, 0, 1, 0), [None, None]), 0)
+    header = _header(frame)
+    assert separate is None and header[9] == 0 and header[7] == 2
     _, got = _round_trip(Message(Key(GRAD, 0, 0, 1, 0), [None, None]))
     assert got.tensors == [None, None] and got.requires_grad == [False, False]
 
@@ -117,9 +135,23 @@ def test_no_tensors_only_spec() -> None:
 
 def test_payload_is_16_byte_aligned() -> None:
     ts: list[torch.Tensor | None] = [torch.ones(3, dtype=torch.uint8), torch.randn(3)]
-    header, payload = encode(Message(Key(ACT, 0, 0, 0, 1), ts, {"v": "abc"}), 0)
-    assert payload.numel() % 16 == 0
+    header = _header(encode(Message(Key(ACT, 0, 0, 0, 1), ts, {"v": "abc"}), 0)[0])
+    assert header[9] % 16 == 0 and header[9] == 16 + 16 + 16
     assert header[8] == len(b'{"v":"abc"}')
+
+
+def test_a_small_payload_travels_inside_the_frame_a_large_one_after_it() -> None:
+    fits = torch.zeros(INLINE_BYTES // 4, dtype=torch.float32)  # exactly fills the frame
+    frame, separate = encode(Message(Key(ACT, 0, 0, 0, 1), [fits]), 0)
+    assert separate is None and _header(frame)[12] == 1
+    too_big = torch.zeros(INLINE_BYTES // 4 + 1, dtype=torch.float32)
+    frame, separate = encode(Message(Key(ACT, 0, 0, 0, 1), [too_big]), 0)
+    assert separate is not None and _header(frame)[12] == 0
+    assert separate.numel() == _header(frame)[9] == INLINE_BYTES + 16
+    for t in (fits, too_big, torch.randn(40, 50)):
+        _, got = _round_trip(Message(Key(ACT, 0, 0, 0, 1), [t], {"t": 0}, [True]))
+        _assert_same_tensors(got.tensors, [t])
+        assert got.spec == {"t": 0} and got.requires_grad == [True]
 
 
 def test_too_many_tensors() -> None:
@@ -139,12 +171,12 @@ def test_too_many_dims() -> None:
         encode(Message(Key(ACT, 0, 0, 0, 1), [torch.zeros([1] * 9)]), 0)
 
 
-def _header(*tensors: torch.Tensor) -> list[int]:
-    return encode(Message(Key(ACT, 0, 0, 0, 1), list(tensors), {"v": 1}), 0)[0].tolist()
+def _header_of(*tensors: torch.Tensor) -> list[int]:
+    return _header(encode(Message(Key(ACT, 0, 0, 0, 1), list(tensors), {"v": 1}), 0)[0])
 
 
 def test_expected_bytes_matches_payload_size() -> None:
-    header = _header(torch.randn(3, 5), torch.zeros(7, dtype=torch.uint8))
+    header = _header_of(torch.randn(3, 5), torch.zeros(7, dtype=torch.uint8))
     assert expected_bytes(header) == 16 + 64 + 16 == header[9]
 
 
@@ -156,7 +188,7 @@ def test_expected_bytes_matches_payload_size() -> None:
     ("spec_bytes", -5),
 ])
 def test_expected_bytes_rejects_a_corrupted_header(field: str, value: int) -> None:
-    header = _header(torch.randn(3, 5))
+    header = _header_of(torch.randn(3, 5))
     index = {"dtype": _FIXED + 1, "ndim": _FIXED + 3, "dim": _FIXED + 5,
              "n_tensors": 7, "spec_bytes": 8}[field]
     header[index] = value

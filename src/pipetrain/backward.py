@@ -18,13 +18,15 @@ The autograd graph of one stage for one micro-batch is cut in two (the method of
 A weight reachable from two intermediates (a weight used twice inside one stage) would be
 counted twice by W, so such micro-batches fall back to a full backward inside I and W is a no-op;
 so do those where a stage returns a weight itself as an output (it has no node for W to run).
+Outputs may be given as tensors or as ``GradientEdge``s (a stage that recomputes its last
+layers keeps only the edge, not the output's memory).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -46,14 +48,17 @@ def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | N
             p.grad += g
 
 
+Root = torch.Tensor | GradientEdge  # a stage output to start the backward from
+
+
 def backward_full(
-    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+    outputs: Sequence[Root | None], grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
 ) -> list[torch.Tensor | None]:
     """B: input and weight gradients in one pass; weights accumulate into ``.grad``."""
     roots, root_grads = _roots(outputs, grads)
     if roots:
-        torch.autograd.backward(roots, root_grads)
+        torch.autograd.backward(cast(Any, roots), root_grads)  # tensors and edges mixed
     return [x.grad for x in inputs]
 
 
@@ -68,7 +73,8 @@ class WeightWork:
 
     def run(self) -> None:
         """W: compute the weight gradients and accumulate them into ``.grad``."""
-        for edges, edge_grads, params in self.groups:
+        for edges, edge_grads, params in self.groups:  # one call each: an intermediate's input
+            # gradient leads on to the weights of the layers below, which their own group owns
             got = torch.autograd.grad(edges, params, edge_grads, allow_unused=True)
             _accumulate(params, got)
         self.groups.clear()
@@ -76,7 +82,7 @@ class WeightWork:
 
 
 def backward_input(
-    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+    outputs: Sequence[Root | None], grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
     """I: gradients w.r.t. ``inputs`` only; returns them and the deferred :class:`WeightWork`."""
@@ -84,7 +90,7 @@ def backward_input(
     diff_inputs = [x for x in inputs if x.requires_grad]
     trainable = [p for p in params if p.requires_grad]
     graph = _Graph(roots, diff_inputs, trainable)
-    weight_as_output = any(r is p for r in roots for p in trainable)  # W would not see it
+    weight_as_output = any(n in graph.param_of for n in graph.root_nodes)  # W would not see it
     if graph.shared_weights or weight_as_output:
         return backward_full(outputs, grads, inputs), WeightWork(done=True)
     work = WeightWork()
@@ -93,18 +99,18 @@ def backward_input(
     try:
         got: Sequence[torch.Tensor | None] = []
         if diff_inputs and roots:
-            got = torch.autograd.grad(roots, diff_inputs, root_grads, retain_graph=True,
-                                      allow_unused=True)
+            got = torch.autograd.grad(cast(Any, roots), diff_inputs, root_grads,
+                                      retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
     for node in graph.intermediates:
         _add_group(work, graph, node, saved.get(node))
-    for root, g in zip(roots, root_grads):
-        if root.grad_fn in graph.w_roots:
-            params_hit = graph.weights_below(root.grad_fn)
+    for root, node, g in zip(roots, graph.root_nodes, root_grads):
+        if node in graph.w_roots:
+            params_hit = graph.weights_below(node)
             if params_hit:
-                work.groups.append(([get_gradient_edge(root)], [g], params_hit))
+                work.groups.append(([_edge(root)], [g], params_hit))
     by_input = dict(zip(map(id, diff_inputs), got))
     return [by_input.get(id(x)) for x in inputs], work
 
@@ -124,42 +130,50 @@ def _add_group(work: WeightWork, graph: _Graph, node: Node, got: tuple[Any, ...]
         work.groups.append(([e for e, _ in pairs], [g for _, g in pairs], params_hit))
 
 
-def _grad_or_ones(t: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-    return torch.ones_like(t) if g is None else g
+def _edge(root: Root) -> GradientEdge:
+    return root if isinstance(root, GradientEdge) else get_gradient_edge(root)
 
 
 def _roots(
-    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    roots, root_grads = [], []
+    outputs: Sequence[Root | None], grads: Sequence[torch.Tensor | None]
+) -> tuple[list[Root], list[torch.Tensor]]:
+    """Outputs to start from, with their gradients; a scalar output without one is a loss.
+
+    ``None`` stands for an output that needs no gradient; an output given as a GradientEdge
+    is never a loss (a stage keeps its loss as a tensor).
+    """
+    roots: list[Root] = []
+    root_grads: list[torch.Tensor] = []
     for y, g in zip(outputs, grads):
-        if not y.requires_grad:
+        if y is None or (isinstance(y, torch.Tensor) and not y.requires_grad):
             continue
-        if g is None and y.numel() != 1:
-            continue  # no gradient arrived for this output: it did not influence the loss
+        if g is None:
+            if isinstance(y, GradientEdge) or y.numel() != 1:
+                continue  # no gradient arrived for this output: it did not influence the loss
+            g = torch.ones_like(y)
         roots.append(y)
-        root_grads.append(_grad_or_ones(y, g))
+        root_grads.append(g)
     return roots, root_grads
 
 
 class _Graph:
     """Reachability over one stage's autograd graph: X (leads to inputs), P (leads to weights)."""
 
-    def __init__(self, roots: list[torch.Tensor], inputs: list[torch.Tensor],
+    def __init__(self, roots: list[Root], inputs: list[torch.Tensor],
                  params: list[torch.Tensor]) -> None:
         self.input_nodes = {get_gradient_edge(x).node for x in inputs}
         self.param_of = {get_gradient_edge(p).node: p for p in params}
         self.children: dict[Node, list[Node]] = {}
         self.reach_x: dict[Node, bool] = {}
         self.reach_p: dict[Node, bool] = {}
-        for r in roots:
-            if r.grad_fn is not None:
-                self._visit(r.grad_fn)
+        self._below: dict[Node, list[torch.Tensor]] = {}
+        self.root_nodes = [_edge(r).node for r in roots]
+        for node in self.root_nodes:
+            self._visit(node)
         self.x_nodes = {n for n, v in self.reach_x.items() if v}
         self.intermediates = [n for n in self.x_nodes if any(self._p_only(c)
                                                              for c in self.children[n])]
-        self.w_roots = [r.grad_fn for r in roots
-                        if r.grad_fn is not None and r.grad_fn not in self.x_nodes]
+        self.w_roots = [n for n in self.root_nodes if n not in self.x_nodes]
         self.shared_weights = self._weights_shared(self.w_roots)
 
     def _visit(self, root: Node) -> None:
@@ -183,7 +197,12 @@ class _Graph:
         return self.reach_p.get(node, False) and not self.reach_x.get(node, False)
 
     def weights_below(self, node: Node) -> list[torch.Tensor]:
-        """Weights reached from ``node`` through P-only children."""
+        """Weights reached from ``node`` through P-only children (computed once per node)."""
+        if node not in self._below:
+            self._below[node] = self._search_below(node)
+        return self._below[node]
+
+    def _search_below(self, node: Node) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []
         seen: set[Node] = set()
         stack = [c for c in self.children.get(node, []) if self._p_only(c)]

@@ -11,8 +11,9 @@ runs exactly the same action lists.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -21,17 +22,20 @@ from torch import nn
 
 from pipetrain import microbatch
 from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
-from pipetrain.comm import OPS, P2P, Message, PeerFailed
+from pipetrain.comm import P2P, PeerFailed
 from pipetrain.errors import PartitionError, PipelineError
+from pipetrain.finish import StepTimes, done_plan, exchange, total_loss
 from pipetrain.generators import make_schedule
 from pipetrain.lazy import LayerSpec, resolve
 from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
-from pipetrain.runtime import Executor, StepData, done_key, expected_messages
+from pipetrain.recompute import Policy, layer_flags
+from pipetrain.runtime import Executor, GradsReady, StepData, message_plans
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
-from pipetrain.tied import TiedGrads, find_tied
-from pipetrain.timeline import Span, Timeline
+from pipetrain.tied import TiedGrads, TiedParam, find_tied
+from pipetrain.timeline import Timeline
 from pipetrain.trace import TracedSplit
+from pipetrain.wire import OPS
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -44,8 +48,13 @@ class StepResult:
     """The batch loss (sum of the weighted micro-batch losses); None without targets."""
     outputs: Any
     """Merged model outputs, on the rank(s) holding the last stage, when asked for."""
-    timeline: Timeline
-    """Measured start/end (seconds, wall clock) of every action of every rank."""
+    times: StepTimes | Timeline = field(repr=False)
+    """The measured action times, as recorded (read ``timeline``)."""
+
+    @cached_property
+    def timeline(self) -> Timeline:
+        """Measured start/end (seconds, wall clock) of every action of every rank."""
+        return self.times if isinstance(self.times, Timeline) else self.times.timeline()
 
     @property
     def bubble_fraction(self) -> float:
@@ -75,9 +84,11 @@ class Pipeline:
         loss_reduction: ``"mean"`` (micro-batch i weighted by its share of the batch) or
             ``"sum"`` (weight 1), matching how ``loss_fn`` reduces.
         timeout: seconds any wait for a peer may last before the step fails.
-        recompute: activation recomputation per stage: ``"never"``, ``"always"``,
-            ``"except_last"`` (the last stage's backward follows its forward at once, so
-            recomputing it saves little), or a collection of stage indices.
+        recompute: activation recomputation (:mod:`pipetrain.recompute`): per stage,
+            ``"never"``, ``"always"``, ``"except_last"`` (the last stage's backward follows
+            its forward at once, so recomputing it saves little) or a collection of stage
+            indices; or per layer, ``("every", k)``: the layers whose index in the layer list
+            is a multiple of k (0, k, 2k, ...; a traced model's layers are its stages).
         split_points: cut an arbitrary ``model`` (not a layer list) into stages by tracing it
             (:func:`pipetrain.trace.split_model`): one stage starts at the first use of each
             named module (``["blocks.4", "blocks.8"]``). Needs ``example_inputs``; ``step``
@@ -100,7 +111,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None, local_ranks: int | None = None,
         device: torch.device | str | None = None, split_dim: int = 0,
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
-        recompute: str | Collection[int] = "never", init_seed: int = 0,
+        recompute: Policy = "never", init_seed: int = 0,
         split_points: Sequence[str] | None = None, example_inputs: Any = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
@@ -127,7 +138,7 @@ class Pipeline:
         self.hosted = list(range(n_ranks)) if self.local else [self.rank]
         self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
         self.stages: dict[int, Stage] = {}
-        self._build_stages(layers, _recompute_stages(recompute, n_stages), init_seed)
+        self._build_stages(layers, layer_flags(recompute, self.balance), init_seed)
         modules = [(n, m) for n, m in layers if isinstance(m, nn.Module)]
         self._canonical = {id(p): _join(ln, pn) for ln, m in reversed(modules)
                            for pn, p in reversed(list(m.named_parameters()))}
@@ -137,7 +148,9 @@ class Pipeline:
                                                      timeout, max_message_bytes)
         self._tied_grads = None if self.local else TiedGrads(
             self.tied, self.rank, group, dict(self.named_parameters()))
-        self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport)
+        self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
+                                 *_grad_links(self.tied, self.local))
+        self._plan_cache: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}
         self._step = 0
         self._broken: str | None = None
 
@@ -162,8 +175,8 @@ class Pipeline:
             costs = _broadcast_costs(costs, len(built), group)
         return plan_balance(built, self.schedule, mode, sample, layer_costs=costs)
 
-    def _build_stages(self, layers: list[tuple[str, nn.Module | LayerSpec]], replay: set[int],
-                      init_seed: int) -> None:
+    def _build_stages(self, layers: list[tuple[str, nn.Module | LayerSpec]],
+                      replay: Sequence[bool], init_seed: int) -> None:
         """Build (or materialise) the layers of hosted stages; others stay as they are."""
         last = self.schedule.n_stages - 1
         for s, (lo, hi) in enumerate(stage_bounds(self.balance)):
@@ -175,7 +188,7 @@ class Pipeline:
             self._stage_layers[s] = chunk
             self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == last,
                                    loss_fn=self.loss_fn, device=self.device,
-                                   recompute=s in replay)
+                                   recompute=replay[lo:hi])
 
     @staticmethod
     def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
@@ -213,34 +226,46 @@ class Pipeline:
             yield p
 
     # -- steps ---------------------------------------------------------------------------
-    def step(self, inputs: Any = None, targets: Any = None, *,
-             return_outputs: bool = False) -> StepResult:
+    def step(self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False,
+             on_grads_ready: GradsReady | None = None) -> StepResult:
         """One training step: forward and backward of every micro-batch as scheduled.
 
         Gradients accumulate into ``.grad`` exactly as running the micro-batches one after
         another through the whole model would. ``inputs`` is needed on the rank holding
         stage 0, ``targets`` on the rank holding the last stage; others may pass None.
+
+        ``on_grads_ready(stage)`` is called once per stage this process holds, as soon as that
+        stage's gradients are final for the step: right after the last action that writes
+        them (its last W, or last B where the backward is not split), or at the end of the
+        step for a stage with a weight tied to another rank. While the schedule's cool-down
+        goes on, a data-parallel all-reduce of that stage's gradients can already start::
+
+            pipe.step(x, y, on_grads_ready=lambda s: start_all_reduce(pipe.stages[s]))
+
+        A hook that raises fails the step like a stage error.
         """
-        return self._run(inputs, targets, train=True, keep_outputs=return_outputs)
+        return self._run(inputs, targets, train=True, keep_outputs=return_outputs,
+                         on_grads_ready=on_grads_ready)
 
     def eval_step(self, inputs: Any = None, targets: Any = None) -> StepResult:
         """Forward only, without autograd: the loss (if targets are given) and the outputs."""
         with torch.no_grad():
             return self._run(inputs, targets, train=False, keep_outputs=True)
 
-    def _run(self, inputs: Any, targets: Any, *, train: bool, keep_outputs: bool) -> StepResult:
+    def _run(self, inputs: Any, targets: Any, *, train: bool, keep_outputs: bool,
+             on_grads_ready: GradsReady | None = None) -> StepResult:
         if self._broken is not None:
             raise PipelineError(f"[rank {self.rank}] this pipeline failed earlier and cannot run "
                                 f"again: {self._broken}")
         step = self._step
         self._step += 1
-        data = StepData(step, [], [], [], keep_outputs, train)
+        data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready)
         if self.transport is not None:
-            self.transport.start_step(expected_messages(self.schedule, self.rank, step, train))
+            self.transport.start_step(step, self._plans(train))
         try:
             self._prepare(data, inputs, targets)
             self.executor.run(data)
-            loss, timeline = self._finish(data)
+            loss, times = self._finish(data)
         except BaseException as e:
             self._fail(step, e)
             raise
@@ -248,7 +273,14 @@ class Pipeline:
         if keep_outputs and data.outputs:
             outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
                                        self.split_dim)
-        return StepResult(loss, outputs, timeline)
+        return StepResult(loss, outputs, times)
+
+    def _plans(self, train: bool) -> dict[int, list[tuple[int, int, int, int]]]:
+        """Per peer, the messages it sends this rank in a step (computed once per mode)."""
+        if train not in self._plan_cache:
+            plans = message_plans(self.schedule, self.rank, train)
+            self._plan_cache[train] = {p: [*plan, done_plan(p)] for p, plan in plans.items()}
+        return self._plan_cache[train]
 
     def _prepare(self, data: StepData, inputs: Any, targets: Any) -> None:
         m = self.schedule.n_microbatches
@@ -270,31 +302,17 @@ class Pipeline:
                 if self.loss_reduction == "mean":
                     data.weights = [n / total for n in sizes]
 
-    def _finish(self, data: StepData) -> tuple[torch.Tensor | None, Timeline]:
-        loss = _total(data)
+    def _finish(self, data: StepData) -> tuple[torch.Tensor | None, StepTimes]:
+        own = self.executor.executed(data.train)
         if self.transport is None:
-            return loss, Timeline(self.schedule.n_ranks, tuple(data.spans), "s")
-        spans = list(data.spans)
-        own = torch.tensor([[s.start, s.end] for s in data.spans], dtype=torch.float64)
-        holder = self.schedule.rank_of(self.schedule.n_stages - 1)
-        tensors: list[torch.Tensor | None] = [own.reshape(-1, 2)]
-        if loss is not None:
-            tensors.append(loss.detach().reshape(()).to(torch.float64).cpu())
-        for peer in range(self.schedule.n_ranks):
-            if peer != self.rank:
-                self.transport.send(peer, Message(done_key(data.step, self.rank), tensors))
-        for peer in range(self.schedule.n_ranks):
-            if peer == self.rank:
-                continue
-            msg = self.transport.recv(done_key(data.step, peer),
-                                      f"[rank {self.rank}] end of step {data.step}")
-            spans += _spans_of(self.schedule, peer, msg.tensors[0], data.train)
-            if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
-                loss = msg.tensors[1].clone()
-        self.transport.finish_step(f"[rank {self.rank}] end of step {data.step}")
+            loss, times = total_loss(data), StepTimes(self.schedule, data.train, own, data.times)
+        else:
+            loss, times = exchange(self.transport, self.schedule, self.rank, data, own)
         if data.train and self._tied_grads is not None:
             self._tied_grads.all_reduce()
-        return loss, Timeline(self.schedule.n_ranks, tuple(spans), "s")
+        if data.train and self.executor.deferred:
+            self.executor.grads_ready(self.rank, None, self.executor.deferred, data)
+        return loss, times
 
     def _fail(self, step: int, error: BaseException) -> None:
         for stage in self.stages.values():
@@ -339,35 +357,16 @@ def _trace(model: Any, split_points: Sequence[str], example_inputs: Any, balance
     return split_model(model, split_points, example_inputs)
 
 
-def _recompute_stages(policy: str | Collection[int], n_stages: int) -> set[int]:
-    named = {"never": set(), "always": set(range(n_stages)),
-             "except_last": set(range(n_stages - 1))}
-    if isinstance(policy, str):
-        if policy not in named:
-            raise ValueError(f"recompute must be one of {sorted(named)} or a collection of "
-                             f"stage indices, got {policy!r}")
-        return named[policy]
-    stages = set(policy)
-    bad = sorted(s for s in stages if not (isinstance(s, int) and 0 <= s < n_stages))
-    if bad:
-        raise ValueError(f"recompute names stages {bad}, but stages are 0..{n_stages - 1}")
-    return stages
-
-
-def _total(data: StepData) -> torch.Tensor | None:
-    if not data.losses:
-        return None
-    total = data.losses[min(data.losses)]
-    for mb in sorted(data.losses)[1:]:
-        total = total + data.losses[mb]
-    return total
-
-
-def _spans_of(schedule: Schedule, rank: int, times: torch.Tensor | None,
-              train: bool) -> list[Span]:
-    acts = [a for a in schedule.actions[rank] if train or a.op.value == "F"]
-    rows = [] if times is None else times.reshape(-1, 2).tolist()
-    return [Span(rank, a, t0, t1) for a, (t0, t1) in zip(acts, rows)]
+def _grad_links(tied: Sequence[TiedParam], local: bool) -> tuple[dict[int, set[int]], set[int]]:
+    """Stages sharing a weight: linked when one process holds them all, else deferred."""
+    linked: dict[int, set[int]] = {}
+    deferred: set[int] = set()
+    for t in tied:
+        if len(t.ranks) > 1 and not local:
+            deferred.update(t.stages)
+        for s in t.stages:
+            linked.setdefault(s, set()).update(t.stages)
+    return linked, deferred
 
 
 def _resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,

@@ -10,28 +10,32 @@ For every action of its list, in order, a rank does exactly this::
 
 A hand-off to a stage on the same process is a dictionary entry; to another rank it is a
 :class:`~pipetrain.comm.P2P` message. Local mode runs every rank's list in one process in an
-order :func:`~pipetrain.dataflow.walk` proves runnable. Nothing here knows schedule names.
+order :func:`~pipetrain.dataflow.walk` proves runnable. Nothing here knows schedule names: even
+the point after which a stage's weight gradients are final (for ``on_grads_ready``) is read off
+the lists.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pipetrain.action import Action, Op
-from pipetrain.comm import ACT, DONE, GRAD, P2P, Key, Message
+from pipetrain.comm import P2P
 from pipetrain.dataflow import walk
 from pipetrain.errors import CommError, PipelineError, StageError
 from pipetrain.payload import flatten, unflatten
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
-from pipetrain.timeline import Span
+from pipetrain.wire import ACT, GRAD, Key, Message
 
 __all__: list[str] = []
+
+GradsReady = Callable[[int], None]
 
 
 @dataclass
@@ -44,33 +48,47 @@ class StepData:
     weights: Sequence[float]
     keep_outputs: bool = False
     train: bool = True
+    on_grads_ready: GradsReady | None = None
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
-    spans: list[Span] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # start, end of each action run, in order
 
 
 class Executor:
-    """Runs the actions of the ranks it hosts: one rank (distributed) or all of them (local)."""
+    """Runs the actions of the ranks it hosts: one rank (distributed) or all of them (local).
+
+    ``linked[s]`` are the stages whose backward also writes gradients of stage ``s``'s
+    parameters (a weight tied between stages on this process); ``deferred`` stages get their
+    ``on_grads_ready`` call at the end of the step (a weight tied across ranks is summed then).
+    """
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], ranks: Sequence[int],
-                 transport: P2P | None) -> None:
+                 transport: P2P | None, linked: dict[int, set[int]] | None = None,
+                 deferred: Collection[int] = ()) -> None:
         self.schedule, self.stages, self.ranks, self.transport = schedule, stages, ranks, transport
         self._local: dict[Key, Message] = {}
         self.current: tuple[int, Action] | None = None
         if len(ranks) > 1:
-            w = walk(schedule)
-            self.order = [(r, i) for r, i in w.order if r in ranks]
+            order = [(r, i) for r, i in walk(schedule).order if r in ranks]
         else:
-            self.order = [(ranks[0], i) for i in range(len(schedule.actions[ranks[0]]))]
+            order = [(ranks[0], i) for i in range(len(schedule.actions[ranks[0]]))]
+        self.order = [(r, schedule.actions[r][i]) for r, i in order]
+        self.ready = grads_final_after(self.order, linked or {}, set(deferred))
+        self.deferred = tuple(s for s in sorted(deferred) if s in stages)
+
+    def executed(self, train: bool) -> list[tuple[int, Action]]:
+        """The (rank, action) pairs a step runs, in the order their times are recorded."""
+        return [(r, a) for r, a in self.order if train or a.op is Op.F]
 
     def run(self, data: StepData) -> None:
         """Execute every hosted rank's list for one step (raises StageError / CommError)."""
-        for rank, index in self.order:
-            action = self.schedule.actions[rank][index]
-            if not data.train and action.op is not Op.F:
+        train, times, ready = data.train, data.times, self.ready
+        for index, (rank, action) in enumerate(self.order):
+            op = action.op
+            if not train and op is not Op.F:
                 continue
             self.current = (rank, action)
-            if action.op in (Op.B, Op.I):  # recompute (if any) before waiting for the gradient
+            if op is Op.B or op is Op.I:  # recompute (if any) before waiting for the gradient
                 self._guarded(rank, action, data, self.stages[action.stage].prepare_backward)
             received = self._receive(rank, action, data)
             start = time.time()
@@ -80,8 +98,24 @@ class Executor:
                 raise
             except Exception as e:
                 raise StageError(_where(rank, action, data.step) + f" failed: {e!r}") from e
-            data.spans.append(Span(rank, action, start, time.time()))
+            times.append(start)
+            times.append(time.time())
+            if train and index in ready and data.on_grads_ready is not None:
+                self.grads_ready(rank, action, ready[index], data)
         self.current = None
+
+    def grads_ready(self, rank: int, action: Action | None, stages: Sequence[int],
+                    data: StepData) -> None:
+        """Call ``data.on_grads_ready`` for ``stages``; a hook that raises fails the step."""
+        hook = data.on_grads_ready
+        for s in stages:
+            try:
+                if hook is not None:
+                    hook(s)
+            except Exception as e:
+                where = (_where(rank, action, data.step) if action is not None
+                         else f"[rank {rank} | stage {s}] step {data.step}")
+                raise StageError(f"{where} on_grads_ready({s}) raised {e!r}") from e
 
     def _guarded(self, rank: int, action: Action, data: StepData, fn: Any) -> None:
         try:
@@ -91,10 +125,10 @@ class Executor:
 
     def _receive(self, rank: int, a: Action, data: StepData) -> Message | None:
         """The message ``a`` consumes, if any (this is where a rank waits for its peers)."""
-        last = a.stage == self.schedule.n_stages - 1
-        if a.op is Op.F and a.stage > 0:
-            return self._take(rank, Key(ACT, data.step, a.mb, a.stage - 1, a.stage), a)
-        if a.op in (Op.B, Op.I) and not last:
+        if a.op is Op.F:
+            if a.stage > 0:
+                return self._take(rank, Key(ACT, data.step, a.mb, a.stage - 1, a.stage), a)
+        elif a.op is not Op.W and a.stage < self.schedule.n_stages - 1:
             return self._take(rank, Key(GRAD, data.step, a.mb, a.stage + 1, a.stage), a)
         return None
 
@@ -146,7 +180,50 @@ class Executor:
             return self._local.pop(key)
         if self.transport is None:
             raise CommError(f"{_where(rank, a, key.step)}: no transport for the {key.describe()}")
-        return self.transport.recv(key, _where(rank, a, key.step))
+        return self.transport.recv(key, lambda: _where(rank, a, key.step))
+
+
+def grads_final_after(order: Sequence[tuple[int, Action]], linked: dict[int, set[int]],
+                      deferred: set[int]) -> dict[int, tuple[int, ...]]:
+    """Positions in ``order`` after which stages' weight gradients are final in a step.
+
+    A stage's weight gradients are written by its W actions (its B actions where the schedule
+    does not split the backward); the last of them, or of those of its ``linked`` stages, is
+    the point. Stages in ``deferred`` are left out (their point is the end of the step).
+    """
+    last: dict[int, int] = {}
+    for index, (_, a) in enumerate(order):
+        if a.op is Op.W or a.op is Op.B:
+            last[a.stage] = index
+    out: dict[int, list[int]] = {}
+    for stage in sorted(last):
+        if stage not in deferred:
+            point = max(last.get(t, -1) for t in linked.get(stage, set()) | {stage})
+            out.setdefault(point, []).append(stage)
+    return {index: tuple(stages) for index, stages in out.items()}
+
+
+def message_plans(schedule: Schedule, rank: int, train: bool = True
+                  ) -> dict[int, list[tuple[int, int, int, int]]]:
+    """For each peer, the messages it sends ``rank`` in one step, in the order it sends them.
+
+    Each entry is ``(kind, mb, src_stage, dst_stage)``; every peer ends its step with an
+    end-of-step message (:func:`pipetrain.finish.done_key`) that the caller appends.
+    """
+    out: dict[int, list[tuple[int, int, int, int]]] = {}
+    last = schedule.n_stages - 1
+    for peer, acts in enumerate(schedule.actions):
+        if peer == rank:
+            continue
+        plan = []
+        for a in acts:
+            if a.op is Op.F and a.stage < last and schedule.rank_of(a.stage + 1) == rank:
+                plan.append((ACT, a.mb, a.stage, a.stage + 1))
+            elif (train and a.op in (Op.B, Op.I) and a.stage > 0
+                  and schedule.rank_of(a.stage - 1) == rank):
+                plan.append((GRAD, a.mb, a.stage, a.stage - 1))
+        out[peer] = plan
+    return out
 
 
 def _where(rank: int, a: Action, step: int) -> str:
@@ -162,32 +239,3 @@ def _present(t: torch.Tensor | None, key: Key) -> torch.Tensor:
 def _detach(obj: Any) -> Any:
     tensors, spec = flatten(obj)
     return unflatten([t.detach() for t in tensors], spec)
-
-
-def done_key(step: int, sender: int) -> Key:
-    """The end-of-step message ``sender`` sends every other rank (its mb field names it)."""
-    return Key(DONE, step, sender, -1, -1)
-
-
-def expected_messages(schedule: Schedule, rank: int, step: int, train: bool = True
-                      ) -> dict[int, list[Key]]:
-    """For each peer, the messages it sends ``rank`` in one step, in the order it sends them.
-
-    Every peer ends its step with an end-of-step message to every other rank.
-    """
-    out: dict[int, list[Key]] = {}
-    last = schedule.n_stages - 1
-    for peer, acts in enumerate(schedule.actions):
-        if peer == rank:
-            continue
-        keys = []
-        for a in acts:
-            if a.op is Op.F and a.stage < last and schedule.rank_of(a.stage + 1) == rank:
-                keys.append(Key(ACT, step, a.mb, a.stage, a.stage + 1))
-            elif (train and a.op in (Op.B, Op.I) and a.stage > 0
-                  and schedule.rank_of(a.stage - 1) == rank):
-                keys.append(Key(GRAD, step, a.mb, a.stage, a.stage - 1))
-        keys.append(done_key(step, peer))
-        out[peer] = keys
-    return out
-

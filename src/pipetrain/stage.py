@@ -4,11 +4,12 @@ A stage keeps, per micro-batch in flight, the leaf tensors it received (their gr
 to the previous stage), its outputs (the roots of its backward), and after I the deferred
 weight work. Its layers run like ``nn.Sequential``: each layer gets the previous one's output.
 
-With ``recompute=True`` (GPipe's re-materialisation) F keeps only the stage input: it runs with
-autograd recording but every tensor autograd would save is dropped, so the outputs still know
-which of them need gradients. Right before the backward (the runtime calls
-:meth:`Stage.prepare_backward` before it waits for the gradient) the forward runs again from the
-kept input under the same RNG state, and B, or I then W, use that graph: one recomputation.
+Layers marked for recomputation (GPipe's re-materialisation, :mod:`pipetrain.recompute`) keep
+only their input in F; right before the backward (the runtime calls
+:meth:`Stage.prepare_backward` before it waits for the gradient) they run again from it under
+the same RNG state, and B, or I then W, use what that replay saved: one recomputation. When
+the stage's last layer is recomputed, the stage keeps its outputs' autograd edges, not their
+memory.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
-from pipetrain.backward import WeightWork, backward_full, backward_input
+from pipetrain.backward import Root, WeightWork, backward_full, backward_input
 from pipetrain.payload import flatten, unflatten
+from pipetrain.recompute import Replay, segments
 
 __all__: list[str] = []
 
@@ -31,19 +34,30 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 @dataclass
 class _InFlight:
     inputs: list[torch.Tensor]  # leaves; the ones requiring grad get gradients sent back
-    outputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[Root | None] = field(default_factory=list)  # None: needs no gradient
     weight: WeightWork | None = None
-    replay: tuple[Any, Any, float, Any] | None = None  # (spec, target, weight, rng) to recompute
+    replays: list[Replay] = field(default_factory=list)
 
 
 class Stage:
-    """Layers ``first_layer .. first_layer+len(layers)-1`` of the model, as stage ``index``."""
+    """Layers ``first_layer .. first_layer+len(layers)-1`` of the model, as stage ``index``.
+
+    ``recompute`` is one flag for every layer, or one per layer.
+    """
 
     def __init__(self, index: int, layers: Sequence[nn.Module], *, is_last: bool,
-                 loss_fn: LossFn | None, device: torch.device, recompute: bool = False) -> None:
+                 loss_fn: LossFn | None, device: torch.device,
+                 recompute: bool | Sequence[bool] = False) -> None:
         self.index, self.is_last, self.loss_fn, self.device = index, is_last, loss_fn, device
-        self.recompute = recompute
+        flags = ([recompute] * len(layers) if isinstance(recompute, bool)
+                 else [bool(f) for f in recompute])
+        if len(flags) != len(layers):
+            raise ValueError(f"stage {index} has {len(layers)} layers but {len(flags)} "
+                             "recompute flags; give one per layer")
         self.module = nn.Sequential(*layers)
+        self.segments = segments(list(layers), flags)
+        self.recompute = any(flags)
+        self._edges_only = bool(flags) and flags[-1]  # outputs made by a recomputed layer
         self._flight: dict[int, _InFlight] = {}
 
     def parameters(self) -> list[nn.Parameter]:
@@ -58,50 +72,63 @@ class Stage:
         ``[weighted loss]`` and the raw output is the model output (for ``outputs=``).
         """
         leaves = [_leaf(t, rg and track, self.device) for t, rg in zip(tensors, requires_grad)]
-        if not (track and self.recompute):
-            flat, out_spec, out = self._run(leaves, spec, target, weight, track)
-            if track:
-                self._flight[mb] = _InFlight(leaves, flat)
-            return flat, out_spec, out
-        rng = _rng_state(self.device)
-        with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
-            flat, out_spec, out = self._run(leaves, spec, target, weight, True)
-        self._flight[mb] = _InFlight(leaves, replay=(spec, target, weight, rng))
-        return flat, out_spec, out
-
-    def _run(self, leaves: list[torch.Tensor], spec: Any, target: Any, weight: float,
-             track: bool) -> tuple[list[torch.Tensor], Any, Any]:
+        replays: list[Replay] = []
         with torch.set_grad_enabled(track):
-            out = self.module(unflatten(leaves, spec))
+            out = self._layers(unflatten(leaves, spec), replays if track else None)
             if self.is_last and self.loss_fn is not None and target is not None:
                 loss = self.loss_fn(out, _to_device(target, self.device)) * weight
-                return [loss], None, out
-            flat, out_spec = flatten(out)
-            return flat, out_spec, out
+                flat: list[torch.Tensor] = [loss]
+                out_spec = None
+            else:
+                flat, out_spec = flatten(out)
+        if track:
+            self._flight[mb] = _InFlight(leaves, [self._root(t) for t in flat], replays=replays)
+        return flat, out_spec, out
+
+    def _layers(self, x: Any, replays: list[Replay] | None) -> Any:
+        if replays is None or not self.recompute:
+            return self.module(x)
+        for segment in self.segments:
+            if segment.recompute:
+                replays.append(Replay(segment, x, self.device))
+                x = replays[-1].forward(x)
+            else:
+                x = segment.run(x)
+        return x
+
+    def _root(self, t: torch.Tensor) -> Root | None:
+        if not t.requires_grad:
+            return None
+        if self._edges_only and t.grad_fn is not None and t.numel() != 1:
+            return get_gradient_edge(t)
+        return t
 
     def prepare_backward(self, mb: int) -> None:
-        """Recompute the forward of ``mb`` if F dropped its activations (no-op otherwise)."""
+        """Recompute the layers of ``mb`` whose activations F dropped (no-op otherwise)."""
         state = self._flight.get(mb)
-        if state is None or state.replay is None:
-            return
-        spec, target, weight, rng = state.replay
-        with torch.random.fork_rng(devices=_cuda_of(self.device)):
-            _set_rng_state(self.device, rng)
-            state.outputs = self._run(state.inputs, spec, target, weight, True)[0]
-        state.replay = None
+        if state is not None:
+            for replay in state.replays:
+                replay.replay()
 
     def backward(self, mb: int, grads: Sequence[torch.Tensor | None] | None,
                  split: bool) -> list[torch.Tensor | None]:
-        """B (``split=False``) or I (``split=True``): gradients w.r.t. this stage's inputs."""
+        """B (``split=False``) or I (``split=True``): gradients w.r.t. this stage's inputs.
+
+        ``grads`` are the gradients of the outputs (None on the last stage, whose scalar
+        output is the loss); an output without a gradient did not influence the loss.
+        """
         self.prepare_backward(mb)
         state = self._flight[mb]
-        out_grads: Sequence[torch.Tensor | None] = grads if grads is not None else [None] * len(
-            state.outputs)
+        if grads is None:
+            out_grads: Sequence[torch.Tensor | None] = [None] * len(state.outputs)
+            roots = state.outputs
+        else:  # a None gradient never seeds a scalar output here: only the loss is seeded
+            out_grads = grads
+            roots = [y if g is not None else None for y, g in zip(state.outputs, grads)]
         if split:
-            got, state.weight = backward_input(state.outputs, out_grads, state.inputs,
-                                               self.parameters())
+            got, state.weight = backward_input(roots, out_grads, state.inputs, self.parameters())
         else:
-            got = backward_full(state.outputs, out_grads, state.inputs)
+            got = backward_full(roots, out_grads, state.inputs)
         state.outputs = []
         result = [g if x.requires_grad else None for g, x in zip(got, state.inputs)]
         if not split:
@@ -116,29 +143,6 @@ class Stage:
 
     def clear(self) -> None:
         self._flight.clear()
-
-
-def _drop(t: torch.Tensor) -> None:
-    return None  # F under recomputation keeps nothing for backward
-
-
-def _dropped(_: None) -> torch.Tensor:
-    raise RuntimeError("internal: a recomputed stage's first graph was used for backward")
-
-
-def _cuda_of(device: torch.device) -> list[int]:
-    return [device.index or 0] if device.type == "cuda" else []
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
