@@ -13,6 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from pipetrain import checkpoint, checkpoint_store
+from pipetrain.train import report
 
 TINY = ["--nproc", "2", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8",
         "--microbatches", "4", "--sample-tokens", "16", "--no-progress"]
@@ -158,3 +162,33 @@ def test_a_failed_rank_stops_every_rank_within_the_bound(tmp_path: Path, fault: 
     assert not _alive(pids - {proc.pid}), "a worker outlived the launcher"
     assert first in err and "without restarts" in err, err
     assert "step 49" not in out
+
+
+def _final_state(out: Path) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of the newest checkpoint under ``out``."""
+    path = checkpoint_store.latest(out / "checkpoints")
+    assert path is not None, f"no committed checkpoint under {out}"
+    index = checkpoint_store.open_checkpoint(path).metadata.state_dict_metadata
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in index.items() if key.startswith(("model/", "optim/"))}
+    checkpoint.load(path, state, strict=False)
+    return state
+
+
+def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: Path) -> None:
+    common = ["--steps", "8", "--checkpoint-every", "3", "--eval-every", "0", "--timeout", "5"]
+    plain = _start(tmp_path / "plain", *common)
+    killed = _start(tmp_path / "killed", *common, "--max-restarts", "1",
+                    faults="kill@rank1:step5")
+    for proc in (plain, killed):
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out + err
+    assert "restart 1 of 1" in out and "resuming at step 3" in out, out
+    assert (tmp_path / "killed" / "faults" / "kill@rank1:step5").exists()
+    a, b = _final_state(tmp_path / "plain"), _final_state(tmp_path / "killed")
+    assert a.keys() == b.keys() and any(k.startswith("model/") for k in a)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, different
+    losses = [{r["step"]: r["loss"] for r in report.read_log(tmp_path / run / "log.jsonl")
+               if r["kind"] == "step"} for run in ("plain", "killed")]
+    assert losses[0] == losses[1] and len(losses[0]) == 8

@@ -167,7 +167,7 @@ class ProgressReporter:
 
     def _print(self, text: str) -> None:
         (self._progress.console if self._progress is not None else self.console).print(
-            text, markup=False, highlight=False)
+            text, markup=False, highlight=False, soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------- files
