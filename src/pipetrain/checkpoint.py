@@ -292,7 +292,7 @@ def _match_keys(metadata: Metadata, state: dict[str, torch.Tensor], strict: bool
     if dtype and strict:
         problems.append(f"dtype differs: {_few(dtype)}")
     unused = _unused(sorted(saved), state, group)
-    if unused and strict:
+    if unused and strict and _me(group)[0] == 0:  # the same on every rank: said once
         problems.append(f"checkpoint keys no rank asked for: {_few(unused)}")
     if problems:
         problems.append("is this checkpoint from another model? (load(..., strict=False) skips "
