@@ -31,6 +31,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -106,8 +107,9 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
     backend = backend_for(cfg.device, cfg.nproc)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    with _loopback_store() as port, _worker_env(backend), _quiet_torch_logs():
-        launcher = _elastic(cfg, port)
+    with (_loopback_store() as port, _worker_env(backend), _quiet_torch_logs(),
+          tempfile.TemporaryDirectory(prefix="pipetrain-launch-") as logs):
+        launcher = _elastic(cfg, port, logs)
         try:
             results = launcher(cfg, run)
         except ChildFailedError as e:
@@ -116,18 +118,17 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
     return summary
 
 
-def _elastic(cfg: TrainConfig, port: int) -> Any:
+def _elastic(cfg: TrainConfig, port: int, logs: str) -> Any:
+    """The agent's launcher; its error files go to ``logs`` (read back into JobFailed)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logs = Path(cfg.out) / "launch"
-    logs.mkdir(parents=True, exist_ok=True)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=uuid.uuid4().hex[:12],
         rdzv_backend="static", rdzv_endpoint=f"{_LOOPBACK}:{port}",
         rdzv_configs={"rank": 0, "timeout": max(60, int(cfg.timeout))},
         max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method="spawn",
-        local_addr=_LOOPBACK, logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
+        local_addr=_LOOPBACK, logs_specs=DefaultLogsSpecs(log_dir=logs),
         shutdown_timeout=SHUTDOWN_GRACE)
     return elastic_launch(config, worker)
 
@@ -200,9 +201,6 @@ def _failure_report(failures: dict[int, Any], max_restarts: int) -> str:
                 else "without restarts (--max-restarts 0)")
     lines = [f"the job failed {restarts}: rank {first_rank} failed first: {_how(first)}"]
     lines += [f"  then rank {rank}: {_how(f)}" for rank, f in ordered[1:]]
-    lines.append(f"  logs and error files: {Path(first.error_file).parent.parent}"
-                 if first.error_file and os.path.isfile(first.error_file) else
-                 "  (no error file: the process died without raising)")
     return "\n".join(lines)
 
 

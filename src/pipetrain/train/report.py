@@ -85,11 +85,14 @@ class ProgressReporter:
         self._bubbles = {"timeline_step": step,
                          "timeline_bubble_measured": measured.bubble_fraction,
                          "timeline_bubble_simulated": simulated.bubble_fraction}
-        trace = timeline_trace(measured, simulated.timeline)
+        predicted = simulated.timeline
+        if predicted.unit == "units":  # costs read off the measured step: the measured unit
+            predicted = Timeline(predicted.n_ranks, predicted.spans, measured.unit)
+        trace = timeline_trace(measured, predicted)
         (self.out / "timeline.json").write_text(json.dumps(trace) + "\n")
         self._files.append("timeline.json")
         try:
-            save_timeline_png(measured, simulated, self.out / "timeline.png",
+            save_timeline_png(measured, predicted, self.out / "timeline.png",
                               title=f"{simulated.schedule.name}  step {step}")
             self._files.append("timeline.png")
         except ImportError as e:  # matplotlib is optional for the library, not for pictures
@@ -211,7 +214,7 @@ def save_loss_png(records: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(Path(path), format="png")
 
 
-def save_timeline_png(measured: Timeline, simulated: Simulation, path: Path, *,
+def save_timeline_png(measured: Timeline, simulated: Timeline, path: Path, *,
                       title: str) -> None:
     """The measured timeline above the simulated one, as one PNG.
 
@@ -223,7 +226,7 @@ def save_timeline_png(measured: Timeline, simulated: Simulation, path: Path, *,
     with tempfile.TemporaryDirectory() as tmp:
         top, bottom = Path(tmp) / "measured.png", Path(tmp) / "simulated.png"
         draw.save_png(measured, top, title=f"{title}: measured")
-        draw.save_png(simulated.timeline, bottom,
+        draw.save_png(simulated, bottom,
                       title=f"{title}: the simulator's prediction")
         with Image.open(top) as a, Image.open(bottom) as b:
             both = Image.new("RGB", (max(a.width, b.width), a.height + b.height), "white")
