@@ -66,6 +66,7 @@ class ProgressReporter:
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._bubbles: dict[str, float] = {}
+        self._first_step = True  # the first step of this attempt always gets a plain line
         self._files: list[str] = ["log.jsonl"]
 
     # -------------------------------------------------------------------- Reporter protocol
@@ -138,7 +139,8 @@ class ProgressReporter:
                                   rate=rate, bubble=bubble)
             return
         every = max(1, self.cfg.steps // _PLAIN_LINES)
-        if step % every == 0 or step == self.cfg.steps - 1:
+        first, self._first_step = self._first_step, False
+        if first or step % every == 0 or step == self.cfg.steps - 1:
             self._print(f"step {step:>{len(str(self.cfg.steps))}}/{self.cfg.steps}  loss {loss}"
                         f"{skipped}  {rate} tok/s  bubble {bubble}")
 
