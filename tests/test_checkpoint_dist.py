@@ -144,6 +144,7 @@ def _errors(ctx: pt.RankContext, base: Path, path: Path, state: dict[str, torch.
     wide = {**state, "model/5.ln.bias": torch.zeros(99)} if ctx.rank == 3 else state
     problems += _expect("shape", lambda: ck.load(path, wide), "[rank 3]",
                         "shape differs: model/5.ln.bias (99,) (checkpoint (16,))")
+    problems += _bad_argument(ctx, base, state)
     bad = base / "tampered" / path.name
     if ctx.rank == 0:
         shutil.copytree(path, bad)
@@ -153,6 +154,18 @@ def _errors(ctx: pt.RankContext, base: Path, path: Path, state: dict[str, torch.
     dist.barrier()
     problems += _expect("flipped byte", lambda: ck.load(bad, state), str(bad / "__1_0.distcp"))
     return problems
+
+
+def _bad_argument(ctx: pt.RankContext, base: Path, state: dict[str, torch.Tensor]
+                  ) -> list[str]:
+    """Rank 1 passes meta JSON cannot hold: it raises TypeError, the others a CheckpointError."""
+    try:
+        ck.save(base / "bad", 9, state, {"when": object()} if ctx.rank == 1 else {})
+    except TypeError as e:
+        return [] if ctx.rank == 1 and "JSON" in str(e) else [f"bad meta: {e}"]
+    except CheckpointError as e:
+        return [] if ctx.rank != 1 and "[rank 1] TypeError" in str(e) else [f"bad meta: {e}"]
+    return ["bad meta: saved"]
 
 
 def test_save_at_pp4_loads_at_pp2_and_dp2_resumes_bitwise_and_errors_everywhere(

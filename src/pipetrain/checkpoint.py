@@ -151,7 +151,8 @@ def save(root: str | os.PathLike[str], step: int, state: dict[str, torch.Tensor]
         The committed directory.
 
     Raises:
-        TypeError, ValueError: for bad arguments (on the rank that passed them).
+        TypeError, ValueError: for bad arguments on the rank that passed them (the other
+            ranks raise CheckpointError naming it).
         CheckpointError: on every rank, when any rank failed to write; the previous
             checkpoints are untouched.
 
@@ -160,7 +161,7 @@ def save(root: str | os.PathLike[str], step: int, state: dict[str, torch.Tensor]
         ...      {"preset": "tiny"}, keep=3)  # doctest: +SKIP
         PosixPath('runs/a/ckpt/step_000200')
     """
-    _check_save(step, state, meta, keep)
+    _checked_everywhere(lambda: _check_save(step, state, meta, keep), group, step)
     root = Path(root)
     index, size = _me(group)
     tmp, final = store.partial_dir(root, step), store.step_dir(root, step)
@@ -175,6 +176,23 @@ def save(root: str | os.PathLike[str], step: int, state: dict[str, torch.Tensor]
     problem = _try(lambda: _finish(root, step, tmp, full, keep))[1] if index == 0 else ""
     _agree(problem, group, f"checkpoint step {step}: committing {final}")
     return final
+
+
+def _checked_everywhere(check: Callable[[], None], group: Group, step: int) -> None:
+    """Run ``check`` on every rank: the failing rank raises its own error, the others a
+    CheckpointError naming it, so no rank is left waiting in the save."""
+    error: TypeError | ValueError | None = None
+    try:
+        check()
+    except (TypeError, ValueError) as e:
+        error = e
+    try:
+        _agree("" if error is None else f"{type(error).__name__}: {error}", group,
+               f"checkpoint step {step}: checking the arguments")
+    except CheckpointError as agreed:
+        if error is not None:
+            raise error from agreed
+        raise
 
 
 def _check_save(step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
