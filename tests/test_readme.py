@@ -28,6 +28,31 @@ def test_readme_snippet_runs(tmp_path: Path) -> None:
     assert len(losses) == 2 and losses[0] == losses[1]
 
 
+def _console_line(containing: str) -> str:
+    """The README's first ``$ ...`` console line that contains ``containing``, without ``$ ``."""
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("$ ") and containing in line:
+            return line[2:]
+    raise AssertionError(f"no README console line contains {containing!r}")
+
+
+def test_readme_train_command_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    command = _console_line("pipetrain train").split(" && ")[-1].split()
+    assert command[:4] == ["python3", "-m", "pipetrain", "train"], command
+    tiny = ["--steps", "3", "--seq-len", "32", "--batch-size", "8", "--microbatches", "4",
+            "--eval-every", "0", "--sample-tokens", "8", "--out", str(tmp_path / "run")]
+    out = _run([sys.executable, *command[1:], *tiny], tmp_path)
+    assert "step 2/3" in out and "pipetrain train: summary" in out, out
+    for name in ("loss.png", "timeline.png", "summary.json", "checkpoints/step_000003"):
+        assert (tmp_path / "run" / name).exists(), name
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    command = _console_line("pytest")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert command in ci, f"{command!r} is not a line of .ci/run"
+
+
 def test_quickstart_matches_one_device() -> None:
     out = _run([sys.executable, "-m", "pipetrain.examples.quickstart", "--steps", "3"], ROOT)
     assert out.count("gradients identical to one device") == 2, out
