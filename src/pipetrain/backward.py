@@ -134,6 +134,15 @@ def _edge(root: Root) -> GradientEdge:
     return root if isinstance(root, GradientEdge) else get_gradient_edge(root)
 
 
+def _node(root: Root) -> Node:
+    if isinstance(root, GradientEdge):
+        return root.node
+    return root.grad_fn if root.grad_fn is not None else get_gradient_edge(root).node
+
+
+_ACCUMULATE = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)  # leaves' node
+
+
 def _roots(
     outputs: Sequence[Root | None], grads: Sequence[torch.Tensor | None]
 ) -> tuple[list[Root], list[torch.Tensor]]:
@@ -161,13 +170,14 @@ class _Graph:
 
     def __init__(self, roots: list[Root], inputs: list[torch.Tensor],
                  params: list[torch.Tensor]) -> None:
-        self.input_nodes = {get_gradient_edge(x).node for x in inputs}
-        self.param_of = {get_gradient_edge(p).node: p for p in params}
+        self._inputs = {id(x) for x in inputs}
+        self._params = {id(p): p for p in params}
+        self.param_of: dict[Node, torch.Tensor] = {}  # filled as the walk meets weights
         self.children: dict[Node, list[Node]] = {}
         self.reach_x: dict[Node, bool] = {}
         self.reach_p: dict[Node, bool] = {}
         self._below: dict[Node, list[torch.Tensor]] = {}
-        self.root_nodes = [_edge(r).node for r in roots]
+        self.root_nodes = [_node(r) for r in roots]
         for node in self.root_nodes:
             self._visit(node)
         self.x_nodes = {n for n, v in self.reach_x.items() if v}
@@ -189,9 +199,16 @@ class _Graph:
                 stack.append((node, True))
                 stack.extend((k, False) for k in kids if k not in self.reach_x)
                 continue
+            if type(node) is _ACCUMULATE:  # a leaf: recognised by the tensor it accumulates into
+                leaf = cast(Any, node).variable
+                self.reach_x[node] = id(leaf) in self._inputs
+                self.reach_p[node] = id(leaf) in self._params
+                if self.reach_p[node]:
+                    self.param_of[node] = self._params[id(leaf)]
+                continue
             kids = self.children[node]
-            self.reach_x[node] = node in self.input_nodes or any(self.reach_x[k] for k in kids)
-            self.reach_p[node] = node in self.param_of or any(self.reach_p[k] for k in kids)
+            self.reach_x[node] = any(self.reach_x[k] for k in kids)
+            self.reach_p[node] = any(self.reach_p[k] for k in kids)
 
     def _p_only(self, node: Node) -> bool:
         return self.reach_p.get(node, False) and not self.reach_x.get(node, False)

@@ -136,9 +136,9 @@ class _Receiver:
             key = Key(kind, step, mb, src_stage, dst_stage)
             buf, frame, work = ahead
             self._wait(work, key)
-            if i < last:  # the next frame's receive is posted before this one is unpacked
-                ahead = self._post()
             self.box.put(self._unpack(key, read_header(buf), frame))
+            if i < last:  # never beyond the step: the next step may belong to another pipeline
+                ahead = self._post()
 
     def _where(self, key: Key) -> str:
         return f"rank {self.link.rank} receiving the {key.describe()} from rank {self.peer}"
@@ -223,17 +223,18 @@ class P2P:
     def recv(self, key: Key, describe: str | Describe) -> Message:
         return self.mailbox.take(key, time.monotonic() + self.timeout, describe)
 
-    def settle(self, describe: str, keep: int = 0) -> None:
-        """Wait for every send but the ``keep`` newest (within the timeout); raise a receiver's
-        error. Sends a peer has already consumed complete at once."""
+    def settle(self, describe: str) -> None:
+        """Wait for every send (within the timeout); raise a receiver's error.
+
+        Sends a peer has already taken complete at once; one dropped before that is lost.
+        """
         deadline = time.monotonic() + self.timeout
-        cut = len(self._sends) - keep
-        for w, _, _ in self._sends[:cut]:
+        for w, _, _ in self._sends:
             try:
                 w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as e:
                 raise CommError(f"{describe}: a send did not complete: {e}") from None
-        del self._sends[:cut]
+        self._sends.clear()
         if self.mailbox.error is not None:
             raise self.mailbox.error
 

@@ -85,7 +85,6 @@ def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
     if loss is not None:
         tensors.append(loss.detach().reshape(()).cpu())
     where = f"[rank {rank}] end of step {data.step}"
-    n_peers = schedule.n_ranks - 1
     for peer in range(schedule.n_ranks):
         if peer != rank:
             transport.send(peer, Message(done_key(data.step, rank), tensors))
@@ -99,7 +98,7 @@ def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
             result.peer_times[peer] = msg.tensors[0]
         if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
             loss = msg.tensors[1].clone()
-    # every peer finished, so it consumed every message this rank sent it; this rank's own
-    # end-of-step sends complete once the peers' receivers take them, and are settled next step
-    transport.settle(where, keep=n_peers)
+    # every peer finished, so it took every message this rank sent it but maybe not yet this
+    # end-of-step message; a send dropped before the peer takes it would be lost
+    transport.settle(where)
     return loss, result

@@ -5,14 +5,15 @@ the frame (or lives on a GPU) follows as a second message::
 
     frame    [header: 256 x int64 | inline payload, up to INLINE_BYTES]
     header   [magic, kind, step, mb, src_stage, dst_stage, src_rank, n_tensors,
-              spec_bytes, payload_bytes, op, on_device, inline, 0, 0, 0,  then per tensor:
+              spec_bytes, payload_bytes, op, on_device, inline, one_tensor, 0, 0,  per tensor:
               present, dtype, requires_grad, ndim, dim0..dim7]
     payload  [JSON spec | pad | tensor 0 bytes | pad | tensor 1 bytes | ...]   (16-byte aligned)
 
-Frames have one size, so a receiver can post the receive of the next frame before the sender
-has produced it; gloo moves the bytes of a send only once the matching receive is posted, so a
-message that fits in its frame arrives in one transfer instead of a header/payload round trip.
-Nothing is pickled: the payload's structure travels as JSON, tensors as raw bytes.
+(``one_tensor``: the payload is one tensor, the usual activation or gradient, and its spec is
+implied.) Frames have one size, so a receiver can post the receive of the next frame before the
+sender has produced it; gloo moves the bytes of a send only once the matching receive is posted,
+so a message that fits in its frame arrives in one transfer instead of a header/payload round
+trip. Nothing is pickled: the payload's structure travels as JSON, tensors as raw bytes.
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ ACT, GRAD, DONE, ABORT = 1, 2, 3, 4
 KIND_NAMES = {ACT: "activation", GRAD: "gradient", DONE: "end-of-step", ABORT: "abort"}
 OPS = "FBIW"
 
-_HEAD = struct.Struct("<13q")
+_HEAD = struct.Struct("<14q")
 _HEADER = struct.Struct(f"<{HEADER_LEN}q")
 _DESC = [struct.Struct(f"<{4 + n}q") for n in range(MAX_DIMS + 1)]
 _ONE_TENSOR = {"t": 0}  # the spec of a payload that is one tensor: the common case
-_ONE_TENSOR_BYTES = spec_to_bytes(_ONE_TENSOR)
 
 
 class Key(NamedTuple):
@@ -90,7 +90,8 @@ def encode(msg: Message, src_rank: int, op: int = 0) -> tuple[torch.Tensor, torc
     if len(tensors) > MAX_TENSORS:
         raise CommError(f"a {k.describe()} holds {len(tensors)} tensors; at most "
                         f"{MAX_TENSORS} fit one message (pack them into fewer tensors)")
-    spec = _spec_bytes(msg.spec)
+    one_tensor = msg.spec == _ONE_TENSOR
+    spec = b"" if msg.spec is None or one_tensor else spec_to_bytes(msg.spec)
     buf = bytearray(FRAME_BYTES)
     raws: list[tuple[int, torch.Tensor]] = []
     offset = _pad(len(spec))
@@ -112,7 +113,8 @@ def encode(msg: Message, src_rank: int, op: int = 0) -> tuple[torch.Tensor, torc
         offset += _pad(raw.numel())
     inline = offset <= INLINE_BYTES and device.type == "cpu"
     _HEAD.pack_into(buf, 0, MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank,
-                    len(tensors), len(spec), offset, op, int(device.type != "cpu"), int(inline))
+                    len(tensors), len(spec), offset, op, int(device.type != "cpu"), int(inline),
+                    int(one_tensor))
     if inline:
         buf[HEADER_BYTES:HEADER_BYTES + len(spec)] = spec
     frame = torch.frombuffer(buf, dtype=torch.uint8)
@@ -131,12 +133,6 @@ def _payload(spec: bytes, raws: list[tuple[int, torch.Tensor]], size: int,
     for at, raw in raws:
         out[at:at + raw.numel()].copy_(raw)
     return out
-
-
-def _spec_bytes(spec: Any) -> bytes:
-    if spec is None:
-        return b""
-    return _ONE_TENSOR_BYTES if spec == _ONE_TENSOR else spec_to_bytes(spec)
 
 
 def new_frame() -> tuple[bytearray, torch.Tensor]:
@@ -186,7 +182,8 @@ def decode(header: Sequence[int], payload: torch.Tensor) -> Message:
     """Rebuild the message from a validated header and its payload (views, no copies)."""
     key = Key(header[1], header[2], header[3], header[4], header[5])
     spec_len = header[8]
-    spec = _spec_of(payload[:spec_len]) if spec_len else None
+    spec = ({"t": 0} if header[13] else
+            spec_from_bytes(bytes(payload[:spec_len].cpu().tolist())) if spec_len else None)
     offset = _pad(spec_len)
     tensors: list[torch.Tensor | None] = []
     flags: list[bool] = []
@@ -207,7 +204,3 @@ def decode(header: Sequence[int], payload: torch.Tensor) -> Message:
         offset += _pad(nbytes)
     return Message(key, tensors, spec, flags)
 
-
-def _spec_of(raw: torch.Tensor) -> Any:
-    data = bytes(raw.cpu().tolist())
-    return {"t": 0} if data == _ONE_TENSOR_BYTES else spec_from_bytes(data)
