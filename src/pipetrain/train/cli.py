@@ -21,6 +21,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import re
 import sys
 import textwrap
 import types
@@ -41,6 +42,7 @@ __all__ = ["HELP", "configure", "run", "resolve", "load_toml", "field_docs", "fo
 HELP = "train a pipelined GPT (local processes, or one worker under torchrun)"
 """The command's line in ``pipetrain --help``."""
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_METAVARS: dict[type, str] = {int: "N", float: "X", str: "TEXT"}
 
 
 # ------------------------------------------------------------------------------ the fields
@@ -55,8 +57,13 @@ def field_docs() -> dict[str, str]:
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
                 and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
+            docs[node.target.id] = _plain(" ".join(after.value.value.split()))
     return docs
+
+
+def _plain(text: str) -> str:
+    """Docstring markup as plain text: ``x`` and :data:`a.b` become x and a.b."""
+    return re.sub(r"(?::\w+:)?`{1,2}([^`]+)`{1,2}", r"\1", text)
 
 
 def _field_type(name: str) -> tuple[type, bool]:
@@ -90,13 +97,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
         base, optional = _field_type(f.name)
-        help_text = f"{docs.get(f.name, '')} (default: {f.default})".replace("%", "%%")
+        shown = repr(f.default) if isinstance(f.default, str) else f.default
+        help_text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")
         if base is bool:
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
             parser.add_argument(_flag(f.name), type=base, default=argparse.SUPPRESS,
-                                metavar=f.name.upper(), help=help_text)
+                                metavar=_METAVARS.get(base, "VALUE"), help=help_text)
 
 
 def resolve(args: argparse.Namespace) -> TrainConfig:
