@@ -75,9 +75,11 @@ class TrainConfig:
     """0: generate the most likely token each time; k > 0: sample among the k most likely
     (seeded by ``seed``, so the text is reproducible)."""
     out: str = "runs/pipetrain"
-    """Directory of logs, pictures and checkpoints."""
+    """Directory of logs, pictures and checkpoints (``<out>/checkpoints``); empty: none."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many checkpoints (older ones are deleted); 0: keep all."""
     resume: bool = True
     """Continue from the newest committed checkpoint under ``out`` when there is one."""
     max_restarts: int = 0

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pipetrain.data import decode, encode
@@ -32,6 +33,7 @@ from pipetrain.train.infer import eval_loss, generate
 from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
 from pipetrain.train.optim import clip_grads_, grad_square_sum, lr_at, set_lr
 from pipetrain.train.precision import autocast
+from pipetrain.train.resume import restore, save
 from pipetrain.train.setup import Trainer, build
 from pipetrain.train.timing import predict
 
@@ -65,8 +67,10 @@ class StepStats:
 def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     """Train as ``cfg`` says; call in every process of an initialised torch.distributed job.
 
-    The world must hold ``cfg.dp x cfg.pp`` ranks. The reporter receives ``start``, ``step``,
-    ``eval``, ``sample`` and ``end`` records and one timeline; ``run`` does not close it.
+    The world must hold ``cfg.dp x cfg.pp`` ranks. With ``cfg.resume`` the run continues from
+    the newest checkpoint under ``cfg.out``; it saves every ``cfg.checkpoint_every`` steps and
+    at the end. The reporter receives ``start``, ``step``, ``eval``, ``checkpoint``,
+    ``sample`` and ``end`` records and one timeline; ``run`` does not close it.
 
     Returns:
         The summary, equal on every rank: final_loss, eval_loss, tokens_per_s, bubble, steps,
@@ -81,28 +85,48 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
         summary = run(TrainConfig(preset="tiny", steps=50), NullReporter())
     """
     trainer = build(cfg)
-    reporter.record("start", _start_fields(trainer))
+    resumed = restore(trainer)
+    reporter.record("start", {**_start_fields(trainer),
+                              "resumed_from": None if resumed is None else str(resumed)})
     history: list[StepStats] = []
-    first = trainer.step
+    saved = resumed
     clock = time.perf_counter()
-    for step in range(first, cfg.steps):
+    for step in range(trainer.step, cfg.steps):
         stats = train_step(trainer, step)
         history.append(stats)
         reporter.record("step", stats.fields())
-        if cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+        if _due(cfg.eval_every, trainer.step, cfg.steps):
             reporter.record("eval", {"step": step, "eval_loss": evaluate(trainer)})
+        if _due(cfg.checkpoint_every, trainer.step, cfg.steps):
+            saved = _checkpoint(trainer, reporter) or saved
     elapsed = trainer.mesh.world_max(time.perf_counter() - clock)
+    if history:  # the end of a run that trained is always saved
+        saved = _checkpoint(trainer, reporter) or saved
     final_eval = evaluate(trainer)
-    reporter.record("eval", {"step": cfg.steps - 1, "eval_loss": final_eval})
+    reporter.record("eval", {"step": trainer.step - 1, "eval_loss": final_eval})
     if history:
         last = history[-1]
         reporter.timeline(last.step, last.timeline, predict(last.timeline, trainer.pipe.schedule))
     text = sample(trainer)
     if text is not None:
         reporter.record("sample", {"text": text})
-    summary = _summary(trainer, history, elapsed, final_eval, text)
+    summary = {**_summary(trainer, history, elapsed, final_eval, text),
+               "checkpoint": None if saved is None else str(saved)}
     reporter.record("end", summary)
     return summary
+
+
+def _due(every: int, done: int, steps: int) -> bool:
+    """After ``done`` steps: is an every-``every`` event due (the end has its own)?"""
+    return every > 0 and done % every == 0 and done < steps
+
+
+def _checkpoint(trainer: Trainer, reporter: Reporter) -> Path | None:
+    """Save (when the run has an ``out``); return the committed directory."""
+    path = save(trainer)
+    if path is not None:
+        reporter.record("checkpoint", {"step": trainer.step, "path": str(path)})
+    return path
 
 
 def train_step(trainer: Trainer, step: int) -> StepStats:
@@ -164,16 +188,8 @@ def sample(trainer: Trainer) -> str | None:
 
 def _start_fields(trainer: Trainer) -> dict[str, Any]:
     return {"config": dataclasses.asdict(trainer.cfg), "world": trainer.mesh.dp * trainer.mesh.pp,
-            "layout": _layout(trainer), "balance": list(trainer.pipe.balance),
+            "layout": trainer.layout(), "balance": list(trainer.pipe.balance),
             "params": trainer.model.n_params, "start_step": trainer.step}
-
-
-def _layout(trainer: Trainer) -> dict[str, Any]:
-    s = trainer.pipe.schedule
-    return {**trainer.mesh.describe(), "schedule": s.name, "microbatches": s.n_microbatches,
-            "stages": s.n_stages, "stages_per_rank": s.n_stages // s.n_ranks,
-            "placement": list(s.placement), "balance": list(trainer.pipe.balance),
-            "precision": trainer.cfg.precision}
 
 
 def _summary(trainer: Trainer, history: list[StepStats], elapsed: float, final_eval: float,
@@ -188,6 +204,6 @@ def _summary(trainer: Trainer, history: list[StepStats], elapsed: float, final_e
         if elapsed > 0 else 0.0,
         "bubble": trainer.mesh.dp_mean(bubble), "steps": trainer.step,
         "steps_run": len(history), "skipped": trainer.skipped,
-        "params": trainer.model.n_params, "layout": _layout(trainer), "sample": text,
+        "params": trainer.model.n_params, "layout": trainer.layout(), "sample": text,
         "seconds": elapsed,
     }

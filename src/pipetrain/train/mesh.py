@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["Mesh", "build_mesh", "GradReducer"]
 
@@ -114,9 +113,27 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto") -> Mesh:
     dp, pp = layout(world, dp, pp)
     nccl = dist.get_backend() == "nccl"
     where = _device(device, nccl, rank)
-    grid = init_device_mesh("cuda" if nccl else "cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
-    return Mesh(dp, pp, rank, rank // pp, rank % pp, grid.get_group("pp"), grid.get_group("dp"),
-                where, where if nccl else torch.device("cpu"))
+    pp_group = _my_group([[d * pp + p for p in range(pp)] for d in range(dp)], rank)
+    dp_group = _my_group([[d * pp + p for d in range(dp)] for p in range(pp)], rank)
+    return Mesh(dp, pp, rank, rank // pp, rank % pp, pp_group, dp_group, where,
+                where if nccl else torch.device("cpu"))
+
+
+def _my_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup:
+    """Create a group for each rank list (every rank calls ``new_group`` for every list, in
+    order); return the one holding ``rank``.
+
+    Plain ``new_group`` rather than ``init_device_mesh``: in torch 2.13 building a second
+    device mesh hangs after a group of a subset of the ranks was made (a pipeline's
+    tied-weight group), and tests run several layouts in one process.
+    """
+    mine: dist.ProcessGroup | None = None
+    for ranks in partition:
+        group: dist.ProcessGroup = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    assert mine is not None  # the partition covers every rank
+    return mine
 
 
 def _device(choice: str, nccl: bool, rank: int) -> torch.device:

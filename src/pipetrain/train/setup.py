@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,6 +55,14 @@ class Trainer:
     """The next step to run (= steps done, skipped ones included)."""
     skipped: int = 0
     """Steps skipped for a non-finite loss, gradients or an fp16 overflow."""
+
+    def layout(self) -> dict[str, Any]:
+        """How the run is laid out: a resumed run with the same layout restores RNG streams."""
+        s = self.pipe.schedule
+        return {**self.mesh.describe(), "schedule": s.name, "microbatches": s.n_microbatches,
+                "stages": s.n_stages, "stages_per_rank": s.n_stages // s.n_ranks,
+                "placement": list(s.placement), "balance": list(self.pipe.balance),
+                "precision": self.cfg.precision}
 
     def batch(self, step: int) -> Batch:
         """This replica's rows of global batch ``step``."""

@@ -1,0 +1,110 @@
+"""Resume: a training run's checkpoint (model, optimizer, loss scale, RNG, data position), saved
+and restored through :mod:`pipetrain.checkpoint`.
+
+Tensors are keyed by the original parameter names, so a run saved at one layout (pp, dp,
+schedule) resumes at another. The rest is plain metadata: the step (which is also the data
+position and the learning-rate schedule's whole state), the skipped-step count, the fp16 loss
+scale, the model shape and the layout. Every rank's RNG stream comes back only at the same
+layout, where rank r does again what rank r did; at another layout each rank re-seeds from
+(seed, step, rank). At the same layout on CPU the resumed loss curve is bitwise the
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipetrain import checkpoint
+from pipetrain.errors import CheckpointError
+from pipetrain.train.setup import Trainer
+
+__all__ = ["checkpoint_root", "save", "restore"]
+
+
+def checkpoint_root(out: str) -> Path | None:
+    """Where a run writing into ``out`` keeps its checkpoints; None for an empty ``out``."""
+    return Path(out) / "checkpoints" if out else None
+
+
+def _state(trainer: Trainer, *, rng: bool) -> dict[str, torch.Tensor]:
+    named = list(trainer.pipe.named_parameters())
+    state = {**checkpoint.model_state(named),
+             **checkpoint.optimizer_state(trainer.optimizer, named)}
+    if rng:
+        state.update(checkpoint.rng_state(trainer.mesh.rank))
+    return state
+
+
+def _meta(trainer: Trainer) -> dict[str, object]:
+    return {"model": dataclasses.asdict(trainer.model), "layout": trainer.layout(),
+            "seed": trainer.cfg.seed, "skipped": trainer.skipped,
+            "loss_scale": trainer.scale.state_dict(), "data": {"seed": trainer.cfg.seed,
+                                                                "step": trainer.step}}
+
+
+def save(trainer: Trainer) -> Path | None:
+    """Save the run after ``trainer.step`` steps (every rank at once); None without ``out``."""
+    root = checkpoint_root(trainer.cfg.out)
+    if root is None:
+        return None
+    keep = trainer.cfg.keep_checkpoints or None
+    return checkpoint.save(root, trainer.step, _state(trainer, rng=True), _meta(trainer),
+                           keep=keep)
+
+
+def restore(trainer: Trainer) -> Path | None:
+    """Continue from the newest committed checkpoint, if ``cfg.resume`` and there is one.
+
+    Raises:
+        CheckpointError: when the checkpoint holds another model, the ranks see different
+            checkpoints, or loading fails (on every rank).
+    """
+    root = checkpoint_root(trainer.cfg.out)
+    if root is None or not trainer.cfg.resume:
+        return None
+    path = _agreed_latest(root, trainer)
+    if path is None:
+        return None
+    meta = checkpoint.read_meta(path)
+    want = dataclasses.asdict(trainer.model)
+    if meta.get("model") != want:
+        raise CheckpointError(
+            f"[rank {trainer.mesh.rank}] the checkpoint {path} holds another model "
+            f"({meta.get('model')}) than this run ({want}); pass another --out, or --no-resume "
+            "to start afresh (that checkpoint directory is then ignored)")
+    same = meta.get("layout") == trainer.layout()
+    state = _state(trainer, rng=same)
+    checkpoint.load(path, state)
+    checkpoint.load_optimizer_state(trainer.optimizer, trainer.pipe.named_parameters(), state)
+    step = int(meta["step"])
+    if same:
+        checkpoint.set_rng_state(state, trainer.mesh.rank)
+    else:
+        torch.manual_seed(_reseed(trainer.cfg.seed, step, trainer.mesh.rank))
+    trainer.step, trainer.skipped = step, int(meta.get("skipped", 0))
+    trainer.scale.load_state_dict(meta["loss_scale"])
+    return path
+
+
+def _agreed_latest(root: Path, trainer: Trainer) -> Path | None:
+    """The newest checkpoint, checked to be the same one on every rank."""
+    path = checkpoint.latest(root)
+    found = -1 if path is None else int(checkpoint.read_meta(path)["step"])
+    low = -trainer.mesh.world_max(-float(found))
+    high = trainer.mesh.world_max(float(found))
+    if dist.is_initialized() and low != high:
+        raise CheckpointError(
+            f"[rank {trainer.mesh.rank}] ranks see different newest checkpoints under {root} "
+            f"(steps {int(low)} .. {int(high)}; this rank: {found}); --out must be on a "
+            "filesystem every rank shares")
+    return path
+
+
+def _reseed(seed: int, step: int, rank: int) -> int:
+    digest = hashlib.blake2b(f"rng:{seed}:{step}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

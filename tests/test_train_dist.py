@@ -1,0 +1,276 @@
+"""The training loop across processes: runs, dp x pp equivalence, clipping, NaN verdicts, resume.
+
+Two launched groups (2 and 4 processes) run many cases each; each case returns a list of
+problems, so one failing case reports all the others too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain as pt
+from pipetrain.errors import PipelineError
+from pipetrain.gpt import gpt_layers, lm_loss
+from pipetrain.testing import reference_step
+from pipetrain.train import faults
+from pipetrain.train.config import TrainConfig
+from pipetrain.train.events import NullReporter
+from pipetrain.train.loop import run, train_step
+from pipetrain.train.optim import (
+    build_optimizer,
+    clip_grads_,
+    global_grad_norm,
+    lr_at,
+    no_decay_names,
+    set_lr,
+)
+from pipetrain.train.resume import save
+from pipetrain.train.setup import Trainer, build
+
+TIED = "0.tokens"
+
+
+class Steps(NullReporter):
+    """Keeps the step records."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def record(self, kind: str, fields: dict[str, Any]) -> None:
+        if kind == "step":
+            self.steps.append(fields)
+
+
+def _cfg(tmp: str, name: str, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(
+        preset="tiny", data=str(Path(tmp, "corpus.txt")), seq_len=32, batch_size=8,
+        microbatches=4, steps=6, warmup=2, lr=3e-3, eval_every=3, eval_batches=1,
+        sample_tokens=6, out=str(Path(tmp, name)), timeout=30)
+    return TrainConfig(**{**base, **kw})
+
+
+def _losses(cfg: TrainConfig) -> tuple[list[float], dict[str, Any]]:
+    reporter = Steps()
+    summary = run(cfg, reporter)
+    return [s["loss"] for s in reporter.steps], summary
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.pipe.named_parameters()}
+
+
+# -- two processes ----------------------------------------------------------------------------
+def _two(ctx: pt.RankContext, tmp: str) -> list[str]:
+    return _cases(ctx, tmp, [_resume_at_pp2, _runs, _resume_bitwise, _clipping, _skip, _abort,
+                             _precisions])
+
+
+def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """A tiny GPT trains under 1f1b and zbv: the loss falls; the summary is the same everywhere."""
+    problems = []
+    for schedule in ("1f1b", "zbv"):
+        losses, summary = _losses(_cfg(tmp, f"run-{schedule}", schedule=schedule, steps=8))
+        if not losses[-1] < losses[0] - 0.5:
+            problems.append(f"{schedule}: the loss did not fall: {losses}")
+        if not summary["eval_loss"] < 5.0 or summary["skipped"] or summary["steps"] != 8:
+            problems.append(f"{schedule}: summary {summary}")
+        if summary["layout"]["stages"] != (4 if schedule == "zbv" else 2):
+            problems.append(f"{schedule}: layout {summary['layout']}")
+        if not isinstance(summary["sample"], str) or not summary["sample"].startswith("def "):
+            problems.append(f"{schedule}: sample {summary['sample']!r}")
+        gathered = [None, None]
+        torch.distributed.all_gather_object(gathered, summary)
+        if gathered[0] != gathered[1]:
+            problems.append(f"{schedule}: the ranks return different summaries: {gathered}")
+    return problems
+
+
+def _resume_bitwise(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """Three steps, a checkpoint, a new run: the loss curve goes on exactly."""
+    full, _ = _losses(_cfg(tmp, "uninterrupted"))
+    cfg = _cfg(tmp, "interrupted")
+    trainer = build(cfg)
+    first = [train_step(trainer, step).loss for step in range(3)]
+    save(trainer)
+    rest, summary = _losses(cfg)
+    problems = []
+    if first + rest != full:
+        problems.append(f"resumed losses {first} + {rest} != uninterrupted {full}")
+    if summary["steps"] != 6 or summary["steps_run"] != 3:
+        problems.append(f"summary {summary}")
+    return problems
+
+
+def _clipping(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """The global norm over both ranks (tied table once) and the clipped gradients match
+    torch.nn.utils.clip_grad_norm_ on the single-device model."""
+    cfg = _cfg(tmp, "clip")
+    trainer = build(cfg)
+    inputs, targets = trainer.batch(0)
+    trainer.pipe.step(inputs, targets)
+    trainer.reducer.all_reduce()
+    norm = global_grad_norm(trainer.counted, trainer.mesh.pp_group, trainer.mesh.comm_device)
+    clip_grads_(trainer.params, norm, 0.5)
+    torch.manual_seed(cfg.seed)
+    reference = nn.Sequential(*gpt_layers(trainer.model))
+    reference_step(reference, inputs, targets, lm_loss, cfg.microbatches)
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    problems = []
+    if not torch.allclose(norm, want, rtol=1e-5) or float(want) < 1.0:
+        problems.append(f"global norm {float(norm)} != single-device {float(want)}")
+    ref = dict(reference.named_parameters())
+    for name, p in trainer.pipe.named_parameters():
+        assert p.grad is not None and ref[name].grad is not None
+        if not torch.allclose(p.grad, ref[name].grad, rtol=1e-4, atol=1e-7):
+            problems.append(f"clipped gradient of {name} differs")
+    return problems
+
+
+def _skip(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """A NaN on rank 1's stage at step 1: every rank skips step 1 and only step 1."""
+    trainer = build(_cfg(tmp, "skip", nonfinite="skip"))
+    train_step(trainer, 0)
+    before = _params(trainer)
+    os.environ[faults.ENV] = "nan@rank1:step1"
+    try:
+        skipped = train_step(trainer, 1)
+    finally:
+        del os.environ[faults.ENV]
+    problems = []
+    if not skipped.skipped or not math.isnan(skipped.loss) or trainer.skipped != 1:
+        problems.append(f"step 1 not skipped on rank {ctx.rank}: {skipped.fields()}")
+    changed = [n for n, p in _params(trainer).items() if not torch.equal(p, before[n])]
+    if changed or trainer.step != 2:
+        problems.append(f"rank {ctx.rank}: parameters {changed} changed, step {trainer.step}")
+    after = train_step(trainer, 2)
+    if after.skipped or not math.isfinite(after.loss):
+        problems.append(f"step 2 after the skip: {after.fields()}")
+    return problems
+
+
+def _abort(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """A NaN on rank 0's stage with nonfinite='abort': every rank raises, naming step and rank."""
+    trainer = build(_cfg(tmp, "abort", nonfinite="abort"))
+    os.environ[faults.ENV] = "nan@rank0:step0"
+    try:
+        train_step(trainer, 0)
+    except PipelineError as e:
+        text = str(e)
+        wanted = [f"[rank {ctx.rank}] step 0", "rank(s) [0, 1]", "nonfinite='abort'"]
+        return [f"message lacks {w!r}: {text}" for w in wanted if w not in text]
+    finally:
+        del os.environ[faults.ENV]
+    return [f"rank {ctx.rank} did not raise"]
+
+
+def _precisions(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """bf16 and fp16 autocast (fp16 with the dynamic loss scale, recomputation on) train."""
+    problems = []
+    for precision in ("bf16", "fp16"):
+        cfg = _cfg(tmp, f"p-{precision}", precision=precision, steps=4, recompute="always",
+                   sample_tokens=0)
+        losses, summary = _losses(cfg)
+        if not (all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]):
+            problems.append(f"{precision}: losses {losses}")
+        if not 3.0 < summary["eval_loss"] < 6.0:  # unscaled (fp16 scales the loss by 2**16)
+            problems.append(f"{precision}: eval loss {summary['eval_loss']}")
+    return problems
+
+
+# -- four processes ---------------------------------------------------------------------------
+def _four(ctx: pt.RankContext, tmp: str) -> tuple[list[str], list[float]]:
+    """dp x pp equivalence first: its tied-weight groups are symmetric, while pp=4's are made
+    by ranks 0 and 3 only, after which torch names a later subset group differently on
+    different ranks (its hash counts the groups each process has made)."""
+    problems = _cases(ctx, tmp, [_dp_equivalence])
+    full: list[float] = []
+    try:
+        full = _save_at_pp4(tmp)
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"_save_at_pp4: raised {type(e).__name__}: {e}")
+    return problems, full
+
+
+def _cases(ctx: pt.RankContext, tmp: str, cases: list[Any]) -> list[str]:
+    problems: list[str] = []
+    for case in cases:
+        try:
+            problems += [f"{case.__name__}: {p}" for p in case(ctx, tmp)]
+        except Exception as e:  # noqa: BLE001  (reported with the others)
+            problems.append(f"{case.__name__}: raised {type(e).__name__}: {e}")
+    return problems
+
+
+def _dp_equivalence(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """dp=2 x pp=2 (one micro-batch per replica) makes the same step as pp=2 on the whole batch
+    (two micro-batches): bitwise, except the tied table, summed in another order (rounding)."""
+    cfg = _cfg(tmp, "dp", dp=2, pp=2, batch_size=4, microbatches=1, grad_clip=0.0)
+    trainer = build(cfg)
+    train_step(trainer, 0)
+    torch.manual_seed(cfg.seed)
+    layers = gpt_layers(trainer.model)
+    reference = pt.Pipeline(layers, "1f1b", 2, lm_loss, local_ranks=2)
+    opt = build_optimizer(reference.named_parameters(), no_decay_names(nn.Sequential(*layers)),
+                          lr=cfg.lr, weight_decay=cfg.weight_decay)
+    set_lr(opt, lr_at(0, peak=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps))
+    reference.step(*trainer.batches.batch(0))
+    opt.step()
+    ref = dict(reference.named_parameters())
+    problems = []
+    for name, p in trainer.pipe.named_parameters():
+        same = torch.equal(p, ref[name]) if name != TIED else torch.allclose(p, ref[name])
+        if not same:
+            problems.append(f"rank {ctx.rank}: {name} differs after one step")
+    return problems
+
+
+def _save_at_pp4(tmp: str) -> list[float]:
+    """An uninterrupted pp=4 run of 4 steps, and 2 steps of the same run saved at pp=4."""
+    full, _ = _losses(_cfg(tmp, "pp4", pp=4, steps=4, sample_tokens=0))
+    trainer = build(_cfg(tmp, "pp4-to-pp2", pp=4, steps=4, sample_tokens=0))
+    for step in range(2):
+        train_step(trainer, step)
+    save(trainer)
+    return full
+
+
+def _resume_at_pp2(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """Saved at pp=4 (by the four-rank group), resumed at pp=2: the curve goes on."""
+    full = [float(x) for x in Path(tmp, "pp4-losses.txt").read_text().split()]
+    rest, summary = _losses(_cfg(tmp, "pp4-to-pp2", pp=2, steps=4, sample_tokens=0))
+    problems = []
+    if summary["steps_run"] != 2 or summary["layout"]["pp"] != 2:
+        problems.append(f"summary {summary}")
+    if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(rest, full[2:], strict=True)):
+        problems.append(f"resumed at pp=2: {rest} != pp=4 {full[2:]}")
+    return problems
+
+
+# -- tests ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
+    """The four-rank group's problems; it leaves a pp=4 checkpoint and that run's losses."""
+    tmp = tmp_path_factory.mktemp("train")
+    sources = [Path(textwrap.__file__), Path(argparse.__file__)]
+    (tmp / "corpus.txt").write_bytes(b"".join(p.read_bytes() for p in sources))
+    results = pt.launch(_four, 4, str(tmp), timeout=300)
+    (tmp / "pp4-losses.txt").write_text(" ".join(repr(x) for x in results[0][1]))
+    return str(tmp), [f"rank {r}: {p}" for r, (probs, _) in enumerate(results) for p in probs]
+
+
+def test_dp_x_pp_equivalence_and_a_save_at_pp4(four_ranks: tuple[str, list[str]]) -> None:
+    assert four_ranks[1] == []
+
+
+def test_training_on_two_ranks_and_resuming_at_pp2(four_ranks: tuple[str, list[str]]) -> None:
+    results = pt.launch(_two, 2, four_ranks[0], timeout=300)
+    assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
