@@ -1,0 +1,253 @@
+"""Real compute: GPT training steps on CPU, pipetrain next to torch.distributed.pipelining.
+
+For each schedule (default 1F1B and ZB-V) on p = 2 processes with one thread each, three runs
+of identical work: the same model values, the same batch and micro-batches, the same loss.
+
+    pipetrain    pt.Pipeline over the GPT layer list, split by parameter bytes
+    torch        torch.distributed.pipelining's schedule over the very same stage modules
+    one process  the whole model in one process (one thread), forward + backward of each
+                 micro-batch in turn, gradients accumulating: the no-pipeline baseline
+
+Time: the median over steps of first rank's start to last rank's end of one step (forward and
+backward of the batch; no optimizer step); the two libraries' steps alternate, so both see the
+same machine noise. The two libraries' losses and gradients on the same batch are compared.
+
+Peak memory, per rank, measured in separate processes where only one library exists:
+
+    live    the most bytes of live CPU tensors at once during a step, counted by torch's CPU
+            allocator for the whole process (every thread): parameters, gradients (set to
+            None before the step, as zero_grad does), activations, message buffers
+    step+   how far ``live`` rises above its level when the step starts
+    RSS     the process's peak resident set during an unprofiled step (all memory, coarse)
+
+    python benchmarks/real_compute.py                      # GPT "small", a few minutes
+    python benchmarks/real_compute.py --tiny --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import gptbench as gb
+import memprobe
+import torch
+import torch.distributed as dist
+
+import pipetrain as pt
+
+LIBS = ("pipetrain", "torch")
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _build(lib: str, work: gb.Workload, name: str, rank: int) -> Any:
+    layers = work.layers()
+    balance = gb.split(layers, work.schedule(name))
+    if lib == "pipetrain":
+        return gb.PipetrainRunner(work, name, layers, balance)
+    modules = gb.stage_modules(layers, work.schedule(name), balance, rank)
+    return gb.TorchRunner(work, name, modules, layers, balance, rank)
+
+
+# -- timing: both libraries in one process group --------------------------------------------
+
+
+def _check(ours: gb.PipetrainRunner, theirs: gb.TorchRunner, x: torch.Tensor,
+           y: torch.Tensor) -> dict[str, Any]:
+    """One step of each on the same batch: their losses and largest gradient difference."""
+    gb.clear_grads(ours.params)
+    loss_pt = ours.step(x, y)
+    grads = {n: p.grad.clone() for n, p in ours.pipe.named_parameters() if p.grad is not None}
+    gb.clear_grads(ours.params)
+    loss_th = theirs.step(x, y)
+    diff = gb.grad_difference(grads, ours.pipe.named_parameters())
+    return {"loss": {"pipetrain": loss_pt, "torch": loss_th}, "grad_diff": diff}
+
+
+def time_body(ctx: pt.RankContext, work: gb.Workload, data: Batch, names: Sequence[str],
+              warmup: int, steps: int) -> list[dict[str, Any]]:
+    """Per schedule: the libraries' check and step spans on this rank."""
+    x, y = data
+    out = []
+    for name in names:
+        layers = work.layers()
+        balance = gb.split(layers, work.schedule(name))
+        ours = gb.PipetrainRunner(work, name, layers, balance)
+        theirs = gb.TorchRunner(work, name, ours.modules(), layers, balance, ctx.rank)
+        row: dict[str, Any] = {"schedule": name, "balance": balance,
+                               **_check(ours, theirs, x, y), "steps": {lib: [] for lib in LIBS}}
+        for n in range(warmup + steps):
+            for lib, runner in (("pipetrain", ours), ("torch", theirs)):
+                gb.clear_grads(runner.params)
+                dist.barrier()
+                t0 = time.time()
+                runner.step(x, y)
+                if n >= warmup:
+                    row["steps"][lib].append((t0, time.time()))
+        out.append(row)
+        del ours, theirs
+        gc.collect()
+    return out
+
+
+# -- memory: one library per process group --------------------------------------------------
+
+
+def _probe_step(runner: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """A warm-up step, then an unprofiled step (resident set) and a profiled one (tensors)."""
+    runner.step(x, y)
+    gb.clear_grads(runner.params)
+    with memprobe.Probe(tensors=False) as rss:
+        runner.step(x, y)
+    gb.clear_grads(runner.params)
+    with memprobe.Probe() as live:
+        loss = runner.step(x, y)
+    return {**live.to_dict(), "rss_peak_bytes": rss.rss_peak_bytes,
+            "rss_start_bytes": rss.rss_start_bytes, "loss": loss}
+
+
+def memory_body(ctx: pt.RankContext, work: gb.Workload, data: Batch, names: Sequence[str],
+                lib: str) -> list[dict[str, Any]]:
+    """Per schedule, ``lib`` alone, built afresh: the memory of a step on this rank."""
+    memprobe.enable()
+    x, y = data
+    out = []
+    for name in names:
+        runner = _build(lib, work, name, ctx.rank)  # layers of other ranks are freed here
+        gc.collect()
+        dist.barrier()
+        out.append({"schedule": name, **_probe_step(runner, x, y)})
+        del runner
+        gc.collect()
+    return out
+
+
+def baseline_body(ctx: pt.RankContext, work: gb.Workload, data: Batch, warmup: int,
+                  steps: int) -> dict[str, Any]:
+    """The one-process run: step times, loss and memory."""
+    memprobe.enable()
+    x, y = data
+    runner = gb.SequentialRunner(work, work.layers())
+    spans = []
+    for n in range(warmup + steps):
+        gb.clear_grads(runner.params)
+        t0 = time.time()
+        runner.step(x, y)
+        if n >= warmup:
+            spans.append((t0, time.time()))
+    gb.clear_grads(runner.params)
+    return {"steps": spans, **_probe_step(runner, x, y)}
+
+
+# -- summary --------------------------------------------------------------------------------
+
+
+def _memory_cells(per_rank: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {"live_peak_bytes": [r["peak_bytes"] for r in per_rank],
+            "step_rise_bytes": [r["peak_bytes"] - r["start_bytes"] for r in per_rank],
+            "rss_peak_bytes": [r["rss_peak_bytes"] for r in per_rank]}
+
+
+def summarize(work: gb.Workload, timing: list[list[dict[str, Any]]],
+              memory: dict[str, list[list[dict[str, Any]]]],
+              base: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for j, first in enumerate(timing[0]):
+        name = first["schedule"]
+        losses = [r[j]["loss"] for r in timing]
+        for lib in LIBS:
+            step = gb.median_step([r[j]["steps"][lib] for r in timing])
+            mem = _memory_cells([r[j] for r in memory[lib]])
+            loss = next(v[lib] for v in losses if v[lib] is not None)
+            rows.append({"schedule": name, "run": lib, "balance": first["balance"],
+                         "loss": loss, "step_s": step, "tokens_per_s": work.tokens / step,
+                         "grad_diff": max(r[j]["grad_diff"] for r in timing), **mem})
+    step = gb.median_step([base["steps"]])
+    rows.append({"schedule": "-", "run": "one process", "balance": None, "loss": base["loss"],
+                 "step_s": step, "tokens_per_s": work.tokens / step, "grad_diff": None,
+                 **_memory_cells([base])})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'schedule':<10}{'run':<13}{'loss':>9}{'step s':>8}{'tokens/s':>10}"
+            f"{'live MiB/rank':>17}{'step+ MiB/rank':>17}{'RSS MiB/rank':>16}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = ["/".join(memprobe.mib(v) for v in r[k])
+                 for k in ("live_peak_bytes", "step_rise_bytes", "rss_peak_bytes")]
+        lines.append(f"{r['schedule']:<10}{r['run']:<13}{r['loss']:>9.5f}{r['step_s']:>8.3f}"
+                     f"{r['tokens_per_s']:>10.0f}{cells[0]:>17}{cells[1]:>17}{cells[2]:>16}")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Per schedule: pipetrain's throughput and peak memory against torch's."""
+    out = []
+    for name in dict.fromkeys(r["schedule"] for r in rows if r["run"] == "pipetrain"):
+        ours, theirs = (next(r for r in rows if r["schedule"] == name and r["run"] == lib)
+                        for lib in LIBS)
+        speed = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        mem = max(a / b for a, b in zip(ours["live_peak_bytes"], theirs["live_peak_bytes"]))
+        out.append(f"{name}: pipetrain/torch tokens/s {speed:.3f} (target >= 1: "
+                   f"{'met' if speed >= 1 else 'MISSED'}); live peak, worst rank "
+                   f"{mem:.3f} (target <= 1: {'met' if mem <= 1 else 'MISSED'}); largest "
+                   f"gradient difference {ours['grad_diff']:.1e}")
+    return out
+
+
+def run(work: gb.Workload, names: Sequence[str], warmup: int, steps: int) -> list[dict[str, Any]]:
+    data = work.data()
+    timing = pt.launch(time_body, work.ranks, work, data, names, warmup, steps, timeout=3600)
+    memory = {lib: pt.launch(memory_body, work.ranks, work, data, names, lib, timeout=3600)
+              for lib in LIBS}
+    base = pt.launch(baseline_body, 1, work, data, warmup, steps, timeout=3600)[0]
+    return summarize(work, timing, memory, base)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small", help="GPT preset (pipetrain.gpt.PRESETS)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("--schedules", default="1f1b,zbv", help="comma list (both libraries)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", help="write rows and machine description here")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset, batch 4, 2 steps (CI)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.preset, args.batch, args.m, args.warmup, args.steps = "tiny", 4, 4, 1, 2
+    names = args.schedules.split(",")
+    unknown = [n for n in names if n not in gb.TORCH_CLASSES]
+    if unknown:
+        parser.error(f"--schedules {unknown}: both libraries must have them; choose from "
+                     f"{list(gb.TORCH_CLASSES)}")
+    work = gb.Workload(args.preset, args.batch, args.m)
+    started = time.time()
+    rows = run(work, names, args.warmup, args.steps)
+    print(f"GPT {args.preset}: {work.config.n_params:,} parameters, batch {args.batch} x "
+          f"{work.config.seq_len} tokens, m = {args.m}; p = {work.ranks} processes, 1 thread "
+          "each (one process: 1 thread)")
+    print(format_table(rows))
+    print("step s: median of first start to last end; live: peak bytes of live CPU tensors "
+          "in the rank's process during a step (torch allocator, all threads); step+: its rise "
+          "during the step; RSS: peak resident set of an unprofiled step")
+    for line in verdicts(rows):
+        print(line)
+    if args.json:
+        meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started,
+                "preset": args.preset, "batch": args.batch, "microbatches": args.m,
+                "tokens_per_step": work.tokens, "ranks": work.ranks}
+        with open(args.json, "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Simulator accuracy: profile F/I/W per stage, predict each schedule's step time, run it.
+
+On p = 2 processes (one thread each) training pipetrain's GPT (``small`` preset by default):
+
+    1. profile  every rank times F, I and W of its own stages on one micro-batch at the same
+                time (so both cores are busy, as in a step) with ``pipetrain.profile``'s
+                ``profile_layers`` (each stage as one layer; stage 0 gets the real token ids,
+                the last stage the real loss), and the fused B (``backward_full``) next to it
+    2. comm     half the round trip of one activation-sized tensor between the two ranks
+    3. predict  ``pt.simulate(schedule, Costs(F, B, I, W per stage), comm).makespan``
+    4. run      the schedule: median over steps of first rank's start to last rank's end
+
+Beside predicted / measured the script reports where a miss comes from: ``span`` is the
+measured time from the first action's start to the last one's end (the rest of a step is the
+runtime's step start and end), ``ops`` is each op's mean time inside the run over its
+profiled time, ``replay`` is the simulator's makespan when each action takes as long as it did
+in the run and each message the mean ``hop`` measured in the run (both medians over steps).
+
+    python benchmarks/simulator_accuracy.py                       # all schedules, minutes
+    python benchmarks/simulator_accuracy.py --tiny --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import gptbench as gb
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipetrain as pt
+from pipetrain import microbatch
+from pipetrain.backward import backward_full
+from pipetrain.dataflow import walk
+from pipetrain.gpt import lm_loss
+from pipetrain.partition import stage_bounds
+from pipetrain.profile import profile_layers
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+OPS = ("F", "B", "I", "W")
+
+
+# -- profiling ------------------------------------------------------------------------------
+
+
+def _stage_inputs(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
+                  x: torch.Tensor) -> list[torch.Tensor]:
+    """Each stage's input for the micro-batch ``x``; activations need a gradient, as in a run."""
+    inputs = []
+    with torch.no_grad():
+        for lo, hi in bounds:
+            inputs.append(x.detach().requires_grad_(x.is_floating_point()))
+            for layer in layers[lo:hi]:
+                x = layer(x)
+    return inputs
+
+
+def _fused_backward(module: nn.Module, x: torch.Tensor, target: torch.Tensor | None,
+                    repeats: int) -> float:
+    """Median seconds of ``backward_full`` after a fresh forward (one warm-up first)."""
+    times = []
+    for _ in range(repeats + 1):
+        leaf = x.detach().requires_grad_(x.is_floating_point())
+        out = module(leaf)
+        root = out if target is None else lm_loss(out, target)
+        t0 = time.perf_counter()
+        backward_full([root], [torch.ones_like(root)], [leaf])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def profile_stages(work: gb.Workload, balance: Sequence[int], stages: Sequence[int], data: Batch,
+                   repeats: int) -> dict[int, dict[str, float]]:
+    """Seconds of F, B, I, W per micro-batch of ``stages`` (other ranks profile theirs)."""
+    layers = work.layers()
+    bounds = stage_bounds(balance)
+    x, y = (microbatch.split(t, work.microbatches)[0] for t in data)
+    inputs = _stage_inputs(layers, bounds, x)
+    out = {}
+    dist.barrier()
+    for s in stages:
+        module = nn.Sequential(*layers[bounds[s][0]:bounds[s][1]])
+        last = s == len(balance) - 1
+        cost = profile_layers([module], inputs[s], loss_fn=lm_loss if last else None,
+                              sample_target=y if last else None, repeats=repeats)[0]
+        b = _fused_backward(module, inputs[s], y if last else None, repeats)
+        out[s] = {"F": cost.f, "B": b, "I": cost.i, "W": cost.w}
+    dist.barrier()
+    return out
+
+
+def comm_delay(work: gb.Workload, rank: int, repeats: int = 20) -> float:
+    """Half the median round trip of one activation message between ranks 0 and 1."""
+    n = work.batch // work.microbatches * work.config.seq_len * work.config.d_model
+    buf = torch.zeros(n)
+    times = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    return statistics.median(times[2:])
+
+
+# -- running --------------------------------------------------------------------------------
+
+
+def run_schedule(work: gb.Workload, name: str, data: Batch, warmup: int,
+                 steps: int) -> dict[str, Any]:
+    """Step walls on this rank, and every rank's action spans (relative to the step start)."""
+    layers = work.layers()
+    balance = gb.split(layers, work.schedule(name))
+    runner = gb.PipetrainRunner(work, name, layers, balance)
+    walls, spans = [], []
+    for n in range(warmup + steps):
+        gb.clear_grads(runner.params)
+        dist.barrier()
+        t0 = time.time()
+        runner.step(*data)
+        t1 = time.time()
+        if n >= warmup:
+            assert runner.last_result is not None
+            walls.append((t0, t1))
+            spans.append([(str(s.action), s.rank, s.start, s.end)
+                          for s in runner.last_result.timeline.spans])
+    return {"schedule": name, "balance": balance, "walls": walls, "spans": spans}
+
+
+def rank_body(ctx: pt.RankContext, work: gb.Workload, names: Sequence[str], data: Batch,
+              warmup: int, steps: int, repeats: int) -> dict[str, Any]:
+    costs: dict[str, dict[int, dict[str, float]]] = {}
+    for name in names:  # one profile per distinct split and placement
+        sched = work.schedule(name)
+        key = _key(gb.split(work.layers(), sched), sched)
+        if key not in costs:
+            costs[key] = profile_stages(work, json.loads(key)[0], sched.stages_of(ctx.rank),
+                                        data, repeats)
+    comm = comm_delay(work, ctx.rank)
+    runs = [run_schedule(work, name, data, warmup, steps) for name in names]
+    return {"costs": costs, "comm_s": comm, "runs": runs}
+
+
+def _key(balance: Sequence[int], sched: pt.Schedule) -> str:
+    return json.dumps([list(balance), list(sched.placement)])
+
+
+# -- summary --------------------------------------------------------------------------------
+
+
+def _costs(per_stage: dict[int, dict[str, float]], n_stages: int) -> pt.Costs:
+    return pt.Costs(**{op: tuple(per_stage[s][op] for s in range(n_stages)) for op in OPS})
+
+
+def _run_op_times(spans: list[list[tuple[str, int, float, float]]],
+                  n_stages: int) -> dict[int, dict[str, float]]:
+    """Mean duration of each (stage, op) over all its actions in all measured steps."""
+    got: dict[tuple[int, str], list[float]] = {}
+    for step in spans:
+        for text, _, start, end in step:
+            a = pt.Action.parse(text)
+            got.setdefault((a.stage, a.op.value), []).append(end - start)
+    return {s: {op: statistics.mean(got.get((s, op), [0.0])) for op in OPS}
+            for s in range(n_stages)}
+
+
+SpanRow = tuple[str, int, float, float]  # (action, rank, start, end)
+
+
+def _waits(spans: list[list[SpanRow]], sched: pt.Schedule) -> tuple[list[float], list[float]]:
+    """Two kinds of time between actions in a run:
+
+    gap  idle before an action that needs no message (W, F of stage 0, B/I of the last
+         stage) after the previous action of its rank: the runtime's own time
+    hop  from the end of the action that sends a message to the start of the action on
+         another rank that receives it, when that rank was already idle at the send
+    """
+    gaps, hops = [], []
+    for step in spans:
+        end = {row[0]: row[3] for row in step}
+        for rank in range(sched.n_ranks):
+            mine = sorted((row for row in step if row[1] == rank), key=lambda row: row[2])
+            for prev, cur in zip(mine, mine[1:]):
+                source = _source(pt.Action.parse(cur[0]), sched.n_stages - 1, end)
+                if source is None:
+                    gaps.append(cur[2] - prev[3])
+                elif (sched.rank_of(pt.Action.parse(source).stage) != rank
+                      and end[source] > prev[3]):  # the message was sent after this rank idled
+                    hops.append(cur[2] - end[source])
+    return gaps, hops
+
+
+def _source(a: pt.Action, last: int, done: dict[str, float]) -> str | None:
+    """The action whose message ``a`` consumes; None for W, F of stage 0, B/I of the last."""
+    if a.op.value == "F" and a.stage > 0:
+        return f"{a.stage - 1}F{a.mb}"
+    if a.op.value in "BI" and a.stage < last:
+        return next(c for c in (f"{a.stage + 1}B{a.mb}", f"{a.stage + 1}I{a.mb}") if c in done)
+    return None
+
+
+def _replay(step: list[SpanRow], sched: pt.Schedule, hop: float) -> float:
+    """The simulator's makespan when every action takes exactly as long as it did in ``step``."""
+    took = {row[0]: row[3] - row[2] for row in step}
+    result = walk(sched, lambda rank, a: took[str(a)], hop)
+    return max(result.end.values()) - min(result.start.values())
+
+
+def summarize_one(work: gb.Workload, costs: dict[int, dict[str, float]], comm: float,
+                  runs: list[list[SpanRow]], walls: list[list[tuple[float, float]]],
+                  balance: list[int], name: str) -> dict[str, Any]:
+    """Prediction, measurement and the diagnosis of one schedule."""
+    sched = work.schedule(name)
+    n = sched.n_stages
+    predicted = pt.simulate(sched, _costs(costs, n), comm).makespan
+    measured = gb.median_step(walls)
+    span = statistics.median(max(r[3] for r in st) - min(r[2] for r in st) for st in runs)
+    in_run = _run_op_times(runs, n)
+    used = [op for op in OPS if any(a.op.value == op for acts in sched.actions for a in acts)]
+    ops = {op: sum(in_run[s][op] for s in range(n)) / sum(costs[s][op] for s in range(n))
+           for op in used}
+    gaps, hops = _waits(runs, sched)
+    hop = max(0.0, statistics.mean(hops)) if hops else comm  # < 0: senders preempted
+    replay = statistics.median(_replay(step, sched, hop) for step in runs)
+    with_hop = pt.simulate(sched, _costs(costs, n), hop).makespan
+    return {"schedule": name, "balance": balance, "predicted_s": predicted,
+            "measured_s": measured, "ratio": predicted / measured, "span_s": span,
+            "replay_s": replay, "predicted_at_hop_s": with_hop, "op_ratio": ops,
+            "comm_s": comm, "hop_s": hop,
+            "gap_s": statistics.median(gaps) if gaps else 0.0,
+            "actions_per_rank": max(len(a) for a in sched.actions),
+            "costs": {str(s): c for s, c in costs.items()},
+            "run_op_s": {str(s): c for s, c in in_run.items()}}
+
+
+def summarize(work: gb.Workload, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    comm = statistics.median(r["comm_s"] for r in per_rank)
+    rows = []
+    for j, run in enumerate(per_rank[0]["runs"]):
+        key = _key(run["balance"], work.schedule(run["schedule"]))
+        costs = {int(s): c for r in per_rank for s, c in r["costs"][key].items()}
+        walls = [r["runs"][j]["walls"] for r in per_rank]
+        # every rank's timeline holds every rank's spans: rank 0's suffice
+        rows.append(summarize_one(work, costs, comm, run["spans"], walls, run["balance"],
+                                  run["schedule"]))
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'schedule':<17}{'predicted':>10}{'measured':>10}{'pred/meas':>10}"
+            f"{'at hop':>8}{'span':>8}{'replay':>8}{'hop ms':>8}  in-run / profiled op time")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ops = " ".join(f"{op} {v:.2f}" for op, v in r["op_ratio"].items())
+        lines.append(f"{r['schedule']:<17}{r['predicted_s']:>10.3f}{r['measured_s']:>10.3f}"
+                     f"{r['ratio']:>10.3f}{r['predicted_at_hop_s'] / r['measured_s']:>8.3f}"
+                     f"{r['span_s']:>8.3f}{r['replay_s'] / r['span_s']:>8.3f}"
+                     f"{r['hop_s'] * 1e3:>8.2f}  {ops}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small", help="GPT preset (pipetrain.gpt.PRESETS)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("--schedules", default=",".join(gb.ALL_SCHEDULES))
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="profiling runs per op (median)")
+    parser.add_argument("--json", help="write rows and machine description here")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset, 3 schedules (CI)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.preset, args.batch, args.m, args.steps, args.repeats = "tiny", 4, 4, 2, 2
+        args.schedules = "1f1b,zb-h1,zbv"
+    names = args.schedules.split(",")
+    work = gb.Workload(args.preset, args.batch, args.m)
+    started = time.time()
+    per_rank = pt.launch(rank_body, work.ranks, work, names, work.data(), args.warmup,
+                         args.steps, args.repeats, timeout=3600)
+    rows = summarize(work, per_rank)
+    print(f"GPT {args.preset}, batch {args.batch} x {work.config.seq_len} tokens, m = {args.m},"
+          f" p = {work.ranks} (1 thread each); comm {rows[0]['comm_s'] * 1e3:.2f} ms per hop")
+    print(format_table(rows))
+    print("s; predicted: simulator with the profiled per-stage costs and comm; measured: "
+          "median step; at hop: the prediction with the run's mean hop as comm, over measured; "
+          "span: first action start to last action end; replay: simulator fed each action's "
+          "time in the run and the mean hop, over span; hop: mean time from the end of a "
+          "message's sending action to the start of its receiving action on a rank idle since "
+          "before the send")
+    if args.json:
+        meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started,
+                "preset": args.preset, "batch": args.batch, "microbatches": args.m}
+        with open(args.json, "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Real-compute benchmarks still run: each script once at its tiny size (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(script: str, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    out = tmp_path / f"{script}.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert {"torch", "cpus", "platform"} <= data["meta"]["machine"].keys()
+    return proc.stdout, data
+
+
+def test_real_compute_tiny(tmp_path: Path) -> None:
+    stdout, data = _run("real_compute", tmp_path)
+    assert "tokens/s" in stdout and "live MiB/rank" in stdout
+    rows = data["rows"]
+    assert [(r["schedule"], r["run"]) for r in rows] == [
+        ("1f1b", "pipetrain"), ("1f1b", "torch"), ("zbv", "pipetrain"), ("zbv", "torch"),
+        ("-", "one process")]
+    losses = {r["loss"] for r in rows}
+    # identical work: the same batch gives the same loss in all three runs, to rounding
+    assert max(losses) - min(losses) < 1e-4, losses
+    for r in rows:
+        assert r["step_s"] > 0
+        assert abs(r["tokens_per_s"] * r["step_s"] - data["meta"]["tokens_per_step"]) < 1e-3
+        ranks = 1 if r["run"] == "one process" else 2
+        assert len(r["live_peak_bytes"]) == len(r["step_rise_bytes"]) == ranks
+        for live, rise in zip(r["live_peak_bytes"], r["step_rise_bytes"]):
+            assert 0 < rise <= live  # activations appear during the step, on top of the weights
+        if r["run"] != "one process":
+            assert r["grad_diff"] < 1e-4  # both libraries computed the same gradients
+    # one process holds the whole model and its gradients: more than a rank holding half
+    whole = rows[-1]["live_peak_bytes"][0]
+    assert all(v < whole for r in rows[:-1] for v in r["live_peak_bytes"])
+
+
+@pytest.fixture(scope="module")
+def memory_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    return _run("memory", tmp_path_factory.mktemp("memory"))
+
+
+def test_memory_tiny(memory_run: tuple[str, dict[str, Any]]) -> None:
+    stdout, data = memory_run
+    assert "meas/pred" in stdout
+    rows = data["rows"]
+    assert {(r["schedule"], r["recompute"]) for r in rows} == {
+        (s, c) for s in ("1f1b", "zb-h1", "zbv") for c in ("never", "always")}
+    for r in rows:
+        assert all(v > 0 for v in r["measured_bytes"] + r["predicted_bytes"])
+        # the detailed model only adds to the simulator's rule
+        assert all(d >= p for d, p in zip(r["detailed_bytes"], r["predicted_bytes"]))
+        assert r["ratio"] == [m / p for m, p in zip(r["measured_bytes"], r["predicted_bytes"])]
+    by = {(r["schedule"], r["recompute"]): r for r in rows}
+    # 1F1B keeps p - rank micro-batches in flight: rank 0 holds more than rank 1
+    assert by["1f1b", "never"]["sim_units"] == [2, 1]
+    assert by["1f1b", "never"]["measured_bytes"][0] > by["1f1b", "never"]["measured_bytes"][1]
+
+
+@pytest.mark.xfail(strict=True, reason="since ded2741 a recomputed stage's replayed "
+                   "activations stay alive after its backward (they accumulate every step)")
+def test_memory_recompute_keeps_less(memory_run: tuple[str, dict[str, Any]]) -> None:
+    by = {(r["schedule"], r["recompute"]): r for r in memory_run[1]["rows"]}
+    # recomputation keeps less on the first rank, where micro-batches wait longest
+    assert by["1f1b", "always"]["measured_bytes"][0] < by["1f1b", "never"]["measured_bytes"][0]
+
+
+def test_simulator_accuracy_tiny(tmp_path: Path) -> None:
+    stdout, data = _run("simulator_accuracy", tmp_path)
+    assert "pred/meas" in stdout
+    rows = data["rows"]
+    assert [r["schedule"] for r in rows] == ["1f1b", "zb-h1", "zbv"]
+    for r in rows:
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and r["replay_s"] > 0
+        assert r["ratio"] == r["predicted_s"] / r["measured_s"]
+        assert 0 < r["span_s"] <= r["measured_s"]  # actions run inside the step
+        assert r["comm_s"] > 0
+        split = r["schedule"] != "1f1b"
+        assert set(r["op_ratio"]) == ({"F", "I", "W"} if split else {"F", "B"})
+        for stage in r["costs"].values():
+            assert all(stage[op] > 0 for op in ("F", "B", "W"))
