@@ -177,9 +177,10 @@ def _final_state(out: Path) -> dict[str, torch.Tensor]:
 
 def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: Path) -> None:
     common = ["--steps", "8", "--checkpoint-every", "3", "--eval-every", "0", "--timeout", "5"]
-    plain = _start(tmp_path / "plain", *common)
+    # both runs skip step 2 (NaN loss on rank 0); only the second loses rank 1 at step 5
+    plain = _start(tmp_path / "plain", *common, faults="nan@rank0:step2")
     killed = _start(tmp_path / "killed", *common, "--max-restarts", "1",
-                    faults="kill@rank1:step5")
+                    faults="nan@rank0:step2,kill@rank1:step5")
     for proc in (plain, killed):
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0, out + err
@@ -189,6 +190,8 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: P
     assert a.keys() == b.keys() and any(k.startswith("model/") for k in a)
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, different
-    losses = [{r["step"]: r["loss"] for r in report.read_log(tmp_path / run / "log.jsonl")
-               if r["kind"] == "step"} for run in ("plain", "killed")]
-    assert losses[0] == losses[1] and len(losses[0]) == 8
+    steps = [{r["step"]: (r["loss"], r["skipped"])
+              for r in report.read_log(tmp_path / run / "log.jsonl") if r["kind"] == "step"}
+             for run in ("plain", "killed")]
+    assert steps[0] == steps[1] and len(steps[0]) == 8
+    assert [s for s, (_, skipped) in steps[0].items() if skipped] == [2]
