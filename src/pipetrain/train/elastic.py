@@ -105,6 +105,7 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
     if cfg.nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {cfg.nproc}")
     backend = backend_for(cfg.device, cfg.nproc)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     with (_loopback_store() as port, _worker_env(backend), _quiet_torch_logs(),
@@ -114,6 +115,10 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
             results = launcher(cfg, run)
         except ChildFailedError as e:
             raise JobFailed(_failure_report(e.failures, cfg.max_restarts)) from None
+        except SignalException as e:  # Ctrl-C or kill: the agent has stopped every worker
+            raise JobFailed(f"interrupted by {e.sigval.name}; every worker was stopped "
+                            "(rerun the same command to resume from the newest checkpoint)"
+                            ) from None
     summary: dict[str, Any] = results.get(0) or {}
     return summary
 
@@ -305,7 +310,8 @@ def _reporter(cfg: TrainConfig, rank: int) -> Reporter:
 
 def _report_failure(error: BaseException, rank: int) -> None:
     """Print one line naming the rank, and write the agent's error file with precise time."""
-    message = f"{type(error).__name__}: {error}"
+    message = "interrupted" if isinstance(error, KeyboardInterrupt) else (
+        f"{type(error).__name__}: {error}")
     if not str(error).startswith("[rank"):
         message = f"[rank {rank}] {message}"
     print(f"pipetrain train: {message}", file=sys.stderr, flush=True)
