@@ -1,4 +1,4 @@
-"""Recomputation and frozen parameters: still the gradients of single-device training."""
+"""Recomputation (per stage, every k-th layer) and frozen parameters: single-device gradients."""
 
 from __future__ import annotations
 
@@ -75,3 +75,67 @@ def test_frozen_parameters(name: str, trainable: set[int]) -> None:
     got = pipe.step(x, y)
     assert got.loss is not None and torch.equal(got.loss, want)
     assert grad_mismatches(pipe.named_parameters(), ref) == []
+
+
+class Counted(nn.Module):
+    """A layer that counts how often its forward runs (F, and replays)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer, self.runs = layer, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.layer(x)
+
+
+def counted(model: nn.Sequential) -> nn.Sequential:
+    return nn.Sequential(*[Counted(layer) for layer in model])
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zbv"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_recompute_every_kth_layer_matches_single_device(name: str, k: int) -> None:
+    ref, model = counted(dropout_mlp(0.0)), counted(dropout_mlp(0.0))
+    x, y = batch(12)
+    want = reference_step(ref, x, y, LOSS, 4)
+    pipe = pt.Pipeline(model, name, 4, LOSS, local_ranks=2, stages_per_rank=_v(name),
+                       recompute=("every", k))
+    got = pipe.step(x, y)
+    assert got.loss is not None and torch.equal(got.loss, want)
+    assert grad_mismatches(pipe.named_parameters(), ref) == []
+    # layers 0, k, 2k, ... ran once more per micro-batch (once, even where I and W are split)
+    assert [layer.runs for layer in model] == [8 if i % k == 0 else 4 for i in range(8)]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zbv"])
+def test_recompute_every_kth_layer_replays_dropout_masks(name: str) -> None:
+    x, y = batch(12)
+    runs = []
+    for policy in ("never", ("every", 2)):
+        model = dropout_mlp(0.3)
+        pipe = pt.Pipeline(model, name, 4, LOSS, local_ranks=2, stages_per_rank=_v(name),
+                           recompute=policy)  # type: ignore[arg-type]
+        torch.manual_seed(9)
+        runs.append((pipe.step(x, y).loss, model))
+    (loss_a, a), (loss_b, b) = runs
+    assert loss_a is not None and loss_b is not None and torch.equal(loss_a, loss_b)
+    assert grad_mismatches(a.named_parameters(), b) == []
+
+
+def test_recomputed_layers_keep_nothing_until_the_replay() -> None:
+    pipe = pt.Pipeline(dropout_mlp(0.0), "zb-h1", 2, LOSS, local_ranks=2,
+                       recompute=("every", 2))  # stage 0: layers 0..3, segments [0] 1 [2] 3
+    stage = pipe.stages[0]
+    assert [(len(s.layers), s.recompute) for s in stage.segments] == [(1, True), (1, False)] * 2
+    stage.forward(0, [torch.randn(3, 8)], {"t": 0}, [False])
+    replays = stage._flight[0].replays
+    assert len(replays) == 2 and all(r.saved is None and r.count > 0 for r in replays)
+    stage.prepare_backward(0)
+    assert all(r.saved is not None and len(r.saved) == r.count for r in replays)
+
+
+def test_per_layer_policy_errors() -> None:
+    for bad in (("every", 0), ("each", 2), ("every", 1.5)):
+        with pytest.raises(ValueError, match=r"per-layer recompute policy is \('every', k\)"):
+            pt.Pipeline(mlp(), "1f1b", 2, LOSS, local_ranks=2, recompute=bad)  # type: ignore[arg-type]

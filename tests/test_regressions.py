@@ -22,3 +22,42 @@ def test_a_module_used_twice_in_a_sequential_is_not_dropped() -> None:
     result = pipe.eval_step(x)
     with torch.no_grad():
         assert torch.equal(result.outputs, model(x))
+
+
+class WithAux(nn.Module):
+    """Returns its activation and a one-element side value that the next stage ignores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, h.mean().reshape(1)
+
+
+class TakeFirst(nn.Module):
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return t[0]
+
+
+def test_a_one_element_output_without_gradient_is_not_a_loss() -> None:
+    # A stage took any one-element output that got no gradient back for a loss and seeded it
+    # with ones, so an unused one-element side output (an auxiliary statistic) added its own
+    # gradient to the stage's weights. Only the last stage's scalar output is seeded now.
+    from models import batch
+    from pipetrain.testing import grad_mismatches, reference_step
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(WithAux(), TakeFirst(), nn.Linear(8, 8))
+
+    ref, pipe_model = model(), model()
+    x, y = batch(12)
+    want = reference_step(ref, x, y, nn.MSELoss(), 4)
+    for name in ("1f1b", "zb-h1"):
+        pipe_model.zero_grad()
+        pipe = pt.Pipeline(pipe_model, name, 4, nn.MSELoss(), local_ranks=2, balance=[1, 2])
+        got = pipe.step(x, y)
+        assert got.loss is not None and torch.equal(got.loss, want)
+        assert grad_mismatches(pipe.named_parameters(), ref) == [], name

@@ -14,6 +14,7 @@ from torch import nn
 import pipetrain as pt
 from models import MULTI, SCHEDULES, batch, mlp, structured
 from pipetrain.testing import grad_mismatches, reference_step
+from test_grads_ready import Recorder, tied_mlp
 
 LOSS = nn.MSELoss()
 
@@ -81,8 +82,24 @@ def _features(ctx: pt.RankContext) -> list[str]:
     return problems
 
 
+def _grads_ready(ctx: pt.RankContext) -> list[str]:
+    """The hook fires once per stage of this rank, after its last gradient write; a weight tied
+    across ranks waits for the end-of-step all-reduce, one tied within a rank for both stages."""
+    problems = []
+    for name in ("1f1b", "zbv"):
+        for model in (mlp(), tied_mlp()):
+            pipe = pt.Pipeline(model, name, 4, LOSS, timeout=30)
+            for step in range(2):
+                hook = Recorder(pipe)
+                pipe.step(*batch(12, seed=step), on_grads_ready=hook)
+                problems += [f"{name} step {step}: {p}"
+                             for p in hook.problems(list(pipe.schedule.stages_of(ctx.rank)))]
+    return problems
+
+
 def _two_ranks(ctx: pt.RankContext) -> list[str]:
-    return _all_schedules(ctx, [1, 3, 4]) + _structured(ctx) + _features(ctx)
+    return (_all_schedules(ctx, [1, 3, 4]) + _structured(ctx) + _features(ctx)
+            + _grads_ready(ctx))
 
 
 def _four_ranks(ctx: pt.RankContext) -> list[str]:

@@ -97,6 +97,7 @@ class _Link:
 
     rank: int
     cpu_group: dist.ProcessGroup | None
+    frames: dist.ProcessGroup  # cpu_group itself: frames go through it directly, by group rank
     device_groups: dict[tuple[int, int], dist.ProcessGroup]
     device: torch.device
     timeout: float
@@ -126,8 +127,7 @@ class _Receiver:
 
     def _post(self) -> tuple[bytearray, torch.Tensor, Any]:
         buf, frame = new_frame()
-        return buf, frame, dist.irecv(frame, src=self.src, group=self.link.cpu_group,
-                                      tag=_TAG_FRAME)
+        return buf, frame, self.link.frames.recv([frame], self.peer, _TAG_FRAME)
 
     def _step(self, step: int, plan: Plan) -> None:
         ahead = self._post()
@@ -198,7 +198,8 @@ class P2P:
         self._globals = [r if group is None else dist.get_global_rank(group, r)
                          for r in range(n_ranks)]
         self._sends: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
-        link = _Link(rank, self.cpu_group, self.device_groups, device, timeout,
+        self._frames = _frame_group(self.cpu_group)
+        link = _Link(rank, self.cpu_group, self._frames, self.device_groups, device, timeout,
                      max_message_bytes)
         self._receivers = {peer: _Receiver(link, peer, self._globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
@@ -211,10 +212,10 @@ class P2P:
 
     def send(self, dst_rank: int, msg: Message, op: int = 0) -> None:
         frame, payload = encode(msg, self.rank, op)
-        dst = self._globals[dst_rank]
-        work = dist.isend(frame, dst=dst, group=self.cpu_group, tag=_TAG_FRAME)
+        work: Any = self._frames.send([frame], dst_rank, _TAG_FRAME)  # as dist.isend does
         self._sends.append((work, frame, payload))
         if payload is not None:
+            dst = self._globals[dst_rank]
             group = (self.device_groups[(self.rank, dst_rank)] if payload.device.type != "cpu"
                      else self.cpu_group)
             work = dist.isend(payload, dst=dst, group=group, tag=_TAG_PAYLOAD)
@@ -263,6 +264,16 @@ class P2P:
                     w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError:
                 pass
+
+
+def _frame_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The group frames travel in, as an object (None means the default group)."""
+    if group is not None:
+        return group
+    world = dist.group.WORLD
+    if world is None:
+        raise CommError("torch.distributed has no default process group")
+    return world
 
 
 def _stop(receivers: list[_Receiver]) -> None:

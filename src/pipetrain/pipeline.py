@@ -204,11 +204,12 @@ class Pipeline:
         return dist.get_world_size(group), dist.get_rank(group)
 
     # -- parameters ----------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the original model (``"3.weight"``)."""
+    def named_parameters(self, stage: int | None = None) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the original model (``"3.weight"``);
+        only those of ``stage`` when it is given (a weight tied between two stages is in both)."""
         seen: set[int] = set()
-        for s in sorted(self._stage_layers):
-            for name, layer in self._stage_layers[s]:
+        for s in sorted(self._stage_layers) if stage is None else [stage]:
+            for name, layer in self._stage_layers.get(s, []):
                 for pname, p in layer.named_parameters():
                     if id(p) not in seen:
                         seen.add(id(p))
@@ -240,7 +241,7 @@ class Pipeline:
         step for a stage with a weight tied to another rank. While the schedule's cool-down
         goes on, a data-parallel all-reduce of that stage's gradients can already start::
 
-            pipe.step(x, y, on_grads_ready=lambda s: start_all_reduce(pipe.stages[s]))
+            pipe.step(x, y, on_grads_ready=lambda s: reduce(pipe.named_parameters(s)))
 
         A hook that raises fails the step like a stage error.
         """
