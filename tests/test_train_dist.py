@@ -10,11 +10,13 @@ import argparse
 import math
 import os
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
@@ -25,6 +27,7 @@ from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.events import NullReporter
 from pipetrain.train.loop import run, train_step
+from pipetrain.train.mesh import GradReducer
 from pipetrain.train.optim import (
     build_optimizer,
     clip_grads_,
@@ -71,7 +74,7 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
 # -- two processes ----------------------------------------------------------------------------
 def _two(ctx: pt.RankContext, tmp: str) -> list[str]:
     return _cases(ctx, tmp, [_resume_at_pp2, _runs, _resume_bitwise, _clipping, _skip, _abort,
-                             _precisions])
+                             _precisions, _overlap])
 
 
 def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
@@ -88,7 +91,7 @@ def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
         if not isinstance(summary["sample"], str) or not summary["sample"].startswith("def "):
             problems.append(f"{schedule}: sample {summary['sample']!r}")
         gathered = [None, None]
-        torch.distributed.all_gather_object(gathered, summary)
+        dist.all_gather_object(gathered, summary)
         if gathered[0] != gathered[1]:
             problems.append(f"{schedule}: the ranks return different summaries: {gathered}")
     return problems
@@ -117,7 +120,7 @@ def _clipping(ctx: pt.RankContext, tmp: str) -> list[str]:
     trainer = build(cfg)
     inputs, targets = trainer.batch(0)
     trainer.pipe.step(inputs, targets)
-    trainer.reducer.all_reduce()
+    trainer.reducer.finish()
     norm = global_grad_norm(trainer.counted, trainer.mesh.pp_group, trainer.mesh.comm_device)
     clip_grads_(trainer.params, norm, 0.5)
     torch.manual_seed(cfg.seed)
@@ -173,16 +176,53 @@ def _abort(ctx: pt.RankContext, tmp: str) -> list[str]:
 
 
 def _precisions(ctx: pt.RankContext, tmp: str) -> list[str]:
-    """bf16 and fp16 autocast (fp16 with the dynamic loss scale, recomputation on) train."""
+    """bf16 and fp16 autocast (fp16 with the dynamic loss scale) train; under bf16,
+    recomputing every stage gives bitwise the losses of not recomputing (the recomputation
+    runs under the same autocast as the forward)."""
     problems = []
-    for precision in ("bf16", "fp16"):
-        cfg = _cfg(tmp, f"p-{precision}", precision=precision, steps=4, recompute="always",
-                   sample_tokens=0)
+    for precision, recompute in (("bf16", "never"), ("bf16", "always"), ("fp16", "always")):
+        cfg = _cfg(tmp, f"p-{precision}-{recompute}", precision=precision, steps=4,
+                   recompute=recompute, sample_tokens=0)
         losses, summary = _losses(cfg)
         if not (all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]):
             problems.append(f"{precision}: losses {losses}")
         if not 3.0 < summary["eval_loss"] < 6.0:  # unscaled (fp16 scales the loss by 2**16)
             problems.append(f"{precision}: eval loss {summary['eval_loss']}")
+        if (precision, recompute) == ("bf16", "never"):
+            plain = losses
+        elif precision == "bf16" and losses != plain:
+            problems.append(f"bf16 with recomputation: {losses} != without {plain}")
+    return problems
+
+
+def _overlap(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """Each stage's dp all-reduce starts from the gradients-ready hook while the step still
+    runs, and the result is exactly the mean of the replicas' gradients."""
+    torch.manual_seed(0)
+    pipe = pt.Pipeline([nn.Linear(8, 8) for _ in range(4)], "1f1b", 4, nn.functional.mse_loss,
+                       local_ranks=4)
+    g = torch.Generator().manual_seed(ctx.rank)
+    inputs, targets = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    reducer = GradReducer({s: st.parameters() for s, st in pipe.stages.items()},
+                          dist.group.WORLD, 2)
+    started: dict[int, float] = {}
+
+    def hook(stage: int) -> None:
+        started[stage] = time.time()
+        reducer.start(stage)
+
+    result = pipe.step(inputs, targets, on_grads_ready=hook)
+    own = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    reducer.finish()
+    problems = []
+    end = max(span.end for span in result.timeline.spans)
+    if sorted(started) != [0, 1, 2, 3] or not min(started.values()) < end:
+        problems.append(f"hooks at {started}, the step's last action ended at {end}")
+    for name, p in pipe.named_parameters():
+        want = own[name].clone()
+        dist.all_reduce(want)
+        if not torch.equal(p.grad, want / 2):
+            problems.append(f"{name}: the overlapped mean differs from all_reduce / 2")
     return problems
 
 

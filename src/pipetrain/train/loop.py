@@ -5,7 +5,9 @@ every rank in the same sequence, because every branch depends only on values all
 
     [1] faults.at_step                   injected kill / raise / hang / NaN (tests, soak)
     [2] pipe.step under autocast         F/B/I/W of this replica's rows, as scheduled
-    [3] dp all-reduce of gradients       mean over the replicas (sum, then / dp)
+    [3] dp all-reduce of gradients       mean over the replicas (sum, then / dp); a stage's
+                                         starts when the step reports its gradients final,
+                                         overlapping the cool-down
     [4] unscale (fp16)                   gradients of the true loss
     [5] verdict over the world           OK / overflow / non-finite: all go, skip or stop
     [6] global norm over the pp group    clip every rank's gradients by the same factor
@@ -37,7 +39,7 @@ from pipetrain.train.resume import restore, save
 from pipetrain.train.setup import Trainer, build
 from pipetrain.train.timing import predict
 
-__all__ = ["run", "train_step", "StepStats"]
+__all__ = ["run", "train_step", "evaluate", "sample", "StepStats"]
 
 NEWLINE = 10
 
@@ -64,6 +66,33 @@ class StepStats:
                 "bubble": self.bubble, "skipped": self.skipped}
 
 
+@dataclass
+class Tally:
+    """What the summary needs from this run's steps (only the last step's timeline is kept)."""
+
+    steps: int = 0
+    final_loss: float = math.nan
+    """The loss of the last step not skipped."""
+    bubble_sum: float = 0.0
+    bubble_steps: int = 0
+    last: StepStats | None = None
+
+    def add(self, stats: StepStats) -> None:
+        if self.steps > 0:  # the first step also pays for warming up
+            self.bubble_sum += stats.bubble
+            self.bubble_steps += 1
+        self.steps += 1
+        if not stats.skipped:
+            self.final_loss = stats.loss
+        self.last = stats
+
+    @property
+    def bubble(self) -> float:
+        if self.bubble_steps:
+            return self.bubble_sum / self.bubble_steps
+        return self.last.bubble if self.last is not None else math.nan
+
+
 def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     """Train as ``cfg`` says; call in every process of an initialised torch.distributed job.
 
@@ -88,29 +117,29 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     resumed = restore(trainer)
     reporter.record("start", {**_start_fields(trainer),
                               "resumed_from": None if resumed is None else str(resumed)})
-    history: list[StepStats] = []
+    tally = Tally()
     saved = resumed
     clock = time.perf_counter()
     for step in range(trainer.step, cfg.steps):
         stats = train_step(trainer, step)
-        history.append(stats)
+        tally.add(stats)
         reporter.record("step", stats.fields())
         if _due(cfg.eval_every, trainer.step, cfg.steps):
             reporter.record("eval", {"step": step, "eval_loss": evaluate(trainer)})
         if _due(cfg.checkpoint_every, trainer.step, cfg.steps):
             saved = _checkpoint(trainer, reporter) or saved
     elapsed = trainer.mesh.world_max(time.perf_counter() - clock)
-    if history:  # the end of a run that trained is always saved
+    if tally.steps:  # the end of a run that trained is always saved
         saved = _checkpoint(trainer, reporter) or saved
     final_eval = evaluate(trainer)
     reporter.record("eval", {"step": trainer.step - 1, "eval_loss": final_eval})
-    if history:
-        last = history[-1]
+    last = tally.last
+    if last is not None:
         reporter.timeline(last.step, last.timeline, predict(last.timeline, trainer.pipe.schedule))
     text = sample(trainer)
     if text is not None:
         reporter.record("sample", {"text": text})
-    summary = {**_summary(trainer, history, elapsed, final_eval, text),
+    summary = {**_summary(trainer, tally, elapsed, final_eval, text),
                "checkpoint": None if saved is None else str(saved)}
     reporter.record("end", summary)
     return summary
@@ -139,10 +168,10 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     inputs, targets = trainer.batch(step)
     try:
         with autocast(cfg.precision, mesh.device):  # [2]
-            result = pipe.step(inputs, targets)
+            result = pipe.step(inputs, targets, on_grads_ready=trainer.reducer.hook)  # [3]
     finally:
         trainer.injector.armed = False
-    trainer.reducer.all_reduce()  # [3]
+    trainer.reducer.finish()  # [3]
     trainer.scale.unscale_(trainer.params)  # [4]
     loss = trainer.scale.unscale_loss(float(result.loss if result.loss is not None else "nan"))
     square_sum = grad_square_sum(trainer.counted, mesh.comm_device)
@@ -192,18 +221,15 @@ def _start_fields(trainer: Trainer) -> dict[str, Any]:
             "params": trainer.model.n_params, "start_step": trainer.step}
 
 
-def _summary(trainer: Trainer, history: list[StepStats], elapsed: float, final_eval: float,
+def _summary(trainer: Trainer, tally: Tally, elapsed: float, final_eval: float,
              text: str | None) -> dict[str, Any]:
-    done = [h for h in history if not h.skipped]
-    steady = history[1:] or history  # the first step also pays for warming up
-    bubble = sum(h.bubble for h in steady) / len(steady) if steady else math.nan
     cfg = trainer.cfg
+    tokens = tally.steps * cfg.batch_size * cfg.seq_len
     return {
-        "final_loss": done[-1].loss if done else math.nan, "eval_loss": final_eval,
-        "tokens_per_s": len(history) * cfg.batch_size * cfg.seq_len / elapsed
-        if elapsed > 0 else 0.0,
-        "bubble": trainer.mesh.dp_mean(bubble), "steps": trainer.step,
-        "steps_run": len(history), "skipped": trainer.skipped,
+        "final_loss": tally.final_loss, "eval_loss": final_eval,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "bubble": trainer.mesh.dp_mean(tally.bubble), "steps": trainer.step,
+        "steps_run": tally.steps, "skipped": trainer.skipped,
         "params": trainer.model.n_params, "layout": trainer.layout(), "sample": text,
         "seconds": elapsed,
     }

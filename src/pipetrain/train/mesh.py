@@ -16,8 +16,9 @@ what one pipeline computes on the concatenated batch when the micro-batch sums l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -153,34 +154,66 @@ def _device(choice: str, nccl: bool, rank: int) -> torch.device:
 class GradReducer:
     """Average gradients over a dp group: flattened buckets, summed, then divided by ``dp``.
 
+    Each stage's buckets can start their all-reduce as soon as the pipeline reports that
+    stage's gradients final (:attr:`hook`, for ``Pipeline.step(on_grads_ready=...)``), so the
+    communication overlaps the schedule's cool-down; :meth:`finish` starts whatever has not
+    started, waits, and writes the means back. Every dp peer holds the same stages and runs the
+    same schedule, so the peers start the same all-reduces in the same order.
+
     Args:
-        params: this rank's parameters (those not requiring grad are left out).
+        stage_params: this rank's parameters per stage (a parameter in several stages, a tied
+            weight, goes with the first; those not requiring grad are left out).
         group: the dp group.
         size: ranks in ``group``.
         bucket_bytes: about this many bytes of gradient per all-reduce.
 
     Example::
 
-        reducer = GradReducer(pipe.parameters(), mesh.dp_group, mesh.dp)
-        pipe.step(x, y)
-        reducer.all_reduce()        # every replica now holds the mean gradient
+        reducer = GradReducer({s: st.parameters() for s, st in pipe.stages.items()},
+                              mesh.dp_group, mesh.dp)
+        pipe.step(x, y, on_grads_ready=reducer.hook)
+        reducer.finish()            # every replica now holds the mean gradient
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, size: int,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, stage_params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup,
+                 size: int, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.group, self.size = group, size
-        self.buckets = _buckets([p for p in params if p.requires_grad], bucket_bytes)
+        self.buckets: dict[int, list[list[nn.Parameter]]] = {}
+        seen: set[int] = set()
+        for stage in sorted(stage_params):
+            own = [p for p in stage_params[stage] if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in own)
+            self.buckets[stage] = _buckets(own, bucket_bytes)
+        self._pending: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+        self._started: set[int] = set()
 
-    def all_reduce(self) -> None:
-        """Replace each gradient by its mean over the group (missing gradients count as 0)."""
-        if self.size == 1:
+    @property
+    def hook(self) -> Callable[[int], None] | None:
+        """The ``on_grads_ready`` hook (None when there is nothing to average)."""
+        return None if self.size == 1 else self.start
+
+    def start(self, stage: int) -> None:
+        """Begin the (asynchronous) all-reduce of ``stage``'s gradients."""
+        if self.size == 1 or stage in self._started:
             return
-        for bucket in self.buckets:
+        self._started.add(stage)
+        for bucket in self.buckets.get(stage, []):
             flat = torch.cat([_grad(p).reshape(-1) for p in bucket])
-            dist.all_reduce(flat, group=self.group)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._pending.append((work, flat, bucket))
+
+    def finish(self) -> None:
+        """Start the stages not started yet, wait for every all-reduce, write the means back."""
+        for stage in sorted(self.buckets):
+            self.start(stage)
+        for work, flat, bucket in self._pending:
+            work.wait()
             flat.div_(self.size)
-            for p, part in zip(bucket, torch.split(flat, [p.numel() for p in bucket]), strict=True):
+            for p, part in zip(bucket, torch.split(flat, [p.numel() for p in bucket]),
+                               strict=True):
                 _grad(p).copy_(part.view_as(p))
+        self._pending.clear()
+        self._started.clear()
 
 
 def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:

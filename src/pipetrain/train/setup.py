@@ -130,7 +130,8 @@ def build(cfg: TrainConfig) -> Trainer:
         cfg, mesh, model, pipe,
         build_optimizer(pipe.named_parameters(), no_decay, lr=cfg.lr,
                         weight_decay=cfg.weight_decay),
-        scale, GradReducer(params, mesh.dp_group, mesh.dp), batches, [],
+        scale, GradReducer({s: st.parameters() for s, st in pipe.stages.items()}, mesh.dp_group,
+                           mesh.dp), batches, [],
         NaNInjector([pipe.stages[s].module for s in sorted(pipe.stages)]),
         params, counted_parameters(pipe))
     trainer.eval_set = [trainer.rows(b) for b in _eval_batches(corpus, cfg)]
