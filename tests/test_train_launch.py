@@ -95,18 +95,26 @@ def _listening(pids: set[int]) -> set[tuple[str, int]]:
 
 
 def _watch(proc: subprocess.Popen[str]) -> tuple[set[tuple[str, int]], set[int]]:
-    """Until ``proc`` ends: the job's listening sockets and the processes seen."""
+    """Until ``proc`` ends: the job's listening sockets and its worker processes seen."""
     sockets: set[tuple[str, int]] = set()
-    pids: set[int] = set()
+    workers: set[int] = set()
     while proc.poll() is None:
         try:
             now = {proc.pid} | _children(proc.pid)
-            pids |= now
+            workers |= {pid for pid in now if _is_worker(pid)}
             sockets |= _listening(now)
         except OSError:
             pass
         time.sleep(0.05)
-    return sockets, pids
+    return sockets, workers
+
+
+def _is_worker(pid: int) -> bool:
+    """A spawned worker (not the launcher, not multiprocessing's resource tracker)."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _alive(pids: set[int]) -> set[int]:
@@ -126,10 +134,10 @@ def _alive(pids: set[int]) -> set[int]:
 
 def test_train_writes_every_file_and_listens_on_loopback_only(tmp_path: Path) -> None:
     proc = _start(tmp_path, "--steps", "4", "--eval-every", "2", "--schedule", "zbv")
-    sockets, pids = _watch(proc)
+    sockets, workers = _watch(proc)
     out, err = proc.communicate()
     assert proc.returncode == 0, out + err
-    assert len(pids) >= 3, "the launcher and its 2 workers"
+    assert len(workers) == 2, workers
     assert sockets, "no listening socket seen while the job ran"
     assert {addr for addr, _ in sockets} <= LOOPBACK, sockets
     for name in ("log.jsonl", "loss.png", "timeline.png", "timeline.json", "summary.json",
@@ -154,12 +162,12 @@ def test_a_failed_rank_stops_every_rank_within_the_bound(tmp_path: Path, fault: 
                                                          first: str) -> None:
     started = time.monotonic()
     proc = _start(tmp_path, "--steps", "50", "--timeout", "3", faults=fault)
-    _, pids = _watch(proc)
+    _, workers = _watch(proc)
     elapsed = time.monotonic() - started
     out, err = proc.communicate()
     assert proc.returncode == 1, out + err
     assert elapsed < BOUND, f"took {elapsed:.1f} s"
-    assert not _alive(pids - {proc.pid}), "a worker outlived the launcher"
+    assert len(workers) == 2 and not _alive(workers), "a worker outlived the launcher"
     assert first in err and "without restarts" in err, err
     assert "step 49" not in out
 
