@@ -60,7 +60,8 @@ def subcommands() -> dict[str, Subcommand]:
 def build_parser(commands: Mapping[str, Subcommand] | None = None) -> argparse.ArgumentParser:
     """The ``pipetrain`` parser with one subparser per command (default: :func:`subcommands`)."""
     parser = argparse.ArgumentParser(
-        prog="pipetrain", description="Pipeline-parallel schedules: list, simulate, validate.")
+        prog="pipetrain",
+        description="Pipeline-parallel schedules: list, simulate, validate; train a GPT.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in (commands or subcommands()).items():
         child = sub.add_parser(name, help=command.help, description=command.help)
