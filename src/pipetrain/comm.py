@@ -49,7 +49,8 @@ from pipetrain.wire import (
 
 __all__: list[str] = []
 
-_TAG_FRAME, _TAG_PAYLOAD = 17, 18
+_TAG_BASE = 17  # pipeline n over a group: tags 17 + 3n (frames), 18 + 3n (payloads), 19 + 3n
+_instances: dict[tuple[int, ...], int] = {}  # pipelines built so far over each set of ranks
 Plan = Sequence[tuple[int, int, int, int]]  # (kind, mb, src_stage, dst_stage) of each message
 Describe = Callable[[], str]
 
@@ -102,6 +103,8 @@ class _Link:
     device: torch.device
     timeout: float
     max_bytes: int
+    frame_tag: int
+    payload_tag: int
 
 
 class _Receiver:
@@ -127,7 +130,7 @@ class _Receiver:
 
     def _post(self) -> tuple[bytearray, torch.Tensor, Any]:
         buf, frame = new_frame()
-        return buf, frame, self.link.frames.recv([frame], self.peer, _TAG_FRAME)
+        return buf, frame, self.link.frames.recv([frame], self.peer, self.link.frame_tag)
 
     def _step(self, step: int, plan: Plan) -> None:
         ahead = self._post()
@@ -170,7 +173,8 @@ class _Receiver:
         payload = torch.empty(size, dtype=torch.uint8,
                               device=link.device if on_device else torch.device("cpu"))
         group = link.device_groups[(self.peer, link.rank)] if on_device else link.cpu_group
-        self._wait(dist.irecv(payload, src=self.src, group=group, tag=_TAG_PAYLOAD), key)
+        self._wait(dist.irecv(payload, src=self.src, group=group, tag=self.link.payload_tag),
+                   key)
         return payload
 
     def _wait(self, work: Any, key: Key) -> None:
@@ -199,8 +203,11 @@ class P2P:
                          for r in range(n_ranks)]
         self._sends: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
         self._frames = _frame_group(self.cpu_group)
+        self._tag = _TAG_BASE + 3 * _next_instance(self._globals)
+        self.spare_tag = self._tag + 2
+        """A tag of this pipeline's own for exchanges outside the schedule (tied gradients)."""
         link = _Link(rank, self.cpu_group, self._frames, self.device_groups, device, timeout,
-                     max_message_bytes)
+                     max_message_bytes, self._tag, self._tag + 1)
         self._receivers = {peer: _Receiver(link, peer, self._globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
         weakref.finalize(self, _stop, list(self._receivers.values()))
@@ -212,13 +219,13 @@ class P2P:
 
     def send(self, dst_rank: int, msg: Message, op: int = 0) -> None:
         frame, payload = encode(msg, self.rank, op)
-        work: Any = self._frames.send([frame], dst_rank, _TAG_FRAME)  # as dist.isend does
+        work: Any = self._frames.send([frame], dst_rank, self._tag)  # as dist.isend does
         self._sends.append((work, frame, payload))
         if payload is not None:
             dst = self._globals[dst_rank]
             group = (self.device_groups[(self.rank, dst_rank)] if payload.device.type != "cpu"
                      else self.cpu_group)
-            work = dist.isend(payload, dst=dst, group=group, tag=_TAG_PAYLOAD)
+            work = dist.isend(payload, dst=dst, group=group, tag=self._tag + 1)
             self._sends.append((work, frame, payload))
 
     def recv(self, key: Key, describe: str | Describe) -> Message:
@@ -254,7 +261,7 @@ class P2P:
             try:
                 frame, _ = encode(msg, self.rank, op)  # 4096 bytes always fit the frame
                 works.append(dist.isend(frame, dst=self._globals[peer], group=self.cpu_group,
-                                        tag=_TAG_FRAME))
+                                        tag=self._tag))
             except RuntimeError:
                 continue
         deadline = time.monotonic() + 2.0
@@ -264,6 +271,19 @@ class P2P:
                     w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError:
                 pass
+
+
+def _next_instance(ranks: Sequence[int]) -> int:
+    """How many pipelines this process built over ``ranks`` before (the same on every rank).
+
+    Each pipeline talks on tags of its own, so a pipeline built after another failed never
+    receives the failed one's leftover messages, nor loses its own to a receive the failed
+    one left posted.
+    """
+    key = tuple(ranks)
+    n = _instances.get(key, 0)
+    _instances[key] = n + 1
+    return n
 
 
 def _frame_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -287,16 +307,44 @@ def _groups(group: dist.ProcessGroup | None, n_ranks: int, device: torch.device
     if device.type == "cpu" and dist.get_backend(group) == "gloo":
         return group, {}
     members = [dist.get_global_rank(group, r) if group is not None else r for r in range(n_ranks)]
-    me = dist.get_rank(group)
-    cpu_group = dist.new_group(members, backend="gloo", use_local_synchronization=True)
+    return symmetric_groups(members, device)
+
+
+def symmetric_groups(members: list[int], device: torch.device
+                     ) -> tuple[dist.ProcessGroup, dict[tuple[int, int], dist.ProcessGroup]]:
+    """This pipeline's frame group and pair groups, made by every rank of the job alike.
+
+    torch names a new group after how many groups the process made before, so a group made by
+    some ranks only (a pair) would get different names on different ranks and hang. Instead
+    every rank learns every pipeline's members (all pipelines of a data-parallel job are built
+    together) and every rank makes every group, in one order.
+    """
+    world = dist.get_world_size()
+    mine = torch.full((world,), -1, dtype=torch.int64, device=_collective_device(device))
+    mine[:len(members)] = torch.tensor(members)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    layouts = sorted({tuple(int(r) for r in t.tolist() if r >= 0) for t in gathered})
+    frames: dist.ProcessGroup | None = None
     pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
-    for a in range(n_ranks):
-        for b in range(n_ranks):
-            if a != b and me in (a, b):
-                pg = dist.new_group([members[a], members[b]], use_local_synchronization=True)
-                if pg is not None:
-                    pairs[(a, b)] = pg
-    return cpu_group, pairs
+    me = dist.get_rank()
+    for ranks in layouts:
+        made = dist.new_group(list(ranks), backend="gloo")
+        if list(ranks) == members:
+            frames = made
+        for a, ra in enumerate(ranks):
+            for b, rb in enumerate(ranks):
+                if a != b:
+                    pg = dist.new_group([ra, rb])
+                    if list(ranks) == members and me in (ra, rb):
+                        pairs[(a, b)] = pg
+    if frames is None:
+        raise CommError(f"rank {me}: its pipeline group {members} is missing from the job's")
+    return frames, pairs
+
+
+def _collective_device(device: torch.device) -> torch.device:
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _abort_error(peer: int, header: Sequence[int], msg: Message) -> PeerFailed:

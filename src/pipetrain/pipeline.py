@@ -146,8 +146,9 @@ class Pipeline:
                                for lo, hi in stage_bounds(self.balance)], self.schedule.placement)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
-        self._tied_grads = None if self.local else TiedGrads(
-            self.tied, self.rank, group, dict(self.named_parameters()))
+        self._tied_grads = None if self.transport is None else TiedGrads(
+            self.tied, self.rank, group, dict(self.named_parameters()),
+            self.transport.spare_tag, timeout)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  *_grad_links(self.tied, self.local))
         self._plan_cache: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from pipetrain.errors import CommError
 
 __all__: list[str] = []
 
@@ -53,24 +57,49 @@ def find_tied(stage_layers: Sequence[Sequence[tuple[str, nn.Module]]],
 
 
 class TiedGrads:
-    """The groups of this rank's cross-rank tied parameters, and their gradient all-reduce."""
+    """This rank's tied parameters that other ranks hold too, and the exchange summing their grads.
+
+    Each holder sends its gradient to every other holder and adds all of them up in rank order,
+    so every holder ends with the same bits. The exchange uses point-to-point messages on the
+    pipeline group with the pipeline's own tag; no extra process group is created (a subgroup
+    made by some ranks only would desynchronise torch's group naming across ranks).
+    """
 
     def __init__(self, tied: Sequence[TiedParam], rank: int, group: dist.ProcessGroup | None,
-                 params: dict[str, nn.Parameter]) -> None:
-        self.members: list[tuple[nn.Parameter, dist.ProcessGroup | None]] = []
-        for t in tied:
-            if len(t.ranks) < 2:
-                continue  # all its stages are on one rank: autograd already sums it
-            ranks = [dist.get_global_rank(group, r) if group is not None else r for r in t.ranks]
-            if rank in t.ranks:
-                pg = dist.new_group(ranks, use_local_synchronization=True)
-                self.members.append((params[t.name], pg))
+                 params: dict[str, nn.Parameter], tag: int, timeout: float) -> None:
+        self.rank, self.group, self.tag, self.timeout = rank, group, tag, timeout
+        self.members = [(t.name, params[t.name], t.ranks) for t in tied
+                        if len(t.ranks) > 1 and rank in t.ranks]
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def all_reduce(self) -> None:
         """Sum the gradients of every tied parameter across the ranks that hold it."""
-        for p, pg in self.members:
+        for name, p, ranks in self.members:
             if not p.requires_grad:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=pg)
+            parts = {self.rank: p.grad}
+            sends = [dist.isend(p.grad, dst=self._global(r), group=self.group, tag=self.tag)
+                     for r in ranks if r != self.rank]
+            for r in ranks:
+                if r != self.rank:
+                    parts[r] = torch.empty_like(p.grad)
+                    self._wait(dist.irecv(parts[r], src=self._global(r), group=self.group,
+                                          tag=self.tag), name, r)
+            for w in sends:
+                self._wait(w, name, -1)
+            total = parts[ranks[0]].clone()
+            for r in ranks[1:]:
+                total += parts[r]
+            p.grad.copy_(total)
+
+    def _wait(self, work: Any, name: str, peer: int) -> None:
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            other = f"from rank {peer}" if peer >= 0 else "to its other holders"
+            raise CommError(f"rank {self.rank}: summing the gradient of tied parameter {name!r} "
+                            f"failed waiting {other}: {str(e).splitlines()[0][:200]}") from None
