@@ -189,7 +189,7 @@ class Pipeline:
             self._stage_layers[s] = chunk
             self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == last,
                                    loss_fn=self.loss_fn, device=self.device,
-                                   recompute=replay[lo:hi])
+                                   recompute=replay[lo:hi], split_dim=self.split_dim)
 
     @staticmethod
     def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:

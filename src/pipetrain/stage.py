@@ -23,6 +23,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.backward import Root, WeightWork, backward_full, backward_input
+from pipetrain.microbatch import batch_size
 from pipetrain.payload import flatten, unflatten
 from pipetrain.recompute import Replay, segments
 
@@ -47,8 +48,9 @@ class Stage:
 
     def __init__(self, index: int, layers: Sequence[nn.Module], *, is_last: bool,
                  loss_fn: LossFn | None, device: torch.device,
-                 recompute: bool | Sequence[bool] = False) -> None:
+                 recompute: bool | Sequence[bool] = False, split_dim: int = 0) -> None:
         self.index, self.is_last, self.loss_fn, self.device = index, is_last, loss_fn, device
+        self.split_dim = split_dim
         flags = ([recompute] * len(layers) if isinstance(recompute, bool)
                  else [bool(f) for f in recompute])
         if len(flags) != len(layers):
@@ -76,6 +78,7 @@ class Stage:
         with torch.set_grad_enabled(track):
             out = self._layers(unflatten(leaves, spec), replays if track else None)
             if self.is_last and self.loss_fn is not None and target is not None:
+                _check_rows(out, target, self.split_dim)
                 loss = self.loss_fn(out, _to_device(target, self.device)) * weight
                 flat: list[torch.Tensor] = [loss]
                 out_spec = None
@@ -157,3 +160,14 @@ def _leaf(t: torch.Tensor, requires_grad: bool, device: torch.device) -> torch.T
     if requires_grad and t.is_floating_point():
         t.requires_grad_(True)
     return t
+
+
+def _check_rows(out: Any, target: Any, dim: int) -> None:
+    """Outputs and targets of one micro-batch must agree on its size (when both have one)."""
+    try:
+        rows, wanted = batch_size(out, dim), batch_size(target, dim)
+    except (ValueError, IndexError):
+        return  # no single batch size to compare: leave it to the loss function
+    if rows != wanted:
+        raise ValueError(f"the model output has {rows} rows along dim {dim} but the targets have "
+                         f"{wanted}: pass targets with the same batch size as the inputs")
