@@ -102,8 +102,11 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     ``sample`` and ``end`` records and one timeline; ``run`` does not close it.
 
     Returns:
-        The summary, equal on every rank: final_loss, eval_loss, tokens_per_s, bubble, steps,
-        steps_run, skipped, params, layout, sample, seconds.
+        The summary, equal on every rank: final_loss (mean over the replicas, last step not
+        skipped), eval_loss, tokens_per_s (all replicas, this invocation), bubble (mean
+        measured, first step left out), steps (done in all), steps_run (by this invocation),
+        skipped, params, layout, sample (None without sample_tokens), seconds, checkpoint
+        (the newest saved or resumed from; None without ``out``).
 
     Raises:
         ValueError: for a configuration that does not fit the world (all problems listed).
