@@ -251,3 +251,28 @@ def test_pipeline_trains_the_split_lm_like_the_model(schedule: str, points: list
     assert [n for n in untied if not torch.equal(grads[n], ref_grads[n].grad)] == []
     # the tied weight's two contributions per micro-batch are summed in another order
     torch.testing.assert_close(grads["embed.weight"], ref_grads["embed.weight"].grad)
+
+
+@pytest.mark.parametrize("schedule,balance", [("1f1b", None), ("zbv", "time")])
+def test_auto_split_points_balance_the_units(schedule: str, balance: str | None) -> None:
+    ref, model = tiny_lm(), tiny_lm()
+    kwargs, targets = _inputs(True)
+    pipe = pt.Pipeline(model, schedule, microbatches=2, loss_fn=lm_loss, local_ranks=2,
+                       split_points="auto", example_inputs=kwargs, balance=balance)
+    assert pipe.traced is not None and len(pipe.traced.stages) == 8  # embed, pos, 4 blocks, ...
+    assert pipe.balance_plan is not None and sum(pipe.balance) == 8
+    assert len(pipe.balance) == pipe.schedule.n_stages
+    got = pipe.step(pipe.pack(**kwargs), targets)
+    want = _reference(ref, kwargs, targets, 2)
+    assert got.loss is not None and torch.equal(got.loss, want)
+    ref_grads = dict(ref.named_parameters())
+    grads = {n: p.grad for n, p in pipe.named_parameters()}
+    assert sorted(grads) == sorted(ref_grads)
+    assert [n for n, g in grads.items() if n != "embed.weight"
+            and not torch.equal(g, ref_grads[n].grad)] == []
+    torch.testing.assert_close(grads["embed.weight"], ref_grads["embed.weight"].grad)
+
+
+def test_auto_split_points_need_example_inputs() -> None:
+    with pytest.raises(TypeError, match="example_inputs="):
+        pt.Pipeline(tiny_lm(), "1f1b", 2, lm_loss, local_ranks=2, split_points="auto")

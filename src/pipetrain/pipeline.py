@@ -91,8 +91,9 @@ class Pipeline:
             is a multiple of k (0, k, 2k, ...; a traced model's layers are its stages).
         split_points: cut an arbitrary ``model`` (not a layer list) into stages by tracing it
             (:func:`pipetrain.trace.split_model`): one stage starts at the first use of each
-            named module (``["blocks.4", "blocks.8"]``). Needs ``example_inputs``; ``step``
-            then takes the inputs as :meth:`pack` builds them.
+            named module (``["blocks.4", "blocks.8"]``); ``"auto"`` cuts at every unit
+            (:mod:`pipetrain.autosplit`) and groups the units by ``balance`` (default
+            ``"params"``). Needs ``example_inputs``; ``step`` takes what :meth:`pack` builds.
         example_inputs: with ``split_points``, positional (tuple) or keyword (dict) arguments
             of ``model.forward``; with a profiling ``balance``, one micro-batch of input.
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
@@ -112,7 +113,7 @@ class Pipeline:
         device: torch.device | str | None = None, split_dim: int = 0,
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
         recompute: Policy = "never", init_seed: int = 0,
-        split_points: Sequence[str] | None = None, example_inputs: Any = None,
+        split_points: Sequence[str] | str | None = None, example_inputs: Any = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -127,9 +128,13 @@ class Pipeline:
         layers: list[tuple[str, nn.Module | LayerSpec]] = (
             named_layers(model) if self.traced is None
             else [("", stage) for stage in self.traced.stages])
+        if split_points == "auto" and balance is None:
+            balance = "params"
         self.balance_plan: BalancePlan | None = None
         if isinstance(balance, str) or callable(balance):
-            self.balance_plan = self._plan(layers, balance, example_inputs, group)
+            sample = example_inputs if self.traced is None else _packed(self.traced,
+                                                                        example_inputs)
+            self.balance_plan = self._plan(layers, balance, sample, group)
             sizes = self.balance_plan.balance
         else:
             sizes = (even_balance(len(layers), n_stages) if balance is None
@@ -343,20 +348,28 @@ def _join(layer_name: str, param_name: str) -> str:
     return f"{layer_name}.{param_name}" if layer_name else param_name
 
 
-def _trace(model: Any, split_points: Sequence[str], example_inputs: Any, balance: Any,
+def _trace(model: Any, split_points: Sequence[str] | str, example_inputs: Any, balance: Any,
            n_stages: int) -> TracedSplit:
+    from pipetrain.autosplit import cut_points
     from pipetrain.trace import split_model
 
     if not isinstance(model, nn.Module) or example_inputs is None:
         raise TypeError("split_points= needs the model as one nn.Module and example_inputs= "
                         "(a tuple or dict of its forward's arguments)")
+    if split_points == "auto":  # one small stage per unit; the balancer groups them
+        return split_model(model, cut_points(model, example_inputs), example_inputs)
     if balance is not None:
-        raise PartitionError("pass either split_points= or balance=, not both")
-    if len(split_points) + 1 != n_stages:
-        raise PartitionError(f"{len(split_points)} split points make {len(split_points) + 1} "
-                             f"stages but the schedule has {n_stages} (ranks x stages per rank); "
-                             f"give {n_stages - 1} split points")
+        raise PartitionError("pass either split_points=[...] or balance=, not both (or "
+                             "split_points='auto' with a balance mode)")
+    if isinstance(split_points, str) or len(split_points) + 1 != n_stages:
+        raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} stages but the "
+                             f"schedule has {n_stages} (ranks x stages per rank); give "
+                             f"{n_stages - 1} split points, or 'auto'")
     return split_model(model, split_points, example_inputs)
+
+
+def _packed(traced: TracedSplit, example: Any) -> Any:
+    return traced.pack(*example) if isinstance(example, tuple) else traced.pack(**example)
 
 
 def _grad_links(tied: Sequence[TiedParam], local: bool) -> tuple[dict[int, set[int]], set[int]]:
