@@ -252,8 +252,9 @@ def worker(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
 
 
 def _work(cfg: TrainConfig, run: RunFn | None, rank: int) -> dict[str, Any]:
-    if cfg.out and os.environ.get(faults.ENV):
-        os.environ.setdefault(faults.DIR_ENV, str(Path(cfg.out) / "faults"))
+    if cfg.out and os.environ.get(faults.ENV):  # once per job: restarts keep the run id
+        job = os.environ.get("TORCHELASTIC_RUN_ID", "job")
+        os.environ.setdefault(faults.DIR_ENV, str(Path(cfg.out) / "faults" / job))
     backend = backend_for(cfg.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if backend == "gloo":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

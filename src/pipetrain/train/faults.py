@@ -8,9 +8,10 @@ worker process (also across the launcher's restarts)::
 The training loop calls :func:`at_step` at the start of every step on every rank. Without
 ``PIPETRAIN_FAULTS`` it returns None and does nothing else. A fault fires once per job: before
 acting it creates a marker file in ``PIPETRAIN_FAULTS_DIR`` (the ``pipetrain train`` worker
-points it at ``<out>/faults``), so a job restarted from a checkpoint taken before the faulty
-step runs that step again without the fault. Without a marker directory a fault fires once
-per process.
+points it at ``<out>/faults/<run id>``, the same across the launcher's restarts), so a job
+restarted from a checkpoint taken before the faulty step runs that step again without the
+fault, while a new job in the same ``out`` gets its faults again. Without a marker directory
+a fault fires once per process.
 
 Kinds:
 
