@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ TORCH_CLASSES = {  # pipetrain name -> torch.distributed.pipelining.schedules cl
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
+Span = tuple[str, float, float]  # (op, start, end) of one action on one rank
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zb-h1", "zb-h2", "zbv",
                  "dualpipev")
 
@@ -120,6 +122,14 @@ class PipetrainRunner:
         self.last_result = self.pipe.step(x, y)
         return None if self.last_result.loss is None else float(self.last_result.loss)
 
+    def spans(self) -> list[Span]:
+        """This rank's actions of the last step: (op, start, end), wall-clock seconds."""
+        if self.last_result is None:
+            return []
+        rank = self.pipe.rank
+        return [(s.action.op.value, s.start, s.end)
+                for s in self.last_result.timeline.spans if s.rank == rank]
+
 
 class _ScaledLoss:
     def __init__(self, m: int) -> None:
@@ -148,8 +158,16 @@ class TorchRunner:
                             loss_fn=_ScaledLoss(work.microbatches), scale_grads=False)
         self.params = unique_params(list(modules.values()))
         self.tied = _tied_groups(layers, sched, balance, rank)
+        self._spans: list[Span] = []
+        for stage in stages:
+            _record(stage, self._spans)
+
+    def spans(self) -> list[Span]:
+        """This rank's F, B, I, W of the last step: (op, start, end), wall-clock seconds."""
+        return sorted(self._spans, key=lambda s: s[1])
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        self._spans.clear()
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
@@ -159,6 +177,23 @@ class TorchRunner:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
         return float(torch.stack(losses).detach().sum()) if losses else None
+
+
+def _record(stage: Any, spans: list[Span]) -> None:
+    """Wrap a torch PipelineStage's per-micro-batch compute so each call appends its span."""
+    def timed(op: Callable[[dict[str, Any]], str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append((op(kwargs), start, time.time()))
+        return run
+
+    stage.forward_one_chunk = timed(lambda k: "F", stage.forward_one_chunk)
+    stage.backward_one_chunk = timed(lambda k: "B" if k.get("full_backward", True) else "I",
+                                     stage.backward_one_chunk)
+    stage.backward_weight_one_chunk = timed(lambda k: "W", stage.backward_weight_one_chunk)
 
 
 def _tied_groups(layers: Sequence[nn.Module], sched: pt.Schedule, balance: Sequence[int],

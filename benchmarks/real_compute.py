@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -80,15 +81,18 @@ def time_body(ctx: pt.RankContext, work: gb.Workload, data: Batch, names: Sequen
         ours = gb.PipetrainRunner(work, name, layers, balance)
         theirs = gb.TorchRunner(work, name, ours.modules(), layers, balance, ctx.rank)
         row: dict[str, Any] = {"schedule": name, "balance": balance,
-                               **_check(ours, theirs, x, y), "steps": {lib: [] for lib in LIBS}}
+                               **_check(ours, theirs, x, y), "steps": {lib: [] for lib in LIBS},
+                               "spans": {lib: [] for lib in LIBS}}
         for n in range(warmup + steps):
             for lib, runner in (("pipetrain", ours), ("torch", theirs)):
                 gb.clear_grads(runner.params)
                 dist.barrier()
                 t0 = time.time()
                 runner.step(x, y)
+                t1 = time.time()
                 if n >= warmup:
-                    row["steps"][lib].append((t0, time.time()))
+                    row["steps"][lib].append((t0, t1))
+                    row["spans"][lib].append(runner.spans())
         out.append(row)
         del ours, theirs
         gc.collect()
@@ -153,6 +157,24 @@ def _memory_cells(per_rank: list[dict[str, Any]]) -> dict[str, list[Any]]:
             "rss_peak_bytes": [r["rss_peak_bytes"] for r in per_rank]}
 
 
+def breakdown(steps: list[list[tuple[float, float]]],
+              spans: list[list[list[gb.Span]]]) -> dict[str, Any]:
+    """Medians over steps: the step, its actions' span, the busiest rank's time in actions,
+    and each op's mean duration (``steps[rank][j]``, ``spans[rank][j]``)."""
+    step, span, busy = [], [], []
+    per_op: dict[str, list[float]] = {}
+    for j in range(len(steps[0])):
+        rows = [s for r in spans for s in r[j]]
+        step.append(max(r[j][1] for r in steps) - min(r[j][0] for r in steps))
+        span.append(max(s[2] for s in rows) - min(s[1] for s in rows))
+        busy.append(max(sum(s[2] - s[1] for s in r[j]) for r in spans))
+        for op, a, b in rows:
+            per_op.setdefault(op, []).append(b - a)
+    return {"step_s": statistics.median(step), "span_s": statistics.median(span),
+            "busy_s": statistics.median(busy),
+            "op_ms": {op: 1e3 * statistics.mean(v) for op, v in sorted(per_op.items())}}
+
+
 def summarize(work: gb.Workload, timing: list[list[dict[str, Any]]],
               memory: dict[str, list[list[dict[str, Any]]]],
               base: dict[str, Any]) -> list[dict[str, Any]]:
@@ -164,9 +186,12 @@ def summarize(work: gb.Workload, timing: list[list[dict[str, Any]]],
             step = gb.median_step([r[j]["steps"][lib] for r in timing])
             mem = _memory_cells([r[j] for r in memory[lib]])
             loss = next(v[lib] for v in losses if v[lib] is not None)
+            parts = breakdown([r[j]["steps"][lib] for r in timing],
+                              [r[j]["spans"][lib] for r in timing])
             rows.append({"schedule": name, "run": lib, "balance": first["balance"],
                          "loss": loss, "step_s": step, "tokens_per_s": work.tokens / step,
-                         "grad_diff": max(r[j]["grad_diff"] for r in timing), **mem})
+                         "grad_diff": max(r[j]["grad_diff"] for r in timing), **mem,
+                         "breakdown": parts})
     step = gb.median_step([base["steps"]])
     rows.append({"schedule": "-", "run": "one process", "balance": None, "loss": base["loss"],
                  "step_s": step, "tokens_per_s": work.tokens / step, "grad_diff": None,
@@ -183,6 +208,20 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                  for k in ("live_peak_bytes", "step_rise_bytes", "rss_peak_bytes")]
         lines.append(f"{r['schedule']:<10}{r['run']:<13}{r['loss']:>9.5f}{r['step_s']:>8.3f}"
                      f"{r['tokens_per_s']:>10.0f}{cells[0]:>17}{cells[1]:>17}{cells[2]:>16}")
+    return "\n".join(lines)
+
+
+def format_breakdown(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'schedule':<10}{'run':<11}{'step s':>8}{'in ops':>8}{'waits':>8}{'outside':>9}"
+            "  mean op ms")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        b = r.get("breakdown")
+        if b is None:
+            continue
+        ops = " ".join(f"{op} {ms:.1f}" for op, ms in b["op_ms"].items())
+        lines.append(f"{r['schedule']:<10}{r['run']:<11}{b['step_s']:>8.3f}{b['busy_s']:>8.3f}"
+                     f"{b['span_s'] - b['busy_s']:>8.3f}{b['step_s'] - b['span_s']:>9.3f}  {ops}")
     return "\n".join(lines)
 
 
@@ -238,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("step s: median of first start to last end; live: peak bytes of live CPU tensors "
           "in the rank's process during a step (torch allocator, all threads); step+: its rise "
           "during the step; RSS: peak resident set of an unprofiled step")
+    print()
+    print(format_breakdown(rows))
+    print("medians over steps: in ops: the busiest rank's time inside F/B/I/W; waits: the rest"
+          " of the span from the first action's start to the last one's end; outside: step "
+          "time outside that span (step start and end)")
     for line in verdicts(rows):
         print(line)
     if args.json:

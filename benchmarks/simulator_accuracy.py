@@ -300,6 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           "time in the run and the mean hop, over span; hop: mean time from the end of a "
           "message's sending action to the start of its receiving action on a rank idle since "
           "before the send")
+    near = [r["schedule"] for r in rows if abs(r["ratio"] - 1) <= 0.05]
+    print(f"within 5% of measured: {len(near)} of {len(rows)} schedules"
+          + (f" (missed: {', '.join(r['schedule'] for r in rows if r['schedule'] not in near)})"
+             if len(near) < len(rows) else ""))
     if args.json:
         meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started,
                 "preset": args.preset, "batch": args.batch, "microbatches": args.m}

@@ -44,6 +44,9 @@ def test_real_compute_tiny(tmp_path: Path) -> None:
             assert 0 < rise <= live  # activations appear during the step, on top of the weights
         if r["run"] != "one process":
             assert r["grad_diff"] < 1e-4  # both libraries computed the same gradients
+            b = r["breakdown"]  # a rank's actions happen inside the step, one at a time
+            assert 0 < b["busy_s"] <= b["span_s"] <= b["step_s"]
+            assert set(b["op_ms"]) == ({"F", "B"} if r["schedule"] == "1f1b" else {"F", "I", "W"})
     # one process holds the whole model and its gradients: more than a rank holding half
     whole = rows[-1]["live_peak_bytes"][0]
     assert all(v < whole for r in rows[:-1] for v in r["live_peak_bytes"])
