@@ -11,7 +11,11 @@ Sleeps need no CPU, so core count does not matter and only bubbles and runtime o
 Every sleep is logged and checked against the op that ran it (column ``split``).
 
 The first stage's input needs no gradient, so in both libraries its I has nothing to do and its
-W runs the whole backward (I + W sleeps). The simulator gets those effective per-stage costs.
+W runs the whole backward; the first layer's I sleep never runs at all (nothing needs the
+gradient of its input), so stage 0's backward is k W sleeps plus k-1 I sleeps for k layers. The
+simulator gets those effective per-stage costs. Each library's time inside its ops that is not
+sleep (its own per-op work and the layers' autograd bookkeeping) is reported per step for the
+busiest rank (``op+``), next to the makespan the simulator predicts.
 
     python benchmarks/calibrated.py                       # p=4, m=8,16,32, two cost settings
     python benchmarks/calibrated.py --tiny --json out.json
@@ -126,16 +130,18 @@ class Case:
 
 
 def stage_costs(case: Case, n_stages: int) -> pt.Costs:
-    """Effective per-stage costs: k layers per stage; stage 0's I work runs in its W."""
+    """Effective per-stage costs: k layers per stage; stage 0's I is empty, its W (and B) runs
+    the W sleeps and the I sleeps of all but its first layer."""
     k = case.layers // n_stages
+    first = k * case.w + (k - 1) * case.i
     f = (k * case.f,) * n_stages
     i = (0.0,) + (k * case.i,) * (n_stages - 1)
-    w = (k * (case.i + case.w),) + (k * case.w,) * (n_stages - 1)
-    return pt.Costs(F=f, I=i, W=w, B=(k * (case.i + case.w),) * n_stages)
+    w = (first,) + (k * case.w,) * (n_stages - 1)
+    return pt.Costs(F=f, I=i, W=w, B=(first,) + (k * (case.i + case.w),) * (n_stages - 1))
 
 
 def ideal(case: Case) -> float:
-    """Per-rank work of one step: no bubble, no overhead."""
+    """Work of the busiest rank in one step: no bubble, no overhead."""
     return case.microbatches * case.layers / case.ranks * (case.f + case.i + case.w)
 
 
@@ -203,22 +209,25 @@ class _Runner:
         self.torch_schedule = cls(arg, self.case.microbatches, loss_fn=_loss)
         self.order = _torch_order(self.torch_schedule, sched.n_ranks)
 
-    def step(self) -> list[tuple[str, int, float, float]]:
+    def step(self) -> Callable[[], list[tuple[str, int, float, float]]]:
+        """One step; returns how to read its op spans (done after the step's time is taken)."""
         _LOG.clear()
         if self.lib == "pipetrain":
             result = self.pipe.step(self.x, self.y)
-            return [(s.action.op.value, s.action.stage, s.start, s.end)
-                    for s in result.timeline.of_rank(self.rank)]
+            return lambda: [(s.action.op.value, s.action.stage, s.start, s.end)
+                            for s in result.timeline.of_rank(self.rank)]
         for r in self.recorders:
             r.spans.clear()
         args = (self.x,) if self.first else ()
         kwargs = {"target": self.y} if self.last else {}
         self.torch_schedule.step(*args, return_outputs=False, **kwargs)
-        return sorted((s for r in self.recorders for s in r.spans), key=lambda s: s[2])
+        return lambda: sorted((s for r in self.recorders for s in r.spans), key=lambda s: s[2])
 
     def check(self, spans: Sequence[tuple[str, int, float, float]]
               ) -> tuple[int, dict[str, list[float]]]:
-        """Sleeps of this step run outside an op allowed to run them; per-op time not slept."""
+        """Sleeps of this step run outside an op allowed to run them; per-op time not slept.
+
+        (The first layer's I sleep never runs: nothing needs its input's gradient.)"""
         allowed = {"F": {"F"}, "I": {"I", "B"}, "W": {"W", "B"}}
         bad = 0
         for op, layer, t0, t1 in _LOG:
@@ -254,14 +263,15 @@ def _torch_order(schedule: Any, n_ranks: int) -> list[list[str]] | None:
 
 def _measure(runners: dict[str, _Runner], case: Case) -> dict[str, Any]:
     """Warm up, then alternate the libraries' steps so both see the same machine noise."""
-    out: dict[str, Any] = {lib: {"step": [], "span": [], "misplaced": 0, "extra": {}}
-                           for lib in runners}
+    out: dict[str, Any] = {lib: {"step": [], "span": [], "misplaced": 0, "extra": {},
+                                 "op_extra": []} for lib in runners}
     for n in range(case.warmup + case.steps):
         for lib, runner in runners.items():
             dist.barrier()
             t0 = time.time()
-            spans = runner.step()
+            read_spans = runner.step()
             t1 = time.time()
+            spans = read_spans()
             if n >= case.warmup:
                 out[lib]["step"].append((t0, t1))
                 out[lib]["span"].append((min(s[2] for s in spans), max(s[3] for s in spans)))
@@ -269,6 +279,7 @@ def _measure(runners: dict[str, _Runner], case: Case) -> dict[str, Any]:
                 out[lib]["misplaced"] += bad
                 for op, values in extra.items():
                     out[lib]["extra"].setdefault(op, []).extend(values)
+                out[lib]["op_extra"].append(sum(sum(v) for v in extra.values()))
     for lib, runner in runners.items():
         out[lib]["order"] = runner.order
     return out
@@ -347,6 +358,8 @@ def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 "predicted_s": pred, "predicted_from": source,
                 "efficiency": pred / measured,
                 "misplaced_sleeps": sum(r["misplaced"] for r in raws),
+                "busiest_op_extra_s": statistics.median(
+                    max(r["op_extra"][j] for r in raws) for j in range(len(raws[0]["op_extra"]))),
                 "op_overhead_ms": {op: 1e3 * statistics.median(v) for op, v in extra.items()},
             }
         rows.append(row)
@@ -355,7 +368,8 @@ def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'setting':<14}{'m':>3} {'schedule':<17}{'ideal':>7}{'pt pred':>9}{'pt meas':>9}"
-            f"{'pt eff':>8}{'th pred':>9}{'th meas':>9}{'th eff':>8}{'pt/th':>7} split")
+            f"{'pt eff':>8}{'pt op+':>8}{'th pred':>9}{'th meas':>9}{'th eff':>8}{'th op+':>8}"
+            f"{'pt/th':>7} split")
     lines = [head, "-" * len(head)]
     for r in rows:
         pt_, th = r["pipetrain"], r["torch"]
@@ -369,8 +383,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['setting']:<14}{r['m']:>3} {r['schedule']:<17}{r['ideal_s']:>7.3f}"
             f"{cell(pt_, 'predicted_s', '.3f'):>9}{cell(pt_, 'measured_s', '.3f'):>9}"
-            f"{cell(pt_, 'efficiency', '.3f'):>8}{cell(th, 'predicted_s', '.3f'):>9}"
-            f"{cell(th, 'measured_s', '.3f'):>9}{cell(th, 'efficiency', '.3f'):>8}"
+            f"{cell(pt_, 'efficiency', '.3f'):>8}{cell(pt_, 'busiest_op_extra_s', '.3f'):>8}"
+            f"{cell(th, 'predicted_s', '.3f'):>9}{cell(th, 'measured_s', '.3f'):>9}"
+            f"{cell(th, 'efficiency', '.3f'):>8}{cell(th, 'busiest_op_extra_s', '.3f'):>8}"
             f"{ratio:>7} {'ok' if bad == 0 else f'{bad} bad'}")
     return "\n".join(lines)
 
@@ -411,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarize(per_rank)
     print(format_table(rows))
     print("times in s; pred = simulator makespan for the same per-stage costs; eff = pred / "
-          "measured (median step); pt/th = torch step / pipetrain step")
+          "measured (median step); op+ = time inside ops not slept, summed over the busiest "
+          "rank's ops of a step; pt/th = torch step / pipetrain step")
     if args.json:
         meta = {"machine": machine(), "argv": list(sys.argv), "wall_s": time.time() - started}
         with open(args.json, "w") as fh:

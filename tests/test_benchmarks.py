@@ -26,7 +26,9 @@ def test_calibrated_tiny_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     for row in data["rows"]:
         assert {"p", "m", "F_ms", "I_ms", "W_ms", "ideal_s", "pipetrain", "torch"} <= row.keys()
         ours = row["pipetrain"]
-        assert {"measured_s", "predicted_s", "efficiency", "misplaced_sleeps"} <= ours.keys()
+        assert {"measured_s", "predicted_s", "efficiency", "misplaced_sleeps",
+                "busiest_op_extra_s"} <= ours.keys()
+        assert 0 < ours["busiest_op_extra_s"] < ours["measured_s"]
         assert ours["measured_s"] > 0 and ours["predicted_s"] >= row["ideal_s"] * 0.999
         # every sleep ran inside the op it belongs to: the split backward really splits
         assert ours["misplaced_sleeps"] == 0

@@ -187,28 +187,31 @@ class _Graph:
         self.shared_weights = self._weights_shared(self.w_roots)
 
     def _visit(self, root: Node) -> None:
-        stack: list[tuple[Node, bool]] = [(root, False)]
+        """Depth-first from ``root``; a node is settled once all its children are (a DAG)."""
+        children, reach_x, reach_p = self.children, self.reach_x, self.reach_p
+        stack = [root]
         while stack:
-            node, expanded = stack.pop()
-            if node in self.reach_x and not expanded:
+            node = stack[-1]
+            if node in reach_x:  # settled already (it was on the stack twice)
+                stack.pop()
                 continue
-            if not expanded:
-                kids = [n for n, _ in node.next_functions if n is not None]
-                self.children[node] = kids
-                self.reach_x.setdefault(node, False)  # mark as seen
-                stack.append((node, True))
-                stack.extend((k, False) for k in kids if k not in self.reach_x)
-                continue
+            kids = children.get(node)
+            if kids is None:
+                kids = children[node] = [n for n, _ in node.next_functions if n is not None]
+                unseen = [k for k in kids if k not in children]
+                if unseen:
+                    stack.extend(unseen)
+                    continue
+            stack.pop()
             if type(node) is _ACCUMULATE:  # a leaf: recognised by the tensor it accumulates into
-                leaf = cast(Any, node).variable
-                self.reach_x[node] = id(leaf) in self._inputs
-                self.reach_p[node] = id(leaf) in self._params
-                if self.reach_p[node]:
-                    self.param_of[node] = self._params[id(leaf)]
-                continue
-            kids = self.children[node]
-            self.reach_x[node] = any(self.reach_x[k] for k in kids)
-            self.reach_p[node] = any(self.reach_p[k] for k in kids)
+                leaf = id(cast(Any, node).variable)
+                reach_x[node] = leaf in self._inputs
+                reach_p[node] = leaf in self._params
+                if reach_p[node]:
+                    self.param_of[node] = self._params[leaf]
+            else:
+                reach_x[node] = any(reach_x[k] for k in kids)
+                reach_p[node] = any(reach_p[k] for k in kids)
 
     def _p_only(self, node: Node) -> bool:
         return self.reach_p.get(node, False) and not self.reach_x.get(node, False)
