@@ -74,8 +74,6 @@ def test_memory_tiny(memory_run: tuple[str, dict[str, Any]]) -> None:
     assert by["1f1b", "never"]["measured_bytes"][0] > by["1f1b", "never"]["measured_bytes"][1]
 
 
-@pytest.mark.xfail(strict=True, reason="since ded2741 a recomputed stage's replayed "
-                   "activations stay alive after its backward (they accumulate every step)")
 def test_memory_recompute_keeps_less(memory_run: tuple[str, dict[str, Any]]) -> None:
     by = {(r["schedule"], r["recompute"]): r for r in memory_run[1]["rows"]}
     # recomputation keeps less on the first rank, where micro-batches wait longest

@@ -127,7 +127,9 @@ class Replay:
 
 def _keeper(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:
     def pack(t: torch.Tensor) -> None:
-        saved.append(t)
+        # detached: a kept tensor must not hold the replay's own graph, whose saved-tensor
+        # hooks hold this closure (a cycle through C++ that Python's gc cannot free)
+        saved.append(t.detach())
     return pack
 
 
