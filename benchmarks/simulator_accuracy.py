@@ -2,11 +2,12 @@
 
 On p = 2 processes (one thread each) training pipetrain's GPT (``small`` preset by default):
 
-    1. profile  every rank times F, I and W of its own stages on one micro-batch at the same
-                time (so both cores are busy, as in a step) with ``pipetrain.profile``'s
-                ``profile_layers`` (each stage as one layer; stage 0 gets the real token ids,
-                the last stage the real loss), and the fused B (``backward_full``) next to it
-    2. comm     half the round trip of one activation-sized tensor between the two ranks
+    1. profile  right before each schedule's run, every rank times F, I and W of its own
+                stages on one micro-batch at the same time (so both cores are busy, as in a
+                step) with ``pipetrain.profile``'s ``profile_layers`` (each stage as one layer;
+                stage 0 gets the real token ids, the last stage the real loss), and the fused
+                B (``backward_full``) next to it
+    2. comm     half the round trip of one activation-sized tensor between the two ranks, idle
     3. predict  ``pt.simulate(schedule, Costs(F, B, I, W per stage), comm).makespan``
     4. run      the schedule: median over steps of first rank's start to last rank's end
 
@@ -139,21 +140,18 @@ def run_schedule(work: gb.Workload, name: str, data: Batch, warmup: int,
 
 
 def rank_body(ctx: pt.RankContext, work: gb.Workload, names: Sequence[str], data: Batch,
-              warmup: int, steps: int, repeats: int) -> dict[str, Any]:
-    costs: dict[str, dict[int, dict[str, float]]] = {}
-    for name in names:  # one profile per distinct split and placement
+              warmup: int, steps: int, repeats: int) -> list[dict[str, Any]]:
+    """Per schedule: profile its stages and the comm right before running it, so that the
+    profile and the run see the machine in the same state."""
+    out = []
+    for name in names:
         sched = work.schedule(name)
-        key = _key(gb.split(work.layers(), sched), sched)
-        if key not in costs:
-            costs[key] = profile_stages(work, json.loads(key)[0], sched.stages_of(ctx.rank),
-                                        data, repeats)
-    comm = comm_delay(work, ctx.rank)
-    runs = [run_schedule(work, name, data, warmup, steps) for name in names]
-    return {"costs": costs, "comm_s": comm, "runs": runs}
-
-
-def _key(balance: Sequence[int], sched: pt.Schedule) -> str:
-    return json.dumps([list(balance), list(sched.placement)])
+        balance = gb.split(work.layers(), sched)
+        costs = profile_stages(work, balance, sched.stages_of(ctx.rank), data, repeats)
+        comm = comm_delay(work, ctx.rank)
+        out.append({"costs": costs, "comm_s": comm,
+                    **run_schedule(work, name, data, warmup, steps)})
+    return out
 
 
 # -- summary --------------------------------------------------------------------------------
@@ -244,13 +242,12 @@ def summarize_one(work: gb.Workload, costs: dict[int, dict[str, float]], comm: f
             "run_op_s": {str(s): c for s, c in in_run.items()}}
 
 
-def summarize(work: gb.Workload, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    comm = statistics.median(r["comm_s"] for r in per_rank)
+def summarize(work: gb.Workload, per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     rows = []
-    for j, run in enumerate(per_rank[0]["runs"]):
-        key = _key(run["balance"], work.schedule(run["schedule"]))
-        costs = {int(s): c for r in per_rank for s, c in r["costs"][key].items()}
-        walls = [r["runs"][j]["walls"] for r in per_rank]
+    for j, run in enumerate(per_rank[0]):
+        costs = {int(s): c for r in per_rank for s, c in r[j]["costs"].items()}
+        comm = statistics.median(r[j]["comm_s"] for r in per_rank)
+        walls = [r[j]["walls"] for r in per_rank]
         # every rank's timeline holds every rank's spans: rank 0's suffice
         rows.append(summarize_one(work, costs, comm, run["spans"], walls, run["balance"],
                                   run["schedule"]))
@@ -291,8 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_rank = pt.launch(rank_body, work.ranks, work, names, work.data(), args.warmup,
                          args.steps, args.repeats, timeout=3600)
     rows = summarize(work, per_rank)
+    comms = [r["comm_s"] * 1e3 for r in rows]
     print(f"GPT {args.preset}, batch {args.batch} x {work.config.seq_len} tokens, m = {args.m},"
-          f" p = {work.ranks} (1 thread each); comm {rows[0]['comm_s'] * 1e3:.2f} ms per hop")
+          f" p = {work.ranks} (1 thread each); comm {min(comms):.2f}-{max(comms):.2f} ms per hop")
     print(format_table(rows))
     print("s; predicted: simulator with the profiled per-stage costs and comm; measured: "
           "median step; at hop: the prediction with the run's mean hop as comm, over measured; "
