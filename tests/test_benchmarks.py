@@ -36,3 +36,18 @@ def test_calibrated_tiny_prints_a_table_and_writes_json(tmp_path: Path) -> None:
             assert row["torch"] is None
         else:
             assert row["torch"]["misplaced_sleeps"] == 0
+
+
+def test_split_backward_tiny_prints_the_ratio_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "split.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "split_backward.py"), "--d-model", "32",
+         "--heads", "4", "--seq", "16", "--batch", "2", "--warmup", "1", "--repeats", "3",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "(I+W)/B = " in proc.stdout and "I - I0 = " in proc.stdout
+    data = json.loads(out.read_text())
+    assert set(data["median_s"]) == {"F", "B", "I", "W", "I0"}
+    assert all(v > 0 for v in data["median_s"].values()) and data["ratio_iw_over_b"] > 0

@@ -108,11 +108,15 @@ class _Link:
 
 
 class _Receiver:
-    """The messages of one peer: a thread that keeps the receive of the next frame posted."""
+    """The messages of one peer: a long-lived thread, idle between steps.
 
-    def __init__(self, link: _Link, peer: int, src: int, box: Mailbox) -> None:
-        self.link, self.peer, self.src, self.box = link, peer, src, box
-        self.jobs: queue.SimpleQueue[tuple[int, Plan] | None] = queue.SimpleQueue()
+    An idle thread holds no reference to the process groups (each step's job brings them), so
+    a job that ends with ``destroy_process_group`` really frees them.
+    """
+
+    def __init__(self, peer: int, src: int, box: Mailbox) -> None:
+        self.peer, self.src, self.box = peer, src, box
+        self.jobs: queue.SimpleQueue[tuple[_Link, int, Plan] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"pipetrain-recv-{peer}")
         self.thread.start()
@@ -123,16 +127,24 @@ class _Receiver:
             if job is None:
                 return
             try:
-                self._step(*job)
+                _Incoming(job[0], self.peer, self.src, self.box).step(job[1], job[2])
             except BaseException as e:  # noqa: BLE001  (handed to the main thread)
                 self.box.fail(e)
                 return
+            del job
+
+
+class _Incoming:
+    """One step of one peer's messages: the receive of the next frame is kept posted."""
+
+    def __init__(self, link: _Link, peer: int, src: int, box: Mailbox) -> None:
+        self.link, self.peer, self.src, self.box = link, peer, src, box
 
     def _post(self) -> tuple[bytearray, torch.Tensor, Any]:
         buf, frame = new_frame()
         return buf, frame, self.link.frames.recv([frame], self.peer, self.link.frame_tag)
 
-    def _step(self, step: int, plan: Plan) -> None:
+    def step(self, step: int, plan: Plan) -> None:
         ahead = self._post()
         last = len(plan) - 1
         for i, (kind, mb, src_stage, dst_stage) in enumerate(plan):
@@ -206,16 +218,16 @@ class P2P:
         self._tag = _TAG_BASE + 3 * _next_instance(self._globals)
         self.spare_tag = self._tag + 2
         """A tag of this pipeline's own for exchanges outside the schedule (tied gradients)."""
-        link = _Link(rank, self.cpu_group, self._frames, self.device_groups, device, timeout,
-                     max_message_bytes, self._tag, self._tag + 1)
-        self._receivers = {peer: _Receiver(link, peer, self._globals[peer], self.mailbox)
+        self._link = _Link(rank, self.cpu_group, self._frames, self.device_groups, device,
+                           timeout, max_message_bytes, self._tag, self._tag + 1)
+        self._receivers = {peer: _Receiver(peer, self._globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
         weakref.finalize(self, _stop, list(self._receivers.values()))
 
     def start_step(self, step: int, plans: Mapping[int, Plan]) -> None:
         """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends."""
         for peer, plan in plans.items():
-            self._receivers[peer].jobs.put((step, plan))
+            self._receivers[peer].jobs.put((self._link, step, plan))
 
     def send(self, dst_rank: int, msg: Message, op: int = 0) -> None:
         frame, payload = encode(msg, self.rank, op)
