@@ -81,18 +81,21 @@ def time_body(ctx: pt.RankContext, work: gb.Workload, data: Batch, names: Sequen
         ours = gb.PipetrainRunner(work, name, layers, balance)
         theirs = gb.TorchRunner(work, name, ours.modules(), layers, balance, ctx.rank)
         row: dict[str, Any] = {"schedule": name, "balance": balance,
-                               **_check(ours, theirs, x, y), "steps": {lib: [] for lib in LIBS},
-                               "spans": {lib: [] for lib in LIBS}}
+                               **_check(ours, theirs, x, y),
+                               **{k: {lib: [] for lib in LIBS} for k in ("steps", "spans", "cpu")}}
         for n in range(warmup + steps):
             for lib, runner in (("pipetrain", ours), ("torch", theirs)):
                 gb.clear_grads(runner.params)
                 dist.barrier()
+                cpu = (time.thread_time(), time.process_time())
                 t0 = time.time()
                 runner.step(x, y)
                 t1 = time.time()
                 if n >= warmup:
                     row["steps"][lib].append((t0, t1))
                     row["spans"][lib].append(runner.spans())
+                    row["cpu"][lib].append((time.thread_time() - cpu[0],
+                                            time.process_time() - cpu[1]))
         out.append(row)
         del ours, theirs
         gc.collect()
@@ -157,11 +160,14 @@ def _memory_cells(per_rank: list[dict[str, Any]]) -> dict[str, list[Any]]:
             "rss_peak_bytes": [r["rss_peak_bytes"] for r in per_rank]}
 
 
-def breakdown(steps: list[list[tuple[float, float]]],
-              spans: list[list[list[gb.Span]]]) -> dict[str, Any]:
+def breakdown(steps: list[list[tuple[float, float]]], spans: list[list[list[gb.Span]]],
+              cpu: list[list[tuple[float, float]]]) -> dict[str, Any]:
     """Medians over steps: the step, its actions' span, the busiest rank's time in actions,
-    and each op's mean duration (``steps[rank][j]``, ``spans[rank][j]``)."""
+    its main thread's and other threads' CPU time, and each op's mean duration
+    (``steps[rank][j]``, ``spans[rank][j]``, ``cpu[rank][j]``)."""
     step, span, busy = [], [], []
+    main = statistics.median(max(r[j][0] for r in cpu) for j in range(len(cpu[0])))
+    other = statistics.median(max(r[j][1] - r[j][0] for r in cpu) for j in range(len(cpu[0])))
     per_op: dict[str, list[float]] = {}
     for j in range(len(steps[0])):
         rows = [s for r in spans for s in r[j]]
@@ -171,7 +177,7 @@ def breakdown(steps: list[list[tuple[float, float]]],
         for op, a, b in rows:
             per_op.setdefault(op, []).append(b - a)
     return {"step_s": statistics.median(step), "span_s": statistics.median(span),
-            "busy_s": statistics.median(busy),
+            "busy_s": statistics.median(busy), "cpu_main_s": main, "cpu_other_s": other,
             "op_ms": {op: 1e3 * statistics.mean(v) for op, v in sorted(per_op.items())}}
 
 
@@ -186,8 +192,7 @@ def summarize(work: gb.Workload, timing: list[list[dict[str, Any]]],
             step = gb.median_step([r[j]["steps"][lib] for r in timing])
             mem = _memory_cells([r[j] for r in memory[lib]])
             loss = next(v[lib] for v in losses if v[lib] is not None)
-            parts = breakdown([r[j]["steps"][lib] for r in timing],
-                              [r[j]["spans"][lib] for r in timing])
+            parts = breakdown(*([r[j][k][lib] for r in timing] for k in ("steps", "spans", "cpu")))
             rows.append({"schedule": name, "run": lib, "balance": first["balance"],
                          "loss": loss, "step_s": step, "tokens_per_s": work.tokens / step,
                          "grad_diff": max(r[j]["grad_diff"] for r in timing), **mem,
@@ -213,7 +218,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def format_breakdown(rows: list[dict[str, Any]]) -> str:
     head = (f"{'schedule':<10}{'run':<11}{'step s':>8}{'in ops':>8}{'waits':>8}{'outside':>9}"
-            "  mean op ms")
+            f"{'cpu main':>10}{'cpu other':>10}  mean op ms")
     lines = [head, "-" * len(head)]
     for r in rows:
         b = r.get("breakdown")
@@ -221,7 +226,8 @@ def format_breakdown(rows: list[dict[str, Any]]) -> str:
             continue
         ops = " ".join(f"{op} {ms:.1f}" for op, ms in b["op_ms"].items())
         lines.append(f"{r['schedule']:<10}{r['run']:<11}{b['step_s']:>8.3f}{b['busy_s']:>8.3f}"
-                     f"{b['span_s'] - b['busy_s']:>8.3f}{b['step_s'] - b['span_s']:>9.3f}  {ops}")
+                     f"{b['span_s'] - b['busy_s']:>8.3f}{b['step_s'] - b['span_s']:>9.3f}"
+                     f"{b['cpu_main_s']:>10.3f}{b['cpu_other_s']:>10.3f}  {ops}")
     return "\n".join(lines)
 
 
@@ -281,7 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_breakdown(rows))
     print("medians over steps: in ops: the busiest rank's time inside F/B/I/W; waits: the rest"
           " of the span from the first action's start to the last one's end; outside: step "
-          "time outside that span (step start and end)")
+          "time outside that span (step start and end); cpu main / other: CPU time of a "
+          "rank's main thread / of its other threads (receivers, gloo) during the step, the "
+          "larger over ranks")
     for line in verdicts(rows):
         print(line)
     if args.json:
