@@ -249,8 +249,8 @@ def format_table(rows: list[dict[str, Any]], setup: Setup) -> str:
                                                "measured_bytes")),
                  _join(r["ratio"], "{:.2f}"), _join(r["detailed_ratio"], "{:.2f}")]
         lines.append(f"{r['schedule']:<17}{r['recompute']:<10}{cells[0]:>6}{cells[1]:>12}"
-                     + "".join(f"{c:>12}" for c in cells[2:5])
-                     + "".join(f"{c:>11}" for c in cells[5:]))
+                     + "".join(f" {c:>11}" for c in cells[2:5])
+                     + "".join(f" {c:>10}" for c in cells[5:]))
     return "\n".join(lines)
 
 
