@@ -222,7 +222,7 @@ class P2P:
                            timeout, max_message_bytes, self._tag, self._tag + 1)
         self._receivers = {peer: _Receiver(peer, self._globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
-        weakref.finalize(self, _stop, list(self._receivers.values()))
+        weakref.finalize(self, _close, list(self._receivers.values()), self._sends, timeout)
 
     def start_step(self, step: int, plans: Mapping[int, Plan]) -> None:
         """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends."""
@@ -243,24 +243,29 @@ class P2P:
     def recv(self, key: Key, describe: str | Describe) -> Message:
         return self.mailbox.take(key, time.monotonic() + self.timeout, describe)
 
-    def settle(self, describe: str) -> None:
-        """Wait for every send (within the timeout); raise a receiver's error.
-
-        Sends a peer has already taken complete at once; one dropped before that is lost.
-        """
+    def settle(self, describe: str, keep: int = 0) -> None:
+        """Wait for every send but the ``keep`` newest (within the timeout); raise a receiver's
+        error. Sends a peer has already taken complete at once; the kept ones are waited for
+        next time, or when the transport closes (a send dropped before its peer takes it is
+        lost)."""
         deadline = time.monotonic() + self.timeout
-        for w, _, _ in self._sends:
+        cut = len(self._sends) - keep
+        for w, _, _ in self._sends[:cut]:
             try:
                 w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as e:
                 raise CommError(f"{describe}: a send did not complete: {e}") from None
-        self._sends.clear()
+        del self._sends[:cut]  # in place: the finaliser holds this list
         if self.mailbox.error is not None:
             raise self.mailbox.error
 
+    def discard(self) -> None:
+        """Forget the sends in flight without waiting (after a failure: the step is lost)."""
+        self._sends.clear()
+
     def close(self) -> None:
-        """Stop the receiver threads (they are idle between steps)."""
-        _stop(list(self._receivers.values()))
+        """Let the last sends complete (bounded) and stop the receiver threads."""
+        _close(list(self._receivers.values()), self._sends, self.timeout)
 
     def abort(self, step: int, stage: int, mb: int, op: int, text: str) -> None:
         """Tell every peer this rank failed (best effort, bounded), so they fail fast too."""
@@ -308,7 +313,17 @@ def _frame_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return world
 
 
-def _stop(receivers: list[_Receiver]) -> None:
+def _close(receivers: list[_Receiver], sends: list[tuple[Any, Any, Any]],
+           timeout: float) -> None:
+    """Wait (bounded, errors ignored: the peer may be gone) for sends still in flight, so none
+    is dropped before its peer takes it; stop the receivers."""
+    deadline = time.monotonic() + timeout
+    for w, _, _ in sends:
+        try:
+            w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError:
+            continue
+    sends.clear()
     for r in receivers:
         r.jobs.put(None)
 

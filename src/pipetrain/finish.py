@@ -33,11 +33,6 @@ def done_key(step: int, sender: int) -> Key:
     return Key(DONE, step, sender, -1, -1)
 
 
-def done_plan(sender: int) -> tuple[int, int, int, int]:
-    """:func:`done_key` as an entry of a :func:`pipetrain.runtime.message_plans` list."""
-    return (DONE, sender, -1, -1)
-
-
 @dataclass(frozen=True)
 class StepTimes:
     """Measured start/end times of one step's actions, turned into a Timeline only when read."""
@@ -98,7 +93,7 @@ def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
             result.peer_times[peer] = msg.tensors[0]
         if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
             loss = msg.tensors[1].clone()
-    # every peer finished, so it took every message this rank sent it but maybe not yet this
-    # end-of-step message; a send dropped before the peer takes it would be lost
-    transport.settle(where)
+    # every peer finished, so it took every message this rank sent it, except perhaps these
+    # end-of-step messages: those are waited for at the next step's end (or when it closes)
+    transport.settle(where, keep=schedule.n_ranks - 1)
     return loss, result

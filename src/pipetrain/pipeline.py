@@ -24,15 +24,15 @@ from pipetrain import microbatch
 from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
 from pipetrain.comm import P2P, PeerFailed
 from pipetrain.errors import PartitionError, PipelineError
-from pipetrain.finish import StepTimes, done_plan, exchange, total_loss
+from pipetrain.finish import StepTimes, exchange, total_loss
 from pipetrain.generators import make_schedule
 from pipetrain.lazy import LayerSpec, resolve
 from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
 from pipetrain.recompute import Policy, layer_flags
-from pipetrain.runtime import Executor, GradsReady, StepData, message_plans
+from pipetrain.runtime import Executor, GradsReady, StepData, grad_links, message_plans
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
-from pipetrain.tied import TiedGrads, TiedParam, find_tied
+from pipetrain.tied import TiedGrads, find_tied
 from pipetrain.timeline import Timeline
 from pipetrain.trace import TracedSplit
 from pipetrain.wire import OPS
@@ -155,8 +155,8 @@ class Pipeline:
             self.tied, self.rank, group, dict(self.named_parameters()),
             self.transport.spare_tag, timeout)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
-                                 *_grad_links(self.tied, self.local))
-        self._plan_cache: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}
+                                 *grad_links(self.tied, self.local))
+        self._plans: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}
         self._step = 0
         self._broken: str | None = None
 
@@ -268,7 +268,9 @@ class Pipeline:
         self._step += 1
         data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready)
         if self.transport is not None:
-            self.transport.start_step(step, self._plans(train))
+            if train not in self._plans:  # per peer, what it sends this rank in a step
+                self._plans[train] = message_plans(self.schedule, self.rank, train)
+            self.transport.start_step(step, self._plans[train])
         try:
             self._prepare(data, inputs, targets)
             self.executor.run(data)
@@ -281,13 +283,6 @@ class Pipeline:
             outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
                                        self.split_dim)
         return StepResult(loss, outputs, times)
-
-    def _plans(self, train: bool) -> dict[int, list[tuple[int, int, int, int]]]:
-        """Per peer, the messages it sends this rank in a step (computed once per mode)."""
-        if train not in self._plan_cache:
-            plans = message_plans(self.schedule, self.rank, train)
-            self._plan_cache[train] = {p: [*plan, done_plan(p)] for p, plan in plans.items()}
-        return self._plan_cache[train]
 
     def _prepare(self, data: StepData, inputs: Any, targets: Any) -> None:
         m = self.schedule.n_microbatches
@@ -325,7 +320,10 @@ class Pipeline:
         for stage in self.stages.values():
             stage.clear()
         self._broken = f"{type(error).__name__}: {error}"
-        if self.transport is None or isinstance(error, PeerFailed):
+        if self.transport is None:
+            return
+        self.transport.discard()
+        if isinstance(error, PeerFailed):
             return
         current = self.executor.current
         where = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
@@ -370,18 +368,6 @@ def _trace(model: Any, split_points: Sequence[str] | str, example_inputs: Any, b
 
 def _packed(traced: TracedSplit, example: Any) -> Any:
     return traced.pack(*example) if isinstance(example, tuple) else traced.pack(**example)
-
-
-def _grad_links(tied: Sequence[TiedParam], local: bool) -> tuple[dict[int, set[int]], set[int]]:
-    """Stages sharing a weight: linked when one process holds them all, else deferred."""
-    linked: dict[int, set[int]] = {}
-    deferred: set[int] = set()
-    for t in tied:
-        if len(t.ranks) > 1 and not local:
-            deferred.update(t.stages)
-        for s in t.stages:
-            linked.setdefault(s, set()).update(t.stages)
-    return linked, deferred
 
 
 def _resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,

@@ -31,7 +31,8 @@ from pipetrain.errors import CommError, PipelineError, StageError
 from pipetrain.payload import flatten, unflatten
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
-from pipetrain.wire import ACT, GRAD, Key, Message
+from pipetrain.tied import TiedParam
+from pipetrain.wire import ACT, DONE, GRAD, Key, Message
 
 __all__: list[str] = []
 
@@ -203,12 +204,24 @@ def grads_final_after(order: Sequence[tuple[int, Action]], linked: dict[int, set
     return {index: tuple(stages) for index, stages in out.items()}
 
 
+def grad_links(tied: Sequence[TiedParam], local: bool) -> tuple[dict[int, set[int]], set[int]]:
+    """Stages sharing a weight: linked when one process holds them all, else deferred."""
+    linked: dict[int, set[int]] = {}
+    deferred: set[int] = set()
+    for t in tied:
+        if len(t.ranks) > 1 and not local:
+            deferred.update(t.stages)
+        for s in t.stages:
+            linked.setdefault(s, set()).update(t.stages)
+    return linked, deferred
+
+
 def message_plans(schedule: Schedule, rank: int, train: bool = True
                   ) -> dict[int, list[tuple[int, int, int, int]]]:
     """For each peer, the messages it sends ``rank`` in one step, in the order it sends them.
 
     Each entry is ``(kind, mb, src_stage, dst_stage)``; every peer ends its step with an
-    end-of-step message (:func:`pipetrain.finish.done_key`) that the caller appends.
+    end-of-step message, ``(DONE, peer, -1, -1)`` (:func:`pipetrain.finish.done_key`).
     """
     out: dict[int, list[tuple[int, int, int, int]]] = {}
     last = schedule.n_stages - 1
@@ -222,7 +235,7 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True
             elif (train and a.op in (Op.B, Op.I) and a.stage > 0
                   and schedule.rank_of(a.stage - 1) == rank):
                 plan.append((GRAD, a.mb, a.stage, a.stage - 1))
-        out[peer] = plan
+        out[peer] = [*plan, (DONE, peer, -1, -1)]
     return out
 
 
