@@ -229,16 +229,18 @@ class P2P:
         for peer, plan in plans.items():
             self._receivers[peer].jobs.put((self._link, step, plan))
 
-    def send(self, dst_rank: int, msg: Message, op: int = 0) -> None:
+    def send(self, dst: int | Sequence[int], msg: Message, op: int = 0) -> None:
+        """Send ``msg`` to rank ``dst``, or the same message to several ranks (encoded once)."""
         frame, payload = encode(msg, self.rank, op)
-        work: Any = self._frames.send([frame], dst_rank, self._tag)  # as dist.isend does
-        self._sends.append((work, frame, payload))
-        if payload is not None:
-            dst = self._globals[dst_rank]
-            group = (self.device_groups[(self.rank, dst_rank)] if payload.device.type != "cpu"
-                     else self.cpu_group)
-            work = dist.isend(payload, dst=dst, group=group, tag=self._tag + 1)
+        for dst_rank in [dst] if isinstance(dst, int) else dst:
+            work: Any = self._frames.send([frame], dst_rank, self._tag)  # as dist.isend does
             self._sends.append((work, frame, payload))
+            if payload is not None:
+                group = (self.device_groups[(self.rank, dst_rank)]
+                         if payload.device.type != "cpu" else self.cpu_group)
+                work = dist.isend(payload, dst=self._globals[dst_rank], group=group,
+                                  tag=self._tag + 1)
+                self._sends.append((work, frame, payload))
 
     def recv(self, key: Key, describe: str | Describe) -> Message:
         return self.mailbox.take(key, time.monotonic() + self.timeout, describe)

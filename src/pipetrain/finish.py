@@ -80,14 +80,11 @@ def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
     if loss is not None:
         tensors.append(loss.detach().reshape(()).cpu())
     where = f"[rank {rank}] end of step {data.step}"
-    for peer in range(schedule.n_ranks):
-        if peer != rank:
-            transport.send(peer, Message(done_key(data.step, rank), tensors))
+    peers = [peer for peer in range(schedule.n_ranks) if peer != rank]
+    transport.send(peers, Message(done_key(data.step, rank), tensors))
     holder = schedule.rank_of(schedule.n_stages - 1)
     result = StepTimes(schedule, data.train, own, data.times)
-    for peer in range(schedule.n_ranks):
-        if peer == rank:
-            continue
+    for peer in peers:
         msg = transport.recv(done_key(data.step, peer), where)
         if msg.tensors and msg.tensors[0] is not None:
             result.peer_times[peer] = msg.tensors[0]
@@ -95,5 +92,5 @@ def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
             loss = msg.tensors[1].clone()
     # every peer finished, so it took every message this rank sent it, except perhaps these
     # end-of-step messages: those are waited for at the next step's end (or when it closes)
-    transport.settle(where, keep=schedule.n_ranks - 1)
+    transport.settle(where, keep=len(peers))
     return loss, result
