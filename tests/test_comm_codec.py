@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from pipetrain.comm import Mailbox
 from pipetrain.errors import CommError
+from pipetrain.mailbox import Mailbox
 from pipetrain.payload import DTYPES, flatten
 from pipetrain.wire import (
     ABORT,
@@ -260,3 +260,16 @@ def test_take_times_out_naming_the_key() -> None:
         "rank 1 | stage 1 | mb 2 | F: timed out waiting for the activation of mb 2 from stage 0 "
         "to stage 1 (step 1)"
     )
+
+
+def test_a_handed_over_receive_is_taken_once_or_times_out() -> None:
+    box = Mailbox()
+    posted = object()  # what a receiver hands over: its posted receive of the step's last frame
+    timer = threading.Timer(0.01, box.hand_over, args=(KEY, posted))
+    timer.start()
+    try:
+        assert box.take_handed(KEY, time.monotonic() + 5.0, "rank 1 end of step") is posted
+    finally:
+        timer.join()
+    with pytest.raises(CommError, match="rank 1 end of step: timed out waiting for the activation"):
+        box.take_handed(KEY, _soon(), "rank 1 end of step")

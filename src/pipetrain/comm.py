@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.errors import CommError
+from pipetrain.mailbox import Describe, Mailbox
 from pipetrain.wire import (
     ABORT,
     MAGIC,
@@ -52,44 +53,10 @@ __all__: list[str] = []
 _TAG_BASE = 17  # pipeline n over a group: tags 17 + 3n (frames), 18 + 3n (payloads), 19 + 3n
 _instances: dict[tuple[int, ...], int] = {}  # pipelines built so far over each set of ranks
 Plan = Sequence[tuple[int, int, int, int]]  # (kind, mb, src_stage, dst_stage) of each message
-Describe = Callable[[], str]
 
 
 class PeerFailed(CommError):
     """A peer reported its own failure (ABORT); this rank only relays the news."""
-
-
-class Mailbox:
-    """Messages that arrived, and the first error any receiver hit, guarded by one condition."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.items: dict[Key, Message] = {}
-        self.error: BaseException | None = None
-
-    def put(self, msg: Message) -> None:
-        with self.cond:
-            self.items[msg.key] = msg
-            self.cond.notify()
-
-    def fail(self, error: BaseException) -> None:
-        with self.cond:
-            if self.error is None:
-                self.error = error
-            self.cond.notify_all()
-
-    def take(self, key: Key, deadline: float, describe: str | Describe) -> Message:
-        """The message ``key`` once it is here; raises a receiver's error or at ``deadline``."""
-        with self.cond:
-            while key not in self.items:
-                if self.error is not None:
-                    raise self.error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    where = describe if isinstance(describe, str) else describe()
-                    raise CommError(f"{where}: timed out waiting for the {key.describe()}")
-                self.cond.wait(left)
-            return self.items.pop(key)
 
 
 @dataclass(frozen=True)
@@ -116,7 +83,7 @@ class _Receiver:
 
     def __init__(self, peer: int, src: int, box: Mailbox) -> None:
         self.peer, self.src, self.box = peer, src, box
-        self.jobs: queue.SimpleQueue[tuple[_Link, int, Plan] | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[tuple[_Link, int, Plan, Key] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"pipetrain-recv-{peer}")
         self.thread.start()
@@ -127,7 +94,7 @@ class _Receiver:
             if job is None:
                 return
             try:
-                _Incoming(job[0], self.peer, self.src, self.box).step(job[1], job[2])
+                _Incoming(job[0], self.peer, self.src, self.box).step(*job[1:])
             except BaseException as e:  # noqa: BLE001  (handed to the main thread)
                 self.box.fail(e)
                 return
@@ -144,16 +111,22 @@ class _Incoming:
         buf, frame = new_frame()
         return buf, frame, self.link.frames.recv([frame], self.peer, self.link.frame_tag)
 
-    def step(self, step: int, plan: Plan) -> None:
+    def receive(self, key: Key, posted: tuple[bytearray, torch.Tensor, Any]) -> Message:
+        """Wait for a frame posted earlier, check it against ``key`` and decode it."""
+        buf, frame, work = posted
+        self._wait(work, key)
+        return self._unpack(key, read_header(buf), frame)
+
+    def step(self, step: int, plan: Plan, last: Key) -> None:
+        """Receive ``plan``'s messages; post the receive of ``last`` and hand it over."""
         ahead = self._post()
-        last = len(plan) - 1
-        for i, (kind, mb, src_stage, dst_stage) in enumerate(plan):
+        for kind, mb, src_stage, dst_stage in plan:
             key = Key(kind, step, mb, src_stage, dst_stage)
             buf, frame, work = ahead
             self._wait(work, key)
             self.box.put(self._unpack(key, read_header(buf), frame))
-            if i < last:  # never beyond the step: the next step may belong to another pipeline
-                ahead = self._post()
+            ahead = self._post()  # the next message's frame: the step's last one, at the end
+        self.box.hand_over(last, ahead)
 
     def _where(self, key: Key) -> str:
         return f"rank {self.link.rank} receiving the {key.describe()} from rank {self.peer}"
@@ -224,10 +197,27 @@ class P2P:
                            for peer in range(n_ranks) if peer != rank}
         weakref.finalize(self, _close, list(self._receivers.values()), self._sends, timeout)
 
-    def start_step(self, step: int, plans: Mapping[int, Plan]) -> None:
-        """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends."""
+    def start_step(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key]) -> None:
+        """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends,
+        but for its last one, ``last[peer]``, which :meth:`receive_last` waits for itself."""
         for peer, plan in plans.items():
-            self._receivers[peer].jobs.put((self._link, step, plan))
+            self._receivers[peer].jobs.put((self._link, step, plan, last[peer]))
+
+    def receive_last(self, keys: Mapping[int, Key], describe: str) -> dict[int, Message]:
+        """The last message of the step from each peer (see :meth:`start_step`).
+
+        The receiver posted its receive once the peer's other messages were in, and this
+        thread waits on it directly: one thread wake-up less at the end of every step.
+        """
+        out = {}
+        for peer, key in keys.items():
+            posted = self.mailbox.take_handed(key, time.monotonic() + self.timeout, describe)
+            incoming = _Incoming(self._link, peer, self._globals[peer], self.mailbox)
+            try:
+                out[peer] = incoming.receive(key, posted)
+            except CommError as e:
+                raise type(e)(f"{describe}: {e}") from None
+        return out
 
     def send(self, dst: int | Sequence[int], msg: Message, op: int = 0) -> None:
         """Send ``msg`` to rank ``dst``, or the same message to several ranks (encoded once)."""

@@ -84,8 +84,8 @@ def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
     transport.send(peers, Message(done_key(data.step, rank), tensors))
     holder = schedule.rank_of(schedule.n_stages - 1)
     result = StepTimes(schedule, data.train, own, data.times)
-    for peer in peers:
-        msg = transport.recv(done_key(data.step, peer), where)
+    received = transport.receive_last({peer: done_key(data.step, peer) for peer in peers}, where)
+    for peer, msg in received.items():
         if msg.tensors and msg.tensors[0] is not None:
             result.peer_times[peer] = msg.tensors[0]
         if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:

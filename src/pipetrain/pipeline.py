@@ -24,7 +24,7 @@ from pipetrain import microbatch
 from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
 from pipetrain.comm import P2P, PeerFailed
 from pipetrain.errors import PartitionError, PipelineError
-from pipetrain.finish import StepTimes, exchange, total_loss
+from pipetrain.finish import StepTimes, done_key, exchange, total_loss
 from pipetrain.generators import make_schedule
 from pipetrain.lazy import LayerSpec, resolve
 from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
@@ -270,7 +270,8 @@ class Pipeline:
         if self.transport is not None:
             if train not in self._plans:  # per peer, what it sends this rank in a step
                 self._plans[train] = message_plans(self.schedule, self.rank, train)
-            self.transport.start_step(step, self._plans[train])
+            self.transport.start_step(step, self._plans[train],
+                                      {p: done_key(step, p) for p in self._plans[train]})
         try:
             self._prepare(data, inputs, targets)
             self.executor.run(data)

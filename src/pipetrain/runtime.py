@@ -32,7 +32,7 @@ from pipetrain.payload import flatten, unflatten
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
 from pipetrain.tied import TiedParam
-from pipetrain.wire import ACT, DONE, GRAD, Key, Message
+from pipetrain.wire import ACT, GRAD, Key, Message
 
 __all__: list[str] = []
 
@@ -220,8 +220,9 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True
                   ) -> dict[int, list[tuple[int, int, int, int]]]:
     """For each peer, the messages it sends ``rank`` in one step, in the order it sends them.
 
-    Each entry is ``(kind, mb, src_stage, dst_stage)``; every peer ends its step with an
-    end-of-step message, ``(DONE, peer, -1, -1)`` (:func:`pipetrain.finish.done_key`).
+    Each entry is ``(kind, mb, src_stage, dst_stage)``. Every peer ends its step with an
+    end-of-step message (:func:`pipetrain.finish.done_key`), not listed: the end of the step
+    receives it directly.
     """
     out: dict[int, list[tuple[int, int, int, int]]] = {}
     last = schedule.n_stages - 1
@@ -235,7 +236,7 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True
             elif (train and a.op in (Op.B, Op.I) and a.stage > 0
                   and schedule.rank_of(a.stage - 1) == rank):
                 plan.append((GRAD, a.mb, a.stage, a.stage - 1))
-        out[peer] = [*plan, (DONE, peer, -1, -1)]
+        out[peer] = plan
     return out
 
 
