@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import batch
+from models import batch, mlp
 
 
 class FailAt(nn.Module):
@@ -72,3 +72,23 @@ def test_hung_peer_times_out() -> None:
     text = _messages("hang")
     assert "timed out" in text and "from rank 1" in text
     assert 0 < max(_elapsed(text)) < 10, text
+
+
+def _after_a_failure(ctx: pt.RankContext) -> str:
+    # rank 1 fails before its first action; rank 0 fails because rank 1 did. Rank 1's receiver
+    # was waiting for rank 0's next activation: a wait that runs into its timeout makes gloo
+    # close the connection for good, so rank 0 must tell rank 1 too (a relayed ABORT).
+    x, y = batch(12)
+    pipe = pt.Pipeline(mlp(4), "1f1b", 4, nn.MSELoss(), timeout=1.0)
+    try:
+        pipe.step(x, y if ctx.rank == 0 else None)
+    except (pt.PipelineError, ValueError):
+        pass
+    time.sleep(2.0)  # longer than that timeout
+    fresh = pt.Pipeline(mlp(4), "1f1b", 4, nn.MSELoss(), timeout=10.0)
+    loss = fresh.step(x, y).loss
+    return "trained" if loss is not None else "no loss"
+
+
+def test_a_relayed_failure_leaves_no_receiver_waiting_into_its_timeout() -> None:
+    assert pt.launch(_after_a_failure, 2, timeout=60) == ["trained", "trained"]

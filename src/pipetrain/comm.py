@@ -55,8 +55,20 @@ _instances: dict[tuple[int, ...], int] = {}  # pipelines built so far over each 
 Plan = Sequence[tuple[int, int, int, int]]  # (kind, mb, src_stage, dst_stage) of each message
 
 
+_RELAY = -2  # the destination stage of an ABORT that passes on another rank's failure
+_LEFTOVERS: list[Any] = []  # sends of failed steps: never waited for, never freed under gloo
+
+
 class PeerFailed(CommError):
     """A peer reported its own failure (ABORT); this rank only relays the news."""
+
+
+class _Relayed(Exception):
+    """A peer passed on another rank's failure; the origin's own ABORT reaches this rank too."""
+
+    def __init__(self, error: PeerFailed) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,8 @@ class _Receiver:
                 return
             try:
                 _Incoming(job[0], self.peer, self.src, self.box).step(*job[1:])
+            except _Relayed:
+                return
             except BaseException as e:  # noqa: BLE001  (handed to the main thread)
                 self.box.fail(e)
                 return
@@ -145,7 +159,8 @@ class _Incoming:
             payload = self._receive_payload(key, header, size)
         msg = decode(header, payload)
         if msg.key.kind == ABORT:
-            raise _abort_error(self.peer, header, msg)
+            error = _abort_error(self.peer, header, msg)
+            raise _Relayed(error) if msg.key.dst_stage == _RELAY else error
         if msg.key != key:
             raise CommError(f"{self._where(key)}: received the {msg.key.describe()} instead; "
                             "the ranks disagree on the schedule or on the step (did a rank skip "
@@ -215,6 +230,8 @@ class P2P:
             incoming = _Incoming(self._link, peer, self._globals[peer], self.mailbox)
             try:
                 out[peer] = incoming.receive(key, posted)
+            except _Relayed as e:
+                raise PeerFailed(f"{describe}: {e.error}") from None
             except CommError as e:
                 raise type(e)(f"{describe}: {e}") from None
         return out
@@ -252,17 +269,29 @@ class P2P:
             raise self.mailbox.error
 
     def discard(self) -> None:
-        """Forget the sends in flight without waiting (after a failure: the step is lost)."""
+        """Stop tracking the sends in flight (after a failure: the step is lost).
+
+        They are neither waited for (a wait that times out makes gloo close the connection to
+        that peer for good) nor freed (gloo may still be reading them).
+        """
+        _LEFTOVERS.extend(self._sends)
         self._sends.clear()
 
     def close(self) -> None:
         """Let the last sends complete (bounded) and stop the receiver threads."""
         _close(list(self._receivers.values()), self._sends, self.timeout)
 
-    def abort(self, step: int, stage: int, mb: int, op: int, text: str) -> None:
-        """Tell every peer this rank failed (best effort, bounded), so they fail fast too."""
+    def abort(self, step: int, stage: int, mb: int, op: int, text: str,
+              relay: bool = False) -> None:
+        """Tell every peer this rank failed (best effort, bounded), so they fail fast too.
+
+        A rank that fails because a peer did (``relay``) sends one too: every receiver of the
+        failed step then gets one ABORT from each peer and stops, instead of waiting until its
+        timeout (after which gloo would close that connection for good).
+        """
         raw = bytearray(text.encode()[:4096] or b" ")
-        msg = Message(Key(ABORT, step, mb, stage, -1), [torch.frombuffer(raw, dtype=torch.uint8)])
+        msg = Message(Key(ABORT, step, mb, stage, _RELAY if relay else -1),
+                      [torch.frombuffer(raw, dtype=torch.uint8)])
         works = []
         for peer in range(self.n_ranks):
             if peer == self.rank:

@@ -82,6 +82,7 @@ def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
     where = f"[rank {rank}] end of step {data.step}"
     peers = [peer for peer in range(schedule.n_ranks) if peer != rank]
     transport.send(peers, Message(done_key(data.step, rank), tensors))
+    data.done_sent = True
     holder = schedule.rank_of(schedule.n_stages - 1)
     result = StepTimes(schedule, data.train, own, data.times)
     received = transport.receive_last({peer: done_key(data.step, peer) for peer in peers}, where)

@@ -277,7 +277,7 @@ class Pipeline:
             self.executor.run(data)
             loss, times = self._finish(data)
         except BaseException as e:
-            self._fail(step, e)
+            self._fail(step, e, data.done_sent)
             raise
         outputs = None
         if keep_outputs and data.outputs:
@@ -317,19 +317,20 @@ class Pipeline:
             self.executor.grads_ready(self.rank, None, self.executor.deferred, data)
         return loss, times
 
-    def _fail(self, step: int, error: BaseException) -> None:
+    def _fail(self, step: int, error: BaseException, done_sent: bool) -> None:
         for stage in self.stages.values():
             stage.clear()
         self._broken = f"{type(error).__name__}: {error}"
         if self.transport is None:
             return
         self.transport.discard()
-        if isinstance(error, PeerFailed):
+        if done_sent:  # every peer has (or gets) this rank's end-of-step message: it is done
             return
         current = self.executor.current
         where = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
                  ) if current else (-1, -1, 0)
-        self.transport.abort(step, *where, f"{type(error).__name__}: {error}")
+        self.transport.abort(step, *where, f"{type(error).__name__}: {error}",
+                             relay=isinstance(error, PeerFailed))
 
 
 def _broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessGroup | None

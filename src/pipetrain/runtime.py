@@ -53,6 +53,7 @@ class StepData:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     times: list[float] = field(default_factory=list)  # start, end of each action run, in order
+    done_sent: bool = False  # this rank sent its end-of-step message
 
 
 class Executor:
