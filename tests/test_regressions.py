@@ -61,3 +61,32 @@ def test_a_one_element_output_without_gradient_is_not_a_loss() -> None:
         got = pipe.step(x, y)
         assert got.loss is not None and torch.equal(got.loss, want)
         assert grad_mismatches(pipe.named_parameters(), ref) == [], name
+
+
+def _steps_under_the_profiler(ctx: pt.RankContext) -> str:
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    for name in ("1f1b", "zbv", "gpipe"):
+        for recompute in ("never", "always"):
+            model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+            pipe = pt.Pipeline(model, name, 4, nn.MSELoss(), recompute=recompute, timeout=60.0)
+            pipe.step(x, y)
+            gc.collect()
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True):
+                pipe.step(x, y)
+            del pipe
+            gc.collect()
+    return "ok"
+
+
+def test_steps_under_torch_profiler_with_memory_do_not_crash() -> None:
+    # To save a wait, a step once returned before its own end-of-step sends completed; they
+    # were waited for (and freed) during the next step. A torch.profiler session with
+    # profile_memory=True around that next step then crashed the process (SIGSEGV or glibc
+    # "free(): invalid next size") while the profile's results were freed. Every send is now
+    # waited for within the step that made it.
+    assert pt.launch(_steps_under_the_profiler, 2, timeout=180) == ["ok", "ok"]

@@ -252,19 +252,21 @@ class P2P:
     def recv(self, key: Key, describe: str | Describe) -> Message:
         return self.mailbox.take(key, time.monotonic() + self.timeout, describe)
 
-    def settle(self, describe: str, keep: int = 0) -> None:
-        """Wait for every send but the ``keep`` newest (within the timeout); raise a receiver's
-        error. Sends a peer has already taken complete at once; the kept ones are waited for
-        next time, or when the transport closes (a send dropped before its peer takes it is
-        lost)."""
+    def settle(self, describe: str) -> None:
+        """Wait for every send (within the timeout); raise a receiver's error.
+
+        Every send is waited for within the step that made it: a send still in flight when a
+        step returns would be finished (and freed) during the caller's next code, and a
+        ``torch.profiler`` session started in between then crashes the process (seen with
+        ``profile_memory=True``; see ``tests/test_regressions.py``).
+        """
         deadline = time.monotonic() + self.timeout
-        cut = len(self._sends) - keep
-        for w, _, _ in self._sends[:cut]:
+        for w, _, _ in self._sends:
             try:
                 w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as e:
                 raise CommError(f"{describe}: a send did not complete: {e}") from None
-        del self._sends[:cut]  # in place: the finaliser holds this list
+        self._sends.clear()  # in place: the finaliser holds this list
         if self.mailbox.error is not None:
             raise self.mailbox.error
 
