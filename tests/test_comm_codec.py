@@ -1,4 +1,4 @@
-"""Wire codec and mailbox: encode/decode round trips, frames, header checks, deadline waits."""
+"""Wire codec and mailbox: encode/decode round trips, capacities, header checks, deadline waits."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from pipetrain.wire import (
     INLINE_BYTES,
     MAX_DIMS,
     MAX_TENSORS,
+    WINDOW,
+    Capacity,
     Key,
     Message,
     decode,
@@ -46,23 +48,26 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _header(frame: torch.Tensor) -> list[int]:
-    return list(read_header(bytes(frame.tolist())))
+    return read_header(frame)
 
 
-def _round_trip(msg: Message, src_rank: int = 3, op: int = 2) -> tuple[list[int], Message]:
-    frame, separate = encode(msg, src_rank, op)
-    assert frame.dtype == torch.uint8 and frame.shape == (FRAME_BYTES,)
-    header = _header(frame)
-    assert header[:HEADER_LEN] == frame[:HEADER_BYTES].view(torch.int64).tolist()
-    payload = inline_payload(header, frame)
+def _round_trip(msg: Message, src_rank: int = 3, op: int = 2,
+                capacity: int = INLINE_BYTES) -> tuple[list[int], Message]:
+    first, separate, size = encode(msg, src_rank, op, capacity)
+    header = _header(first)
+    assert first.dtype == torch.uint8 and first.dim() == 1
+    assert first.numel() == HEADER_BYTES + (size if separate is None else 0)
+    assert len(header) == HEADER_LEN
+    payload = inline_payload(header, first)
     assert (payload is None) == (separate is not None) == (header[12] == 0)
     payload = separate if payload is None else payload
     assert payload is not None and payload.dtype == torch.uint8 and payload.dim() == 1
-    assert header[9] == payload.numel() == expected_bytes(header)
+    assert header[9] == size == payload.numel() == expected_bytes(header)
     assert header[6] == src_rank and header[10] == op
-    received_buf, received = new_frame()  # what a receiver does: a fresh frame, then decode
-    received.copy_(frame)
-    inside = inline_payload(read_header(received_buf), received)
+    received = new_frame(capacity)  # what a receiver posts; the send may fill only part of it
+    assert received.numel() == HEADER_BYTES + capacity
+    received[:first.numel()].copy_(first)
+    inside = inline_payload(read_header(received), received)
     return header, decode(header, payload.clone() if inside is None else inside)
 
 
@@ -115,9 +120,10 @@ def test_round_trip_many_tensors_none_entries_flags_and_spec() -> None:
 
 
 def test_absent_gradients_cost_no_payload() -> None:
-    frame, separate = encode(Message(Key(GRAD, 0, 0, 1, 0), [None, None]), 0)
-    header = _header(frame)
-    assert separate is None and header[9] == 0 and header[7] == 2
+    first, separate, size = encode(Message(Key(GRAD, 0, 0, 1, 0), [None, None]), 0)
+    header = _header(first)
+    assert separate is None and header[9] == size == 0 and header[7] == 2
+    assert first.numel() == HEADER_BYTES
     _, got = _round_trip(Message(Key(GRAD, 0, 0, 1, 0), [None, None]))
     assert got.tensors == [None, None] and got.requires_grad == [False, False]
 
@@ -135,23 +141,60 @@ def test_no_tensors_only_spec() -> None:
 
 def test_payload_is_16_byte_aligned() -> None:
     ts: list[torch.Tensor | None] = [torch.ones(3, dtype=torch.uint8), torch.randn(3)]
-    header = _header(encode(Message(Key(ACT, 0, 0, 0, 1), ts, {"v": "abc"}), 0)[0])
+    header = _header(encode(Message(Key(ACT, 0, 0, 0, 1), ts, {"v": "abc"}), 0, 0, 0)[0])
     assert header[9] % 16 == 0 and header[9] == 16 + 16 + 16
     assert header[8] == len(b'{"v":"abc"}')
 
 
-def test_a_small_payload_travels_inside_the_frame_a_large_one_after_it() -> None:
-    fits = torch.zeros(INLINE_BYTES // 4, dtype=torch.float32)  # exactly fills the frame
-    frame, separate = encode(Message(Key(ACT, 0, 0, 0, 1), [fits]), 0)
-    assert separate is None and _header(frame)[12] == 1
+def test_a_payload_within_the_capacity_travels_behind_the_header_a_larger_one_after_it() -> None:
+    fits = torch.zeros(INLINE_BYTES // 4, dtype=torch.float32)  # exactly fills the capacity
+    first, separate, _ = encode(Message(Key(ACT, 0, 0, 0, 1), [fits]), 0)
+    assert separate is None and _header(first)[12] == 1 and first.numel() == FRAME_BYTES
     too_big = torch.zeros(INLINE_BYTES // 4 + 1, dtype=torch.float32)
-    frame, separate = encode(Message(Key(ACT, 0, 0, 0, 1), [too_big]), 0)
-    assert separate is not None and _header(frame)[12] == 0
-    assert separate.numel() == _header(frame)[9] == INLINE_BYTES + 16
+    first, separate, _ = encode(Message(Key(ACT, 0, 0, 0, 1), [too_big]), 0)
+    assert separate is not None and _header(first)[12] == 0 and first.numel() == HEADER_BYTES
+    assert separate.numel() == _header(first)[9] == INLINE_BYTES + 16
+    first, separate, _ = encode(Message(Key(ACT, 0, 0, 0, 1), [too_big]), 0, 0, INLINE_BYTES + 16)
+    assert separate is None and first.numel() == FRAME_BYTES + 16  # a larger capacity: one send
     for t in (fits, too_big, torch.randn(40, 50)):
-        _, got = _round_trip(Message(Key(ACT, 0, 0, 0, 1), [t], {"t": 0}, [True]))
-        _assert_same_tensors(got.tensors, [t])
-        assert got.spec == {"t": 0} and got.requires_grad == [True]
+        for capacity in (INLINE_BYTES, 4 * 40 * 50, 1 << 16):
+            msg = Message(Key(ACT, 0, 0, 0, 1), [t], {"t": 0}, [True])
+            _, got = _round_trip(msg, capacity=capacity)
+            _assert_same_tensors(got.tensors, [t])
+            assert got.spec == {"t": 0} and got.requires_grad == [True]
+
+
+def test_padding_sent_behind_the_header_is_zero() -> None:
+    ts: list[torch.Tensor | None] = [torch.full((3,), 7, dtype=torch.uint8), torch.ones(5)]
+    first, _, size = encode(Message(Key(ACT, 0, 0, 0, 1), ts, {"v": "abc"}), 0)
+    body = first[HEADER_BYTES:].tolist()
+    assert size == len(body) == 16 + 16 + 32
+    assert body[11:16] == [0] * 5 and body[19:32] == [0] * 13 and body[52:] == [0] * 12
+
+
+def test_a_receive_never_reads_past_what_was_agreed() -> None:
+    first, _, _ = encode(Message(Key(ACT, 0, 0, 0, 1), [torch.ones(64)]), 0)
+    header = _header(first)
+    got = inline_payload(header, new_frame(256))
+    assert got is not None and got.numel() == 256
+    with pytest.raises(CommError, match="claims 256 payload bytes in the same message, but only "
+                                        "128 were agreed"):
+        inline_payload(header, new_frame(128))
+
+
+def test_capacity_covers_the_largest_of_the_recent_cpu_payloads() -> None:
+    c = Capacity()
+    assert c.bytes == INLINE_BYTES  # every receive holds at least a small message
+    c.record(100, on_device=False)
+    assert c.bytes == INLINE_BYTES
+    c.record(50_000, on_device=False)
+    c.record(10_000_000, on_device=True)  # a GPU payload never travels behind the header
+    assert c.bytes == 50_000
+    for _ in range(WINDOW - 2):
+        c.record(20_000, on_device=False)
+    assert c.bytes == 50_000  # still within the window
+    c.record(20_000, on_device=False)
+    assert c.bytes == 20_000  # the 50,000-byte message left it
 
 
 def test_too_many_tensors() -> None:

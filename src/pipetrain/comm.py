@@ -2,15 +2,17 @@
 
 The receiver knows, from the schedule, the exact sequence of messages each peer sends it in a
 step (:mod:`pipetrain.wire` gives their byte layout). One long-lived receiver thread per peer is
-handed that sequence at the start of each step; it keeps the receive of the peer's next frame
-posted ahead of need (communication overlaps compute), checks every header against what it
-expects before touching the payload, and leaves the decoded message in a mailbox::
+handed that sequence at the start of each step; it keeps the receive of the peer's next message
+posted ahead of need (communication overlaps compute), sized by the direction's agreed capacity,
+so a message that fits arrives in one transfer. It checks every header against what it expects
+before touching the payload, and leaves the decoded message in a mailbox::
 
-    main thread   start_step ──► jobs[peer] ──► receiver(peer): post frame 0, wait
-                                                    frame k arrived: post frame k+1,
-                  recv(key) ◄── mailbox ◄────────── check, payload (if separate), decode
+    main thread   start_step ──► jobs[peer] ──► receiver(peer): post message 0, wait
+                                                    message k arrived: check its header,
+                                                    payload (if separate), post message k+1,
+                  recv(key) ◄── mailbox ◄────────── decode
 
-Frames and CPU payloads travel over a gloo group; payloads on a GPU travel over one NCCL group
+Headers and CPU payloads travel over a gloo group; payloads on a GPU travel over one NCCL group
 per direction of each rank pair, so that a posted receive can never block a send queued behind
 it on the same NCCL stream. Sends are asynchronous. The main thread waits for a message with a
 deadline, so a dead, stuck or failed peer becomes a :class:`CommError` instead of a hang. A
@@ -33,11 +35,15 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.errors import CommError
+from pipetrain.groups import frame_group, next_instance, pipeline_groups
 from pipetrain.mailbox import Describe, Mailbox
 from pipetrain.wire import (
     ABORT,
+    FRAME_BYTES,
+    HEADER_BYTES,
     MAGIC,
     OPS,
+    Capacity,
     Key,
     Message,
     decode,
@@ -51,7 +57,6 @@ from pipetrain.wire import (
 __all__: list[str] = []
 
 _TAG_BASE = 17  # pipeline n over a group: tags 17 + 3n (frames), 18 + 3n (payloads), 19 + 3n
-_instances: dict[tuple[int, ...], int] = {}  # pipelines built so far over each set of ranks
 Plan = Sequence[tuple[int, int, int, int]]  # (kind, mb, src_stage, dst_stage) of each message
 
 
@@ -95,6 +100,7 @@ class _Receiver:
 
     def __init__(self, peer: int, src: int, box: Mailbox) -> None:
         self.peer, self.src, self.box = peer, src, box
+        self.capacity = Capacity()  # of this peer's messages to this rank, across steps
         self.jobs: queue.SimpleQueue[tuple[_Link, int, Plan, Key] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"pipetrain-recv-{peer}")
@@ -106,7 +112,8 @@ class _Receiver:
             if job is None:
                 return
             try:
-                _Incoming(job[0], self.peer, self.src, self.box).step(*job[1:])
+                _Incoming(job[0], self.peer, self.src, self.box, self.capacity
+                          ).step(*job[1:])
             except _Relayed:
                 return
             except BaseException as e:  # noqa: BLE001  (handed to the main thread)
@@ -116,47 +123,59 @@ class _Receiver:
 
 
 class _Incoming:
-    """One step of one peer's messages: the receive of the next frame is kept posted."""
+    """One step of one peer's messages: the receive of the next message is kept posted."""
 
-    def __init__(self, link: _Link, peer: int, src: int, box: Mailbox) -> None:
+    def __init__(self, link: _Link, peer: int, src: int, box: Mailbox,
+                 capacity: Capacity) -> None:
         self.link, self.peer, self.src, self.box = link, peer, src, box
+        self.capacity = capacity
 
-    def _post(self) -> tuple[bytearray, torch.Tensor, Any]:
-        buf, frame = new_frame()
-        return buf, frame, self.link.frames.recv([frame], self.peer, self.link.frame_tag)
+    def _post(self) -> tuple[torch.Tensor, Any]:
+        frame = new_frame(self.capacity.bytes)  # what the peer's copy allows it to send
+        return frame, self.link.frames.recv([frame], self.peer, self.link.frame_tag)
 
-    def receive(self, key: Key, posted: tuple[bytearray, torch.Tensor, Any]) -> Message:
-        """Wait for a frame posted earlier, check it against ``key`` and decode it."""
-        buf, frame, work = posted
+    def receive(self, key: Key, posted: tuple[torch.Tensor, Any]) -> Message:
+        """Wait for a message posted earlier, check it against ``key`` and decode it."""
+        frame, work = posted
         self._wait(work, key)
-        return self._unpack(key, read_header(buf), frame)
+        return self._unpack(key, frame)
 
     def step(self, step: int, plan: Plan, last: Key) -> None:
         """Receive ``plan``'s messages; post the receive of ``last`` and hand it over."""
         ahead = self._post()
         for kind, mb, src_stage, dst_stage in plan:
             key = Key(kind, step, mb, src_stage, dst_stage)
-            buf, frame, work = ahead
-            self._wait(work, key)
-            self.box.put(self._unpack(key, read_header(buf), frame))
-            ahead = self._post()  # the next message's frame: the step's last one, at the end
+            msg = self.receive(key, ahead)
+            ahead = self._post()  # the next message: the step's last one, at the end
+            self.box.put(msg)
         self.box.hand_over(last, ahead)
 
     def _where(self, key: Key) -> str:
         return f"rank {self.link.rank} receiving the {key.describe()} from rank {self.peer}"
 
-    def _unpack(self, key: Key, header: tuple[int, ...], frame: torch.Tensor) -> Message:
+    def _unpack(self, key: Key, frame: torch.Tensor) -> Message:
+        header = read_header(frame)
         if header[0] != MAGIC:
-            raise CommError(f"{self._where(key)}: received a frame without pipetrain's magic "
+            raise CommError(f"{self._where(key)}: received a message without pipetrain's magic "
                             "number")
         size = header[9]
         if not (0 <= size <= self.link.max_bytes) or expected_bytes(header) != size:
             raise CommError(f"{self._where(key)}: the header claims {size} payload bytes but "
                             f"describes {expected_bytes(header)} (limit {self.link.max_bytes}); "
                             "refusing it")
-        payload = inline_payload(header, frame)
+        try:
+            payload = inline_payload(header, frame)
+        except CommError as e:
+            raise CommError(f"{self._where(key)}: {e}; refusing it") from None
         if payload is None:
+            room = frame.numel() - HEADER_BYTES
+            if size <= room and not header[11]:  # an honest sender put it behind the header
+                raise CommError(f"{self._where(key)}: the header sends {size} payload bytes "
+                                f"separately although the agreed {room} hold them; refusing it")
             payload = self._receive_payload(key, header, size)
+        elif frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
+            payload = payload.clone()  # a small message in a large receive: free the rest now
+        self.capacity.record(size, bool(header[11]))  # before the next receive is posted
         msg = decode(header, payload)
         if msg.key.kind == ABORT:
             error = _abort_error(self.peer, header, msg)
@@ -167,7 +186,7 @@ class _Incoming:
                             "a step?)")
         return msg
 
-    def _receive_payload(self, key: Key, header: tuple[int, ...], size: int) -> torch.Tensor:
+    def _receive_payload(self, key: Key, header: Sequence[int], size: int) -> torch.Tensor:
         link = self.link
         on_device = bool(header[11]) and link.device.type != "cpu"
         payload = torch.empty(size, dtype=torch.uint8,
@@ -197,13 +216,17 @@ class P2P:
                  device: torch.device, timeout: float, max_message_bytes: int) -> None:
         self.group, self.rank, self.n_ranks = group, rank, n_ranks
         self.device, self.timeout, self.max_bytes = device, timeout, max_message_bytes
-        self.cpu_group, self.device_groups = _groups(group, n_ranks, device)
+        self.cpu_group, self.device_groups = pipeline_groups(group, n_ranks, device)
         self.mailbox = Mailbox()
         self._globals = [r if group is None else dist.get_global_rank(group, r)
                          for r in range(n_ranks)]
         self._sends: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
-        self._frames = _frame_group(self.cpu_group)
-        self._tag = _TAG_BASE + 3 * _next_instance(self._globals)
+        self.posted = 0
+        """How many point-to-point sends this transport posted (one or two per message)."""
+        self._capacity = {peer: Capacity() for peer in range(n_ranks) if peer != rank}
+        """Per peer, the capacity of this rank's messages to it (the receiver's copy agrees)."""
+        self._frames = frame_group(self.cpu_group)
+        self._tag = _TAG_BASE + 3 * next_instance(self._globals)
         self.spare_tag = self._tag + 2
         """A tag of this pipeline's own for exchanges outside the schedule (tied gradients)."""
         self._link = _Link(rank, self.cpu_group, self._frames, self.device_groups, device,
@@ -227,7 +250,8 @@ class P2P:
         out = {}
         for peer, key in keys.items():
             posted = self.mailbox.take_handed(key, time.monotonic() + self.timeout, describe)
-            incoming = _Incoming(self._link, peer, self._globals[peer], self.mailbox)
+            incoming = _Incoming(self._link, peer, self._globals[peer], self.mailbox,
+                                 self._receivers[peer].capacity)
             try:
                 out[peer] = incoming.receive(key, posted)
             except _Relayed as e:
@@ -237,17 +261,38 @@ class P2P:
         return out
 
     def send(self, dst: int | Sequence[int], msg: Message, op: int = 0) -> None:
-        """Send ``msg`` to rank ``dst``, or the same message to several ranks (encoded once)."""
-        frame, payload = encode(msg, self.rank, op)
+        """Send ``msg`` to rank ``dst``, or the same message to several ranks.
+
+        The payload goes behind the header in one send when it fits the destination's capacity;
+        else it follows as a second send, and that capacity grows for the next messages. The
+        message is encoded at most once per form (one send, or two).
+        """
+        self._release_completed()
+        forms: dict[bool, tuple[torch.Tensor, torch.Tensor | None, int]] = {}  # by: one send
         for dst_rank in [dst] if isinstance(dst, int) else dst:
-            work: Any = self._frames.send([frame], dst_rank, self._tag)  # as dist.isend does
-            self._sends.append((work, frame, payload))
+            capacity = self._capacity[dst_rank]
+            first, payload, size = _encoded(msg, self.rank, op, capacity.bytes, forms)
+            on_device = payload is not None and payload.device.type != "cpu"
+            work: Any = self._frames.send([first], dst_rank, self._tag)  # as dist.isend does
+            self._sends.append((work, first, payload))
+            self.posted += 1
             if payload is not None:
-                group = (self.device_groups[(self.rank, dst_rank)]
-                         if payload.device.type != "cpu" else self.cpu_group)
+                group = self.device_groups[(self.rank, dst_rank)] if on_device else self.cpu_group
                 work = dist.isend(payload, dst=self._globals[dst_rank], group=group,
                                   tag=self._tag + 1)
-                self._sends.append((work, frame, payload))
+                self._sends.append((work, first, payload))
+                self.posted += 1
+            capacity.record(size, on_device)
+
+    def _release_completed(self) -> None:
+        """Wait for (at once) and drop the oldest sends that completed: their buffers go now,
+        not at the end of the step. A send that failed raises here, as in :meth:`settle`."""
+        sends, done = self._sends, 0
+        while done < len(sends) and sends[done][0].is_completed():
+            done += 1
+        if done:
+            self._wait_for(sends[:done], time.monotonic() + self.timeout, f"[rank {self.rank}]")
+            del sends[:done]  # in place: the finaliser holds this list
 
     def recv(self, key: Key, describe: str | Describe) -> Message:
         return self.mailbox.take(key, time.monotonic() + self.timeout, describe)
@@ -260,15 +305,18 @@ class P2P:
         ``torch.profiler`` session started in between then crashes the process (seen with
         ``profile_memory=True``; see ``tests/test_regressions.py``).
         """
-        deadline = time.monotonic() + self.timeout
-        for w, _, _ in self._sends:
+        self._wait_for(self._sends, time.monotonic() + self.timeout, describe)
+        self._sends.clear()  # in place: the finaliser holds this list
+        if self.mailbox.error is not None:
+            raise self.mailbox.error
+
+    @staticmethod
+    def _wait_for(sends: Sequence[tuple[Any, Any, Any]], deadline: float, describe: str) -> None:
+        for w, _, _ in sends:
             try:
                 w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as e:
                 raise CommError(f"{describe}: a send did not complete: {e}") from None
-        self._sends.clear()  # in place: the finaliser holds this list
-        if self.mailbox.error is not None:
-            raise self.mailbox.error
 
     def discard(self) -> None:
         """Stop tracking the sends in flight (after a failure: the step is lost).
@@ -299,7 +347,7 @@ class P2P:
             if peer == self.rank:
                 continue
             try:
-                frame, _ = encode(msg, self.rank, op)  # 4096 bytes always fit the frame
+                frame, _, _ = encode(msg, self.rank, op)  # 4096 bytes fit every receive
                 works.append(dist.isend(frame, dst=self._globals[peer], group=self.cpu_group,
                                         tag=self._tag))
             except RuntimeError:
@@ -313,27 +361,18 @@ class P2P:
                 pass
 
 
-def _next_instance(ranks: Sequence[int]) -> int:
-    """How many pipelines this process built over ``ranks`` before (the same on every rank).
-
-    Each pipeline talks on tags of its own, so a pipeline built after another failed never
-    receives the failed one's leftover messages, nor loses its own to a receive the failed
-    one left posted.
-    """
-    key = tuple(ranks)
-    n = _instances.get(key, 0)
-    _instances[key] = n + 1
-    return n
-
-
-def _frame_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The group frames travel in, as an object (None means the default group)."""
-    if group is not None:
-        return group
-    world = dist.group.WORLD
-    if world is None:
-        raise CommError("torch.distributed has no default process group")
-    return world
+def _encoded(msg: Message, rank: int, op: int, capacity: int,
+             forms: dict[bool, tuple[torch.Tensor, torch.Tensor | None, int]]
+             ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``msg`` encoded for a destination of ``capacity``, reusing a form made for another."""
+    if forms:
+        _, payload, size = next(iter(forms.values()))
+        one_send = size <= capacity and (payload is None or payload.device.type == "cpu")
+        if one_send in forms:
+            return forms[one_send]
+    form = encode(msg, rank, op, capacity)
+    forms[form[1] is None] = form
+    return form
 
 
 def _close(receivers: list[_Receiver], sends: list[tuple[Any, Any, Any]],
@@ -349,52 +388,6 @@ def _close(receivers: list[_Receiver], sends: list[tuple[Any, Any, Any]],
     sends.clear()
     for r in receivers:
         r.jobs.put(None)
-
-
-def _groups(group: dist.ProcessGroup | None, n_ranks: int, device: torch.device
-            ) -> tuple[dist.ProcessGroup | None, dict[tuple[int, int], dist.ProcessGroup]]:
-    """A gloo group for frames, and on GPUs one NCCL group per ordered pair of ranks."""
-    if device.type == "cpu" and dist.get_backend(group) == "gloo":
-        return group, {}
-    members = [dist.get_global_rank(group, r) if group is not None else r for r in range(n_ranks)]
-    return symmetric_groups(members, device)
-
-
-def symmetric_groups(members: list[int], device: torch.device
-                     ) -> tuple[dist.ProcessGroup, dict[tuple[int, int], dist.ProcessGroup]]:
-    """This pipeline's frame group and pair groups, made by every rank of the job alike.
-
-    torch names a new group after how many groups the process made before, so a group made by
-    some ranks only (a pair) would get different names on different ranks and hang. Instead
-    every rank learns every pipeline's members (all pipelines of a data-parallel job are built
-    together) and every rank makes every group, in one order.
-    """
-    world = dist.get_world_size()
-    mine = torch.full((world,), -1, dtype=torch.int64, device=_collective_device(device))
-    mine[:len(members)] = torch.tensor(members)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
-    layouts = sorted({tuple(int(r) for r in t.tolist() if r >= 0) for t in gathered})
-    frames: dist.ProcessGroup | None = None
-    pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
-    me = dist.get_rank()
-    for ranks in layouts:
-        made = dist.new_group(list(ranks), backend="gloo")
-        if list(ranks) == members:
-            frames = made
-        for a, ra in enumerate(ranks):
-            for b, rb in enumerate(ranks):
-                if a != b:
-                    pg = dist.new_group([ra, rb])
-                    if list(ranks) == members and me in (ra, rb):
-                        pairs[(a, b)] = pg
-    if frames is None:
-        raise CommError(f"rank {me}: its pipeline group {members} is missing from the job's")
-    return frames, pairs
-
-
-def _collective_device(device: torch.device) -> torch.device:
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _abort_error(peer: int, header: Sequence[int], msg: Message) -> PeerFailed:

@@ -1,24 +1,31 @@
-"""Wire: the byte layout of one stage-to-stage message, a fixed-size frame and maybe a payload.
+"""Wire: the byte layout of one stage-to-stage message: a header, and its payload right behind it.
 
-Every message starts with one frame of ``FRAME_BYTES`` bytes; a payload that does not fit in
-the frame (or lives on a GPU) follows as a second message::
+Every message starts with a fixed-size header; its payload follows in the same buffer when it
+fits the room the receiver has posted (the direction's *capacity*), else as a second message::
 
-    frame    [header: 256 x int64 | inline payload, up to INLINE_BYTES]
+    message  [header: 256 x int64 | payload, up to the capacity]     (one send)
+         or  [header: 256 x int64]  then  [payload]                    (two sends: too large,
+                                                                        or on a GPU)
     header   [magic, kind, step, mb, src_stage, dst_stage, src_rank, n_tensors,
               spec_bytes, payload_bytes, op, on_device, inline, one_tensor, 0, 0,  per tensor:
               present, dtype, requires_grad, ndim, dim0..dim7]
     payload  [JSON spec | pad | tensor 0 bytes | pad | tensor 1 bytes | ...]   (16-byte aligned)
 
 (``one_tensor``: the payload is one tensor, the usual activation or gradient, and its spec is
-implied.) Frames have one size, so a receiver can post the receive of the next frame before the
-sender has produced it; gloo moves the bytes of a send only once the matching receive is posted,
-so a message that fits in its frame arrives in one transfer instead of a header/payload round
-trip. Nothing is pickled: the payload's structure travels as JSON, tensors as raw bytes.
+implied.) gloo moves a send's bytes only into a matching receive that is already posted, and a
+send larger than that receive kills the process, so the receiver posts the receive of a peer's
+next message ahead of need, sized header + capacity, and the sender never puts more behind the
+header than the same capacity. Both ends compute it alike, by construction: a :class:`Capacity`
+per direction of each rank pair, fed the same history (the sender the headers it sent, the
+receiver the headers it received, in the one order gloo delivers them on a tag). A payload
+larger than the capacity travels as a second message, and raises the capacity for the next
+ones. Nothing is pickled: the payload's structure travels as JSON, tensors as raw bytes.
 """
 
 from __future__ import annotations
 
 import struct
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -32,8 +39,9 @@ __all__: list[str] = []
 
 HEADER_LEN = 256
 HEADER_BYTES = HEADER_LEN * 8
-FRAME_BYTES = 8192
-INLINE_BYTES = FRAME_BYTES - HEADER_BYTES
+INLINE_BYTES = 6144  # the least capacity: every small message (and every ABORT) fits
+FRAME_BYTES = HEADER_BYTES + INLINE_BYTES  # the least receive a receiver ever posts
+WINDOW = 8  # a capacity covers the largest of the direction's last WINDOW payloads
 _FIXED = 16
 _PER_TENSOR = 12
 MAX_TENSORS = (HEADER_LEN - _FIXED) // _PER_TENSOR
@@ -44,7 +52,6 @@ KIND_NAMES = {ACT: "activation", GRAD: "gradient", DONE: "end-of-step", ABORT: "
 OPS = "FBIW"
 
 _HEAD = struct.Struct("<14q")
-_HEADER = struct.Struct(f"<{HEADER_LEN}q")
 _DESC = [struct.Struct(f"<{4 + n}q") for n in range(MAX_DIMS + 1)]
 _ONE_TENSOR = {"t": 0}  # the spec of a payload that is one tensor: the common case
 
@@ -76,12 +83,35 @@ class Message:
     requires_grad: list[bool] = field(default_factory=list)
 
 
+class Capacity:
+    """Payload bytes that travel behind the header in one send, for one direction of a pair.
+
+    It is the largest CPU payload among the direction's last ``WINDOW`` messages (at least
+    ``INLINE_BYTES``): a function of headers both ends see in the same order, so the sender's
+    and the receiver's copies always agree, and the next message's receive, posted before it
+    exists, is never smaller than what the sender puts in it.
+    """
+
+    def __init__(self) -> None:
+        self.recent: deque[int] = deque(maxlen=WINDOW)
+        self.bytes = INLINE_BYTES
+
+    def record(self, payload_bytes: int, on_device: bool) -> None:
+        """One more message of this direction went through (as its checked header says)."""
+        self.recent.append(0 if on_device else payload_bytes)
+        self.bytes = max(INLINE_BYTES, max(self.recent))
+
+
 def _pad(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def encode(msg: Message, src_rank: int, op: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The frame of ``msg`` (CPU) and its separate payload, or None when the payload is inline.
+def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTES
+           ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``msg`` as (its first send, its separate payload or None, its payload bytes).
+
+    The first send is the header with the payload behind it when the payload is on the CPU
+    and at most ``capacity`` bytes, else the header alone.
 
     Raises:
         CommError: for more than ``MAX_TENSORS`` tensors or a tensor of more than 8 dims.
@@ -92,7 +122,7 @@ def encode(msg: Message, src_rank: int, op: int = 0) -> tuple[torch.Tensor, torc
                         f"{MAX_TENSORS} fit one message (pack them into fewer tensors)")
     one_tensor = msg.spec == _ONE_TENSOR
     spec = b"" if msg.spec is None or one_tensor else spec_to_bytes(msg.spec)
-    buf = bytearray(FRAME_BYTES)
+    head = bytearray(HEADER_BYTES)
     raws: list[tuple[int, torch.Tensor]] = []
     offset = _pad(len(spec))
     device = torch.device("cpu")
@@ -104,46 +134,58 @@ def encode(msg: Message, src_rank: int, op: int = 0) -> tuple[torch.Tensor, torc
         if ndim > MAX_DIMS:
             raise CommError(f"a {k.describe()} holds a {ndim}-d tensor; at most {MAX_DIMS} dims")
         rg = int(flags[i]) if i < len(flags) else 0
-        _DESC[ndim].pack_into(buf, (_FIXED + i * _PER_TENSOR) * 8, 1, dtype_code(t.dtype), rg,
+        _DESC[ndim].pack_into(head, (_FIXED + i * _PER_TENSOR) * 8, 1, dtype_code(t.dtype), rg,
                               ndim, *t.shape)
         if not raws:
             device = t.device
         raw = t.detach().contiguous().view(-1).view(torch.uint8)
         raws.append((offset, raw))
         offset += _pad(raw.numel())
-    inline = offset <= INLINE_BYTES and device.type == "cpu"
-    _HEAD.pack_into(buf, 0, MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank,
+    inline = offset <= capacity and device.type == "cpu"
+    _HEAD.pack_into(head, 0, MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank,
                     len(tensors), len(spec), offset, op, int(device.type != "cpu"), int(inline),
                     int(one_tensor))
-    if inline:
-        buf[HEADER_BYTES:HEADER_BYTES + len(spec)] = spec
-    frame = torch.frombuffer(buf, dtype=torch.uint8)
-    if inline:
-        for at, raw in raws:
-            frame[HEADER_BYTES + at:HEADER_BYTES + at + raw.numel()].copy_(raw)
-        return frame, None
-    return frame, _payload(spec, raws, offset, device)
+    if not inline:
+        return torch.frombuffer(head, dtype=torch.uint8), _payload(spec, raws, offset, device,
+                                                                   0), offset
+    body = _payload(spec, raws, HEADER_BYTES + offset, device, HEADER_BYTES)
+    body[:HEADER_BYTES].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    return body, None, offset
 
 
 def _payload(spec: bytes, raws: list[tuple[int, torch.Tensor]], size: int,
-             device: torch.device) -> torch.Tensor:
-    out = torch.zeros(size, dtype=torch.uint8, device=device)
+             device: torch.device, start: int) -> torch.Tensor:
+    """A buffer of ``size`` bytes holding the spec and the tensors from byte ``start`` on."""
+    out = torch.empty(size, dtype=torch.uint8, device=device)
+    end = start
     if spec:
-        out[:len(spec)] = torch.frombuffer(bytearray(spec), dtype=torch.uint8).to(device)
+        out[start:start + len(spec)] = torch.frombuffer(bytearray(spec), dtype=torch.uint8
+                                                        ).to(device)
+        end = start + len(spec)
     for at, raw in raws:
-        out[at:at + raw.numel()].copy_(raw)
+        if end < start + at:
+            out[end:start + at].zero_()  # the padding: no stale bytes on the wire
+        end = start + at + raw.numel()
+        out[start + at:end].copy_(raw)
+    if end < size:
+        out[end:].zero_()
     return out
 
 
-def new_frame() -> tuple[bytearray, torch.Tensor]:
-    """An empty frame to receive into: its bytes (to read the header) and a tensor on them."""
-    buf = bytearray(FRAME_BYTES)
-    return buf, torch.frombuffer(buf, dtype=torch.uint8)
+def new_frame(capacity: int = INLINE_BYTES) -> torch.Tensor:
+    """An empty buffer to receive a header and up to ``capacity`` payload bytes into.
+
+    Its header is zeroed: a send too short to hold a header leaves no stale one to be read.
+    """
+    frame = torch.empty(HEADER_BYTES + capacity, dtype=torch.uint8)
+    frame[:HEADER_BYTES].zero_()
+    return frame
 
 
-def read_header(frame: bytearray | bytes) -> tuple[int, ...]:
-    """The header integers at the start of a frame."""
-    return _HEADER.unpack_from(frame)
+def read_header(frame: torch.Tensor) -> list[int]:
+    """The header integers at the start of a received buffer."""
+    values: list[int] = frame[:HEADER_BYTES].view(torch.int64).tolist()
+    return values
 
 
 def expected_bytes(header: Sequence[int]) -> int:
@@ -172,9 +214,16 @@ def expected_bytes(header: Sequence[int]) -> int:
 
 
 def inline_payload(header: Sequence[int], frame: torch.Tensor) -> torch.Tensor | None:
-    """The payload bytes inside ``frame``, or None when the payload travels separately."""
+    """The payload bytes behind the header in ``frame``, or None when it travels separately.
+
+    Raises:
+        CommError: when the header claims more bytes behind it than ``frame`` has room for.
+    """
     if not header[12]:
         return None
+    if header[9] > frame.numel() - HEADER_BYTES:
+        raise CommError(f"the header claims {header[9]} payload bytes in the same message, but "
+                        f"only {frame.numel() - HEADER_BYTES} were agreed")
     return frame[HEADER_BYTES:HEADER_BYTES + header[9]]
 
 

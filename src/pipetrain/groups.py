@@ -1,0 +1,88 @@
+"""Groups: the process groups and tags that one pipeline's messages travel on.
+
+Headers and CPU payloads go over a gloo group of the pipeline's ranks; on GPUs, payloads go over
+one NCCL group per ordered pair of ranks. Each pipeline built over the same ranks talks on tags
+of its own (:func:`next_instance`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.errors import CommError
+
+__all__: list[str] = []
+
+_instances: dict[tuple[int, ...], int] = {}  # pipelines built so far over each set of ranks
+
+
+def next_instance(ranks: Sequence[int]) -> int:
+    """How many pipelines this process built over ``ranks`` before (the same on every rank).
+
+    Each pipeline talks on tags of its own, so a pipeline built after another failed never
+    receives the failed one's leftover messages, nor loses its own to a receive the failed
+    one left posted.
+    """
+    key = tuple(ranks)
+    n = _instances.get(key, 0)
+    _instances[key] = n + 1
+    return n
+
+
+def frame_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The group headers travel in, as an object (None means the default group)."""
+    if group is not None:
+        return group
+    world = dist.group.WORLD
+    if world is None:
+        raise CommError("torch.distributed has no default process group")
+    return world
+
+
+def pipeline_groups(group: dist.ProcessGroup | None, n_ranks: int, device: torch.device
+            ) -> tuple[dist.ProcessGroup | None, dict[tuple[int, int], dist.ProcessGroup]]:
+    """A gloo group for frames, and on GPUs one NCCL group per ordered pair of ranks."""
+    if device.type == "cpu" and dist.get_backend(group) == "gloo":
+        return group, {}
+    members = [dist.get_global_rank(group, r) if group is not None else r for r in range(n_ranks)]
+    return symmetric_groups(members, device)
+
+
+def symmetric_groups(members: list[int], device: torch.device
+                     ) -> tuple[dist.ProcessGroup, dict[tuple[int, int], dist.ProcessGroup]]:
+    """This pipeline's frame group and pair groups, made by every rank of the job alike.
+
+    torch names a new group after how many groups the process made before, so a group made by
+    some ranks only (a pair) would get different names on different ranks and hang. Instead
+    every rank learns every pipeline's members (all pipelines of a data-parallel job are built
+    together) and every rank makes every group, in one order.
+    """
+    world = dist.get_world_size()
+    mine = torch.full((world,), -1, dtype=torch.int64, device=collective_device(device))
+    mine[:len(members)] = torch.tensor(members)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    layouts = sorted({tuple(int(r) for r in t.tolist() if r >= 0) for t in gathered})
+    frames: dist.ProcessGroup | None = None
+    pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
+    me = dist.get_rank()
+    for ranks in layouts:
+        made = dist.new_group(list(ranks), backend="gloo")
+        if list(ranks) == members:
+            frames = made
+        for a, ra in enumerate(ranks):
+            for b, rb in enumerate(ranks):
+                if a != b:
+                    pg = dist.new_group([ra, rb])
+                    if list(ranks) == members and me in (ra, rb):
+                        pairs[(a, b)] = pg
+    if frames is None:
+        raise CommError(f"rank {me}: its pipeline group {members} is missing from the job's")
+    return frames, pairs
+
+
+def collective_device(device: torch.device) -> torch.device:
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
