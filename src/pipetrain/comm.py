@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipetrain.delivery import Proofs
 from pipetrain.errors import CommError
 from pipetrain.groups import frame_group, next_instance, pipeline_groups
 from pipetrain.mailbox import Describe, Mailbox
@@ -221,6 +222,8 @@ class P2P:
         self._globals = [r if group is None else dist.get_global_rank(group, r)
                          for r in range(n_ranks)]
         self._sends: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
+        self._pending: dict[tuple[int, Key], list[tuple[Any, torch.Tensor, Any]]] = {}
+        self._proofs: Proofs = {}
         self.posted = 0
         """How many point-to-point sends this transport posted (one or two per message)."""
         self._capacity = {peer: Capacity() for peer in range(n_ranks) if peer != rank}
@@ -235,9 +238,15 @@ class P2P:
                            for peer in range(n_ranks) if peer != rank}
         weakref.finalize(self, _close, list(self._receivers.values()), self._sends, timeout)
 
-    def start_step(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key]) -> None:
+    def start_step(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key],
+                   proofs: Proofs | None = None) -> None:
         """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends,
-        but for its last one, ``last[peer]``, which :meth:`receive_last` waits for itself."""
+        but for its last one, ``last[peer]``, which :meth:`receive_last` waits for itself.
+
+        ``proofs`` (:func:`~pipetrain.delivery.delivery_proofs`) lets :meth:`recv` free the
+        sends that a received message proves complete.
+        """
+        self._proofs = proofs or {}
         for peer, plan in plans.items():
             self._receivers[peer].jobs.put((self._link, step, plan, last[peer]))
 
@@ -267,35 +276,43 @@ class P2P:
         else it follows as a second send, and that capacity grows for the next messages. The
         message is encoded at most once per form (one send, or two).
         """
-        self._release_completed()
         forms: dict[bool, tuple[torch.Tensor, torch.Tensor | None, int]] = {}  # by: one send
         for dst_rank in [dst] if isinstance(dst, int) else dst:
             capacity = self._capacity[dst_rank]
             first, payload, size = _encoded(msg, self.rank, op, capacity.bytes, forms)
             on_device = payload is not None and payload.device.type != "cpu"
-            work: Any = self._frames.send([first], dst_rank, self._tag)  # as dist.isend does
-            self._sends.append((work, first, payload))
-            self.posted += 1
+            works: list[Any] = [self._frames.send([first], dst_rank, self._tag)]  # as dist.isend
             if payload is not None:
                 group = self.device_groups[(self.rank, dst_rank)] if on_device else self.cpu_group
-                work = dist.isend(payload, dst=self._globals[dst_rank], group=group,
-                                  tag=self._tag + 1)
-                self._sends.append((work, first, payload))
-                self.posted += 1
+                works.append(dist.isend(payload, dst=self._globals[dst_rank], group=group,
+                                        tag=self._tag + 1))
+            entries = [(work, first, payload) for work in works]
+            self._sends += entries
+            self._pending[(dst_rank, msg.key)] = entries
+            self.posted += len(works)
             capacity.record(size, on_device)
 
-    def _release_completed(self) -> None:
-        """Wait for (at once) and drop the oldest sends that completed: their buffers go now,
-        not at the end of the step. A send that failed raises here, as in :meth:`settle`."""
-        sends, done = self._sends, 0
-        while done < len(sends) and sends[done][0].is_completed():
-            done += 1
-        if done:
-            self._wait_for(sends[:done], time.monotonic() + self.timeout, f"[rank {self.rank}]")
-            del sends[:done]  # in place: the finaliser holds this list
-
     def recv(self, key: Key, describe: str | Describe) -> Message:
-        return self.mailbox.take(key, time.monotonic() + self.timeout, describe)
+        msg = self.mailbox.take(key, time.monotonic() + self.timeout, describe)
+        proof = self._proofs.get((key.kind, key.mb, key.src_stage, key.dst_stage))
+        if proof is not None:
+            self._release(proof[0], [Key(r[0], key.step, *r[1:]) for r in proof[1]], describe)
+        return msg
+
+    def _release(self, dst: int, keys: Sequence[Key], describe: str | Describe) -> None:
+        """Wait for (at once: the peer took them) and drop the sends of ``keys`` to ``dst``."""
+        done = [entry for k in keys for entry in self._pending.pop((dst, k), [])]
+        if not done:
+            return
+        deadline = time.monotonic() + self.timeout
+        for w, _, _ in done:
+            try:
+                w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError as e:
+                where = describe if isinstance(describe, str) else describe()
+                raise CommError(f"{where}: a send did not complete: {e}") from None
+        ids = {id(entry) for entry in done}
+        self._sends[:] = [entry for entry in self._sends if id(entry) not in ids]  # in place
 
     def settle(self, describe: str) -> None:
         """Wait for every send (within the timeout); raise a receiver's error.
@@ -305,18 +322,16 @@ class P2P:
         ``torch.profiler`` session started in between then crashes the process (seen with
         ``profile_memory=True``; see ``tests/test_regressions.py``).
         """
-        self._wait_for(self._sends, time.monotonic() + self.timeout, describe)
-        self._sends.clear()  # in place: the finaliser holds this list
-        if self.mailbox.error is not None:
-            raise self.mailbox.error
-
-    @staticmethod
-    def _wait_for(sends: Sequence[tuple[Any, Any, Any]], deadline: float, describe: str) -> None:
-        for w, _, _ in sends:
+        deadline = time.monotonic() + self.timeout
+        for w, _, _ in self._sends:
             try:
                 w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError as e:
                 raise CommError(f"{describe}: a send did not complete: {e}") from None
+        self._sends.clear()  # in place: the finaliser holds this list
+        self._pending.clear()
+        if self.mailbox.error is not None:
+            raise self.mailbox.error
 
     def discard(self) -> None:
         """Stop tracking the sends in flight (after a failure: the step is lost).
@@ -326,6 +341,7 @@ class P2P:
         """
         _LEFTOVERS.extend(self._sends)
         self._sends.clear()
+        self._pending.clear()
 
     def close(self) -> None:
         """Let the last sends complete (bounded) and stop the receiver threads."""

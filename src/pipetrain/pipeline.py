@@ -23,6 +23,7 @@ from torch import nn
 from pipetrain import microbatch
 from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
 from pipetrain.comm import P2P, PeerFailed
+from pipetrain.delivery import Proofs, delivery_proofs
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.finish import StepTimes, done_key, exchange, total_loss
 from pipetrain.generators import make_schedule
@@ -157,6 +158,7 @@ class Pipeline:
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  *grad_links(self.tied, self.local))
         self._plans: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}
+        self._proofs: dict[bool, Proofs] = {}  # sends that each received message proves done
         self._step = 0
         self._broken: str | None = None
 
@@ -270,8 +272,10 @@ class Pipeline:
         if self.transport is not None:
             if train not in self._plans:  # per peer, what it sends this rank in a step
                 self._plans[train] = message_plans(self.schedule, self.rank, train)
+                self._proofs[train] = delivery_proofs(self.schedule, self.rank, train)
             self.transport.start_step(step, self._plans[train],
-                                      {p: done_key(step, p) for p in self._plans[train]})
+                                      {p: done_key(step, p) for p in self._plans[train]},
+                                      self._proofs[train])
         try:
             self._prepare(data, inputs, targets)
             self.executor.run(data)
