@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lm import TinyLM, lm_batch
+from pipetrain import gpt
 from pipetrain.autosplit import cut_points
 from pipetrain.lazy import NamedInit
 from pipetrain.trace import split_model
@@ -66,3 +67,45 @@ def test_shared_parameter_whose_owner_cannot_reset_is_an_error() -> None:
     model = nn.Sequential(owner, user)
     with pytest.raises(ValueError, match=r"first owner '0' has no reset_parameters"):
         NamedInit(model, 0).materialize(model)
+
+
+class Scale(nn.Module):
+    """A module holding a parameter itself; tracing goes through its forward."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _meta_gpt() -> nn.Sequential:
+    with torch.device("meta"):
+        cfg = gpt.GPTConfig(seq_len=8, d_model=16, n_heads=2, n_layers=2)
+        return nn.Sequential(Scale(8), *gpt.gpt_layers(cfg))
+
+
+def test_modules_traced_through_are_initialised_by_their_own_reset() -> None:
+    # Scale and gpt.Head hold parameters and are traced through, so a stage holds those in
+    # bare containers; their own reset_parameters() must still run (the Head's tied weight
+    # takes the Embedding's value).
+    whole = _meta_gpt()
+    NamedInit(whole, 2).materialize(whole)
+    expected = dict(whole.named_parameters())
+    meta = _meta_gpt()
+    x = torch.zeros(1, 8, dtype=torch.long)
+    split = split_model(meta, ["2", "4"], (x,), leaf_modules=["1", "2.attn", "3.attn"],
+                         check=False)
+    assert type(split.stages[0].get_submodule("0")) is nn.Module  # a bare container
+    assert type(split.stages[2].get_submodule("4")) is nn.Module
+    parts = NamedInit(meta, 2)
+    for k in (2, 0, 1):
+        parts.materialize(split.stages[k])
+        for name, p in split.stages[k].named_parameters():
+            assert torch.equal(p, expected[split.param_names[k][name]]), (k, name)
+    assert split.stages[0].get_parameter("0.weight").std() > 0.1  # initialised, not empty

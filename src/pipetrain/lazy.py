@@ -11,7 +11,9 @@ An ordinary module cut by tracing (``split_points=``) has no layer list to numbe
 parts are initialised by name instead (:class:`NamedInit`): every submodule with
 ``reset_parameters()`` runs it under a seed made from its qualified name in the model, and a
 parameter shared by several submodules (a tied embedding and head) takes the value its first
-owner gives it, on every rank that holds it.
+owner gives it, on every rank that holds it. ``Pipeline(meta_model, split_points=...,
+init_seed=s)`` materialises each rank's stages this way (:mod:`pipetrain.layers`); the
+single-device reference is ``NamedInit(meta_model, s).materialize(meta_model, device)``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 __all__ = ["LayerSpec", "NamedInit", "build_layers", "materialize"]
 
@@ -134,19 +136,27 @@ class NamedInit:
     def materialize(self, part: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
         """Give ``part``'s meta parameters real, deterministic values on ``device``; in place.
 
-        Buffers still on ``meta`` get storage; only a ``reset_parameters()`` gives them values.
+        ``part``'s module paths must be the model's own (the whole model, or a stage of
+        :func:`~pipetrain.trace.split_model`). Each model module at one of those paths whose
+        ``reset_parameters()`` covers a parameter of ``part`` runs it, in the model's module
+        order, under the seed of its path, also when tracing copied only its parameters into a
+        bare container (a module whose ``forward`` was traced through); its other parameters
+        then become real too. Buffers still on ``meta`` get storage; only a
+        ``reset_parameters()`` gives them values.
 
         Raises:
             ValueError: when a parameter is left uninitialised (no ``reset_parameters``).
         """
+        wanted = {id(p) for p in part.parameters() if p.is_meta}
         fresh = self._swap(part, torch.device(device))
         covered: set[int] = set()
-        for path, module in part.named_modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset) and any(id(p) in fresh for p in module.parameters()):
+        for path, module in self._resetters(part):
+            if any(id(p) in wanted or self._meta_of.get(id(p)) in wanted
+                   for p in module.parameters()):
+                fresh |= self._swap(module, torch.device(device))
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(name_seed(self.seed, path))
-                    reset()
+                    module.reset_parameters()  # type: ignore[operator]
                 covered.update(id(p) for p in module.parameters())
         missing = [n for n, p in part.named_parameters() if id(p) in fresh - covered]
         if missing:
@@ -158,6 +168,27 @@ class NamedInit:
                 with torch.no_grad():
                     p.copy_(self._owner_value(self._meta_of[id(p)], p.device))
         return part
+
+    def origin(self, p: torch.Tensor) -> int:
+        """``id`` of the meta Parameter that ``p`` was made from here (``id(p)`` for others)."""
+        return self._meta_of.get(id(p), id(p))
+
+    def _resetters(self, part: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The model's modules with ``reset_parameters()`` that ``part``'s modules stand for.
+
+        A part's module stands for the model's module at its path when it is that module, or a
+        bare container torch.fx made at that path (a plain ``nn.Module``, or the root of a
+        ``GraphModule``) to hold what tracing copied from it.
+        """
+        own = dict(part.named_modules())
+        found = []
+        for path, module in self.model.named_modules():
+            mine = own.get(path)
+            stands_for = mine is module or (
+                mine is not None and (type(mine) is nn.Module or isinstance(mine, fx.GraphModule)))
+            if stands_for and callable(getattr(module, "reset_parameters", None)):
+                found.append((path, module))
+        return found
 
     def _swap(self, part: nn.Module, device: torch.device) -> set[int]:
         """Replace meta parameters by real empty ones (one per meta tensor); the new ones' ids."""

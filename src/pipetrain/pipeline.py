@@ -27,8 +27,9 @@ from pipetrain.delivery import Proofs, delivery_proofs
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.finish import StepTimes, done_key, exchange, total_loss
 from pipetrain.generators import make_schedule
-from pipetrain.lazy import LayerSpec, resolve
-from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
+from pipetrain.layers import Layers, packed, profiling_sample, trace_stages
+from pipetrain.lazy import LayerSpec
+from pipetrain.partition import check_balance, even_balance, stage_bounds
 from pipetrain.recompute import Policy, layer_flags
 from pipetrain.runtime import Executor, GradsReady, StepData, grad_links, message_plans
 from pipetrain.schedule import Schedule
@@ -68,15 +69,16 @@ class Pipeline:
 
     Args:
         model: the full model, or a list of layers that may be :class:`LayerSpec` or live on
-            the ``meta`` device; this rank keeps (and builds) only its stages' layers.
+            the ``meta`` device; this rank keeps (and builds) only its stages' layers. With
+            ``split_points`` the model may be built on ``meta`` too (:mod:`pipetrain.layers`).
         schedule: a schedule name (``pipetrain schedules``) or a :class:`Schedule`.
         microbatches: micro-batches per step (taken from ``schedule`` if it is a Schedule).
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` applied per micro-batch.
         balance: layers per stage; None splits evenly; ``"params"``, ``"time"`` or
             ``"memory"`` (or ``fn(layer_costs, first, end) -> cost``) chooses the split that
             minimises the bottleneck exactly (:mod:`pipetrain.balance`; the profiling modes
-            need ``example_inputs``, one micro-batch of the first layer's input). The plan is
-            kept as ``balance_plan``.
+            need ``example_inputs``, one micro-batch of the first layer's input, and real
+            layers: ``meta`` ones take ``"params"``). The plan is kept as ``balance_plan``.
         stages_per_rank: None takes the schedule's own (2 for interleaved-1f1b, zbv, dualpipev).
         group: the pipeline process group (default: the world).
         local_ranks: run this many ranks in this one process instead of distributed.
@@ -98,7 +100,9 @@ class Pipeline:
         example_inputs: with ``split_points``, positional (tuple) or keyword (dict) arguments
             of ``model.forward``; with a profiling ``balance``, one micro-batch of input.
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
-            layers (see :mod:`pipetrain.lazy`); real modules are used as given.
+            layers, and of the by-name initialisation of a traced ``meta`` model, whose
+            parameters then equal ``NamedInit(model, init_seed).materialize(model)`` (see
+            :mod:`pipetrain.lazy`); real modules are used as given.
 
     Raises:
         ValueError: for an unknown schedule or integers outside its constraints.
@@ -124,17 +128,16 @@ class Pipeline:
         self.schedule = _resolve(schedule, n_ranks, microbatches, stages_per_rank)
         self.device = _device(device, group)
         n_stages = self.schedule.n_stages
-        self.traced: TracedSplit | None = None if split_points is None else _trace(
+        self.traced: TracedSplit | None = None if split_points is None else trace_stages(
             model, split_points, example_inputs, balance, n_stages)
-        layers: list[tuple[str, nn.Module | LayerSpec]] = (
-            named_layers(model) if self.traced is None
-            else [("", stage) for stage in self.traced.stages])
+        source = Layers(model, self.traced, init_seed)
+        layers = source.items
         if split_points == "auto" and balance is None:
             balance = "params"
         self.balance_plan: BalancePlan | None = None
         if isinstance(balance, str) or callable(balance):
-            sample = example_inputs if self.traced is None else _packed(self.traced,
-                                                                        example_inputs)
+            sample = example_inputs if self.traced is None else packed(self.traced,
+                                                                       example_inputs)
             self.balance_plan = self._plan(layers, balance, sample, group)
             sizes = self.balance_plan.balance
         else:
@@ -144,12 +147,11 @@ class Pipeline:
         self.hosted = list(range(n_ranks)) if self.local else [self.rank]
         self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
         self.stages: dict[int, Stage] = {}
-        self._build_stages(layers, layer_flags(recompute, self.balance), init_seed)
-        modules = [(n, m) for n, m in layers if isinstance(m, nn.Module)]
-        self._canonical = {id(p): _join(ln, pn) for ln, m in reversed(modules)
-                           for pn, p in reversed(list(m.named_parameters()))}
+        # ties and names follow Parameter identity, which materialising replaces: read them first
         self.tied = find_tied([[(n, m) for n, m in layers[lo:hi] if isinstance(m, nn.Module)]
                                for lo, hi in stage_bounds(self.balance)], self.schedule.placement)
+        self._build_stages(layers, layer_flags(recompute, self.balance), source)
+        self._canonical = source.names(layers)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         self._tied_grads = None if self.transport is None else TiedGrads(
@@ -173,6 +175,7 @@ class Pipeline:
             raise ValueError(f"unknown balance mode {mode!r}; choose one of {list(MODES)}, a "
                              "cost function, or a list of layers per stage")
         built = [m for m in modules if isinstance(m, nn.Module)]
+        sample = profiling_sample(built, mode, sample)
         costs = None
         if mode != "params" and (self.local or self.rank == 0):
             if sample is None:
@@ -184,13 +187,13 @@ class Pipeline:
         return plan_balance(built, self.schedule, mode, sample, layer_costs=costs)
 
     def _build_stages(self, layers: list[tuple[str, nn.Module | LayerSpec]],
-                      replay: Sequence[bool], init_seed: int) -> None:
+                      replay: Sequence[bool], source: Layers) -> None:
         """Build (or materialise) the layers of hosted stages; others stay as they are."""
         last = self.schedule.n_stages - 1
         for s, (lo, hi) in enumerate(stage_bounds(self.balance)):
             if self.schedule.rank_of(s) not in self.hosted:
                 continue
-            chunk = [(name, resolve(layer, i, init_seed, self.device).to(self.device))
+            chunk = [(name, source.build(layer, i, self.device))
                      for i, (name, layer) in enumerate(layers[lo:hi], start=lo)]
             layers[lo:hi] = chunk
             self._stage_layers[s] = chunk
@@ -350,30 +353,6 @@ def _broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessG
 
 def _join(layer_name: str, param_name: str) -> str:
     return f"{layer_name}.{param_name}" if layer_name else param_name
-
-
-def _trace(model: Any, split_points: Sequence[str] | str, example_inputs: Any, balance: Any,
-           n_stages: int) -> TracedSplit:
-    from pipetrain.autosplit import cut_points
-    from pipetrain.trace import split_model
-
-    if not isinstance(model, nn.Module) or example_inputs is None:
-        raise TypeError("split_points= needs the model as one nn.Module and example_inputs= "
-                        "(a tuple or dict of its forward's arguments)")
-    if split_points == "auto":  # one small stage per unit; the balancer groups them
-        return split_model(model, cut_points(model, example_inputs), example_inputs)
-    if balance is not None:
-        raise PartitionError("pass either split_points=[...] or balance=, not both (or "
-                             "split_points='auto' with a balance mode)")
-    if isinstance(split_points, str) or len(split_points) + 1 != n_stages:
-        raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} stages but the "
-                             f"schedule has {n_stages} (ranks x stages per rank); give "
-                             f"{n_stages - 1} split points, or 'auto'")
-    return split_model(model, split_points, example_inputs)
-
-
-def _packed(traced: TracedSplit, example: Any) -> Any:
-    return traced.pack(*example) if isinstance(example, tuple) else traced.pack(**example)
 
 
 def _resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,

@@ -19,7 +19,9 @@ stages chain like the layers of ``nn.Sequential`` and fit :class:`~pipetrain.Pip
 * the last stage returns what ``model.forward`` returns.
 
 Stages hold the model's own submodules and Parameters (no copies); a weight used by two stages
-(a tied embedding and LM head) is the same Parameter in both.
+(a tied embedding and LM head) is the same Parameter in both. Tracing needs no values, so the
+model may live on the ``meta`` device; :class:`~pipetrain.lazy.NamedInit` then materialises any
+stage with the values the whole model would get.
 
 Limits of tracing: Python-level decisions are taken once, at trace time (a branch on
 ``self.training`` or on a plain argument); control flow on tensor values cannot be traced (name
@@ -42,7 +44,8 @@ import torch
 from torch import fx, nn
 
 from pipetrain.errors import PartitionError
-from pipetrain.payload import flatten
+from pipetrain.lazy import is_meta
+from pipetrain.payload import flatten, unflatten
 
 __all__ = ["TracedSplit", "split_model"]  # public: split_model and its result
 
@@ -113,7 +116,8 @@ def split_model(
             them (for code fx cannot trace); torch.nn's own layers are leaves already.
         check: run the stages once on ``example_inputs`` (without autograd; modules with
             running statistics update them) and check that every payload can travel between
-            processes.
+            processes. A model on the ``meta`` device runs on meta copies of the inputs (no
+            values, the same payload structure).
 
     Returns:
         A :class:`TracedSplit`; ``split.run(split.pack(*args, **kwargs))`` equals
@@ -145,7 +149,7 @@ def split_model(
     names = [{n: canonical[id(p)] for n, p in s.named_parameters()} for s in stages]
     split = TracedSplit(list(stages), names, list(signature.parameters), boundaries, signature)
     if check:
-        _check_payloads(split, inputs)
+        _check_payloads(split, _on_meta(inputs) if is_meta(model) else inputs)
     return split
 
 
@@ -343,6 +347,19 @@ class _StageBuilder:
 
 
 # -- checking payloads --------------------------------------------------------------------
+def _on_meta(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of ``inputs`` (also inside tuples, lists, dicts) as meta tensors."""
+    out = {}
+    for key, value in inputs.items():
+        try:
+            tensors, spec = flatten(value)
+        except TypeError:  # not a payload: passed as it is
+            out[key] = value
+            continue
+        out[key] = unflatten([t.to("meta") for t in tensors], spec)
+    return out
+
+
 def _check_payloads(split: TracedSplit, inputs: dict[str, Any]) -> None:
     x: Any = inputs
     with torch.no_grad():

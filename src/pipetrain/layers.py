@@ -1,0 +1,148 @@
+"""Layers: what a Pipeline cuts into stages, and how each rank makes only its own layers real.
+
+A pipeline's layers are a layer list (an ``nn.Sequential`` or a list of modules and
+:class:`~pipetrain.lazy.LayerSpec` s) or the stages of a traced model (``split_points=``).
+Either may be described instead of built (specs, or modules created under
+``torch.device("meta")``), and then a rank builds only the layers of the stages it hosts:
+
+* a spec is built, and a meta layer of a list materialised, under its per-layer seed
+  (:mod:`pipetrain.lazy`);
+* a traced meta model is materialised by name (:class:`~pipetrain.lazy.NamedInit`), so each
+  hosted parameter equals the same parameter of ``NamedInit(model, seed).materialize(model)``,
+  the whole model built at once, and a tied weight is one Parameter again on a rank holding
+  both its stages.
+
+Two things depend on the identity of the model's Parameters, which materialising replaces, so
+they are read before it: which parameters several stages share (:func:`~pipetrain.tied.find_tied`)
+and each parameter's name in the model (:meth:`Layers.names`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.errors import PartitionError
+from pipetrain.lazy import LayerSpec, NamedInit, is_meta, resolve
+from pipetrain.partition import named_layers
+from pipetrain.trace import TracedSplit
+
+__all__: list[str] = []
+
+Layer = tuple[str, nn.Module | LayerSpec]
+
+
+class Layers:
+    """The named layers of a pipeline and how a rank builds those of its own stages.
+
+    Args:
+        model: what ``Pipeline`` was given.
+        traced: its traced stages, when ``split_points=`` was given.
+        seed: the initialisation seed (``init_seed``).
+    """
+
+    def __init__(self, model: Any, traced: TracedSplit | None, seed: int) -> None:
+        self.seed = seed
+        self.items: list[Layer] = (named_layers(model) if traced is None
+                                   else [("", stage) for stage in traced.stages])
+        self.by_name = NamedInit(model, seed) if traced is not None and is_meta(model) else None
+        if traced is None:
+            _check_meta_sharing(self.items)
+        self._names = _first_names(self.items)  # before any Parameter is replaced
+
+    def build(self, layer: nn.Module | LayerSpec, index: int, device: torch.device) -> nn.Module:
+        """``layer`` (at ``index``) as a real module on ``device``."""
+        if self.by_name is not None and isinstance(layer, nn.Module) and is_meta(layer):
+            return self.by_name.materialize(layer, device)
+        return resolve(layer, index, self.seed, device).to(device)
+
+    def names(self, layers: Sequence[Layer]) -> dict[int, str]:
+        """``id`` of each Parameter in ``layers`` -> its name in the model (first holder's)."""
+        origin = self.by_name.origin if self.by_name is not None else id
+        return {id(p): self._names[origin(p)] for _, m in layers if isinstance(m, nn.Module)
+                for p in m.parameters() if origin(p) in self._names}
+
+
+def profiling_sample(modules: Sequence[nn.Module], mode: Any, sample: Any) -> Any:
+    """The micro-batch a balance mode profiles ``modules`` on: None for meta layers.
+
+    Meta layers have no values to run, so they are balanced by parameter bytes only.
+
+    Raises:
+        PartitionError: for meta layers under a mode other than ``"params"``.
+    """
+    meta = [i for i, m in enumerate(modules) if is_meta(m)]
+    if not meta:
+        return sample
+    if mode != "params":
+        raise PartitionError(
+            f"balance={mode!r} profiles each layer by running it, but layers {meta[:8]} are on "
+            "the meta device (no values to run); use balance='params' (parameter bytes, which "
+            "meta layers have), an explicit balance=[...] or split_points=[...], or profile a "
+            "smaller real model and pass its plan's balance")
+    return None
+
+
+def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: Any,
+                 balance: Any, n_stages: int) -> TracedSplit:
+    """The traced stages for ``Pipeline(model, split_points=..., example_inputs=...)``.
+
+    Raises:
+        TypeError: without one ``nn.Module`` and ``example_inputs``.
+        PartitionError: for split points that do not make ``n_stages`` stages.
+    """
+    from pipetrain.autosplit import cut_points
+    from pipetrain.trace import split_model
+
+    if not isinstance(model, nn.Module) or example_inputs is None:
+        raise TypeError("split_points= needs the model as one nn.Module and example_inputs= "
+                        "(a tuple or dict of its forward's arguments)")
+    if split_points == "auto":  # one small stage per unit; the balancer groups them
+        return split_model(model, cut_points(model, example_inputs), example_inputs)
+    if balance is not None:
+        raise PartitionError("pass either split_points=[...] or balance=, not both (or "
+                             "split_points='auto' with a balance mode)")
+    if isinstance(split_points, str) or len(split_points) + 1 != n_stages:
+        raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} stages but the "
+                             f"schedule has {n_stages} (ranks x stages per rank); give "
+                             f"{n_stages - 1} split points, or 'auto'")
+    return split_model(model, split_points, example_inputs)
+
+
+def packed(traced: TracedSplit, example: Any) -> Any:
+    """Stage 0's payload for ``example_inputs`` (a tuple or dict of ``forward``'s arguments)."""
+    return traced.pack(*example) if isinstance(example, tuple) else traced.pack(**example)
+
+
+def _first_names(layers: Sequence[Layer]) -> dict[int, str]:
+    """``id`` of each Parameter -> its name under the first layer holding it."""
+    names: dict[int, str] = {}
+    for layer_name, m in layers:
+        if isinstance(m, nn.Module):
+            for pname, p in m.named_parameters():
+                names.setdefault(id(p), f"{layer_name}.{pname}" if layer_name else pname)
+    return names
+
+
+def _check_meta_sharing(layers: Sequence[Layer]) -> None:
+    """A meta Parameter shared by two layers of a list would come apart, layer by layer.
+
+    Raises:
+        ValueError: naming the layers and the parameter.
+    """
+    holder: dict[int, tuple[str, str]] = {}
+    for layer_name, m in layers:
+        if not isinstance(m, nn.Module) or not is_meta(m):
+            continue
+        for pname, p in m.named_parameters():
+            first = holder.setdefault(id(p), (layer_name, pname))
+            if first[0] != layer_name:
+                raise ValueError(
+                    f"meta layers {first[0]!r} and {layer_name!r} share the parameter "
+                    f"{first[0]}.{first[1]} (a tied weight); a layer list is materialised layer "
+                    "by layer, which would untie it. Build the model as one nn.Module on the "
+                    "meta device and give Pipeline split_points= (it materialises by name and "
+                    "keeps ties), or build the layers for real")
