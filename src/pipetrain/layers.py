@@ -56,7 +56,7 @@ class Layers:
     def build(self, layer: nn.Module | LayerSpec, index: int, device: torch.device) -> nn.Module:
         """``layer`` (at ``index``) as a real module on ``device``."""
         if self.by_name is not None and isinstance(layer, nn.Module) and is_meta(layer):
-            return self.by_name.materialize(layer, device)
+            return self.by_name.materialize(layer, device).to(device)  # real buffers too
         return resolve(layer, index, self.seed, device).to(device)
 
     def names(self, layers: Sequence[Layer]) -> dict[int, str]:
