@@ -52,6 +52,9 @@ class Layers:
         if traced is None:
             _check_meta_sharing(self.items)
         self._names = _first_names(self.items)  # before any Parameter is replaced
+        # the keys are ids: keep their Parameters alive so that no new one reuses an id
+        self._alive = [p for _, m in self.items if isinstance(m, nn.Module)
+                       for p in m.parameters()]
 
     def build(self, layer: nn.Module | LayerSpec, index: int, device: torch.device) -> nn.Module:
         """``layer`` (at ``index``) as a real module on ``device``."""

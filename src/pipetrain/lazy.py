@@ -128,6 +128,7 @@ class NamedInit:
         for path, module in model.named_modules(remove_duplicate=False):
             for pname, p in module.named_parameters(recurse=False):
                 holders.setdefault(id(p), []).append((path, pname))
+        self._alive = list(model.parameters())  # the ids below stay theirs while we live
         self.owner = {pid: paths[0] for pid, paths in holders.items() if len(paths) > 1}
         """Shared meta parameters -> (first owning module, its name there)."""
         self._real: dict[int, nn.Parameter] = {}  # meta id -> the real one in this process
