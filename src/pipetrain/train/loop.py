@@ -3,7 +3,8 @@
 One step, on every rank of the dp x pp mesh, in this order (every collective is called by
 every rank in the same sequence, because every branch depends only on values all ranks share)::
 
-    [1] faults.at_step                   injected kill / raise / hang / NaN (tests, soak)
+    [1] faults.at_step                   injected kill / raise / hang / NaN / shape (tests,
+                                         soak)
     [2] pipe.step under autocast         F/B/I/W of this replica's rows, as scheduled
     [3] dp all-reduce of gradients       mean over the replicas (sum, then / dp); a stage's
                                          starts when the step reports its gradients final,
@@ -165,13 +166,15 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     """Run step ``step`` (the markers refer to the module docstring's diagram)."""
     cfg, mesh, pipe = trainer.cfg, trainer.mesh, trainer.pipe
     start = time.perf_counter()
-    trainer.injector.armed = faults.at_step(step, mesh.rank) == "nan"  # [1]
+    fault = faults.at_step(step, mesh.rank)  # [1]
+    trainer.injector.armed = fault == "nan"
     lr = lr_at(step, peak=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps)
     set_lr(trainer.optimizer, lr)
     inputs, targets = trainer.batch(step)
     try:
-        with autocast(cfg.precision, mesh.device):  # [2]
-            result = pipe.step(inputs, targets, on_grads_ready=trainer.reducer.hook)  # [3]
+        with autocast(cfg.precision, mesh.device), faults.wrong_shape(pipe, fault == "shape"):
+            result = pipe.step(inputs, targets,  # [2]
+                               on_grads_ready=trainer.reducer.hook)  # [3]
     finally:
         trainer.injector.armed = False
     trainer.reducer.finish()  # [3]
