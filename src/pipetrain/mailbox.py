@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,19 @@ __all__: list[str] = []
 
 Describe = Callable[[], str]
 
+_UNCLAIMED: list[Any] = []
+"""Posted receives handed over but never waited for (their step failed), kept for good.
+
+gloo must never see a posted receive's buffer freed: a message that arrives for it later (a
+peer's relayed ABORT) then stalls that pair of ranks, and every later pipeline over them times
+out. One frame per peer per failed pipeline stays allocated instead.
+"""
+
+
+def _park(handed: dict[Key, Any]) -> None:
+    _UNCLAIMED.extend(handed.values())
+    handed.clear()
+
 
 class Mailbox:
     """Messages that arrived, and the first error any receiver hit, guarded by one condition."""
@@ -29,6 +43,7 @@ class Mailbox:
         self.items: dict[Key, Message] = {}
         self.error: BaseException | None = None
         self.handed: dict[Key, Any] = {}  # receives posted for the main thread to wait on
+        weakref.finalize(self, _park, self.handed)
 
     def put(self, msg: Message) -> None:
         with self.cond:
