@@ -100,6 +100,23 @@ def test_default_w_share_keeps_activations_until_w() -> None:
     assert sim.peak_activations == (2.0,)
 
 
+@pytest.mark.parametrize(("w_share", "peak"), [(1.0, 2.5), (0.5, 2.0)])
+def test_i_held_is_added_by_i_and_freed_by_w(w_share: float, peak: float) -> None:
+    # 0F0 +1, 0I0 -(1 - w_share) +0.5, 0F1 +1, 0W0 -(w_share + 0.5), ...
+    sim = simulate(SPLIT, w_share=w_share, i_held=(0.5,))
+    assert sim.peak_activations == (peak,)
+    assert sim.to_dict()["i_held"] == [0.5]
+
+
+def test_a_single_i_held_skips_stage_0_whose_i_has_no_input_gradient() -> None:
+    schedule = make_schedule("zb-h1", 2, 8)
+    plain = simulate(schedule).peak_activations
+    held = simulate(schedule, i_held=0.5).peak_activations
+    assert plain == (2.0, 2.0) and held[0] == 2.0 and held[1] > 2.0
+    assert simulate(schedule, i_held=(0.0, 0.5)).peak_activations == held
+    assert simulate(schedule).i_held == 0.0  # the default leaves it out
+
+
 def test_frees_count_before_allocations_at_equal_times() -> None:
     # With zero-cost backward, 0B0 ends when 0F1 starts: the peak stays 1.
     sim = simulate(Schedule.from_text("rank 0\n0F0\n0B0\n0F1\n0B1\n"), Costs(F=1, B=0))
@@ -118,6 +135,8 @@ def test_invalid_schedule_raises_schedule_error() -> None:
     ({"comm": -1.0}, "comm must be a finite number >= 0, got -1.0"),
     ({"comm": float("inf")}, "comm must be a finite number >= 0, got inf"),
     ({"w_share": 1.5}, r"w_share must be in \[0, 1\], got 1.5"),
+    ({"i_held": -0.5}, "cost i_held must be a finite number >= 0, got -0.5"),
+    ({"i_held": (0.5,)}, "i_held gives 1 per-stage values but the schedule has 2 stages"),
 ])
 def test_bad_arguments(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -1,6 +1,7 @@
 """pipetrain: pipeline-parallel training of PyTorch models, every schedule as data."""
 
 from pipetrain.action import Action, Op
+from pipetrain.calibrate import calibrate
 from pipetrain.errors import PipelineError
 from pipetrain.generators import make_schedule
 from pipetrain.launch import RankContext, launch
@@ -11,6 +12,6 @@ from pipetrain.simulate import Costs, simulate
 
 __all__ = [
     "Action", "Costs", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext", "Schedule",
-    "StepResult", "build_layers", "launch", "make_schedule", "simulate",
+    "StepResult", "build_layers", "calibrate", "launch", "make_schedule", "simulate",
 ]
 __version__ = "0.1.0"

@@ -1,46 +1,32 @@
-"""Timing: per-stage op costs read off one measured step, and the simulator's prediction from them.
+"""Timing: per-stage op costs and the message delay read off one measured step, and the
+simulator's prediction from them.
 
 The picture of a step shows the measured timeline next to what :func:`pipetrain.simulate`
 predicts for the same schedule when every action of stage ``s`` with op ``o`` takes the
-median measured duration of that stage's ``o`` actions. What remains between the two is
-communication, waiting on peers, and per-action variation.
+median measured duration of that stage's ``o`` actions and every message between ranks the
+median hop of the step (:mod:`pipetrain.calibrate`). What remains between the two is
+per-action variation and waits the hop's median does not cover.
 """
 
 from __future__ import annotations
 
-import statistics
-
-from pipetrain.action import Op
+from pipetrain.calibrate import calibrate, stage_costs
 from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, Simulation, simulate
+from pipetrain.simulate import Costs, Simulation
 from pipetrain.timeline import Timeline
 
 __all__ = ["measured_costs", "predict"]
 
 
 def measured_costs(timeline: Timeline, schedule: Schedule) -> Costs:
-    """Per-stage median durations of F and B (or F, I and W) in ``timeline``.
+    """Per-stage median durations of each op in ``timeline`` (:func:`stage_costs`).
 
     Raises:
-        ValueError: when the timeline has no span of some stage and op the schedule runs.
+        ValueError: when the timeline has no F, or no backward, of some stage.
     """
-    ops = (Op.F, Op.I, Op.W) if schedule.split_backward else (Op.F, Op.B)
-    durations: dict[tuple[Op, int], list[float]] = {}
-    for span in timeline.spans:
-        durations.setdefault((span.action.op, span.action.stage), []).append(span.duration)
-    costs: dict[str, tuple[float, ...]] = {}
-    for op in ops:
-        per_stage = []
-        for stage in range(schedule.n_stages):
-            found = durations.get((op, stage))
-            if not found:
-                raise ValueError(f"the measured timeline has no {op.value} action of stage "
-                                 f"{stage}; pass the timeline of a training step")
-            per_stage.append(statistics.median(found))
-        costs[op.value] = tuple(per_stage)
-    return Costs(**costs)
+    return stage_costs(timeline, schedule)
 
 
 def predict(timeline: Timeline, schedule: Schedule) -> Simulation:
-    """The simulation of ``schedule`` with the costs measured in ``timeline``."""
-    return simulate(schedule, measured_costs(timeline, schedule))
+    """The simulation of ``schedule`` with the costs and message delay measured in ``timeline``."""
+    return calibrate(timeline, schedule).predict(schedule)
