@@ -1,15 +1,26 @@
-"""Simulator accuracy: profile F/I/W per stage, predict each schedule's step time, run it.
+"""Simulator accuracy: predict each schedule's step time from profiled and from calibrated
+costs, then run it.
 
 On p = 2 processes (one thread each) training pipetrain's GPT (``small`` preset by default):
 
-    1. profile  right before each schedule's run, every rank times F, I and W of its own
-                stages on one micro-batch at the same time (so both cores are busy, as in a
-                step) with ``pipetrain.profile``'s ``profile_layers`` (each stage as one layer;
-                stage 0 gets the real token ids, the last stage the real loss), and the fused
-                B (``backward_full``) next to it
-    2. comm     half the round trip of one activation-sized tensor between the two ranks, idle
-    3. predict  ``pt.simulate(schedule, Costs(F, B, I, W per stage), comm).makespan``
-    4. run      the schedule: median over steps of first rank's start to last rank's end
+    1. calibrate  once, before everything else: a run of one schedule that has F, B, I and W
+                  (``--calibrate``, DualPipeV by default): one warm-up step, then the
+                  timelines of ``--calibration-steps`` steps give ``pt.calibrate``'s costs per
+                  stage and op and its message delay; every rank also profiles every layer
+                  alone (``profile_layers``), whose times only split a calibrated stage among
+                  its layers when another schedule cuts the model elsewhere (``regroup``)
+    2. profile    right before each schedule's run, every rank times F, I and W of its own
+                  stages on one micro-batch at the same time (so both cores are busy, as in a
+                  step) with ``profile_layers`` (each stage as one layer; stage 0 gets the
+                  real token ids, the last stage the real loss), and the fused B
+                  (``backward_full``) next to it; ``comm`` is half the round trip of one
+                  activation-sized tensor between the two ranks, idle
+    3. predict    ``pt.simulate(schedule, costs, comm).makespan``, from the profile
+                  (``predicted``) and from the calibration (``calibrated``)
+    4. run        the schedule: median over steps of first rank's start to last rank's end
+
+The calibration run is not one of the measured runs: every schedule, the calibration's own
+included, is predicted from steps it did not run in.
 
 Beside predicted / measured the script reports where a miss comes from: ``span`` is the
 measured time from the first action's start to the last one's end (the rest of a step is the
@@ -17,7 +28,7 @@ runtime's step start and end), ``ops`` is each op's mean time inside the run ove
 profiled time, ``replay`` is the simulator's makespan when each action takes as long as it did
 in the run and each message the mean ``hop`` measured in the run (both medians over steps).
 
-    python benchmarks/simulator_accuracy.py                       # all schedules, minutes
+    python benchmarks/simulator_accuracy.py                       # all schedules, 2 minutes
     python benchmarks/simulator_accuracy.py --tiny --json out.json
 """
 
@@ -29,6 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import gptbench as gb
@@ -37,12 +49,15 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
+from pipetrain import calibrate as pt_calibrate
 from pipetrain import microbatch
 from pipetrain.backward import backward_full
+from pipetrain.calibrate import regroup
 from pipetrain.dataflow import walk
 from pipetrain.gpt import lm_loss
 from pipetrain.partition import stage_bounds
 from pipetrain.profile import profile_layers
+from pipetrain.timeline import Span, Timeline
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OPS = ("F", "B", "I", "W")
@@ -139,11 +154,23 @@ def run_schedule(work: gb.Workload, name: str, data: Batch, warmup: int,
     return {"schedule": name, "balance": balance, "walls": walls, "spans": spans}
 
 
+def profile_model(work: gb.Workload, data: Batch, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each op per layer of the whole model on one micro-batch, profiled alone."""
+    x, y = (microbatch.split(t, work.microbatches)[0] for t in data)
+    dist.barrier()
+    costs = profile_layers(work.layers(), x, loss_fn=lm_loss, sample_target=y, repeats=repeats)
+    dist.barrier()
+    return {"F": [c.f for c in costs], "B": [c.b for c in costs], "I": [c.i for c in costs],
+            "W": [c.w for c in costs]}
+
+
 def rank_body(ctx: pt.RankContext, work: gb.Workload, names: Sequence[str], data: Batch,
-              warmup: int, steps: int, repeats: int) -> list[dict[str, Any]]:
-    """Per schedule: profile its stages and the comm right before running it, so that the
-    profile and the run see the machine in the same state."""
-    out = []
+              warmup: int, steps: int, repeats: int, calibration: tuple[str, int],
+              ) -> list[dict[str, Any]]:
+    """The calibration first; then per schedule: profile its stages and the comm right before
+    running it, so that the profile and the run see the machine in the same state."""
+    out = [{"layers": profile_model(work, data, repeats),
+            **run_schedule(work, calibration[0], data, 1, calibration[1])}]
     for name in names:
         sched = work.schedule(name)
         balance = gb.split(work.layers(), sched)
@@ -155,6 +182,28 @@ def rank_body(ctx: pt.RankContext, work: gb.Workload, names: Sequence[str], data
 
 
 # -- summary --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """Costs and message delay from the calibration run, and what moves them to a split."""
+
+    name: str
+    calibration: pt_calibrate.Calibration
+    balance: list[int]
+    layer_weights: dict[str, list[float]]
+
+    def costs(self, balance: Sequence[int]) -> pt.Costs:
+        return regroup(self.calibration.costs, self.balance, balance, weights=self.layer_weights)
+
+
+def calibrated(work: gb.Workload, run: dict[str, Any]) -> Calibrated:
+    """The calibration run's costs per stage and op and its median hop (``pt.calibrate``)."""
+    sched = work.schedule(run["schedule"])
+    steps = [Timeline(sched.n_ranks, tuple(Span(rank, pt.Action.parse(a), start, end)
+                                           for a, rank, start, end in step), "s")
+             for step in run["spans"]]
+    return Calibrated(run["schedule"], pt.calibrate(steps, sched), run["balance"], run["layers"])
 
 
 def _costs(per_stage: dict[int, dict[str, float]], n_stages: int) -> pt.Costs:
@@ -217,11 +266,13 @@ def _replay(step: list[SpanRow], sched: pt.Schedule, hop: float) -> float:
 
 def summarize_one(work: gb.Workload, costs: dict[int, dict[str, float]], comm: float,
                   runs: list[list[SpanRow]], walls: list[list[tuple[float, float]]],
-                  balance: list[int], name: str) -> dict[str, Any]:
-    """Prediction, measurement and the diagnosis of one schedule."""
+                  balance: list[int], name: str, calib: Calibrated) -> dict[str, Any]:
+    """Predictions, measurement and the diagnosis of one schedule."""
     sched = work.schedule(name)
     n = sched.n_stages
     predicted = pt.simulate(sched, _costs(costs, n), comm).makespan
+    calibrated_costs = calib.costs(balance)
+    from_calibration = pt.simulate(sched, calibrated_costs, calib.calibration.comm).makespan
     measured = gb.median_step(walls)
     span = statistics.median(max(r[3] for r in st) - min(r[2] for r in st) for st in runs)
     in_run = _run_op_times(runs, n)
@@ -233,7 +284,9 @@ def summarize_one(work: gb.Workload, costs: dict[int, dict[str, float]], comm: f
     replay = statistics.median(_replay(step, sched, hop) for step in runs)
     with_hop = pt.simulate(sched, _costs(costs, n), hop).makespan
     return {"schedule": name, "balance": balance, "predicted_s": predicted,
-            "measured_s": measured, "ratio": predicted / measured, "span_s": span,
+            "measured_s": measured, "ratio": predicted / measured,
+            "calibrated_s": from_calibration, "calibrated_ratio": from_calibration / measured,
+            "calibrated_costs": calibrated_costs.to_dict(), "span_s": span,
             "replay_s": replay, "predicted_at_hop_s": with_hop, "op_ratio": ops,
             "comm_s": comm, "hop_s": hop,
             "gap_s": statistics.median(gaps) if gaps else 0.0,
@@ -242,29 +295,41 @@ def summarize_one(work: gb.Workload, costs: dict[int, dict[str, float]], comm: f
             "run_op_s": {str(s): c for s, c in in_run.items()}}
 
 
-def summarize(work: gb.Workload, per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def summarize(work: gb.Workload, per_rank: list[list[dict[str, Any]]],
+              ) -> tuple[Calibrated, list[dict[str, Any]]]:
+    calib = calibrated(work, per_rank[0][0])
     rows = []
     for j, run in enumerate(per_rank[0]):
+        if j == 0:  # the calibration run
+            continue
         costs = {int(s): c for r in per_rank for s, c in r[j]["costs"].items()}
         comm = statistics.median(r[j]["comm_s"] for r in per_rank)
         walls = [r[j]["walls"] for r in per_rank]
         # every rank's timeline holds every rank's spans: rank 0's suffice
         rows.append(summarize_one(work, costs, comm, run["spans"], walls, run["balance"],
-                                  run["schedule"]))
-    return rows
+                                  run["schedule"], calib))
+    return calib, rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'schedule':<17}{'predicted':>10}{'measured':>10}{'pred/meas':>10}"
-            f"{'at hop':>8}{'span':>8}{'replay':>8}{'hop ms':>8}  in-run / profiled op time")
+    head = (f"{'schedule':<17}{'measured':>9}{'profiled':>9}{'ratio':>7}{'calibrated':>11}"
+            f"{'ratio':>7}{'at hop':>8}{'span':>7}{'replay':>8}{'hop ms':>7}"
+            "  in-run / profiled op time")
     lines = [head, "-" * len(head)]
     for r in rows:
         ops = " ".join(f"{op} {v:.2f}" for op, v in r["op_ratio"].items())
-        lines.append(f"{r['schedule']:<17}{r['predicted_s']:>10.3f}{r['measured_s']:>10.3f}"
-                     f"{r['ratio']:>10.3f}{r['predicted_at_hop_s'] / r['measured_s']:>8.3f}"
-                     f"{r['span_s']:>8.3f}{r['replay_s'] / r['span_s']:>8.3f}"
-                     f"{r['hop_s'] * 1e3:>8.2f}  {ops}")
+        lines.append(f"{r['schedule']:<17}{r['measured_s']:>9.3f}{r['predicted_s']:>9.3f}"
+                     f"{r['ratio']:>7.3f}{r['calibrated_s']:>11.3f}{r['calibrated_ratio']:>7.3f}"
+                     f"{r['predicted_at_hop_s'] / r['measured_s']:>8.3f}"
+                     f"{r['span_s']:>7.3f}{r['replay_s'] / r['span_s']:>8.3f}"
+                     f"{r['hop_s'] * 1e3:>7.2f}  {ops}")
     return "\n".join(lines)
+
+
+def _within(rows: list[dict[str, Any]], key: str) -> str:
+    near = [r["schedule"] for r in rows if abs(r[key] - 1) <= 0.05]
+    missed = [r["schedule"] for r in rows if r["schedule"] not in near]
+    return f"{len(near)} of {len(rows)}" + (f" (missed: {', '.join(missed)})" if missed else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -276,35 +341,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5, help="profiling runs per op (median)")
+    parser.add_argument("--calibrate", default="dualpipev",
+                        help="the schedule whose steps calibrate the costs (F, B, I and W)")
+    parser.add_argument("--calibration-steps", type=int, default=3,
+                        help="steps of the calibration run read (after one warm-up step)")
     parser.add_argument("--json", help="write rows and machine description here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 3 schedules (CI)")
     args = parser.parse_args(argv)
     if args.tiny:
         args.preset, args.batch, args.m, args.steps, args.repeats = "tiny", 4, 4, 2, 2
-        args.schedules = "1f1b,zb-h1,zbv"
+        args.schedules, args.calibration_steps = "1f1b,zb-h1,zbv", 1
     names = args.schedules.split(",")
     work = gb.Workload(args.preset, args.batch, args.m)
     started = time.time()
     per_rank = pt.launch(rank_body, work.ranks, work, names, work.data(), args.warmup,
-                         args.steps, args.repeats, timeout=3600)
-    rows = summarize(work, per_rank)
+                         args.steps, args.repeats, (args.calibrate, args.calibration_steps),
+                         timeout=3600)
+    calib, rows = summarize(work, per_rank)
     comms = [r["comm_s"] * 1e3 for r in rows]
     print(f"GPT {args.preset}, batch {args.batch} x {work.config.seq_len} tokens, m = {args.m},"
-          f" p = {work.ranks} (1 thread each); comm {min(comms):.2f}-{max(comms):.2f} ms per hop")
+          f" p = {work.ranks} (1 thread each); comm {min(comms):.2f}-{max(comms):.2f} ms per hop"
+          f" idle; calibrated on {args.calibration_steps} steps of {calib.name}: hop "
+          f"{calib.calibration.comm * 1e3:.2f} ms (median of {calib.calibration.hops})")
     print(format_table(rows))
-    print("s; predicted: simulator with the profiled per-stage costs and comm; measured: "
-          "median step; at hop: the prediction with the run's mean hop as comm, over measured; "
-          "span: first action start to last action end; replay: simulator fed each action's "
-          "time in the run and the mean hop, over span; hop: mean time from the end of a "
-          "message's sending action to the start of its receiving action on a rank idle since "
-          "before the send")
-    near = [r["schedule"] for r in rows if abs(r["ratio"] - 1) <= 0.05]
-    print(f"within 5% of measured: {len(near)} of {len(rows)} schedules"
-          + (f" (missed: {', '.join(r['schedule'] for r in rows if r['schedule'] not in near)})"
-             if len(near) < len(rows) else ""))
+    print("s; measured: median step; profiled: the simulator with the per-stage costs profiled "
+          "alone and the idle comm; calibrated: the simulator with the calibration run's costs "
+          "and hop; ratio: prediction / measured; at hop: the profiled prediction with the run's "
+          "mean hop as comm, over measured; span: first action start to last action end; "
+          "replay: simulator fed each action's time in the run and the mean hop, over span; "
+          "hop: mean time from the end of a message's sending action to the start of its "
+          "receiving action on a rank idle since before the send")
+    print(f"within 5% of measured: profiled {_within(rows, 'ratio')}; calibrated "
+          f"{_within(rows, 'calibrated_ratio')}")
     if args.json:
         meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started,
-                "preset": args.preset, "batch": args.batch, "microbatches": args.m}
+                "preset": args.preset, "batch": args.batch, "microbatches": args.m,
+                "calibration": {"schedule": calib.name, "steps": args.calibration_steps,
+                                "balance": calib.balance, "comm_s": calib.calibration.comm,
+                                "hops": calib.calibration.hops,
+                                "costs": calib.calibration.costs.to_dict()}}
         with open(args.json, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     return 0

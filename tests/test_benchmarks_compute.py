@@ -82,7 +82,7 @@ def test_memory_recompute_keeps_less(memory_run: tuple[str, dict[str, Any]]) -> 
 
 def test_simulator_accuracy_tiny(tmp_path: Path) -> None:
     stdout, data = _run("simulator_accuracy", tmp_path)
-    assert "pred/meas" in stdout
+    assert "calibrated" in stdout and "within 5% of measured: profiled" in stdout
     rows = data["rows"]
     assert [r["schedule"] for r in rows] == ["1f1b", "zb-h1", "zbv"]
     for r in rows:
@@ -94,3 +94,16 @@ def test_simulator_accuracy_tiny(tmp_path: Path) -> None:
         assert set(r["op_ratio"]) == ({"F", "I", "W"} if split else {"F", "B"})
         for stage in r["costs"].values():
             assert all(stage[op] > 0 for op in ("F", "B", "W"))
+        assert r["calibrated_s"] > 0
+        assert r["calibrated_ratio"] == r["calibrated_s"] / r["measured_s"]
+    # every schedule is predicted from the one calibration run, a separate one (DualPipeV,
+    # stages of 2, 1, 1, 2 layers): a 2-stage split of 3 + 3 layers sums whole stages, and a
+    # V-shaped split of the same layers takes the calibrated costs as they are
+    calib = data["meta"]["calibration"]
+    assert calib["schedule"] == "dualpipev" and calib["balance"] == [2, 1, 1, 2]
+    assert calib["hops"] > 0 and calib["comm_s"] >= 0
+    by = {r["schedule"]: r for r in rows}
+    for op in "FBIW":
+        c = calib["costs"][op]
+        assert by["1f1b"]["calibrated_costs"][op] == pytest.approx([c[0] + c[1], c[2] + c[3]])
+        assert by["zbv"]["calibrated_costs"][op] == pytest.approx(c)
