@@ -12,9 +12,14 @@ both ``recompute="never"`` and ``"always"``, on p processes (one thread each):
     unit       per stage, bytes one micro-batch's F leaves alive (saved tensors and outputs),
                measured alone on the same rank, plus its input when that arrives as a message
     sim        ``pt.simulate(schedule).peak_activations[rank]``, in units
+    sim+I      the same with ``i_held``: per stage, the gradients I keeps until W over the
+               unit, measured alone (``i_saved``)
     predicted  the simulator's memory rule on its timeline, each F adding its stage's unit
-               (never); with recompute F keeps only its input, and the replay before B/I adds
-               the unit until B or W ends
+               (never), I adding its ``i_saved`` until W; with recompute F keeps only its
+               input, and the replay before B/I adds the unit until B or W ends
+    detailed   plus each op's own peak while it runs, and every message a rank sends, held
+               from its action's end to the end of the step (the runtime waits for its sends
+               there)
     ratio      measured / predicted
 
     python benchmarks/memory.py                     # p = 2, m = 8, all schedules
@@ -77,13 +82,15 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # -- per-stage unit -------------------------------------------------------------------------
 
-UNIT_KEYS = ("input", "forward", "forward_peak", "i_saved", "b_peak", "i_peak", "w_peak")
+UNIT_KEYS = ("input", "message", "forward", "forward_peak", "i_saved", "b_peak", "i_peak",
+             "w_peak")
 
 
 def stage_units(setup: Setup, schedule: pt.Schedule, rank: int) -> dict[int, dict[str, int]]:
     """Per hosted stage, measured alone on one micro-batch (bytes above the level before):
 
     input         the stage input, when it arrives as a message (held until B or W)
+    message       one message: an activation, or the gradient of one, sent to another rank
     forward       what F leaves alive: saved tensors and outputs
     forward_peak  the most alive during F
     i_saved       what I leaves alive besides the input gradient (gradients kept for W)
@@ -98,7 +105,8 @@ def stage_units(setup: Setup, schedule: pt.Schedule, rank: int) -> dict[int, dic
         target = y if s == schedule.n_stages - 1 else None
         remote = s > 0 and schedule.rank_of(s - 1) != rank
         unit = _measure_stage(module, x, s > 0, target)
-        out[s] = {"input": x.numel() * x.element_size() if remote else 0, **unit}
+        message = x.numel() * x.element_size()
+        out[s] = {"input": message if remote else 0, "message": message, **unit}
     return out
 
 
@@ -142,14 +150,18 @@ def predicted_bytes(sim: Any, rank: int, units: dict[int, dict[str, int]], recom
     """The peak over ``rank``'s simulated timeline of bytes alive, by the simulator's rule.
 
     F adds the stage's unit (input + forward) at its start; B, or W after I, frees it at its
-    end. With recompute F keeps only the input and B/I add the forward bytes (the replay) at
-    their start. ``detailed`` adds what the rule leaves out, each measured: an op's own peak
-    while it runs, and the gradients I keeps for W.
+    end; I adds the gradients it keeps for W. With recompute F keeps only the input and B/I
+    add the forward bytes (the replay) at their start. ``detailed`` adds what the rule leaves
+    out, each measured: an op's own peak while it runs, and the messages sent to other ranks,
+    held until the step ends.
     """
     events: list[tuple[float, int, float]] = []  # (time, 0 frees first | 1 allocations, bytes)
     for span in sim.timeline.of_rank(rank):
-        rise, after = _deltas(span.action.op, units[span.action.stage], recompute, detailed)
+        u = units[span.action.stage]
+        rise, after = _deltas(span.action.op, u, recompute, detailed)
         events += [(span.start, 1, rise), (span.end, 0, after - rise)]
+        if detailed and _sends(sim.schedule, span.action, rank):
+            events.append((span.end, 1, u["message"]))
     alive = peak = 0.0
     for _, _, delta in sorted(events):
         alive += delta
@@ -160,13 +172,27 @@ def predicted_bytes(sim: Any, rank: int, units: dict[int, dict[str, int]], recom
 def _deltas(op: Op, u: dict[str, int], recompute: bool, detailed: bool) -> tuple[int, int]:
     """(most added while ``op`` runs, added when it ends) for one micro-batch of one stage."""
     d = detailed
-    x, f, saved = u["input"], u["forward"], u["i_saved"] * d
+    x, f, saved = u["input"], u["forward"], u["i_saved"]
     fp, bp, ip, wp = (u[k] * d for k in ("forward_peak", "b_peak", "i_peak", "w_peak"))
     if not recompute:
         return {Op.F: (x + (fp if d else f), x + f), Op.B: (bp, -(x + f)),
                 Op.I: (ip, saved), Op.W: (wp, -(x + f + saved))}[op]
     return {Op.F: (x + (fp - f if d else 0), x), Op.B: (f + bp, -x),
             Op.I: (f + ip, f + saved), Op.W: (wp, -(x + f + saved))}[op]
+
+
+def _sends(schedule: pt.Schedule, action: pt.Action, rank: int) -> bool:
+    """Whether ``action`` sends its output (F) or input gradient (B, I) to another rank."""
+    s = action.stage
+    if action.op is Op.F:
+        return s < schedule.n_stages - 1 and schedule.rank_of(s + 1) != rank
+    return action.op in (Op.B, Op.I) and s > 0 and schedule.rank_of(s - 1) != rank
+
+
+def i_held(schedule: pt.Schedule, units: dict[int, dict[str, int]]) -> tuple[float, ...]:
+    """Per stage, the gradients I keeps until W in units of the stage's F (``pt.simulate``)."""
+    return tuple(max(0, units[s]["i_saved"]) / (units[s]["input"] + units[s]["forward"])
+                 for s in range(schedule.n_stages))
 
 
 # -- measurement ----------------------------------------------------------------------------
@@ -212,17 +238,21 @@ def summarize(setup: Setup, per_rank: list[list[dict[str, Any]]]) -> list[dict[s
     rows = []
     for j, first in enumerate(per_rank[0]):
         name, recompute = first["schedule"], first["recompute"]
-        sim = pt.simulate(pt.make_schedule(name, setup.ranks, setup.microbatches))
+        schedule = pt.make_schedule(name, setup.ranks, setup.microbatches)
         units: dict[int, dict[str, int]] = {}
         for r in per_rank:
             units.update({int(s): u for s, u in r[j]["units"].items()})
+        held = i_held(schedule, units)
+        plain, sim = pt.simulate(schedule), pt.simulate(schedule, i_held=held)
         ranks = range(setup.ranks)
         always = recompute == "always"
         pred = [predicted_bytes(sim, r, units, always, detailed=False) for r in ranks]
         model = [predicted_bytes(sim, r, units, always, detailed=True) for r in ranks]
         meas = [per_rank[r][j]["measured_bytes"] for r in ranks]
         rows.append({
-            "schedule": name, "recompute": recompute, "sim_units": list(sim.peak_activations),
+            "schedule": name, "recompute": recompute,
+            "sim_units": list(plain.peak_activations), "i_held": list(held),
+            "sim_i_units": list(sim.peak_activations),
             "unit_bytes": {s: u["forward"] + u["input"] for s, u in units.items()},
             "units": units, "predicted_bytes": pred, "detailed_bytes": model,
             "measured_bytes": meas, "ratio": _ratios(meas, pred),
@@ -235,7 +265,8 @@ def _ratios(a: Sequence[float], b: Sequence[float]) -> list[float | None]:
 
 
 def format_table(rows: list[dict[str, Any]], setup: Setup) -> str:
-    head = (f"{'schedule':<17}{'recompute':<10}{'sim':>6}{'unit MiB':>12}{'predicted':>12}"
+    head = (f"{'schedule':<17}{'recompute':<10}{'sim':>6}{'sim+I':>10}{'unit MiB':>12}"
+            f"{'predicted':>12}"
             f"{'detailed':>12}{'measured':>12}{'meas/pred':>11}{'meas/det':>11}")
     lines = [head, "-" * len(head)]
     schedule_of = {name: pt.make_schedule(name, setup.ranks, setup.microbatches)
@@ -244,13 +275,14 @@ def format_table(rows: list[dict[str, Any]], setup: Setup) -> str:
         sched = schedule_of[r["schedule"]]
         unit = [statistics.mean(r["unit_bytes"][s] for s in sched.stages_of(k))
                 for k in range(setup.ranks)]
-        cells = [_join(r["sim_units"], "{:g}"), _join(unit, None),
+        cells = [_join(r["sim_units"], "{:g}"), _join(r["sim_i_units"], "{:.2f}"),
+                 _join(unit, None),
                  *(_join(r[k], None) for k in ("predicted_bytes", "detailed_bytes",
                                                "measured_bytes")),
                  _join(r["ratio"], "{:.2f}"), _join(r["detailed_ratio"], "{:.2f}")]
-        lines.append(f"{r['schedule']:<17}{r['recompute']:<10}{cells[0]:>6}{cells[1]:>12}"
-                     + "".join(f" {c:>11}" for c in cells[2:5])
-                     + "".join(f" {c:>10}" for c in cells[5:]))
+        lines.append(f"{r['schedule']:<17}{r['recompute']:<10}{cells[0]:>6}{cells[1]:>10}"
+                     f"{cells[2]:>12}" + "".join(f" {c:>11}" for c in cells[3:6])
+                     + "".join(f" {c:>10}" for c in cells[6:]))
     return "\n".join(lines)
 
 
@@ -284,11 +316,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{setup.blocks} blocks (d_model {args.d_model}, seq {args.seq}), batch {args.batch},"
           f" m = {args.m}, p = {args.p}; per-rank values separated by '/', units per stage")
     print(format_table(rows, setup))
-    print("MiB; sim: simulator's peak activations (units); unit: bytes of one micro-batch's "
-          "F per stage (input + forward), mean over the rank's stages; predicted: the "
-          "simulator's memory rule with those units; detailed: plus each op's own peak and the "
-          "gradients I keeps for W; measured: rise of live CPU tensor bytes during a step "
-          "(torch allocator, all threads)")
+    print("MiB; sim: simulator's peak activations (units); sim+I: the same with the "
+          "gradients I keeps until W (i_held, measured per stage); unit: bytes of one "
+          "micro-batch's F per stage (input + forward), mean over the rank's stages; "
+          "predicted: the simulator's memory rule with those units and i_held; detailed: plus "
+          "each op's own peak and the sends held until the step ends; measured: rise of live "
+          "CPU tensor bytes during a step (torch allocator, all threads)")
     if args.json:
         meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started,
                 "setup": setup.__dict__}

@@ -72,6 +72,11 @@ def test_memory_tiny(memory_run: tuple[str, dict[str, Any]]) -> None:
     # 1F1B keeps p - rank micro-batches in flight: rank 0 holds more than rank 1
     assert by["1f1b", "never"]["sim_units"] == [2, 1]
     assert by["1f1b", "never"]["measured_bytes"][0] > by["1f1b", "never"]["measured_bytes"][1]
+    # the gradients I keeps until W: only split-backward schedules, and most on a stage whose
+    # I computes an input gradient (stage 1, not stage 0)
+    assert by["1f1b", "never"]["sim_i_units"] == [2, 1]
+    zb = by["zb-h1", "never"]
+    assert zb["i_held"][1] > zb["i_held"][0] >= 0 and zb["sim_i_units"][1] > zb["sim_units"][1]
 
 
 def test_memory_recompute_keeps_less(memory_run: tuple[str, dict[str, Any]]) -> None:
