@@ -139,8 +139,13 @@ def _clipping(ctx: pt.RankContext, tmp: str) -> list[str]:
 
 
 def _skip(ctx: pt.RankContext, tmp: str) -> list[str]:
-    """A NaN on rank 1's stage at step 1: every rank skips step 1 and only step 1."""
-    trainer = build(_cfg(tmp, "skip", nonfinite="skip"))
+    """A NaN on rank 1's stage at step 1: every rank skips step 1 and only step 1, also when
+    every stage recomputes (its layers then run segment by segment, not as one module)."""
+    return _skip_with(ctx, tmp, "never") + _skip_with(ctx, tmp, "always")
+
+
+def _skip_with(ctx: pt.RankContext, tmp: str, recompute: str) -> list[str]:
+    trainer = build(_cfg(tmp, f"skip-{recompute}", nonfinite="skip", recompute=recompute))
     train_step(trainer, 0)
     before = _params(trainer)
     os.environ[faults.ENV] = "nan@rank1:step1"
@@ -150,29 +155,35 @@ def _skip(ctx: pt.RankContext, tmp: str) -> list[str]:
         del os.environ[faults.ENV]
     problems = []
     if not skipped.skipped or not math.isnan(skipped.loss) or trainer.skipped != 1:
-        problems.append(f"step 1 not skipped on rank {ctx.rank}: {skipped.fields()}")
+        problems.append(f"{recompute}: step 1 not skipped on rank {ctx.rank}: "
+                        f"{skipped.fields()}")
     changed = [n for n, p in _params(trainer).items() if not torch.equal(p, before[n])]
     if changed or trainer.step != 2:
         problems.append(f"rank {ctx.rank}: parameters {changed} changed, step {trainer.step}")
     after = train_step(trainer, 2)
     if after.skipped or not math.isfinite(after.loss):
-        problems.append(f"step 2 after the skip: {after.fields()}")
+        problems.append(f"{recompute}: step 2 after the skip: {after.fields()}")
     return problems
 
 
 def _abort(ctx: pt.RankContext, tmp: str) -> list[str]:
-    """A NaN on rank 0's stage with nonfinite='abort': every rank raises, naming step and rank."""
-    trainer = build(_cfg(tmp, "abort", nonfinite="abort"))
-    os.environ[faults.ENV] = "nan@rank0:step0"
-    try:
-        train_step(trainer, 0)
-    except PipelineError as e:
-        text = str(e)
-        wanted = [f"[rank {ctx.rank}] step 0", "rank(s) [0, 1]", "nonfinite='abort'"]
-        return [f"message lacks {w!r}: {text}" for w in wanted if w not in text]
-    finally:
-        del os.environ[faults.ENV]
-    return [f"rank {ctx.rank} did not raise"]
+    """A NaN on rank 0's stage with nonfinite='abort': every rank raises, naming step and rank
+    (with and without recomputing every stage)."""
+    problems = []
+    for recompute in ("never", "always"):
+        trainer = build(_cfg(tmp, f"abort-{recompute}", nonfinite="abort", recompute=recompute))
+        os.environ[faults.ENV] = "nan@rank0:step0"
+        try:
+            train_step(trainer, 0)
+            problems.append(f"{recompute}: rank {ctx.rank} did not raise")
+        except PipelineError as e:
+            text = str(e)
+            wanted = [f"[rank {ctx.rank}] step 0", "rank(s) [0, 1]", "nonfinite='abort'"]
+            problems += [f"{recompute}: message lacks {w!r}: {text}" for w in wanted
+                         if w not in text]
+        finally:
+            del os.environ[faults.ENV]
+    return problems
 
 
 def _precisions(ctx: pt.RankContext, tmp: str) -> list[str]:

@@ -168,6 +168,29 @@ def test_nan_injector_poisons_outputs_only_while_armed() -> None:
     assert torch.isfinite(layer(x)).all()
 
 
+@pytest.mark.parametrize("recompute", ["never", "always", "except_last", ("every", 2)],
+                         ids=str)
+def test_nan_injector_reaches_the_loss_and_every_gradient_under_recomputation(
+        recompute: object) -> None:
+    # the injector once hooked each stage's nn.Sequential, which a recomputing stage never
+    # calls (it runs its layers segment by segment): a nan fault was silently not injected
+    torch.manual_seed(0)
+    pipe = pt.Pipeline([nn.Linear(4, 4) for _ in range(4)], "1f1b", 2, nn.functional.mse_loss,
+                       local_ranks=2, recompute=recompute)  # type: ignore[arg-type]
+    injector = NaNInjector.for_pipeline(pipe)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    injector.armed = True
+    loss = pipe.step(x, y).loss
+    injector.armed = False
+    assert loss is not None and math.isnan(float(loss))
+    assert all(p.grad is not None and torch.isnan(p.grad).all() for p in pipe.parameters())
+    for p in pipe.parameters():
+        p.grad = None
+    loss = pipe.step(x, y).loss
+    assert loss is not None and math.isfinite(float(loss))
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in pipe.parameters())
+
+
 # -- measured costs ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
 def test_measured_costs_recover_the_costs_of_a_timeline(name: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,9 @@ from torch.utils.hooks import RemovableHandle
 
 from pipetrain.errors import PipelineError
 from pipetrain.payload import flatten, unflatten
+
+if TYPE_CHECKING:
+    from pipetrain.pipeline import Pipeline
 
 __all__ = ["OK", "OVERFLOW", "NONFINITE", "Verdict", "finding", "decide", "NaNInjector"]
 
@@ -79,12 +83,24 @@ class NaNInjector:
 
     A forward hook on each module multiplies its tensor outputs by NaN when :attr:`armed`;
     the NaN then reaches the loss and, through the backward, every gradient.
+    :meth:`for_pipeline` chooses each stage's output.
     """
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.armed = False
         self.handles: list[RemovableHandle] = [m.register_forward_hook(self._hook)
                                                for m in modules]
+
+    @classmethod
+    def for_pipeline(cls, pipe: Pipeline) -> NaNInjector:
+        """An injector of NaN into the output of every stage this process holds.
+
+        It hooks each stage's last layer, not the stage's ``nn.Sequential``: a stage that
+        recomputes runs its layers segment by segment (and again in the replay, where the
+        hook fires alike while armed), but every layer is always called as a module, so the
+        stage output is poisoned under every recompute policy.
+        """
+        return cls([pipe.stages[s].module[-1] for s in sorted(pipe.stages)])
 
     def _hook(self, module: nn.Module, args: object, output: object) -> object:
         if not self.armed:

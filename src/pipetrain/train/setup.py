@@ -132,7 +132,7 @@ def build(cfg: TrainConfig) -> Trainer:
                         weight_decay=cfg.weight_decay),
         scale, GradReducer({s: st.parameters() for s, st in pipe.stages.items()}, mesh.dp_group,
                            mesh.dp), batches, [],
-        NaNInjector([pipe.stages[s].module for s in sorted(pipe.stages)]),
+        NaNInjector.for_pipeline(pipe),
         params, counted_parameters(pipe))
     trainer.eval_set = [trainer.rows(b) for b in _eval_batches(corpus, cfg)]
     return trainer
