@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from pipetrain.train.optim import (
     no_decay_names,
     set_lr,
 )
-from pipetrain.train.resume import save
+from pipetrain.train.resume import restore, save
 from pipetrain.train.setup import Trainer, build
 
 TIED = "0.tokens"
@@ -74,7 +75,7 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
 # -- two processes ----------------------------------------------------------------------------
 def _two(ctx: pt.RankContext, tmp: str) -> list[str]:
     return _cases(ctx, tmp, [_resume_at_pp2, _runs, _resume_bitwise, _clipping, _skip, _abort,
-                             _precisions, _overlap])
+                             _precisions, _overlap, _failure_names_the_step])
 
 
 def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
@@ -235,6 +236,30 @@ def _overlap(ctx: pt.RankContext, tmp: str) -> list[str]:
         if not torch.equal(p.grad, want / 2):
             problems.append(f"{name}: the overlapped mean differs from all_reduce / 2")
     return problems
+
+
+def _failure_names_the_step(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """Resumed at step 2, a step that fails at training step 3 names step 3 on every rank,
+    not the resumed pipeline's own count (1). Last: it leaves a failed pipeline behind."""
+    cfg = _cfg(tmp, "named", sample_tokens=0)
+    trainer = build(cfg)
+    for step in range(2):
+        train_step(trainer, step)
+    save(trainer)
+    trainer = build(cfg)
+    restore(trainer)
+    train_step(trainer, trainer.step)
+    os.environ[faults.ENV] = "shape@rank0:step3"
+    try:
+        train_step(trainer, 3)
+    except PipelineError as e:
+        text = str(e)
+        if not re.search(r"\bstep 3\b", text) or re.search(r"\bstep [0-2]\b", text):
+            return [f"rank {ctx.rank}: the error does not name training step 3 only: {text}"]
+        return []
+    finally:
+        del os.environ[faults.ENV]
+    return [f"rank {ctx.rank} did not raise"]
 
 
 # -- four processes ---------------------------------------------------------------------------

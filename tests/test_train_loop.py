@@ -12,6 +12,7 @@ from torch import nn
 import pipetrain as pt
 from pipetrain.gpt import GPTConfig, gpt_layers, lm_loss
 from pipetrain.testing import reference_step
+from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.infer import pick
 from pipetrain.train.mesh import _buckets, layout
@@ -254,3 +255,18 @@ def test_pick_is_greedy_without_top_k_and_seeded_with_it() -> None:
     draws = [pick(logits, 2, torch.Generator().manual_seed(s)) for s in range(20)]
     assert set(draws) == {1, 2}
     assert draws == [pick(logits, 2, torch.Generator().manual_seed(s)) for s in range(20)]
+
+
+def test_a_failing_step_names_the_callers_step_number() -> None:
+    # a resumed training loop's step 8 failed with "step 3", the pipeline's own count
+    torch.manual_seed(0)
+    pipe = pt.Pipeline([nn.Linear(4, 4) for _ in range(4)], "1f1b", 2, nn.functional.mse_loss,
+                       local_ranks=2)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe.step(x, y, step=7)
+    assert pipe.eval_step(x, y, step=7).loss is not None
+    with pytest.raises(TypeError, match="step must be an int"):
+        pipe.step(x, y, step=8.0)  # type: ignore[arg-type]
+    with pytest.raises(pt.PipelineError, match=r"\| 1F0\] step 8 failed"), \
+            faults.wrong_shape(pipe):
+        pipe.step(x, y, step=8)

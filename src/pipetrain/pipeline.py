@@ -239,7 +239,7 @@ class Pipeline:
 
     # -- steps ---------------------------------------------------------------------------
     def step(self, inputs: Any = None, targets: Any = None, *, return_outputs: bool = False,
-             on_grads_ready: GradsReady | None = None) -> StepResult:
+             on_grads_ready: GradsReady | None = None, step: int | None = None) -> StepResult:
         """One training step: forward and backward of every micro-batch as scheduled.
 
         Gradients accumulate into ``.grad`` exactly as running the micro-batches one after
@@ -255,21 +255,33 @@ class Pipeline:
             pipe.step(x, y, on_grads_ready=lambda s: reduce(pipe.named_parameters(s)))
 
         A hook that raises fails the step like a stage error.
+
+        ``step`` is the caller's number for this step (a training loop's, which goes on
+        after a resume), the same on every rank: errors name it, and so do the step's
+        messages on the wire, where a rank that ran another step is caught. Default: the
+        count of this pipeline's earlier steps and eval steps.
         """
         return self._run(inputs, targets, train=True, keep_outputs=return_outputs,
-                         on_grads_ready=on_grads_ready)
+                         on_grads_ready=on_grads_ready, number=step)
 
-    def eval_step(self, inputs: Any = None, targets: Any = None) -> StepResult:
-        """Forward only, without autograd: the loss (if targets are given) and the outputs."""
+    def eval_step(self, inputs: Any = None, targets: Any = None, *,
+                  step: int | None = None) -> StepResult:
+        """Forward only, without autograd: the loss (if targets are given) and the outputs.
+
+        ``step`` as in :meth:`step` (several eval steps may share one number).
+        """
         with torch.no_grad():
-            return self._run(inputs, targets, train=False, keep_outputs=True)
+            return self._run(inputs, targets, train=False, keep_outputs=True, number=step)
 
     def _run(self, inputs: Any, targets: Any, *, train: bool, keep_outputs: bool,
-             on_grads_ready: GradsReady | None = None) -> StepResult:
+             on_grads_ready: GradsReady | None = None, number: int | None = None
+             ) -> StepResult:
         if self._broken is not None:
             raise PipelineError(f"[rank {self.rank}] this pipeline failed earlier and cannot run "
                                 f"again: {self._broken}")
-        step = self._step
+        if number is not None and (not isinstance(number, int) or isinstance(number, bool)):
+            raise TypeError(f"step must be an int (the caller's step number), got {number!r}")
+        step = self._step if number is None else number
         self._step += 1
         data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready)
         if self.transport is not None:

@@ -20,12 +20,15 @@ from pipetrain.train.mesh import Mesh
 __all__ = ["eval_loss", "generate", "pick"]
 
 
-def eval_loss(pipe: Pipeline, mesh: Mesh, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-              ) -> float:
-    """Mean loss over ``batches`` (this replica's rows), averaged over the replicas."""
+def eval_loss(pipe: Pipeline, mesh: Mesh, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              *, step: int | None = None) -> float:
+    """Mean loss over ``batches`` (this replica's rows), averaged over the replicas.
+
+    ``step`` numbers the eval steps (the training step they follow; errors name it).
+    """
     total = 0.0
     for inputs, targets in batches:
-        loss = pipe.eval_step(inputs, targets).loss
+        loss = pipe.eval_step(inputs, targets, step=step).loss
         if loss is None:
             raise RuntimeError(f"[rank {mesh.rank}] eval step returned no loss")
         total += float(loss)
@@ -42,7 +45,8 @@ def pick(logits: torch.Tensor, top_k: int, generator: torch.Generator) -> int:
 
 
 def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *,
-             context: int, top_k: int = 0, seed: int = 0) -> list[int]:
+             context: int, top_k: int = 0, seed: int = 0, step: int | None = None
+             ) -> list[int]:
     """``n_tokens`` new tokens after ``prompt``, the same list on every rank of the replica.
 
     Args:
@@ -53,6 +57,7 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
         context: the longest window fed to the model (its position table).
         top_k: 0 picks the most likely token; k > 0 samples among the k most likely.
         seed: the sampling generator's seed (the text is deterministic given it).
+        step: the number of its eval steps (the training step they follow; errors name it).
 
     Raises:
         ValueError: for an empty prompt.
@@ -67,7 +72,7 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
     ids = list(prompt)
     for _ in range(n_tokens):
         window = torch.tensor(ids[-context:], dtype=torch.long).repeat(rows, 1)
-        outputs = pipe.eval_step(window).outputs
+        outputs = pipe.eval_step(window, step=step).outputs
         token = torch.zeros(1, dtype=torch.long, device=mesh.comm_device)
         if pipe.rank == holder:
             token[0] = pick(outputs[0, -1], top_k, generator)

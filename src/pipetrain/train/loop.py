@@ -173,7 +173,7 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     inputs, targets = trainer.batch(step)
     try:
         with autocast(cfg.precision, mesh.device), faults.wrong_shape(pipe, fault == "shape"):
-            result = pipe.step(inputs, targets,  # [2]
+            result = pipe.step(inputs, targets, step=step,  # [2] errors name this step
                                on_grads_ready=trainer.reducer.hook)  # [3]
     finally:
         trainer.injector.armed = False
@@ -205,7 +205,7 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
 def evaluate(trainer: Trainer) -> float:
     """The held-out loss (mean over the eval batches and the replicas)."""
     with autocast(trainer.cfg.precision, trainer.mesh.device):
-        scaled = eval_loss(trainer.pipe, trainer.mesh, trainer.eval_set)
+        scaled = eval_loss(trainer.pipe, trainer.mesh, trainer.eval_set, step=_last(trainer))
     return trainer.scale.unscale_loss(scaled)  # the loss function multiplies by the fp16 scale
 
 
@@ -217,8 +217,14 @@ def sample(trainer: Trainer) -> str | None:
     prompt = encode(cfg.prompt).tolist() or [NEWLINE]
     with autocast(cfg.precision, trainer.mesh.device):
         ids = generate(trainer.pipe, trainer.mesh, prompt, cfg.sample_tokens,
-                       context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed)
+                       context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
+                       step=_last(trainer))
     return decode(prompt + ids)
+
+
+def _last(trainer: Trainer) -> int:
+    """The number of the last training step done, which eval steps and sampling follow."""
+    return max(trainer.step - 1, 0)
 
 
 def _start_fields(trainer: Trainer) -> dict[str, Any]:
