@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from pipetrain import checkpoint, checkpoint_store
-from pipetrain.train import faults
+from pipetrain.train import faults, report
 
 RESTARTING = ("kill", "raise", "hang", "shape")
 FIRST_FAILURE_S = 3.0
@@ -207,11 +207,12 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
 
 
 def read_records(out: Path) -> list[dict[str, Any]]:
-    """Every record of ``out/log.jsonl``, every attempt's (``report.read_log`` keeps the last
-    fresh start's only, and a restart before the first checkpoint starts at step 0)."""
+    """The latest run's records of ``out/log.jsonl``, every attempt's, in log order
+    (``report.read_log`` keeps one record per step; the checks here time each attempt and
+    count the steps run twice)."""
     path = out / "log.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line]
+    return report.latest_run([json.loads(line) for line in lines if line])
 
 
 def history(records: list[dict[str, Any]]) -> dict[int, tuple[Any, bool]]:

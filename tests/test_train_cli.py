@@ -132,6 +132,41 @@ def test_reporter_files_without_a_terminal(tmp_path: Path) -> None:
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def _log(path: Path, entries: list[tuple[str, str, int, float]]) -> None:
+    """(kind, run id, step or start step, value) as log.jsonl lines."""
+    lines = []
+    for kind, run, step, value in entries:
+        fields: dict[str, object] = (
+            {"start_step": step, "run_id": run or None} if kind == "start"
+            else {} if kind == "end" else {"step": step, "loss": value})
+        lines.append(json.dumps({"kind": kind, **fields}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_read_log_keeps_every_attempt_of_the_latest_run(tmp_path: Path) -> None:
+    # a restart from step 0 (no checkpoint committed yet) once read as a fresh job: the records
+    # of the attempts before it were dropped, and the soak had to read the raw log
+    _log(tmp_path / "log.jsonl", [
+        ("start", "old", 0, 0), ("step", "", 0, 9.0), ("step", "", 1, 9.0),  # an earlier job
+        ("start", "b", 0, 0), ("step", "", 0, 5.0), ("step", "", 1, 4.0), ("eval", "", 1, 4.5),
+        ("step", "", 2, 3.0),                                          # killed, nothing saved
+        ("start", "b", 0, 0), ("step", "", 0, 5.0), ("step", "", 1, 4.1),  # the same job again
+        ("checkpoint", "", 2, 0), ("step", "", 2, 3.1), ("step", "", 3, 2.0),  # killed
+        ("start", "b", 2, 0), ("step", "", 2, 3.2),                    # restart from step 2
+        ("start", "c", 3, 0), ("step", "", 3, 2.5), ("end", "", 0, 0)])  # a new job resumes
+    got = [(r["kind"], r.get("run_id", r.get("step")), r.get("loss"))
+           for r in report.read_log(tmp_path / "log.jsonl")]
+    assert got == [("start", "b", None), ("start", "b", None), ("step", 0, 5.0),
+                   ("step", 1, 4.1), ("eval", 1, 4.5), ("checkpoint", 2, 0),
+                   ("start", "b", None), ("step", 2, 3.2), ("start", "c", None),
+                   ("step", 3, 2.5), ("end", None, None)], got
+    _log(tmp_path / "log.jsonl", [("start", "", 0, 0), ("step", "", 0, 5.0),
+                                  ("start", "", 4, 0), ("step", "", 4, 3.0),
+                                  ("start", "", 0, 0), ("step", "", 0, 6.0)])  # no run ids
+    assert [(r["kind"], r.get("loss")) for r in report.read_log(tmp_path / "log.jsonl")] == [
+        ("start", None), ("step", 6.0)]
+
+
 class _Lines:
     def __init__(self, sink: list[str]) -> None:
         self.sink = sink

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,7 +231,14 @@ def _last(trainer: Trainer) -> int:
 def _start_fields(trainer: Trainer) -> dict[str, Any]:
     return {"config": dataclasses.asdict(trainer.cfg), "world": trainer.mesh.dp * trainer.mesh.pp,
             "layout": trainer.layout(), "balance": list(trainer.pipe.balance),
-            "params": trainer.model.n_params, "start_step": trainer.step}
+            "params": trainer.model.n_params, "start_step": trainer.step,
+            "run_id": _run_id()}
+
+
+def _run_id() -> str | None:
+    """The job's id, the same across its restarts (torchrun's default ``none`` is no id)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run_id in (None, "", "none") else run_id
 
 
 def _summary(trainer: Trainer, tally: Tally, elapsed: float, final_eval: float,

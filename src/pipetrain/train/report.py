@@ -41,8 +41,8 @@ from pipetrain.simulate import Simulation
 from pipetrain.timeline import Timeline
 from pipetrain.train.config import TrainConfig
 
-__all__ = ["ProgressReporter", "describe_layout", "read_log", "save_loss_png", "save_timeline_png",
-           "timeline_trace"]
+__all__ = ["ProgressReporter", "describe_layout", "latest_run", "read_log", "save_loss_png",
+           "save_timeline_png", "timeline_trace"]
 
 _PLAIN_LINES = 10  # progress lines printed without a terminal
 _NOT_IN_TABLE = ("sample", "config")  # printed before, or too long for a table row
@@ -179,11 +179,48 @@ class ProgressReporter:
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
-    """The records of ``log.jsonl`` since the run's last fresh start (not a resume)."""
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line]
-    fresh = [i for i, r in enumerate(records)
-             if r.get("kind") == "start" and not r.get("start_step")]
-    return records[fresh[-1]:] if fresh else records
+    """The latest run's records of ``log.jsonl``, a step replayed after a restart once.
+
+    The latest run starts at the last ``start`` record of a fresh job: one at step 0 whose
+    ``run_id`` differs from the run before it's (or that has none). A restart of the same job
+    (same ``run_id``, even from step 0 when no checkpoint was committed yet) and a later job
+    resuming from a checkpoint go on with the same run. Of the records that name a step
+    (step, eval, checkpoint), only each kind's latest for each step is kept. The records come
+    in step order: a checkpoint of k steps, an attempt's start at step k, step k, its eval;
+    a record naming no step (sample, end) stays behind the record it followed in the log.
+
+    Example::
+
+        losses = {r["step"]: r["loss"] for r in read_log(out / "log.jsonl")
+                  if r["kind"] == "step"}
+    """
+    records = latest_run([json.loads(line) for line in Path(path).read_text().splitlines()
+                          if line])
+    latest = {(r.get("kind"), r["step"]): i for i, r in enumerate(records) if "step" in r}
+    kept = [r for i, r in enumerate(records)
+            if "step" not in r or latest[(r.get("kind"), r["step"])] == i]
+    keys, key = [], (0, 0)
+    for r in kept:
+        if "step" in r or r.get("kind") == "start":
+            at = int(r.get("step", r.get("start_step") or 0))
+            key = (at, _AT_STEP.get(str(r.get("kind")), 4))
+        keys.append(key)
+    return [r for _, r in sorted(zip(keys, kept), key=lambda pair: pair[0])]  # stable
+
+
+_AT_STEP = {"checkpoint": 0, "start": 1, "step": 2, "eval": 3}  # order among one step's records
+
+
+def latest_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records from the latest fresh job's start on, every attempt's (see read_log)."""
+    begin, run_id = 0, None
+    for i, r in enumerate(records):
+        if r.get("kind") != "start":
+            continue
+        if not r.get("start_step") and (r.get("run_id") is None or r.get("run_id") != run_id):
+            begin = i
+        run_id = r.get("run_id")
+    return records[begin:]
 
 
 def save_loss_png(records: list[dict[str, Any]], path: Path) -> None:
