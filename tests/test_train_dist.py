@@ -7,11 +7,13 @@ problems, so one failing case reports all the others too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,16 @@ def _losses(cfg: TrainConfig) -> tuple[list[float], dict[str, Any]]:
 
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.pipe.named_parameters()}
+
+
+@contextlib.contextmanager
+def _faults(plan: str, out: Path) -> Iterator[None]:
+    """Faults of ``plan`` fire in this block, once per ``out`` (not once per process)."""
+    os.environ[faults.ENV], os.environ[faults.DIR_ENV] = plan, str(out / "faults")
+    try:
+        yield
+    finally:
+        del os.environ[faults.ENV], os.environ[faults.DIR_ENV]
 
 
 # -- two processes ----------------------------------------------------------------------------
@@ -149,11 +161,8 @@ def _skip_with(ctx: pt.RankContext, tmp: str, recompute: str) -> list[str]:
     trainer = build(_cfg(tmp, f"skip-{recompute}", nonfinite="skip", recompute=recompute))
     train_step(trainer, 0)
     before = _params(trainer)
-    os.environ[faults.ENV] = "nan@rank1:step1"
-    try:
+    with _faults("nan@rank1:step1", Path(tmp, f"skip-{recompute}")):
         skipped = train_step(trainer, 1)
-    finally:
-        del os.environ[faults.ENV]
     problems = []
     if not skipped.skipped or not math.isnan(skipped.loss) or trainer.skipped != 1:
         problems.append(f"{recompute}: step 1 not skipped on rank {ctx.rank}: "
@@ -173,17 +182,15 @@ def _abort(ctx: pt.RankContext, tmp: str) -> list[str]:
     problems = []
     for recompute in ("never", "always"):
         trainer = build(_cfg(tmp, f"abort-{recompute}", nonfinite="abort", recompute=recompute))
-        os.environ[faults.ENV] = "nan@rank0:step0"
         try:
-            train_step(trainer, 0)
+            with _faults("nan@rank0:step0", Path(tmp, f"abort-{recompute}")):
+                train_step(trainer, 0)
             problems.append(f"{recompute}: rank {ctx.rank} did not raise")
         except PipelineError as e:
             text = str(e)
             wanted = [f"[rank {ctx.rank}] step 0", "rank(s) [0, 1]", "nonfinite='abort'"]
             problems += [f"{recompute}: message lacks {w!r}: {text}" for w in wanted
                          if w not in text]
-        finally:
-            del os.environ[faults.ENV]
     return problems
 
 
@@ -249,16 +256,14 @@ def _failure_names_the_step(ctx: pt.RankContext, tmp: str) -> list[str]:
     trainer = build(cfg)
     restore(trainer)
     train_step(trainer, trainer.step)
-    os.environ[faults.ENV] = "shape@rank0:step3"
     try:
-        train_step(trainer, 3)
+        with _faults("shape@rank0:step3", Path(tmp, "named")):
+            train_step(trainer, 3)
     except PipelineError as e:
         text = str(e)
         if not re.search(r"\bstep 3\b", text) or re.search(r"\bstep [0-2]\b", text):
             return [f"rank {ctx.rank}: the error does not name training step 3 only: {text}"]
         return []
-    finally:
-        del os.environ[faults.ENV]
     return [f"rank {ctx.rank} did not raise"]
 
 
