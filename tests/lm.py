@@ -85,3 +85,32 @@ def lm_batch(n: int = 4, length: int = 8, vocab: int = 32, seed: int = 0
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class SkipLM(TinyLM):
+    """TinyLM with long skips: every block also reads the embedding output (a value residual),
+    the second half of the blocks adds the first half's outputs in mirror order (U-Net style)
+    and the head reads the embedding output once more."""
+
+    def forward(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        T = input_ids.size(1)
+        positions = torch.arange(T, device=input_ids.device)
+        x0 = self.embed(input_ids) + self.pos(positions)
+        mask = None
+        if attention_mask is not None:
+            causal = positions[None, :] <= positions[:, None]
+            mask = causal & attention_mask[:, None, None, :].bool()
+        x, saved, half = x0, [], len(self.blocks) // 2
+        for i, block in enumerate(self.blocks):
+            if i >= len(self.blocks) - half:
+                x = x + saved.pop()
+            x = block(x, attn_mask=mask) + 0.5 * x0
+            if i < half:
+                saved.append(x)
+        return self.head(self.norm(x + x0))
+
+
+def skip_lm(seed: int = 0, n_layers: int = 8) -> SkipLM:
+    torch.manual_seed(seed)
+    return SkipLM(n_layers=n_layers)

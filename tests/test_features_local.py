@@ -128,7 +128,7 @@ def test_recomputed_layers_keep_nothing_until_the_replay() -> None:
                        recompute=("every", 2))  # stage 0: layers 0..3, segments [0] 1 [2] 3
     stage = pipe.stages[0]
     assert [(len(s.layers), s.recompute) for s in stage.segments] == [(1, True), (1, False)] * 2
-    stage.forward(0, [torch.randn(3, 8)], {"t": 0}, [False])
+    stage.forward(0, [([torch.randn(3, 8)], {"t": 0}, [False])])
     replays = stage._flight[0].replays
     assert len(replays) == 2 and all(r.saved is None and r.count > 0 for r in replays)
     stage.prepare_backward(0)

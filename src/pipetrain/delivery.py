@@ -8,11 +8,15 @@ received by the gradient of mb k)::
 
     peer's list   F0   F1   B0 ──► gradient 0 to rank 0     (F0 took rank 0's activation 0)
     rank 0        ... receives gradient 0: activation 0's send is done, its buffer freed
+
+An action takes all its messages before it sends any, also where it takes or sends several
+(a traced model's direct routes, :mod:`pipetrain.routes`).
 """
 
 from __future__ import annotations
 
 from pipetrain.action import Action, Op
+from pipetrain.routes import Ports, Routes, chain
 from pipetrain.schedule import Schedule
 from pipetrain.wire import ACT, GRAD
 
@@ -22,38 +26,35 @@ Route = tuple[int, int, int, int]  # (kind, mb, src_stage, dst_stage) of a messa
 Proofs = dict[Route, tuple[int, list[Route]]]
 
 
-def delivery_proofs(schedule: Schedule, rank: int, train: bool = True) -> Proofs:
+def delivery_proofs(schedule: Schedule, rank: int, train: bool = True,
+                    routes: Routes | None = None) -> Proofs:
     """For each message a peer sends ``rank``: the peer, and ``rank``'s messages to it that
-    the peer took before sending it (each listed once, under the first such message)."""
+    the peer took before sending it (each listed once, under the first such message).
+    ``routes`` (default: a chain) says which messages each action takes and sends."""
+    ports = (chain(schedule.n_stages) if routes is None else routes).ports
     out: Proofs = {}
     for peer, acts in enumerate(schedule.actions):
         if peer == rank:
             continue
         taken: list[Route] = []
         for a in acts:
-            if not train and a.op is not Op.F:
+            if a.op is Op.W or (not train and a.op is not Op.F):
                 continue
-            taken += _between(schedule, a, src=rank, dst=peer, inbound=True)
-            sent = _between(schedule, a, src=peer, dst=rank, inbound=False)
+            taken += _between(schedule, ports[a.stage], a, rank, inbound=True)
+            sent = _between(schedule, ports[a.stage], a, rank, inbound=False)
             if sent and taken:
                 out[sent[0]] = (peer, taken)
                 taken = []
     return out
 
 
-def _between(schedule: Schedule, a: Action, *, src: int, dst: int, inbound: bool
+def _between(schedule: Schedule, ports: Ports, a: Action, rank: int, *, inbound: bool
              ) -> list[Route]:
-    """The message ``a`` takes from ``src`` (``inbound``), or sends to ``dst``, if any."""
-    last = schedule.n_stages - 1
-    if a.op is Op.W:
-        return []
+    """The messages F or B/I ``a`` takes from ``rank`` (``inbound``), or sends to it, in order."""
     forward = a.op is Op.F
+    kind = ACT if forward else GRAD
     if inbound:
-        other = a.stage - 1 if forward else a.stage + 1
-        if 0 <= other <= last and schedule.rank_of(other) == src:
-            return [(ACT, a.mb, other, a.stage) if forward else (GRAD, a.mb, other, a.stage)]
-        return []
-    other = a.stage + 1 if forward else a.stage - 1
-    if 0 <= other <= last and schedule.rank_of(other) == dst:
-        return [(ACT if forward else GRAD, a.mb, a.stage, other)]
-    return []
+        links = ports.act_in if forward else ports.grad_in
+        return [(kind, a.mb, s, a.stage) for s, _ in links if schedule.rank_of(s) == rank]
+    links = ports.act_out if forward else ports.grad_out
+    return [(kind, a.mb, a.stage, d) for d, _ in links if schedule.rank_of(d) == rank]

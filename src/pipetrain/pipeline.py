@@ -31,6 +31,7 @@ from pipetrain.layers import Layers, packed, profiling_sample, trace_stages
 from pipetrain.lazy import LayerSpec
 from pipetrain.partition import check_balance, even_balance, stage_bounds
 from pipetrain.recompute import Policy, layer_flags
+from pipetrain.routes import chain
 from pipetrain.runtime import Executor, GradsReady, StepData, grad_links, message_plans
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
@@ -144,6 +145,7 @@ class Pipeline:
             sizes = (even_balance(len(layers), n_stages) if balance is None
                      else check_balance(balance, len(layers), n_stages))
         self.balance = sizes
+        self.routes = chain(n_stages) if self.traced is None else self.traced.routes(sizes)
         self.hosted = list(range(n_ranks)) if self.local else [self.rank]
         self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
         self.stages: dict[int, Stage] = {}
@@ -158,7 +160,7 @@ class Pipeline:
             self.tied, self.rank, group, dict(self.named_parameters()),
             self.transport.spare_tag, timeout)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
-                                 *grad_links(self.tied, self.local))
+                                 *grad_links(self.tied, self.local), routes=self.routes)
         self._plans: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}
         self._proofs: dict[bool, Proofs] = {}  # sends that each received message proves done
         self._step = 0
@@ -199,7 +201,8 @@ class Pipeline:
             self._stage_layers[s] = chunk
             self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == last,
                                    loss_fn=self.loss_fn, device=self.device,
-                                   recompute=replay[lo:hi], split_dim=self.split_dim)
+                                   recompute=replay[lo:hi], split_dim=self.split_dim,
+                                   ports=self.routes.ports[s] if self.routes.keyed else None)
 
     @staticmethod
     def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
@@ -286,8 +289,10 @@ class Pipeline:
         data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready)
         if self.transport is not None:
             if train not in self._plans:  # per peer, what it sends this rank in a step
-                self._plans[train] = message_plans(self.schedule, self.rank, train)
-                self._proofs[train] = delivery_proofs(self.schedule, self.rank, train)
+                self._plans[train] = message_plans(self.schedule, self.rank, train,
+                                                    self.routes)
+                self._proofs[train] = delivery_proofs(self.schedule, self.rank, train,
+                                                      self.routes)
             self.transport.start_step(step, self._plans[train],
                                       {p: done_key(step, p) for p in self._plans[train]},
                                       self._proofs[train])

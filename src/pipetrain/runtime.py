@@ -8,6 +8,9 @@ For every action of its list, in order, a rank does exactly this::
                s > 0: send input gradients to s-1                      (I defers the W part)
     W(s, mb):  weight gradients deferred by I(s, mb)
 
+That is the chain of a layer list; a traced model's stages take and send one message per
+route instead (:mod:`pipetrain.routes`: F takes a message from each earlier stage whose values
+it uses and sends one to each later stage using its values; B/I likewise for gradients).
 A hand-off to a stage on the same process is a dictionary entry; to another rank it is a
 :class:`~pipetrain.comm.P2P` message. Local mode runs every rank's list in one process in an
 order :func:`~pipetrain.dataflow.walk` proves runnable. Nothing here knows schedule names: even
@@ -29,8 +32,9 @@ from pipetrain.comm import P2P
 from pipetrain.dataflow import walk
 from pipetrain.errors import CommError, PipelineError, StageError
 from pipetrain.payload import flatten, unflatten
+from pipetrain.routes import Routes, chain
 from pipetrain.schedule import Schedule
-from pipetrain.stage import Stage
+from pipetrain.stage import Incoming, Stage
 from pipetrain.tied import TiedParam
 from pipetrain.wire import ACT, GRAD, Key, Message
 
@@ -66,8 +70,14 @@ class Executor:
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], ranks: Sequence[int],
                  transport: P2P | None, linked: dict[int, set[int]] | None = None,
-                 deferred: Collection[int] = ()) -> None:
+                 deferred: Collection[int] = (), routes: Routes | None = None) -> None:
         self.schedule, self.stages, self.ranks, self.transport = schedule, stages, ranks, transport
+        self.routes = chain(schedule.n_stages) if routes is None else routes
+        ports = self.routes.ports  # per stage, the other stage of each message, in order
+        self._act_in = [tuple(s for s, _ in p.act_in) for p in ports]
+        self._act_out = [tuple(s for s, _ in p.act_out) for p in ports]
+        self._grad_in = [tuple(s for s, _ in p.grad_in) for p in ports]
+        self._grad_out = [tuple(s for s, _ in p.grad_out) for p in ports]
         self._local: dict[Key, Message] = {}
         self.current: tuple[int, Action] | None = None
         if len(ranks) > 1:
@@ -125,45 +135,48 @@ class Executor:
         except Exception as e:
             raise StageError(_where(rank, action, data.step) + f" recompute failed: {e!r}") from e
 
-    def _receive(self, rank: int, a: Action, data: StepData) -> Message | None:
-        """The message ``a`` consumes, if any (this is where a rank waits for its peers)."""
+    def _receive(self, rank: int, a: Action, data: StepData) -> list[Message]:
+        """The messages ``a`` consumes (this is where a rank waits for its peers)."""
         if a.op is Op.F:
-            if a.stage > 0:
-                return self._take(rank, Key(ACT, data.step, a.mb, a.stage - 1, a.stage), a)
-        elif a.op is not Op.W and a.stage < self.schedule.n_stages - 1:
-            return self._take(rank, Key(GRAD, data.step, a.mb, a.stage + 1, a.stage), a)
-        return None
+            kind, sources = ACT, self._act_in[a.stage]
+        elif a.op is Op.W:
+            return []
+        else:
+            kind, sources = GRAD, self._grad_in[a.stage]
+        return [self._take(rank, Key(kind, data.step, a.mb, src, a.stage), a) for src in sources]
 
-    def _compute(self, rank: int, a: Action, msg: Message | None, data: StepData) -> None:
+    def _compute(self, rank: int, a: Action, msgs: list[Message], data: StepData) -> None:
         stage = self.stages[a.stage]
         if a.op is Op.F:
-            self._forward(rank, stage, a, msg, data)
+            self._forward(rank, stage, a, msgs, data)
         elif a.op is Op.W:
             stage.weight(a.mb)
         else:
-            got = stage.backward(a.mb, None if msg is None else msg.tensors, split=a.op is Op.I)
-            if a.stage > 0:
-                self._put(rank, Message(Key(GRAD, data.step, a.mb, a.stage, a.stage - 1), got))
+            got = stage.backward(a.mb, [m.tensors for m in msgs], split=a.op is Op.I)
+            for dst, grads in zip(self._grad_out[a.stage], got):
+                self._put(rank, Message(Key(GRAD, data.step, a.mb, a.stage, dst), grads))
 
-    def _forward(self, rank: int, stage: Stage, a: Action, msg: Message | None,
+    def _forward(self, rank: int, stage: Stage, a: Action, msgs: list[Message],
                  data: StepData) -> None:
-        if msg is None:
+        inputs: list[Incoming]
+        if a.stage == 0:
             tensors, spec = flatten(data.inputs[a.mb])
-            flags = [False] * len(tensors)
+            inputs = [(tensors, spec, [False] * len(tensors))]
         else:
-            tensors = [_present(t, msg.key) for t in msg.tensors]
-            spec, flags = msg.spec, msg.requires_grad
+            inputs = [([_present(t, m.key) for t in m.tensors], m.spec, m.requires_grad)
+                      for m in msgs]
         target = data.targets[a.mb] if stage.is_last else None
-        flat, out_spec, raw = stage.forward(a.mb, tensors, spec, flags, target,
-                                            data.weights[a.mb], track=data.train)
+        sends, loss, raw = stage.forward(a.mb, inputs, target, data.weights[a.mb],
+                                         track=data.train)
         if stage.is_last:
             if data.keep_outputs:
                 data.outputs[a.mb] = _detach(raw)
-            if target is not None:
-                data.losses[a.mb] = flat[0].detach()
+            if loss is not None:
+                data.losses[a.mb] = loss.detach()
             return
-        self._put(rank, Message(Key(ACT, data.step, a.mb, a.stage, a.stage + 1), list(flat),
-                                out_spec, [t.requires_grad for t in flat]))
+        for dst, (flat, spec) in zip(self._act_out[a.stage], sends):
+            self._put(rank, Message(Key(ACT, data.step, a.mb, a.stage, dst), list(flat), spec,
+                                    [t.requires_grad for t in flat]))
 
     def _put(self, rank: int, msg: Message) -> None:
         dst = msg.key.dst_stage
@@ -217,26 +230,28 @@ def grad_links(tied: Sequence[TiedParam], local: bool) -> tuple[dict[int, set[in
     return linked, deferred
 
 
-def message_plans(schedule: Schedule, rank: int, train: bool = True
-                  ) -> dict[int, list[tuple[int, int, int, int]]]:
+def message_plans(schedule: Schedule, rank: int, train: bool = True,
+                  routes: Routes | None = None) -> dict[int, list[tuple[int, int, int, int]]]:
     """For each peer, the messages it sends ``rank`` in one step, in the order it sends them.
 
-    Each entry is ``(kind, mb, src_stage, dst_stage)``. Every peer ends its step with an
-    end-of-step message (:func:`pipetrain.finish.done_key`), not listed: the end of the step
-    receives it directly.
+    Each entry is ``(kind, mb, src_stage, dst_stage)``; ``routes`` (default: a chain) says
+    which stages an action sends to, in the order :class:`Executor` sends. Every peer ends its
+    step with an end-of-step message (:func:`pipetrain.finish.done_key`), not listed: the end
+    of the step receives it directly.
     """
+    ports = (chain(schedule.n_stages) if routes is None else routes).ports
+    mine = [[d for d, _ in p.act_out if schedule.rank_of(d) == rank] for p in ports]
+    back = [[d for d, _ in p.grad_out if schedule.rank_of(d) == rank] for p in ports]
     out: dict[int, list[tuple[int, int, int, int]]] = {}
-    last = schedule.n_stages - 1
     for peer, acts in enumerate(schedule.actions):
         if peer == rank:
             continue
         plan = []
         for a in acts:
-            if a.op is Op.F and a.stage < last and schedule.rank_of(a.stage + 1) == rank:
-                plan.append((ACT, a.mb, a.stage, a.stage + 1))
-            elif (train and a.op in (Op.B, Op.I) and a.stage > 0
-                  and schedule.rank_of(a.stage - 1) == rank):
-                plan.append((GRAD, a.mb, a.stage, a.stage - 1))
+            if a.op is Op.F:
+                plan += [(ACT, a.mb, a.stage, d) for d in mine[a.stage]]
+            elif train and a.op is not Op.W:
+                plan += [(GRAD, a.mb, a.stage, d) for d in back[a.stage]]
         out[peer] = plan
     return out
 

@@ -4,6 +4,12 @@ A stage keeps, per micro-batch in flight, the leaf tensors it received (their gr
 to the previous stage), its outputs (the roots of its backward), and after I the deferred
 weight work. Its layers run like ``nn.Sequential``: each layer gets the previous one's output.
 
+With keyed routes (:mod:`pipetrain.routes`, a traced model) a stage takes several messages,
+merges their dicts into one payload, sends each later stage that uses its values their sub-dict,
+and its backward starts from the gradient messages of later stages (values it made, and values
+it received that a later stage used too) and returns the gradients of its inputs grouped by
+the stage each goes back to.
+
 Layers marked for recomputation (GPipe's re-materialisation, :mod:`pipetrain.recompute`) keep
 only their input in F; right before the backward (the runtime calls
 :meth:`Stage.prepare_backward` before it waits for the gradient) they run again from it under
@@ -26,10 +32,13 @@ from pipetrain.backward import Root, WeightWork, backward_full, backward_input
 from pipetrain.microbatch import batch_size
 from pipetrain.payload import flatten, unflatten
 from pipetrain.recompute import Replay, segments
+from pipetrain.routes import Ports
 
 __all__: list[str] = []
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+Incoming = tuple[Sequence[torch.Tensor], Any, Sequence[bool]]  # tensors, spec, requires_grad
+Outgoing = tuple[list[torch.Tensor], Any]  # tensors, spec
 
 
 @dataclass
@@ -38,6 +47,7 @@ class _InFlight:
     outputs: list[Root | None] = field(default_factory=list)  # None: needs no gradient
     weight: WeightWork | None = None
     replays: list[Replay] = field(default_factory=list)
+    payload: Any = None  # keyed routes: the received values, to group input gradients by key
 
 
 class Stage:
@@ -48,8 +58,10 @@ class Stage:
 
     def __init__(self, index: int, layers: Sequence[nn.Module], *, is_last: bool,
                  loss_fn: LossFn | None, device: torch.device,
-                 recompute: bool | Sequence[bool] = False, split_dim: int = 0) -> None:
+                 recompute: bool | Sequence[bool] = False, split_dim: int = 0,
+                 ports: Ports | None = None) -> None:
         self.index, self.is_last, self.loss_fn, self.device = index, is_last, loss_fn, device
+        self.ports = ports  # keyed routes (a traced model); None: a chain of whole payloads
         self.split_dim = split_dim
         flags = ([recompute] * len(layers) if isinstance(recompute, bool)
                  else [bool(f) for f in recompute])
@@ -65,28 +77,48 @@ class Stage:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
 
-    def forward(self, mb: int, tensors: list[torch.Tensor], spec: Any,
-                requires_grad: Sequence[bool], target: Any = None, weight: float = 1.0,
-                track: bool = True) -> tuple[list[torch.Tensor], Any, Any]:
+    def forward(self, mb: int, inputs: Sequence[Incoming], target: Any = None,
+                weight: float = 1.0, track: bool = True
+                ) -> tuple[list[Outgoing], torch.Tensor | None, Any]:
         """F: run the layers on one micro-batch.
 
-        Returns ``(flat outputs, spec, raw output)``; on the last stage the flat outputs are
-        ``[weighted loss]`` and the raw output is the model output (for ``outputs=``).
+        ``inputs`` holds one ``(tensors, spec, requires_grad)`` per message of
+        ``ports.act_in`` (a chain's single input otherwise). Returns ``(sends, loss, raw
+        output)``: one ``(tensors, spec)`` per message of ``ports.act_out`` (a chain's single
+        output), the weighted loss on the last stage, and the model output (for ``outputs=``).
         """
-        leaves = [_leaf(t, rg and track, self.device) for t, rg in zip(tensors, requires_grad)]
+        dev = self.device
+        leaves: list[torch.Tensor] = []
         replays: list[Replay] = []
+        payload: Any = {}
         with torch.set_grad_enabled(track):
-            out = self._layers(unflatten(leaves, spec), replays if track else None)
+            for tensors, spec, requires_grad in inputs:
+                group = [_leaf(t, rg and track, dev) for t, rg in zip(tensors, requires_grad)]
+                leaves += group
+                if self.ports is None:
+                    payload = unflatten(group, spec)
+                else:
+                    payload.update(unflatten(group, spec))
+            out = self._layers(payload, replays if track else None)
+            loss = None
+            sends: list[Outgoing] = []
             if self.is_last and self.loss_fn is not None and target is not None:
                 _check_rows(out, target, self.split_dim)
-                loss = self.loss_fn(out, _to_device(target, self.device)) * weight
-                flat: list[torch.Tensor] = [loss]
-                out_spec = None
+                loss = self.loss_fn(out, _to_device(target, dev)) * weight
+                roots: list[torch.Tensor] = [loss]
+            elif self.ports is None or self.is_last:
+                sends.append(flatten(out))
+                roots = sends[0][0]
             else:
-                flat, out_spec = flatten(out)
+                sends = [flatten({k: out[k] for k in keys or ()}) for _, keys in
+                         self.ports.act_out]
+                roots = [t for _, keys in self.ports.grad_in for t in flatten(
+                    {k: payload[k] if k in payload else out[k] for k in keys or ()})[0]]
         if track:
-            self._flight[mb] = _InFlight(leaves, [self._root(t) for t in flat], replays=replays)
-        return flat, out_spec, out
+            self._flight[mb] = _InFlight(leaves, [self._root(t) for t in roots],
+                                         replays=replays,
+                                         payload=None if self.ports is None else payload)
+        return sends, loss, out
 
     def _layers(self, x: Any, replays: list[Replay] | None) -> Any:
         if replays is None or not self.recompute:
@@ -113,30 +145,40 @@ class Stage:
             for replay in state.replays:
                 replay.replay()
 
-    def backward(self, mb: int, grads: Sequence[torch.Tensor | None] | None,
-                 split: bool) -> list[torch.Tensor | None]:
+    def backward(self, mb: int, grads: Sequence[Sequence[torch.Tensor | None]],
+                 split: bool) -> list[list[torch.Tensor | None]]:
         """B (``split=False``) or I (``split=True``): gradients w.r.t. this stage's inputs.
 
-        ``grads`` are the gradients of the outputs (None on the last stage, whose scalar
-        output is the loss); an output without a gradient did not influence the loss.
+        ``grads`` holds the gradients of one message of ``ports.grad_in`` each (a chain's
+        single output gradient otherwise; nothing on the last stage, whose scalar output is
+        the loss); an output without a gradient did not influence the loss. Returns one list
+        of input gradients per message of ``ports.grad_out`` (a chain's single one).
         """
         self.prepare_backward(mb)
         state = self._flight[mb]
-        if grads is None:
+        if self.is_last:
             out_grads: Sequence[torch.Tensor | None] = [None] * len(state.outputs)
             roots = state.outputs
         else:  # a None gradient never seeds a scalar output here: only the loss is seeded
-            out_grads = grads
-            roots = [y if g is not None else None for y, g in zip(state.outputs, grads)]
+            out_grads = grads[0] if len(grads) == 1 else [g for group in grads for g in group]
+            if len(out_grads) != len(state.outputs):
+                raise ValueError(f"stage {self.index} mb {mb}: {len(out_grads)} gradients "
+                                 f"arrived for {len(state.outputs)} outputs")
+            roots = [y if g is not None else None for y, g in zip(state.outputs, out_grads)]
         if split:
             got, state.weight = backward_input(roots, out_grads, state.inputs, self.parameters())
         else:
             got = backward_full(roots, out_grads, state.inputs)
         state.outputs = []
         result = [g if x.requires_grad else None for g, x in zip(got, state.inputs)]
+        payload, state.payload = state.payload, None
         if not split:
             del self._flight[mb]
-        return result
+        if self.ports is None:
+            return [result]
+        grad_of = {id(x): g for x, g in zip(state.inputs, result)}
+        return [[grad_of[id(t)] for t in flatten({k: payload[k] for k in keys or ()})[0]]
+                for _, keys in self.ports.grad_out]
 
     def weight(self, mb: int) -> None:
         """W: the weight gradients deferred by I."""

@@ -13,10 +13,16 @@ stages chain like the layers of ``nn.Sequential`` and fit :class:`~pipetrain.Pip
 * stage 0 takes a dict of ``forward``'s parameter names to values (:meth:`TracedSplit.pack`
   binds positional and keyword arguments and fills in defaults);
 * stage k < last returns a dict of every value a later stage needs, keyed by the name of the
-  graph node that produced it (:attr:`TracedSplit.boundaries`). A value produced in stage 1 and
-  used in stage 3 travels through stage 2 (direct sends: issue 5, item 6). Ints, None and other
-  plain values travel too;
+  graph node that produced it (:attr:`TracedSplit.boundaries`). Ints, None and other plain
+  values travel too;
 * the last stage returns what ``model.forward`` returns.
+
+Run as a chain (:meth:`TracedSplit.run`, or the stages given to ``Pipeline`` as a layer list),
+a value made in stage 1 and used in stage 3 passes through stage 2. ``Pipeline(model,
+split_points=...)`` does not relay it: from :attr:`TracedSplit.made_in` and
+:attr:`TracedSplit.used_in` it derives :meth:`TracedSplit.routes`, and stage 1 sends the value
+to stage 3 directly (:mod:`pipetrain.routes`). A stage carries on a value it neither makes nor
+uses only when its payload holds it, so the same stages serve both ways.
 
 Stages hold the model's own submodules and Parameters (no copies); a weight used by two stages
 (a tied embedding and LM head) is the same Parameter in both. Tracing needs no values, so the
@@ -36,7 +42,7 @@ import operator
 import os
 import traceback
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from difflib import get_close_matches
 from typing import Any
 
@@ -46,6 +52,7 @@ from torch import fx, nn
 from pipetrain.errors import PartitionError
 from pipetrain.lazy import is_meta
 from pipetrain.payload import flatten, unflatten
+from pipetrain.routes import Routes, direct
 
 __all__ = ["TracedSplit", "split_model"]  # public: split_model and its result
 
@@ -68,6 +75,10 @@ class TracedSplit:
     """``boundaries[k]``: the keys of the dict stage k returns to stage k+1."""
     signature: inspect.Signature
     """The signature of ``model.forward`` (used by :meth:`pack`)."""
+    made_in: dict[str, int] = field(default_factory=dict)
+    """Per boundary key: the stage that makes the value."""
+    used_in: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per boundary key: the stages that use the value (the last: its output), ascending."""
 
     def pack(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Stage 0's payload for ``model(*args, **kwargs)``: parameter name -> value.
@@ -85,6 +96,11 @@ class TracedSplit:
         for stage in self.stages:
             x = stage(x)
         return x
+
+    def routes(self, balance: Sequence[int]) -> Routes:
+        """Direct routes when consecutive stages are grouped ``balance[i]`` at a time."""
+        stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
+        return direct(self.made_in, self.used_in, stage_of, len(balance))
 
     @property
     def shared(self) -> dict[str, list[int]]:
@@ -141,13 +157,14 @@ def split_model(
     before = set(model.__dict__)
     graph = _trace(model, inputs, leaves)
     try:
-        stages, boundaries = _build(model, graph, points, signature, inputs)
+        stages, boundaries, uses = _build(model, graph, points, signature, inputs)
     finally:  # the tracer stores tensor constants on the model; the stages hold their own
         for name in set(model.__dict__) - before:
             delattr(model, name)
     canonical = {id(p): name for name, p in model.named_parameters()}
     names = [{n: canonical[id(p)] for n, p in s.named_parameters()} for s in stages]
-    split = TracedSplit(list(stages), names, list(signature.parameters), boundaries, signature)
+    split = TracedSplit(list(stages), names, list(signature.parameters), boundaries, signature,
+                        *uses)
     if check:
         _check_payloads(split, _on_meta(inputs) if is_meta(model) else inputs)
     return split
@@ -276,7 +293,8 @@ def _cuts(model: nn.Module, nodes: list[fx.Node], points: list[str]) -> list[int
 
 def _build(model: nn.Module, graph: fx.Graph, points: list[str],
            signature: inspect.Signature, inputs: dict[str, Any]
-           ) -> tuple[list[fx.GraphModule], list[list[str]]]:
+           ) -> tuple[list[fx.GraphModule], list[list[str]],
+                      tuple[dict[str, int], dict[str, tuple[int, ...]]]]:
     nodes = list(graph.nodes)
     cuts = _cuts(model, nodes, points)
     stage_of = {n: sum(i >= c for c in cuts) for i, n in enumerate(nodes)}
@@ -290,12 +308,15 @@ def _build(model: nn.Module, graph: fx.Graph, points: list[str],
             if stage_of[n] == k and n.op not in ("placeholder", "get_attr", "output"):
                 builder.copy(n)
         out = nodes[-1]
-        result = (fx.node.map_arg(out.args[0], builder.value) if k == n_stages - 1
-                  else {n.name: builder.value(n) for n in live[k]})
-        builder.graph.output(result)
+        builder.graph.output(fx.node.map_arg(out.args[0], builder.value) if k == n_stages - 1
+                             else builder.live(live[k], stage_of))
         builder.graph.lint()
         stages.append(fx.GraphModule(model, builder.graph, class_name=f"Stage{k}"))
-    return stages, [[n.name for n in ns] for ns in live]
+    crossing = {n for ns in live for n in ns}
+    made_in = {n.name: stage_of[n] for n in nodes if n in crossing}
+    used_in = {n.name: tuple(sorted({stage_of[u] for u in n.users})) for n in nodes
+               if n in crossing}
+    return stages, [[n.name for n in ns] for ns in live], (made_in, used_in)
 
 
 def _live(nodes: list[fx.Node], stage_of: dict[fx.Node, int], n_stages: int
@@ -334,6 +355,19 @@ class _StageBuilder:
     def copy(self, node: fx.Node) -> None:
         self.env[node] = self.graph.node_copy(node, self.value)
 
+    def live(self, nodes: list[fx.Node], stage_of: dict[fx.Node, int]) -> Any:
+        """The output of a stage k < last: the values of ``nodes``, made or used here or carried.
+
+        A value this stage neither makes nor uses is carried from its payload if present: it is
+        there when the stages run as a chain, and absent when it was sent directly to the stage
+        that uses it (:mod:`pipetrain.routes`).
+        """
+        here = {n.name: self.value(n) for n in nodes if n in self.env or stage_of[n] == self.k}
+        if len(here) == len(nodes):
+            return here
+        return self.graph.call_function(_carry, (self.payload, here,
+                                                 tuple(n.name for n in nodes)))
+
     def value(self, node: fx.Node) -> fx.Node:
         """``node``'s value in this stage: computed here, a parameter, or from the payload."""
         if node not in self.env:
@@ -344,6 +378,13 @@ class _StageBuilder:
                 self.env[node] = self.graph.create_node(
                     "call_function", operator.getitem, (self.payload, key), name=node.name)
         return self.env[node]
+
+
+def _carry(payload: dict[str, Any], here: dict[str, Any], names: tuple[str, ...]
+           ) -> dict[str, Any]:
+    """``names`` from ``here``, else from ``payload`` where it holds them (see ``live``)."""
+    return {k: here[k] if k in here else payload[k] for k in names
+            if k in here or k in payload}
 
 
 # -- checking payloads --------------------------------------------------------------------
