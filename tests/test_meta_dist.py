@@ -17,7 +17,8 @@ SEED = 7
 TIED = "embed.weight"
 CASES: dict[int, list[tuple[str, list[str] | str]]] = {
     2: [("1f1b", ["blocks.2"]), ("interleaved-1f1b", "auto"),
-        ("zbv", ["blocks.0", "blocks.2", "norm"]), ("zb-h2", "auto")],
+        ("zbv", ["blocks.0", "blocks.2", "norm"]), ("zb-h2", "auto"), ("gpipe", "auto"),
+        ("zb-h1", ["blocks.1"]), ("interleaved-zb", "auto"), ("dualpipev", "auto")],
     4: [("1f1b", ["blocks.1", "blocks.2", "blocks.3"]), ("interleaved-1f1b", "auto"),
         ("zbv", "auto")],
 }
