@@ -51,3 +51,25 @@ def test_split_backward_tiny_prints_the_ratio_and_writes_json(tmp_path: Path) ->
     data = json.loads(out.read_text())
     assert set(data["median_s"]) == {"F", "B", "I", "W", "I0"}
     assert all(v > 0 for v in data["median_s"].values()) and data["ratio_iw_over_b"] > 0
+
+
+def test_breakdown_tiny_times_every_piece_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "breakdown.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "breakdown.py"), "--tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "P2P.send" in proc.stdout and "main thread cpu" in proc.stdout
+    data = json.loads(out.read_text())
+    for name, wanted in (("1f1b", {"Stage.backward"}), ("zbv", {"Stage.weight", "_Graph"})):
+        ranks = data["schedules"][name]
+        assert len(ranks) == 2
+        for res in ranks:
+            pieces = res["pieces"]
+            assert {"Executor.run", "Stage.forward", "P2P.send", "encode", "post",
+                    "P2P.recv"} | wanted <= pieces.keys()
+            # one post per message here: every tiny payload fits behind its header
+            assert pieces["post"]["calls_per_step"] == pieces["P2P.send"]["calls_per_step"] > 0
+            assert pieces["Stage.forward"]["wall_ms_per_step"] < pieces["Executor.run"][
+                "wall_ms_per_step"]
