@@ -209,9 +209,12 @@ class _Graph:
                 reach_p[node] = leaf in self._params
                 if reach_p[node]:
                     self.param_of[node] = self._params[leaf]
-            else:
-                reach_x[node] = any(reach_x[k] for k in kids)
-                reach_p[node] = any(reach_p[k] for k in kids)
+            else:  # a loop, not any(): this runs for every node of every I
+                to_x = to_p = False
+                for k in kids:
+                    to_x = to_x or reach_x[k]
+                    to_p = to_p or reach_p[k]
+                reach_x[node], reach_p[node] = to_x, to_p
 
     def _p_only(self, node: Node) -> bool:
         return self.reach_p.get(node, False) and not self.reach_x.get(node, False)
