@@ -118,17 +118,9 @@ def format_table(name: str, per_rank: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", help="GPT preset (pipetrain.gpt.PRESETS)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
-    parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
-    parser.add_argument("--schedules", default="1f1b,zbv", help="comma list")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--json", help="write the figures and machine description here")
-    parser.add_argument("--tiny", action="store_true", help="tiny preset, batch 4, 2 steps (CI)")
+    gb.workload_args(parser, warmup=1, steps=4, schedules_help="comma list")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.preset, args.batch, args.m, args.warmup, args.steps = "tiny", 4, 4, 1, 2
+    gb.apply_tiny(args)
     work = gb.Workload(args.preset, args.batch, args.m)
     print(f"GPT {args.preset}, batch {args.batch}, m = {args.m}, p = {work.ranks} (1 thread "
           f"each); per step, mean of {args.steps} steps after {args.warmup} warm-up")

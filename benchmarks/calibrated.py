@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -33,20 +32,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import gptbench as gb
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
 
-SHARED = {  # pipetrain name -> torch.distributed.pipelining.schedules class
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "interleaved-zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
+SHARED = gb.TORCH_CLASSES  # the schedules both libraries have
 OURS_ONLY = ("zb-h1", "zb-h2")
 _SPIN = 0.0003  # sleep until this close to the deadline, then spin: sleeps end on time
 _LOG: list[tuple[str, int, float, float]] = []  # this process's sleeps: (op, layer, start, end)
@@ -429,18 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           "measured (median step); op+ = time inside ops not slept, summed over the busiest "
           "rank's ops of a step; pt/th = torch step / pipetrain step")
     if args.json:
-        meta = {"machine": machine(), "argv": list(sys.argv), "wall_s": time.time() - started}
+        meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started}
         with open(args.json, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     return 0
-
-
-def machine() -> dict[str, Any]:
-    import os
-
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "pipetrain": pt.__version__,
-            "cpus": os.cpu_count(), "processor": platform.processor()}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ after its step, as pipetrain does inside its step.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -249,6 +250,26 @@ def median_step(per_rank: Sequence[Sequence[tuple[float, float]]]) -> float:
     n = len(per_rank[0])
     return statistics.median(max(r[j][1] for r in per_rank) - min(r[j][0] for r in per_rank)
                              for j in range(n))
+
+
+def workload_args(parser: argparse.ArgumentParser, *, warmup: int, steps: int,
+                  schedules_help: str) -> None:
+    """The flags of a GPT-workload benchmark (preset, batch, m, schedules, warm-up, steps,
+    JSON output, tiny mode); apply ``--tiny`` with :func:`apply_tiny` after parsing."""
+    parser.add_argument("--preset", default="small", help="GPT preset (pipetrain.gpt.PRESETS)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("--schedules", default="1f1b,zbv", help=schedules_help)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--json", help="write the figures and machine description here")
+    parser.add_argument("--tiny", action="store_true", help="tiny preset, batch 4, 2 steps (CI)")
+
+
+def apply_tiny(args: argparse.Namespace) -> None:
+    """``--tiny``: the CI size of :func:`workload_args`'s workload."""
+    if args.tiny:
+        args.preset, args.batch, args.m, args.warmup, args.steps = "tiny", 4, 4, 1, 2
 
 
 def machine() -> dict[str, Any]:

@@ -257,17 +257,9 @@ def run(work: gb.Workload, names: Sequence[str], warmup: int, steps: int) -> lis
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", help="GPT preset (pipetrain.gpt.PRESETS)")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
-    parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
-    parser.add_argument("--schedules", default="1f1b,zbv", help="comma list (both libraries)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--json", help="write rows and machine description here")
-    parser.add_argument("--tiny", action="store_true", help="tiny preset, batch 4, 2 steps (CI)")
+    gb.workload_args(parser, warmup=2, steps=10, schedules_help="comma list (both libraries)")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.preset, args.batch, args.m, args.warmup, args.steps = "tiny", 4, 4, 1, 2
+    gb.apply_tiny(args)
     names = args.schedules.split(",")
     unknown = [n for n in names if n not in gb.TORCH_CLASSES]
     if unknown:

@@ -10,14 +10,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _run(script: str, *args: str, timeout: int = 240) -> str:
+    """Run ``benchmarks/<script>.py`` with ``args``; its stdout (fails with its stderr)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
 def test_calibrated_tiny_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "calibrated.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "calibrated.py"), "--tiny", "--json", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "schedule" in proc.stdout and "pt eff" in proc.stdout
+    stdout = _run("calibrated", "--tiny", "--json", str(out))
+    assert "schedule" in stdout and "pt eff" in stdout
     data = json.loads(out.read_text())
     assert {"meta", "rows"} <= data.keys()
     assert {"torch", "cpus", "platform"} <= data["meta"]["machine"].keys()
@@ -40,14 +44,9 @@ def test_calibrated_tiny_prints_a_table_and_writes_json(tmp_path: Path) -> None:
 
 def test_split_backward_tiny_prints_the_ratio_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "split.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "split_backward.py"), "--d-model", "32",
-         "--heads", "4", "--seq", "16", "--batch", "2", "--warmup", "1", "--repeats", "3",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "(I+W)/B = " in proc.stdout and "I - I0 = " in proc.stdout
+    stdout = _run("split_backward", "--d-model", "32", "--heads", "4", "--seq", "16", "--batch",
+                  "2", "--warmup", "1", "--repeats", "3", "--json", str(out), timeout=120)
+    assert "(I+W)/B = " in stdout and "I - I0 = " in stdout
     data = json.loads(out.read_text())
     assert set(data["median_s"]) == {"F", "B", "I", "W", "I0"}
     assert all(v > 0 for v in data["median_s"].values()) and data["ratio_iw_over_b"] > 0
@@ -55,12 +54,8 @@ def test_split_backward_tiny_prints_the_ratio_and_writes_json(tmp_path: Path) ->
 
 def test_breakdown_tiny_times_every_piece_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "breakdown.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "breakdown.py"), "--tiny", "--json", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "P2P.send" in proc.stdout and "main thread cpu" in proc.stdout
+    stdout = _run("breakdown", "--tiny", "--json", str(out))
+    assert "P2P.send" in stdout and "main thread cpu" in stdout
     data = json.loads(out.read_text())
     for name, wanted in (("1f1b", {"Stage.backward"}), ("zbv", {"Stage.weight", "_Graph"})):
         ranks = data["schedules"][name]
