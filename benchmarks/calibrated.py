@@ -35,13 +35,13 @@ from typing import Any
 import gptbench as gb
 import torch
 import torch.distributed as dist
+from bare import BareRunner, spin_sleep
 from torch import nn
 
 import pipetrain as pt
 
 SHARED = gb.TORCH_CLASSES  # the schedules both libraries have
 OURS_ONLY = ("zb-h1", "zb-h2")
-_SPIN = 0.0003  # sleep until this close to the deadline, then spin: sleeps end on time
 _LOG: list[tuple[str, int, float, float]] = []  # this process's sleeps: (op, layer, start, end)
 
 
@@ -49,12 +49,8 @@ _LOG: list[tuple[str, int, float, float]] = []  # this process's sleeps: (op, la
 
 
 def _sleep(seconds: float, op: str, layer: int) -> None:
-    start, t0 = time.time(), time.perf_counter()
-    if seconds > 0:
-        if seconds > _SPIN:
-            time.sleep(seconds - _SPIN)
-        while time.perf_counter() - t0 < seconds:
-            time.sleep(0)  # yields the GIL to this process's other threads
+    start = time.time()
+    spin_sleep(seconds)  # ends on time; its spin yields the GIL to this process's threads
     _LOG.append((op, layer, start, time.time()))
 
 
@@ -254,7 +250,7 @@ def _torch_order(schedule: Any, n_ranks: int) -> list[list[str]] | None:
     return out
 
 
-def _measure(runners: dict[str, _Runner], case: Case) -> dict[str, Any]:
+def _measure(runners: dict[str, Any], case: Case) -> dict[str, Any]:
     """Warm up, then alternate the libraries' steps so both see the same machine noise."""
     out: dict[str, Any] = {lib: {"step": [], "span": [], "misplaced": 0, "extra": {},
                                  "op_extra": []} for lib in runners}
@@ -283,11 +279,15 @@ def rank_body(ctx: pt.RankContext, cases: list[Case]) -> list[dict[str, Any]]:
     results = []
     for case in cases:
         for name in case.schedules:
-            libs = ["pipetrain"] + (["torch"] if name in SHARED else [])
-            runners, errors = {}, {}
+            libs = ["pipetrain"] + (["torch"] if name in SHARED else []) + ["bare"]
+            runners: dict[str, Any] = {}
+            errors = {}
             for lib in libs:
                 try:
-                    runners[lib] = _Runner(lib, name, case, ctx.rank)
+                    runners[lib] = (_Runner(lib, name, case, ctx.rank) if lib != "bare" else
+                                    BareRunner(pt.make_schedule(name, case.ranks,
+                                                                case.microbatches),
+                                               ctx.rank, case.layers, case.f, case.i, case.w))
                 except (ValueError, RuntimeError) as e:  # a schedule refusing (m, p)
                     errors[lib] = f"{type(e).__name__}: {e}"
             dist.barrier()
@@ -335,7 +335,7 @@ def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             "layers": case.layers, "schedule": name, "ideal_s": ideal(case),
             "errors": first["errors"],
         }
-        for lib in ("pipetrain", "torch"):
+        for lib in ("pipetrain", "torch", "bare"):
             if lib not in first["raw"]:
                 row[lib] = None
                 continue
@@ -362,10 +362,10 @@ def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'setting':<14}{'m':>3} {'schedule':<17}{'ideal':>7}{'pt pred':>9}{'pt meas':>9}"
             f"{'pt eff':>8}{'pt op+':>8}{'th pred':>9}{'th meas':>9}{'th eff':>8}{'th op+':>8}"
-            f"{'pt/th':>7} split")
+            f"{'pt/th':>7}{'bare eff':>9} split")
     lines = [head, "-" * len(head)]
     for r in rows:
-        pt_, th = r["pipetrain"], r["torch"]
+        pt_, th, bare = r["pipetrain"], r["torch"], r.get("bare")
 
         def cell(d: dict[str, Any] | None, key: str, fmt: str) -> str:
             v = None if d is None else d[key]
@@ -379,7 +379,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{cell(pt_, 'efficiency', '.3f'):>8}{cell(pt_, 'busiest_op_extra_s', '.3f'):>8}"
             f"{cell(th, 'predicted_s', '.3f'):>9}{cell(th, 'measured_s', '.3f'):>9}"
             f"{cell(th, 'efficiency', '.3f'):>8}{cell(th, 'busiest_op_extra_s', '.3f'):>8}"
-            f"{ratio:>7} {'ok' if bad == 0 else f'{bad} bad'}")
+            f"{ratio:>7}{cell(bare, 'efficiency', '.3f'):>9} {'ok' if bad == 0 else f'{bad} bad'}")
     return "\n".join(lines)
 
 
@@ -420,7 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(rows))
     print("times in s; pred = simulator makespan for the same per-stage costs; eff = pred / "
           "measured (median step); op+ = time inside ops not slept, summed over the busiest "
-          "rank's ops of a step; pt/th = torch step / pipetrain step")
+          "rank's ops of a step; pt/th = torch step / pipetrain step; bare eff = the same "
+          "schedule run by benchmarks/bare.py (sleeps and one-element messages only): the "
+          "machine's floor")
     if args.json:
         meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started}
         with open(args.json, "w") as fh:

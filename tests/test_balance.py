@@ -283,10 +283,19 @@ def test_plan_costs_simulate(kind: str) -> None:
     assert f"balance {plan.balance}" in text and "bottleneck" in text
 
 
+@pytest.mark.parametrize("i_held", [0.0, 0.69, (0.1, 0.2, 0.3, 0.4)])
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1", "zb-h2"])
-def test_stage_peaks_equal_rank_peaks_with_one_stage_per_rank(kind: str) -> None:
-    sim = simulate(make_schedule(kind, 4, 8))
+def test_stage_peaks_equal_rank_peaks_with_one_stage_per_rank(
+        kind: str, i_held: float | tuple[float, ...]) -> None:
+    sim = simulate(make_schedule(kind, 4, 8), w_share=0.5, i_held=i_held)
     assert stage_peaks(sim) == sim.peak_activations
+
+
+def test_stage_peaks_count_what_i_keeps_for_w() -> None:
+    schedule = make_schedule("zb-h1", 4, 8)
+    plain, held = stage_peaks(simulate(schedule)), stage_peaks(simulate(schedule, i_held=0.5))
+    assert held[0] == plain[0]  # stage 0's I keeps nothing
+    assert all(h > p for h, p in zip(held[1:], plain[1:]))
 
 
 def test_stage_peaks_sum_bounds_rank_peaks() -> None:

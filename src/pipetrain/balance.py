@@ -30,12 +30,12 @@ from typing import Any
 
 from torch import nn
 
-from pipetrain.action import Op
 from pipetrain.minmax import RankSplit, StageCostFn, best_rank_split, best_split, check_fit
 from pipetrain.partition import stage_bounds
 from pipetrain.profile import LayerCost, LossFn, param_bytes, param_owners, profile_layers
 from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, Simulation, simulate
+from pipetrain.simulate import Costs, Simulation, held_per_stage, peak_units, simulate
+from pipetrain.timeline import Span
 
 __all__ = ["LayerCost", "StageCost", "RankCost", "RankSplit", "BalancePlan", "MODES",
            "profile_layers", "best_split", "best_rank_split", "stage_peaks", "plan_balance"]
@@ -49,18 +49,14 @@ LayerCostFn = Callable[[Sequence[LayerCost], int, int], float]
 def stage_peaks(sim: Simulation) -> tuple[float, ...]:
     """Per stage, the most of its own micro-batch activations alive at once in ``sim``.
 
-    The rule of :mod:`pipetrain.simulate`'s memory model, applied to one stage's spans: F
-    allocates 1 at its start; B frees 1, I frees ``1 - w_share``, W frees ``w_share`` at their
-    ends; frees first at equal times. With one stage per rank it equals ``peak_activations``.
+    :mod:`pipetrain.simulate`'s memory model (``w_share`` and ``i_held`` included) applied to
+    one stage's spans; with one stage per rank it equals ``peak_activations``.
     """
-    freed = {Op.B: 1.0, Op.I: 1.0 - sim.w_share, Op.W: sim.w_share}
-    events: list[list[tuple[float, int, float]]] = [[] for _ in range(sim.schedule.n_stages)]
+    by_stage: list[list[Span]] = [[] for _ in range(sim.schedule.n_stages)]
     for sp in sim.timeline.spans:
-        op = sp.action.op
-        event = (sp.start, 1, 1.0) if op is Op.F else (sp.end, 0, -freed[op])
-        events[sp.action.stage].append(event)
-    return tuple(max(itertools.accumulate((d for *_, d in sorted(ev)), initial=0.0))
-                 for ev in events)
+        by_stage[sp.action.stage].append(sp)
+    held = held_per_stage(sim.i_held, sim.schedule.n_stages)
+    return tuple(peak_units(spans, sim.w_share, held) for spans in by_stage)
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,7 @@ def simulate(
     """
     costs = Costs() if costs is None else costs
     _check_arguments(schedule, costs, comm, w_share)
-    held = _held_per_stage(i_held, schedule.n_stages)
+    held = held_per_stage(i_held, schedule.n_stages)
     validate(schedule)
     result = walk(schedule, lambda rank, a: costs.of(a.op, a.stage), comm)
     spans = tuple(Span(rank, schedule.actions[rank][step], result.start[rank, step],
@@ -228,7 +228,7 @@ def simulate(
         makespan=timeline.makespan, span=span, idle=tuple(timeline.idle(r) for r in ranks),
         bubble_fraction=timeline.bubble_fraction,
         bubble_rate=(cost - work) / cost if cost > 0 else 0.0,
-        peak_activations=tuple(_peak(timeline.of_rank(r), w_share, held) for r in ranks),
+        peak_activations=tuple(peak_units(timeline.of_rank(r), w_share, held) for r in ranks),
         i_held=i_held,
     )
 
@@ -243,7 +243,8 @@ def _check_arguments(schedule: Schedule, costs: Costs, comm: float, w_share: flo
         raise ValueError(f"w_share must be in [0, 1], got {w_share!r}")
 
 
-def _held_per_stage(i_held: Cost, n_stages: int) -> tuple[float, ...]:
+def held_per_stage(i_held: Cost, n_stages: int) -> tuple[float, ...]:
+    """``i_held`` as one value per stage (a float leaves stage 0 out; see the docstring)."""
     if isinstance(i_held, tuple):
         if len(i_held) != n_stages:
             raise ValueError(f"i_held gives {len(i_held)} per-stage values but the schedule has "
@@ -252,7 +253,8 @@ def _held_per_stage(i_held: Cost, n_stages: int) -> tuple[float, ...]:
     return (0.0,) + (_finite_nonneg("i_held", i_held),) * (n_stages - 1)
 
 
-def _peak(spans: Sequence[Span], w_share: float, held: tuple[float, ...]) -> float:
+def peak_units(spans: Sequence[Span], w_share: float, held: tuple[float, ...]) -> float:
+    """The most activation units alive at once over ``spans`` (the module's memory model)."""
     # (time, order, delta): order 0 frees, 1 allocations, so frees win ties.
     events: list[tuple[float, int, float]] = []
     for s in spans:
