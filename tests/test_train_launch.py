@@ -148,6 +148,7 @@ def test_train_writes_every_file_and_listens_on_loopback_only(tmp_path: Path) ->
     assert [r["kind"] for r in records].count("eval") == 2
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_loss"] > 0
+    assert (summary["timeline_step"], summary["timeline_costs_step"]) == (3, 2)  # not fitted
     trace = json.loads((tmp_path / "timeline.json").read_text())
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert {"rank 0 measured", "rank 1 simulated"} <= names

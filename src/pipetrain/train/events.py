@@ -22,8 +22,10 @@ class Reporter(Protocol):
     def record(self, kind: str, fields: dict[str, Any]) -> None:
         """One record, in order."""
 
-    def timeline(self, step: int, measured: Timeline, simulated: Simulation) -> None:
-        """The measured timeline of one step next to the simulator's prediction."""
+    def timeline(self, step: int, measured: Timeline, simulated: Simulation,
+                 costs_step: int) -> None:
+        """The measured timeline of ``step`` next to the simulator's prediction from the costs
+        measured in ``costs_step`` (an earlier step where there is one)."""
 
     def close(self) -> None:
         """The run ended (normally or not): flush and release everything."""
@@ -35,7 +37,8 @@ class NullReporter:
     def record(self, kind: str, fields: dict[str, Any]) -> None:
         return None
 
-    def timeline(self, step: int, measured: Timeline, simulated: Simulation) -> None:
+    def timeline(self, step: int, measured: Timeline, simulated: Simulation,
+                 costs_step: int) -> None:
         return None
 
     def close(self) -> None:

@@ -70,7 +70,8 @@ class StepStats:
 
 @dataclass
 class Tally:
-    """What the summary needs from this run's steps (only the last step's timeline is kept)."""
+    """What the summary needs from this run's steps (only the last two steps' timelines are
+    kept: the last is pictured, the one before gives the simulator its costs)."""
 
     steps: int = 0
     final_loss: float = math.nan
@@ -78,6 +79,7 @@ class Tally:
     bubble_sum: float = 0.0
     bubble_steps: int = 0
     last: StepStats | None = None
+    before_last: StepStats | None = None
 
     def add(self, stats: StepStats) -> None:
         if self.steps > 0:  # the first step also pays for warming up
@@ -86,7 +88,7 @@ class Tally:
         self.steps += 1
         if not stats.skipped:
             self.final_loss = stats.loss
-        self.last = stats
+        self.before_last, self.last = self.last, stats
 
     @property
     def bubble(self) -> float:
@@ -138,9 +140,10 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
         saved = _checkpoint(trainer, reporter) or saved
     final_eval = evaluate(trainer)
     reporter.record("eval", {"step": trainer.step - 1, "eval_loss": final_eval})
-    last = tally.last
-    if last is not None:
-        reporter.timeline(last.step, last.timeline, predict(last.timeline, trainer.pipe.schedule))
+    last, basis = tally.last, tally.before_last or tally.last
+    if last is not None and basis is not None:  # predicted from costs it was not measured on
+        reporter.timeline(last.step, last.timeline,
+                          predict(basis.timeline, trainer.pipe.schedule), basis.step)
     text = sample(trainer)
     if text is not None:
         reporter.record("sample", {"text": text})

@@ -81,9 +81,10 @@ class ProgressReporter:
         if show is not None:
             show(fields)
 
-    def timeline(self, step: int, measured: Timeline, simulated: Simulation) -> None:
+    def timeline(self, step: int, measured: Timeline, simulated: Simulation,
+                 costs_step: int) -> None:
         """Draw the measured step above the simulator's prediction; write PNG and trace."""
-        self._bubbles = {"timeline_step": step,
+        self._bubbles = {"timeline_step": step, "timeline_costs_step": costs_step,
                          "timeline_bubble_measured": measured.bubble_fraction,
                          "timeline_bubble_simulated": simulated.bubble_fraction}
         predicted = simulated.timeline
@@ -94,7 +95,8 @@ class ProgressReporter:
         self._files.append("timeline.json")
         try:
             save_timeline_png(measured, predicted, self.out / "timeline.png",
-                              title=f"{simulated.schedule.name}  step {step}")
+                              title=f"{simulated.schedule.name}  step {step}  (simulated: costs "
+                                    f"of step {costs_step})")
             self._files.append("timeline.png")
         except ImportError as e:  # matplotlib is optional for the library, not for pictures
             self._print(f"no timeline.png: {e}")

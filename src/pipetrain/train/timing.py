@@ -1,11 +1,12 @@
 """Timing: per-stage op costs and the message delay read off one measured step, and the
 simulator's prediction from them.
 
-The picture of a step shows the measured timeline next to what :func:`pipetrain.simulate`
-predicts for the same schedule when every action of stage ``s`` with op ``o`` takes the
-median measured duration of that stage's ``o`` actions and every message between ranks the
-median hop of the step (:mod:`pipetrain.calibrate`). What remains between the two is
-per-action variation and waits the hop's median does not cover.
+The picture of a run's last step shows its measured timeline next to what
+:func:`pipetrain.simulate` predicts for the same schedule when every action of stage ``s``
+with op ``o`` takes the median measured duration of that stage's ``o`` actions and every
+message between ranks the median hop (:mod:`pipetrain.calibrate`), both read off the step
+before it: the prediction is not fitted to the step it predicts. What remains between the two
+is step-to-step and per-action variation, and waits the hop's median does not cover.
 """
 
 from __future__ import annotations
