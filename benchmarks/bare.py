@@ -1,12 +1,13 @@
 """Bare executor: the floor any runtime can reach on this machine for a calibrated schedule.
 
 It runs one rank's action list of a pipetrain schedule with nothing but the calibrated
-benchmark's sleeps and one-element gloo messages: no autograd, no model, no framework. Each
-action waits for the message it needs (its receive posted right before, as
-torch.distributed.pipelining does), sleeps what the calibrated layers of its stage would sleep
-(one spinning sleep per layer, as they do), and posts the message a later stage needs::
+benchmark's sleeps and one-element gloo messages: no autograd, no model, no framework. Every
+receive of the step is posted at its start (so a message moves as soon as it is sent); each
+action waits for the message it needs, sleeps what the calibrated layers of its stage would
+sleep (one spinning sleep per layer, as they do), and posts the message a later stage needs::
 
-    for each action of this rank:   recv (if its input lives on another rank), wait
+    post every receive of the step
+    for each action of this rank:   wait for its message (if its input lives on another rank)
                                     sleep layer by layer
                                     isend (if the consumer lives on another rank)
     wait every send
@@ -73,7 +74,6 @@ class BareRunner:
         self.schedule, self.rank = schedule, rank
         self.k = layers // schedule.n_stages
         self.costs = (f, i, w)
-        self.buf = torch.zeros(1)
 
     def _peer(self, stage: int) -> int | None:
         """The rank of ``stage`` when it exists and is another rank's, else None."""
@@ -81,23 +81,35 @@ class BareRunner:
             return self.schedule.rank_of(stage)
         return None
 
+    def _need(self, op: str, s: int) -> int | None:
+        """The rank whose message this action needs, if another rank's."""
+        if op == "W":
+            return None
+        return self._peer(s - 1 if op == "F" else s + 1)
+
     def step(self) -> Callable[[], list[tuple[str, int, float, float]]]:
         spans: list[tuple[str, int, float, float]] = []
         sends: list[Any] = []
         out = torch.zeros(1)
-        for action in self.schedule.actions[self.rank]:
-            op, s, mb = action.op.value, action.stage, action.mb
-            forward = op == "F"
-            src = self._peer(s - 1 if forward else s + 1) if op != "W" else None
+        acts = self.schedule.actions[self.rank]
+        posted = {}  # every receive of the step, posted up front: the data moves at send time
+        for n, a in enumerate(acts):
+            src = self._need(a.op.value, a.stage)
             if src is not None:  # the activation (kind 0) or the gradient (kind 1) it needs
-                dist.irecv(self.buf, src=src, tag=_tag(0 if forward else 1, s, mb)).wait()
+                buf = torch.zeros(1)
+                kind = 0 if a.op.value == "F" else 1
+                posted[n] = (buf, dist.irecv(buf, src=src, tag=_tag(kind, a.stage, a.mb)))
+        for n, action in enumerate(acts):
+            op, s, mb = action.op.value, action.stage, action.mb
+            if n in posted:
+                posted[n][1].wait()
             start = time.time()
             for seconds in layer_sleeps(op, s, self.k, *self.costs):
                 spin_sleep(seconds)
             end = time.time()
-            dst = self._peer(s + 1 if forward else s - 1) if op != "W" else None
+            dst = self._peer(s + 1 if op == "F" else s - 1) if op != "W" else None
             if dst is not None:
-                kind, to = (0, s + 1) if forward else (1, s - 1)
+                kind, to = (0, s + 1) if op == "F" else (1, s - 1)
                 sends.append(dist.isend(out, dst=dst, tag=_tag(kind, to, mb)))
             spans.append((op, s, start, end))
         for work in sends:
