@@ -130,3 +130,19 @@ def test_tiny_model_learns() -> None:
         losses.append(loss.item())
     assert losses[0] > 5.0  # about ln(256) = 5.55 at initialisation
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_kept_layers_equal_the_whole_model_and_the_others_hold_no_memory() -> None:
+    cfg = GPTConfig(vocab_size=32, d_model=16, n_heads=2, n_layers=4, seq_len=8)
+    torch.manual_seed(3)
+    whole = gpt_layers(cfg)
+    after_whole = torch.randn(3)  # the global RNG goes on exactly as after the whole model
+    torch.manual_seed(3)
+    part = gpt_layers(cfg, keep={2, 3}.__contains__)
+    assert torch.equal(torch.randn(3), after_whole)
+    assert [m.weight.device.type for m in (part[1].ln1, part[2].ln1, part[3].ln1, part[4].ln1)
+            ] == ["meta", "cpu", "cpu", "meta"]
+    assert part[5].weight is part[0].tokens  # embedding and head always kept, still tied
+    for i in (0, 2, 3, 5):
+        for (name, a), b in zip(whole[i].state_dict().items(), part[i].state_dict().values()):
+            assert torch.equal(a, b), (i, name)

@@ -27,7 +27,8 @@ from pipetrain.train.optim import (
     param_groups,
 )
 from pipetrain.train.precision import LossScale, autocast
-from pipetrain.train.setup import _balance, check_config
+from pipetrain.partition import stage_bounds
+from pipetrain.train.setup import _balance, check_config, hosted_layers
 from pipetrain.train.timing import measured_costs, predict
 
 SMALL = GPTConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2)
@@ -270,3 +271,25 @@ def test_a_failing_step_names_the_callers_step_number() -> None:
     with pytest.raises(pt.PipelineError, match=r"\| 1F0\] step 8 failed"), \
             faults.wrong_shape(pipe):
         pipe.step(x, y, step=8)
+
+
+@pytest.mark.parametrize(("schedule", "ranks"), [("1f1b", 2), ("zbv", 2), ("interleaved-1f1b", 3)])
+@pytest.mark.parametrize("balance", ["params", "even", "2,1,1,2,1,1"])
+def test_each_rank_builds_the_layers_pipeline_gives_it(schedule: str, ranks: int,
+                                                       balance: str) -> None:
+    cfg = GPTConfig(vocab_size=256, d_model=16, n_heads=2, n_layers=6, seq_len=8)
+    sched = pt.make_schedule(schedule, ranks, 4)
+    mode = _balance(balance)
+    if isinstance(mode, list) and sched.n_stages != len(mode):
+        mode = [1] * (sched.n_stages - 1) + [8 - (sched.n_stages - 1)]
+    torch.manual_seed(0)
+    pipe = pt.Pipeline(gpt_layers(cfg), sched, loss_fn=lm_loss, balance=mode, local_ranks=ranks)
+    bounds = stage_bounds(pipe.balance)
+    for rank in range(ranks):
+        want = {i for s in sched.stages_of(rank) for i in range(*bounds[s])}
+        assert hosted_layers(cfg, sched, mode, rank) == want
+
+
+def test_profiling_balances_build_every_layer_on_every_rank() -> None:
+    cfg = GPTConfig(vocab_size=256, d_model=16, n_heads=2, n_layers=2, seq_len=8)
+    assert hosted_layers(cfg, pt.make_schedule("1f1b", 2, 4), "time", 1) is None

@@ -32,6 +32,7 @@ Two ways to build a model:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -210,8 +211,13 @@ def _residual_std(config: GPTConfig) -> float:
     return INIT_STD / math.sqrt(2 * config.n_layers)
 
 
-def gpt_layers(config: GPTConfig) -> list[nn.Module]:
+def gpt_layers(config: GPTConfig, keep: Callable[[int], bool] | None = None) -> list[nn.Module]:
     """The model as a layer list, the head tied to the embedding; values from the global RNG.
+
+    ``keep(i)`` false moves block ``i`` (its index in the list) to ``meta`` right after it is
+    built: it still draws its random numbers, so every kept layer has the values of the whole
+    model built at once, but only one unkept block exists at a time. The embedding and the head
+    share the token table and are always kept.
 
     Example::
 
@@ -220,7 +226,10 @@ def gpt_layers(config: GPTConfig) -> list[nn.Module]:
         logits = model(ids)                       # (B, T, 256)
     """
     embedding = Embedding(config)
-    blocks: list[nn.Module] = [Block(config) for _ in range(config.n_layers)]
+    blocks: list[nn.Module] = []
+    for i in range(1, config.n_layers + 1):
+        block = Block(config)
+        blocks.append(block if keep is None or keep(i) else block.to("meta"))
     return [embedding, *blocks, Head(config, tied=embedding.tokens)]
 
 

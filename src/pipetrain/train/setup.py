@@ -1,9 +1,11 @@
 """Setup: from a TrainConfig to this rank's mesh, pipelined GPT, optimizer, loss scale and data.
 
-Every rank builds the whole GPT from ``cfg.seed`` (so its values do not depend on the layout),
-keeps only its stages in a :class:`~pipetrain.Pipeline` over its replica's pipeline group, and
-draws the same global batch per step, of which its replica takes rows
-``[dp_rank * B/dp, (dp_rank + 1) * B/dp)``.
+Every rank builds the GPT's layers in order from ``cfg.seed``, so their values do not depend on
+the layout, but keeps real only the blocks of its own stages (the others are moved to ``meta``
+as soon as they are built: a rank never holds more than its share plus one block); the
+profiling balances, which measure every layer on rank 0, build them all. It hosts its stages in
+a :class:`~pipetrain.Pipeline` over its replica's pipeline group, and draws the same global
+batch per step, of which its replica takes rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)``.
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.balance import plan_balance
 from pipetrain.data import Batches, ByteCorpus, default_corpus
 from pipetrain.generators import make_schedule
 from pipetrain.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
+from pipetrain.partition import check_balance, even_balance, stage_bounds
 from pipetrain.pipeline import Pipeline
+from pipetrain.schedule import Schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
 from pipetrain.train.nonfinite import NaNInjector
 from pipetrain.train.optim import build_optimizer, counted_parameters, no_decay_names
 from pipetrain.train.precision import PRECISIONS, LossScale
 
-__all__ = ["Trainer", "build", "check_config"]
+__all__ = ["Trainer", "build", "check_config", "hosted_layers"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -112,13 +117,15 @@ def build(cfg: TrainConfig) -> Trainer:
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
     mesh = build_mesh(cfg.dp, cfg.pp, cfg.device)
     model = dataclasses.replace(PRESETS[cfg.preset], seq_len=cfg.seq_len)
+    schedule = make_schedule(cfg.schedule, mesh.pp, cfg.microbatches, cfg.stages_per_rank)
+    hosted = hosted_layers(model, schedule, _balance(cfg.balance), mesh.pp_rank)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        layers = gpt_layers(model)
+        layers = gpt_layers(model, keep=None if hosted is None else hosted.__contains__)
     no_decay = no_decay_names(nn.Sequential(*layers))
     scale = LossScale(enabled=cfg.precision == "fp16")
-    pipe = Pipeline(layers, cfg.schedule, cfg.microbatches, scale.wrap(lm_loss),
-                    balance=_balance(cfg.balance), stages_per_rank=cfg.stages_per_rank,
+    pipe = Pipeline(layers, schedule, cfg.microbatches, scale.wrap(lm_loss),
+                    balance=_balance(cfg.balance),
                     group=mesh.pp_group, device=mesh.device, timeout=cfg.timeout,
                     recompute=cfg.recompute, init_seed=cfg.seed,
                     example_inputs=torch.zeros(cfg.batch_size // mesh.dp // cfg.microbatches,
@@ -136,6 +143,29 @@ def build(cfg: TrainConfig) -> Trainer:
         params, counted_parameters(pipe))
     trainer.eval_set = [trainer.rows(b) for b in _eval_batches(corpus, cfg)]
     return trainer
+
+
+def hosted_layers(model: GPTConfig, schedule: Schedule, balance: str | Sequence[int] | None,
+                  pp_rank: int) -> set[int] | None:
+    """Indices of the layers of ``pp_rank``'s stages; None when every rank must build them all.
+
+    The split is the one ``Pipeline`` makes of the same layers: ``"params"`` is planned on the
+    model built on ``meta`` (parameter bytes need no values). The profiling balances run every
+    layer on rank 0, so under them every rank builds every layer (None).
+    """
+    n = model.n_layers + 2
+    if balance == "params":
+        with torch.device("meta"):
+            described = gpt_layers(model)
+        sizes: Sequence[int] = plan_balance(described, schedule, "params").balance
+    elif balance is None:
+        sizes = even_balance(n, schedule.n_stages)
+    elif isinstance(balance, str):
+        return None
+    else:
+        sizes = check_balance(balance, n, schedule.n_stages)
+    bounds = stage_bounds(sizes)
+    return {i for s in schedule.stages_of(pp_rank) for i in range(*bounds[s])}
 
 
 def _balance(text: str) -> str | Sequence[int] | None:
