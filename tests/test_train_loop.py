@@ -11,6 +11,7 @@ from torch import nn
 
 import pipetrain as pt
 from pipetrain.gpt import GPTConfig, gpt_layers, lm_loss
+from pipetrain.partition import stage_bounds
 from pipetrain.testing import reference_step
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
@@ -27,7 +28,6 @@ from pipetrain.train.optim import (
     param_groups,
 )
 from pipetrain.train.precision import LossScale, autocast
-from pipetrain.partition import stage_bounds
 from pipetrain.train.setup import _balance, check_config, hosted_layers
 from pipetrain.train.timing import measured_costs, predict
 
