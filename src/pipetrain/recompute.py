@@ -12,7 +12,8 @@ under the RNG state F saw, and the tensors saved this time are what the graph of
     B, or I then W:  the graph of F unpacks 0 1 2 ─► t0' t1' t2'      (bitwise t0 t1 t2)
 
 The same graph serves B, or I and later W, so a split backward still recomputes once; the
-replayed tensors go with the micro-batch. A segment must save the same number of tensors both
+replayed tensors go with the micro-batch, and the micro-batch's last backward (B, or W) drops
+each one as autograd takes it. A segment must save the same number of tensors both
 times (a forward that takes another path when replayed is reported, not silently mixed).
 """
 
@@ -92,7 +93,11 @@ class Replay:
         self.segment, self.inputs, self.device = segment, inputs, device
         self.rng = _rng_state(device)
         self.count = 0
-        self.saved: list[torch.Tensor] | None = None
+        self.saved: list[torch.Tensor | None] | None = None
+        self.last_use = False
+        """Set before the micro-batch's last backward: each tensor is dropped as it is handed
+        to autograd, which then frees it once its node ran (instead of at the micro-batch's
+        end: ZB-H1/H2's stage 0, whose W runs its whole backward, kept them all until then)."""
 
     def forward(self, x: Any) -> Any:
         """F of the segment, keeping positions instead of the tensors autograd saves."""
@@ -113,7 +118,7 @@ class Replay:
                 f"the recomputed layers saved {self.count} tensors for backward in F but "
                 f"{len(saved)} when replayed; recomputation needs layers whose forward takes "
                 "the same path every time (turn recompute off for them)")
-        self.saved, self.inputs = saved, None
+        self.saved, self.inputs = list(saved), None
 
     def _pack(self, _: torch.Tensor) -> int:
         self.count += 1
@@ -122,7 +127,13 @@ class Replay:
     def _unpack(self, position: int) -> torch.Tensor:
         if self.saved is None:
             raise RuntimeError("internal: a recomputed layer's graph was used before its replay")
-        return self.saved[position]
+        t = self.saved[position]
+        if t is None:
+            raise RuntimeError("internal: a recomputed tensor was used again after the last "
+                               "backward of its micro-batch dropped it")
+        if self.last_use:
+            self.saved[position] = None
+        return t
 
 
 def _keeper(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:

@@ -168,6 +168,7 @@ class Stage:
         if split:
             got, state.weight = backward_input(roots, out_grads, state.inputs, self.parameters())
         else:
+            _last_use(state.replays)
             got = backward_full(roots, out_grads, state.inputs)
         state.outputs = []
         result = [g if x.requires_grad else None for g, x in zip(got, state.inputs)]
@@ -184,10 +185,16 @@ class Stage:
         """W: the weight gradients deferred by I."""
         state = self._flight.pop(mb)
         if state.weight is not None:
+            _last_use(state.replays)
             state.weight.run()
 
     def clear(self) -> None:
         self._flight.clear()
+
+
+def _last_use(replays: list[Replay]) -> None:
+    for replay in replays:
+        replay.last_use = True
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:

@@ -1,0 +1,47 @@
+"""Recompute: per-layer flags from a policy; a replay's saved tensors and when they are dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.recompute import Replay, layer_flags, segments
+
+
+def test_layer_flags_follow_the_policy() -> None:
+    assert layer_flags("always", [2, 1]) == [True, True, True]
+    assert layer_flags("except_last", [2, 1]) == [True, True, False]
+    assert layer_flags({1}, [2, 1]) == [False, False, True]
+    assert layer_flags(("every", 2), [2, 1]) == [True, False, True]
+    with pytest.raises(ValueError, match="stages are 0..1"):
+        layer_flags({2}, [2, 1])
+
+
+def _replayed(last_use: bool) -> tuple[Replay, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    segment = segments([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)], [True] * 3)[0]
+    x = torch.randn(3, 4, requires_grad=True)
+    replay = Replay(segment, x, torch.device("cpu"))
+    y = replay.forward(x)
+    replay.replay()
+    replay.last_use = last_use
+    return replay, x, y
+
+
+def test_replay_gives_the_same_gradients_as_no_recomputation() -> None:
+    replay, x, y = _replayed(last_use=False)
+    y.sum().backward()
+    want = torch.autograd.grad(replay.segment.run(x).sum(), x)[0]
+    assert x.grad is not None and torch.equal(x.grad, want)
+
+
+def test_the_last_backward_drops_each_replayed_tensor_as_autograd_takes_it() -> None:
+    kept, _, y = _replayed(last_use=False)
+    y.sum().backward(retain_graph=True)
+    assert kept.saved is not None and all(t is not None for t in kept.saved)
+    dropped, _, y = _replayed(last_use=True)
+    y.sum().backward(retain_graph=True)
+    assert dropped.saved is not None and all(t is None for t in dropped.saved)
+    with pytest.raises(RuntimeError, match="used again after the last backward"):
+        y.sum().backward()
