@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -43,5 +45,34 @@ def test_the_last_backward_drops_each_replayed_tensor_as_autograd_takes_it() -> 
     dropped, _, y = _replayed(last_use=True)
     y.sum().backward(retain_graph=True)
     assert dropped.saved is not None and all(t is None for t in dropped.saved)
-    with pytest.raises(RuntimeError, match="used again after the last backward"):
+
+
+class _ReadsTwice(torch.autograd.Function):
+    """A custom layer whose backward reads its saved tensors twice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        first = ctx.saved_tensors[0]
+        return grad * (first + ctx.saved_tensors[0])
+
+
+class _Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReadsTwice.apply(x)
+
+
+def test_reading_a_saved_tensor_twice_in_the_last_backward_is_a_clear_error() -> None:
+    x = torch.randn(3, requires_grad=True)
+    replay = Replay(segments([_Square()], [True])[0], x, torch.device("cpu"))
+    y = replay.forward(x)
+    replay.replay()
+    y.sum().backward(retain_graph=True)  # not the last backward: reading twice is fine
+    assert x.grad is not None and torch.equal(x.grad, 2 * x.detach())
+    replay.last_use = True
+    with pytest.raises(RuntimeError, match="read ctx.saved_tensors once in backward"):
         y.sum().backward()

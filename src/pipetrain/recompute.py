@@ -95,9 +95,11 @@ class Replay:
         self.count = 0
         self.saved: list[torch.Tensor | None] | None = None
         self.last_use = False
-        """Set before the micro-batch's last backward: each tensor is dropped as it is handed
-        to autograd, which then frees it once its node ran (instead of at the micro-batch's
-        end: ZB-H1/H2's stage 0, whose W runs its whole backward, kept them all until then)."""
+        """Set before the micro-batch's last backward: each tensor is dropped here as it is
+        handed to autograd, which frees it once its node ran (instead of at the micro-batch's
+        end: ZB-H1/H2's stage 0, whose W runs its whole backward, kept them all until then).
+        A layer's backward may then read each saved tensor once, as under
+        ``torch.utils.checkpoint``'s non-reentrant variant."""
 
     def forward(self, x: Any) -> Any:
         """F of the segment, keeping positions instead of the tensors autograd saves."""
@@ -129,8 +131,11 @@ class Replay:
             raise RuntimeError("internal: a recomputed layer's graph was used before its replay")
         t = self.saved[position]
         if t is None:
-            raise RuntimeError("internal: a recomputed tensor was used again after the last "
-                               "backward of its micro-batch dropped it")
+            raise RuntimeError(
+                "a recomputed layer read one of its saved tensors twice in its last backward "
+                "(a custom autograd Function reading ctx.saved_tensors more than once?); the "
+                "replay frees each saved tensor as it is read: read ctx.saved_tensors once in "
+                "backward, or do not recompute that layer")
         if self.last_use:
             self.saved[position] = None
         return t
