@@ -140,8 +140,9 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
         saved = _checkpoint(trainer, reporter) or saved
     final_eval = evaluate(trainer)
     reporter.record("eval", {"step": trainer.step - 1, "eval_loss": final_eval})
-    last, basis = tally.last, tally.before_last or tally.last
-    if last is not None and basis is not None:  # predicted from costs it was not measured on
+    last = tally.last
+    if last is not None:  # predicted from the step before: costs it was not measured on
+        basis = tally.before_last or last
         reporter.timeline(last.step, last.timeline,
                           predict(basis.timeline, trainer.pipe.schedule), basis.step)
     text = sample(trainer)

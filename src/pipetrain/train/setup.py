@@ -153,10 +153,10 @@ def hosted_layers(model: GPTConfig, schedule: Schedule, balance: str | Sequence[
     model built on ``meta`` (parameter bytes need no values). The profiling balances run every
     layer on rank 0, so under them every rank builds every layer (None).
     """
-    n = model.n_layers + 2
+    with torch.device("meta"):
+        described = gpt_layers(model)
+    n = len(described)
     if balance == "params":
-        with torch.device("meta"):
-            described = gpt_layers(model)
         sizes: Sequence[int] = plan_balance(described, schedule, "params").balance
     elif balance is None:
         sizes = even_balance(n, schedule.n_stages)
