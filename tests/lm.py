@@ -54,15 +54,20 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight
 
+    def embed_and_mask(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token plus position embeddings, and the causal mask combined with a (B, T) padding
+        mask (1 = token, 0 = padding) when one is given."""
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)
+        x = self.embed(input_ids) + self.pos(positions)
+        if attention_mask is None:
+            return x, None
+        causal = positions[None, :] <= positions[:, None]
+        return x, causal & attention_mask[:, None, None, :].bool()
+
     def forward(self, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        T = input_ids.size(1)
-        positions = torch.arange(T, device=input_ids.device)
-        x = self.embed(input_ids) + self.pos(positions)
-        mask = None
-        if attention_mask is not None:  # (B, T) padding mask, 1 = token, 0 = padding
-            causal = positions[None, :] <= positions[:, None]
-            mask = causal & attention_mask[:, None, None, :].bool()
+        x, mask = self.embed_and_mask(input_ids, attention_mask)
         for block in self.blocks:
             x = block(x, attn_mask=mask)
         return self.head(self.norm(x))
@@ -94,13 +99,7 @@ class SkipLM(TinyLM):
 
     def forward(self, input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        T = input_ids.size(1)
-        positions = torch.arange(T, device=input_ids.device)
-        x0 = self.embed(input_ids) + self.pos(positions)
-        mask = None
-        if attention_mask is not None:
-            causal = positions[None, :] <= positions[:, None]
-            mask = causal & attention_mask[:, None, None, :].bool()
+        x0, mask = self.embed_and_mask(input_ids, attention_mask)
         x, saved, half = x0, [], len(self.blocks) // 2
         for i, block in enumerate(self.blocks):
             if i >= len(self.blocks) - half:
