@@ -81,23 +81,27 @@ class BareRunner:
             return self.schedule.rank_of(stage)
         return None
 
-    def _need(self, op: str, s: int) -> int | None:
-        """The rank whose message this action needs, if another rank's."""
+    def _links(self, op: str, s: int) -> tuple[int, int | None, int, int | None]:
+        """(message kind, rank it comes from, stage it goes to, rank it goes to) of an action:
+        F takes an activation (kind 0) from stage s - 1 and passes one to s + 1; B and I take a
+        gradient (kind 1) from s + 1 and pass one to s - 1; W has none. A rank is None when
+        the stage does not exist or is this rank's own."""
         if op == "W":
-            return None
-        return self._peer(s - 1 if op == "F" else s + 1)
+            return 0, None, s, None
+        kind, before, after = (0, s - 1, s + 1) if op == "F" else (1, s + 1, s - 1)
+        return kind, self._peer(before), after, self._peer(after)
 
     def step(self) -> Callable[[], list[tuple[str, int, float, float]]]:
         spans: list[tuple[str, int, float, float]] = []
         sends: list[Any] = []
         out = torch.zeros(1)
         acts = self.schedule.actions[self.rank]
-        posted = {}  # every receive of the step, posted up front: the data moves at send time
+        posted = {}  # every receive of the step (buffer, work), posted up front: the data moves
+        #              at send time
         for n, a in enumerate(acts):
-            src = self._need(a.op.value, a.stage)
-            if src is not None:  # the activation (kind 0) or the gradient (kind 1) it needs
+            kind, src, _, _ = self._links(a.op.value, a.stage)
+            if src is not None:
                 buf = torch.zeros(1)
-                kind = 0 if a.op.value == "F" else 1
                 posted[n] = (buf, dist.irecv(buf, src=src, tag=_tag(kind, a.stage, a.mb)))
         for n, action in enumerate(acts):
             op, s, mb = action.op.value, action.stage, action.mb
@@ -107,9 +111,8 @@ class BareRunner:
             for seconds in layer_sleeps(op, s, self.k, *self.costs):
                 spin_sleep(seconds)
             end = time.time()
-            dst = self._peer(s + 1 if op == "F" else s - 1) if op != "W" else None
+            kind, _, to, dst = self._links(op, s)
             if dst is not None:
-                kind, to = (0, s + 1) if op == "F" else (1, s - 1)
                 sends.append(dist.isend(out, dst=dst, tag=_tag(kind, to, mb)))
             spans.append((op, s, start, end))
         for work in sends:
