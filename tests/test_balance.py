@@ -11,16 +11,19 @@ import torch
 from torch import nn
 
 from pipetrain import make_schedule, simulate
+from pipetrain.action import Op
 from pipetrain.balance import (
     LayerCost,
     best_rank_split,
     best_split,
     plan_balance,
     profile_layers,
+    stage_pairs,
     stage_peaks,
 )
 from pipetrain.errors import PartitionError
 from pipetrain.partition import stage_bounds
+from pipetrain.timeline import Span
 
 StageFn = Callable[[int, int, int], float]
 
@@ -199,6 +202,51 @@ def test_memory_mode_counts_optimizer_state_for_trainable_bytes_only() -> None:
     assert [s.memory_bytes for s in plan.stages] == [100, 300]
 
 
+def test_memory_mode_counts_what_i_keeps_until_w() -> None:
+    # zb-h1 on 2 ranks keeps 2 units on each stage and, on stage 1, 2 micro-batches' I
+    # gradients; stage 0's I computes nothing, so its layers' i_held_bytes do not count there.
+    schedule = make_schedule("zb-h1", 2, 4)
+    plain = [LayerCost(1, 1, 1, 0, 100)] * 4
+    plan = plan_balance([nn.Identity()] * 4, schedule, "memory", layer_costs=plain)
+    assert plan.balance == [2, 2] and [s.memory_bytes for s in plan.stages] == [400, 400]
+    held = [LayerCost(1, 1, 1, 0, 100, 0, 100)] * 4
+    plan = plan_balance([nn.Identity()] * 4, schedule, "memory", layer_costs=held)
+    assert plan.balance == [3, 1]
+    assert [(s.in_flight, s.held, s.i_held_bytes) for s in plan.stages] == [(2, 1, 0),
+                                                                            (2, 2, 100)]
+    assert [s.memory_bytes for s in plan.stages] == [600, 400]
+    assert "held/mb" in str(plan) and "2+2" in str(plan)
+    assert "held/mb" not in str(plan_balance([nn.Identity()] * 4, make_schedule("1f1b", 2, 4),
+                                             "memory", layer_costs=held))
+
+
+@pytest.mark.parametrize(("kind", "held"), [("zbv", 300), ("dualpipev", 300), ("zb-h2", 50)])
+def test_memory_mode_takes_the_peak_of_units_and_held_together(kind: str, held: int) -> None:
+    # Each stage's memory is the peak over time of units x act + held x i_held, recounted here
+    # from the timeline; where the two counts peak apart it is less than the sum of peaks.
+    schedule = make_schedule(kind, 2, 4)
+    plan = plan_balance([nn.Identity()] * 8, schedule, "memory",
+                        layer_costs=[LayerCost(1, 1, 1, 0, 100, 0, held)] * 8)
+    sim = simulate(schedule)
+    for s in plan.stages:
+        spans = [sp for sp in sim.timeline.spans if sp.action.stage == s.stage]
+        act, kept = s.activation_bytes, s.i_held_bytes
+        brute = max(unit_bytes(spans, t, act, kept) for t in {sp.end for sp in spans}
+                    | {sp.start for sp in spans})
+        assert s.memory_bytes == brute
+        assert kept == (0 if s.stage == 0 else held * (s.end - s.first))
+    if kind == "dualpipev":  # stage 1 holds 3 units with none held, or 1 with 1 held
+        assert stage_pairs(sim)[1] == ((1.0, 1.0), (3.0, 0.0))
+
+
+def unit_bytes(spans: Sequence[Span], t: float, act: int, kept: int) -> float:
+    # Bytes alive from time t on, under the default w_share = 1 (W frees the unit, not I).
+    ops = [sp.action.op for sp in spans if sp.end <= t]
+    started = sum(sp.start <= t for sp in spans if sp.action.op is Op.F)
+    units = started - ops.count(Op.B) - ops.count(Op.W)
+    return units * act + (ops.count(Op.I) - ops.count(Op.W)) * kept
+
+
 def test_memory_mode_on_a_profiled_toy_model() -> None:
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)]
@@ -258,6 +306,24 @@ def test_profile_layers_charges_the_loss_to_the_last_layer() -> None:
     logits_bytes = 4 * 6 * 50 * 4
     assert costs[1].activation_bytes >= logits_bytes  # the loss saves its log-softmax
     assert costs[0].param_bytes == 50 * 16 * 4
+
+
+def test_profile_layers_measures_what_i_keeps_until_w() -> None:
+    torch.manual_seed(0)
+    frozen = nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+    layers: list[nn.Module] = [mlp(), nn.Linear(8, 8), nn.Tanh(), frozen, mlp()]
+    costs = profile_layers(layers, torch.randn(4, 8), repeats=1)
+    out, hidden = 4 * 8 * 4, 4 * 16 * 4
+    # Fed data (stage 0's place), I computes nothing: W starts from the output gradient alone.
+    assert costs[0].i_held_bytes == out
+    assert costs[1].i_held_bytes == out  # the gradient at the weight's output
+    assert costs[2].i_held_bytes == costs[3].i_held_bytes == 0  # no trainable weights
+    assert costs[4].i_held_bytes == out + hidden  # and the gradient at the inner cut
 
 
 def test_profile_keeps_buffers() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import pytest
 
@@ -10,7 +11,8 @@ from pipetrain import make_schedule
 from pipetrain.action import Op
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, simulate
+from pipetrain.simulate import Costs, peak_pairs, peak_units, simulate
+from pipetrain.timeline import Span
 
 GRID = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 12)]
 FB = [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0), (0.5, 4.0)]
@@ -121,6 +123,55 @@ def test_frees_count_before_allocations_at_equal_times() -> None:
     # With zero-cost backward, 0B0 ends when 0F1 starts: the peak stays 1.
     sim = simulate(Schedule.from_text("rank 0\n0F0\n0B0\n0F1\n0B1\n"), Costs(F=1, B=0))
     assert sim.peak_activations == (1.0,)
+
+
+def brute_states(spans: Sequence[Span], w_share: float) -> set[tuple[float, float]]:
+    """(units, I-held count) on each interval between event times, recounted from scratch."""
+    freed = {Op.B: 1.0, Op.I: 1.0 - w_share, Op.W: w_share}
+    times = {s.start for s in spans} | {s.end for s in spans}
+    states = {(0.0, 0.0)}
+    for t in times:
+        units = sum(1.0 if s.action.op is Op.F else 0.0 for s in spans if s.start <= t) - sum(
+            freed[s.action.op] for s in spans if s.action.op is not Op.F and s.end <= t)
+        held = sum({Op.I: 1, Op.W: -1}.get(s.action.op, 0) for s in spans if s.end <= t)
+        states.add((units, float(held)))
+    return states
+
+
+PAIR_CASES = [(kind, p, m, w) for kind in ("zb-h1", "zb-h2", "zbv", "dualpipev",
+                                           "interleaved-zb", "1f1b")
+              for p, m in ((2, 4), (3, 6), (4, 8)) for w in (1.0, 0.5)]
+
+
+@pytest.mark.parametrize(("kind", "p", "m", "w_share"), PAIR_CASES)
+def test_peak_pairs_are_the_pareto_front_of_the_states(
+        kind: str, p: int, m: int, w_share: float) -> None:
+    sim = simulate(make_schedule(kind, p, m), Costs(F=1, I=1.5, W=0.5), w_share=w_share)
+    for r in range(p):
+        spans = sim.timeline.of_rank(r)
+        pairs, states = peak_pairs(spans, w_share), brute_states(spans, w_share)
+        assert set(pairs) <= states
+        assert all(any(u <= pu and n <= pn for pu, pn in pairs) for u, n in states)
+        for act, held in ((1.0, 0.0), (1.0, 0.7), (0.2, 3.0), (0.0, 1.0)):
+            brute = max(u * act + n * held for u, n in states)
+            assert max(u * act + n * held for u, n in pairs) == pytest.approx(brute)
+        ones = tuple(1.0 for _ in range(sim.schedule.n_stages))
+        assert max(u + n for u, n in pairs) == pytest.approx(peak_units(spans, w_share, ones))
+
+
+def test_units_and_held_peak_at_different_times_under_zbv() -> None:
+    # Rank 1 holds 4 units with 1 held, or 3 units with 3 held, never 4 with 3: the exact peak
+    # of 1 byte a unit and 1 a held micro-batch is 6, where the two peaks would add to 7.
+    sim = simulate(make_schedule("zbv", 2, 4))
+    pairs = peak_pairs(sim.timeline.of_rank(1), sim.w_share)
+    assert pairs == ((3.0, 3.0), (4.0, 1.0))
+    assert max(u + n for u, n in pairs) == 6.0
+
+
+def test_peak_pairs_without_i_hold_nothing() -> None:
+    sim = simulate(make_schedule("1f1b", 3, 6))
+    assert [peak_pairs(sim.timeline.of_rank(r), 1.0) for r in range(3)] == [
+        ((3.0, 0.0),), ((2.0, 0.0),), ((1.0, 0.0),)]
 
 
 # -- arguments -----------------------------------------------------------------------------

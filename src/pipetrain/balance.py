@@ -10,13 +10,18 @@ Stage cost per mode (a rank's cost is the sum over its stages; the split minimis
     params   parameter bytes of the stage's layers
     time     sum of F + I + W of its layers (B = I + W)
     memory   trainable bytes x state_multiplier + frozen bytes
-             + in_flight[stage] x activation bytes of its layers
+             + the stage's peak over time of  units x activation bytes + held x i_held bytes
     callable fn(layer_costs, first, end) -> float for layers first .. end-1
 
-``in_flight[stage]`` is the stage's own peak of live micro-batch activations in
-``simulate(schedule)`` (unit costs), counted with the simulator's memory rule (see
-:func:`stage_peaks`). 1F1B holds p - r micro-batches on rank r, so memory mode gives the first
-ranks fewer activation-heavy layers. Everything after profiling is deterministic.
+``units`` is the stage's own count of live micro-batch activations in ``simulate(schedule)``
+(unit costs, the simulator's memory rule), and ``held`` the count of its micro-batches whose I
+has run and W has not: a split backward's I keeps the gradients at the cut until W (the layers'
+``i_held_bytes``). Stage 0 holds none: its input is data, so its I computes nothing and W runs
+the whole backward from the gradient the stage received (left out, as the simulator leaves
+messages out). The two counts need not peak at the same time (ZB-V), so the peak is taken over
+the pairs the simulator can reach (:func:`stage_pairs`), not as the sum of two peaks. 1F1B
+holds p - r micro-batches on rank r, so memory mode gives the first ranks fewer
+activation-heavy layers. Everything after profiling is deterministic.
 """
 
 
@@ -30,15 +35,17 @@ from typing import Any
 
 from torch import nn
 
+from pipetrain.action import Op
 from pipetrain.minmax import RankSplit, StageCostFn, best_rank_split, best_split, check_fit
 from pipetrain.partition import stage_bounds
 from pipetrain.profile import LayerCost, LossFn, param_bytes, param_owners, profile_layers
 from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, Simulation, held_per_stage, peak_units, simulate
+from pipetrain.simulate import Costs, Simulation, held_per_stage, peak_pairs, peak_units, simulate
 from pipetrain.timeline import Span
 
 __all__ = ["LayerCost", "StageCost", "RankCost", "RankSplit", "BalancePlan", "MODES",
-           "profile_layers", "best_split", "best_rank_split", "stage_peaks", "plan_balance"]
+           "profile_layers", "best_split", "best_rank_split", "stage_peaks", "stage_pairs",
+           "plan_balance"]
 
 MODES = ("params", "time", "memory")
 LayerCostFn = Callable[[Sequence[LayerCost], int, int], float]
@@ -52,11 +59,30 @@ def stage_peaks(sim: Simulation) -> tuple[float, ...]:
     :mod:`pipetrain.simulate`'s memory model (``w_share`` and ``i_held`` included) applied to
     one stage's spans; with one stage per rank it equals ``peak_activations``.
     """
+    held = held_per_stage(sim.i_held, sim.schedule.n_stages)
+    return tuple(peak_units(spans, sim.w_share, held) for spans in _by_stage(sim))
+
+
+def stage_pairs(sim: Simulation) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """Per stage, the Pareto-maximal (units, I-held count) pairs alive at once in ``sim``.
+
+    See :func:`pipetrain.simulate.peak_pairs`; ``sim.i_held`` is not used (the count is kept
+    apart so that a caller can weigh it by bytes).
+    """
+    return tuple(peak_pairs(spans, sim.w_share) for spans in _by_stage(sim))
+
+
+def _by_stage(sim: Simulation) -> list[list[Span]]:
     by_stage: list[list[Span]] = [[] for _ in range(sim.schedule.n_stages)]
     for sp in sim.timeline.spans:
         by_stage[sp.action.stage].append(sp)
-    held = held_per_stage(sim.i_held, sim.schedule.n_stages)
-    return tuple(peak_units(spans, sim.w_share, held) for spans in by_stage)
+    return by_stage
+
+
+def _peak(pairs: Sequence[tuple[float, float]], act: float, held: float
+          ) -> tuple[float, float, float]:
+    """The pair with the most ``units x act + count x held`` bytes: (bytes, units, count)."""
+    return max((u * act + n * held, u, n) for u, n in pairs)
 
 
 @dataclass(frozen=True)
@@ -73,10 +99,16 @@ class StageCost:
     param_bytes: int
     activation_bytes: int
     in_flight: float
-    """The stage's peak count of micro-batches held at once (:func:`stage_peaks`)."""
+    """Micro-batch activation units alive at the stage's memory peak (with nothing held for W,
+    its peak count, :func:`stage_peaks`)."""
     memory_bytes: float
-    """Trainable bytes x state multiplier + frozen bytes + in_flight x activation bytes."""
+    """Trainable bytes x state multiplier + frozen bytes + in_flight x activation bytes
+    + held x i_held_bytes."""
     cost: float
+    i_held_bytes: int = 0
+    """Bytes I keeps until W per micro-batch (the layers' sum; 0 on stage 0)."""
+    held: float = 0.0
+    """Micro-batches whose I's gradients are kept for W at the stage's memory peak."""
 
 
 @dataclass(frozen=True)
@@ -116,13 +148,17 @@ class BalancePlan:
 
     def __str__(self) -> str:
         fmt = {"params": _bytes, "memory": _bytes, "time": _ms}.get(self.mode, "{:10.4g}".format)
+        split = any(a.op is Op.I for acts in self.schedule.actions for a in acts)
         lines = [f"balance {self.balance}  mode {self.mode}  {self.schedule.name} "
                  f"({len(self.ranks)} ranks)  {self.method}",
-                 "stage rank layers    F ms    I ms    W ms     params     act/mb  in-flight"
-                 "     memory       cost"]
+                 "stage rank layers    F ms    I ms    W ms     params     act/mb"
+                 + ("    held/mb   act+held" if split else "  in-flight")
+                 + "     memory       cost"]
         lines += [f"{s.stage:5d} {s.rank:4d} {f'{s.first}-{s.end - 1}':6s}{_ms(s.f)}{_ms(s.i)}"
                   f"{_ms(s.w)} {_bytes(s.param_bytes)} {_bytes(s.activation_bytes)} "
-                  f"{s.in_flight:9g} {_bytes(s.memory_bytes)} {fmt(s.cost)}" for s in self.stages]
+                  + (f"{_bytes(s.i_held_bytes)} {f'{s.in_flight:g}+{s.held:g}':>10s}" if split
+                     else f"{s.in_flight:9g}")
+                  + f" {_bytes(s.memory_bytes)} {fmt(s.cost)}" for s in self.stages]
         lines.append("rank stages  F+I+W ms     memory       cost")
         lines += [f"{r.rank:4d} {','.join(map(str, r.stages)):8s}{_ms(r.time)} "
                   f"{_bytes(r.memory_bytes)} {fmt(r.cost)}" for r in self.ranks]
@@ -180,16 +216,22 @@ def plan_balance(
                          "a function fn(layer_costs, first, end) -> float")
     costs = _layer_costs(layers, mode, sample_input, loss_fn, sample_target, layer_costs,
                          repeats)
-    in_flight = stage_peaks(simulate(schedule))
+    pairs = stage_pairs(simulate(schedule))
     sums = _prefix_sums(costs)
 
     def total(key: str, a: int, e: int) -> float:
         return sums[key][e] - sums[key][a]
 
+    def kept(s: int, a: int, e: int) -> float:  # stage 0's I computes nothing (docstring)
+        return total("i_held_bytes", a, e) if s > 0 else 0.0
+
+    def peak(s: int, a: int, e: int) -> tuple[float, float, float]:
+        return _peak(pairs[s], total("activation_bytes", a, e), kept(s, a, e))
+
     def memory(s: int, a: int, e: int) -> float:
         frozen = total("frozen_bytes", a, e)
         return ((total("param_bytes", a, e) - frozen) * state_multiplier + frozen
-                + in_flight[s] * total("activation_bytes", a, e))
+                + peak(s, a, e)[0])
 
     objective: StageCostFn = {
         "params": lambda s, a, e: total("param_bytes", a, e),
@@ -200,7 +242,8 @@ def plan_balance(
     stages = tuple(StageCost(
         s, schedule.rank_of(s), a, e, total("f", a, e), total("i", a, e), total("w", a, e),
         round(total("param_bytes", a, e)), round(total("activation_bytes", a, e)),
-        in_flight[s], memory(s, a, e), objective(s, a, e))
+        peak(s, a, e)[1], memory(s, a, e), objective(s, a, e), round(kept(s, a, e)),
+        peak(s, a, e)[2])
         for s, (a, e) in enumerate(stage_bounds(split.balance)))
     name = mode if isinstance(mode, str) else getattr(mode, "__name__", "custom")
     return BalancePlan(split.balance, name, split.method, split.exact, schedule, stages,
@@ -226,7 +269,7 @@ def _layer_costs(layers: Sequence[nn.Module], mode: str | LayerCostFn, sample_in
 
 
 def _prefix_sums(costs: Sequence[LayerCost]) -> dict[str, list[float]]:
-    keys = ("f", "i", "w", "param_bytes", "activation_bytes", "frozen_bytes")
+    keys = ("f", "i", "w", "param_bytes", "activation_bytes", "frozen_bytes", "i_held_bytes")
     return {k: [0.0, *itertools.accumulate(float(getattr(c, k)) for c in costs)] for k in keys}
 
 

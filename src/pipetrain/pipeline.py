@@ -359,13 +359,13 @@ class Pipeline:
 
 def _broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessGroup | None
                      ) -> list[LayerCost]:
-    table = torch.zeros(n, 6, dtype=torch.float64)
+    table = torch.zeros(n, 7, dtype=torch.float64)
     if costs is not None:
-        table = torch.tensor([[c.f, c.i, c.w, c.param_bytes, c.activation_bytes, c.frozen_bytes]
-                              for c in costs], dtype=torch.float64)
+        table = torch.tensor([[c.f, c.i, c.w, c.param_bytes, c.activation_bytes, c.frozen_bytes,
+                               c.i_held_bytes] for c in costs], dtype=torch.float64)
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast(table, src=src, group=group)
-    return [LayerCost(r[0], r[1], r[2], int(r[3]), int(r[4]), int(r[5])) for r in table.tolist()]
+    return [LayerCost(r[0], r[1], r[2], *(int(b) for b in r[3:])) for r in table.tolist()]
 
 
 def _join(layer_name: str, param_name: str) -> str:

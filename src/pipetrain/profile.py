@@ -3,8 +3,10 @@
 ``profile_layers`` runs the layers in sequence like ``nn.Sequential`` (an optional loss lands on
 the last layer, so a heavy head counts), times each layer's forward, input-gradient and
 weight-gradient backward separately (the split of :mod:`pipetrain.backward`), and counts its
-parameter bytes (a shared parameter once, on its first layer) and activation bytes (the unique
-storages autograd saves, plus its output). Gradients, buffers and the RNG are restored after.
+parameter bytes (a shared parameter once, on its first layer), activation bytes (the unique
+storages autograd saves, plus its output) and the bytes a split backward's I keeps until W (the
+unique storages of the gradients I leaves for W, read off the same split, so it costs no extra
+run). Gradients, buffers and the RNG are restored after.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class LayerCost:
     """Tensors autograd saves for backward plus the output, excluding inputs and parameters."""
     frozen_bytes: int = 0
     """The part of ``param_bytes`` that needs no gradient (no grads or optimizer state)."""
+    i_held_bytes: int = 0
+    """Gradients a split backward's I keeps until W: those at the cut between the input and
+    weight paths, the layer's output gradient among them when a weight's op is the layer's
+    last (so a ``Linear`` keeps its output gradient). 0 for a layer without trainable weights.
+    Measured as in a later stage; a stage 0 fed data runs no I (see :mod:`pipetrain.balance`)."""
 
     @property
     def b(self) -> float:
@@ -79,19 +86,20 @@ def profile_layers(
     with torch.random.fork_rng(devices=[]), _restored(layers):
         for j, layer in enumerate(layers):
             head = loss_fn if j == len(layers) - 1 else None
-            times, act, x = _profile_one(layer, x, head, sample_target, repeats)
+            times, (act, held), x = _profile_one(layer, x, head, sample_target, repeats)
             frozen = [p for p in owned[j] if not p.requires_grad]
-            result.append(LayerCost(*times, param_bytes(owned[j]), act, param_bytes(frozen)))
+            result.append(LayerCost(*times, param_bytes(owned[j]), act, param_bytes(frozen),
+                                    held))
     return result
 
 
 def _profile_one(layer: nn.Module, x: Any, head: LossFn | None, target: Any,
-                 repeats: int) -> tuple[tuple[float, float, float], int, Any]:
+                 repeats: int) -> tuple[tuple[float, float, float], tuple[int, int], Any]:
     tensors, spec = flatten(x)
     leaves = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
               for t in tensors]
     params = list(layer.parameters())
-    runs, out, act = [], None, 0
+    runs, out, act, kept = [], None, 0, 0
     for k in range(repeats + 1):
         t0 = _now(leaves)
         with _saved_bytes(k == 0) as saved:  # the warm-up, untimed
@@ -103,10 +111,14 @@ def _profile_one(layer: nn.Module, x: Any, head: LossFn | None, target: Any,
         grads = [torch.ones_like(t) if t.requires_grad else None for t in flat]
         _, work = backward_input(flat, grads, leaves, params)
         t2 = _now(leaves)
+        if k == 0:  # what W will read: the gradients I saved at the cut, and W-only roots'
+            weights = _storages(params)
+            grads_kept = _storages([g for group in work.groups for g in group[1]])
+            kept = sum(b for ptr, b in grads_kept.items() if ptr not in weights)
         work.run()
         runs.append((t1 - t0, t2 - t1, _now(params) - t2))
     f, i, w = (statistics.median(r[n] for r in runs[1:]) for n in range(3))
-    return (f, i, w), act, out
+    return (f, i, w), (act, kept), out
 
 
 def _forward(layer: nn.Module, x: Any, head: LossFn | None,

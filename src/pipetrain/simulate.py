@@ -28,6 +28,8 @@ data) and so keeps next to nothing; a tuple gives every stage's share. The defau
 it out. ``benchmarks/memory.py`` measures 0.69 for a stage of pre-norm transformer blocks
 (docs/benchmarks.md), where counting it takes the zero-bubble schedules' ranks after the
 first from 1.4-1.75 times the count to within 10 %.
+``peak_pairs`` keeps the two apart: the (units, I-held count) pairs that can be the peak, for a
+caller that weighs them by bytes measured per stage (:mod:`pipetrain.balance`).
 """
 
 from __future__ import annotations
@@ -255,23 +257,54 @@ def held_per_stage(i_held: Cost, n_stages: int) -> tuple[float, ...]:
 
 def peak_units(spans: Sequence[Span], w_share: float, held: tuple[float, ...]) -> float:
     """The most activation units alive at once over ``spans`` (the module's memory model)."""
-    # (time, order, delta): order 0 frees, 1 allocations, so frees win ties.
-    events: list[tuple[float, int, float]] = []
-    for s in spans:
-        if s.action.op is Op.F:
-            events.append((s.start, 1, 1.0))
-            continue
-        events.append((s.end, 0, -_freed(s.action, w_share)))
-        kept = held[s.action.stage]
-        if kept and s.action.op is Op.I:  # after I's own frees, as an allocation
-            events.append((s.end, 1, kept))
-        elif kept and s.action.op is Op.W:
-            events.append((s.end, 0, -kept))
+    events = [(t, order, units + held[stage] * n_held)
+              for t, order, stage, units, n_held in _events(spans, w_share)]
     alive = peak = 0.0
     for _, _, delta in sorted(events):
         alive += delta
         peak = max(peak, alive)
     return peak
+
+
+def peak_pairs(spans: Sequence[Span], w_share: float) -> tuple[tuple[float, float], ...]:
+    """The Pareto-maximal (units, I-held count) pairs alive at once over ``spans``.
+
+    Units follow the module's memory model with ``i_held = 0``; the count is the I's whose W
+    has not ended. For weights ``a, h >= 0`` the peak over time of ``a x units + h x count`` is
+    the largest ``a x u + h x n`` over these pairs, which two separate peaks can overstate.
+    Sorted by units, ascending.
+
+    Example:
+        >>> from pipetrain import make_schedule
+        >>> sim = simulate(make_schedule("zbv", 2, 4))
+        >>> peak_pairs(sim.timeline.of_rank(1), sim.w_share)  # 3 units + 3 held, or 4 + 1
+        ((3.0, 3.0), (4.0, 1.0))
+    """
+    states = {(0.0, 0.0)}
+    units = count = 0.0
+    for _, _, _, du, dn in sorted(_events(spans, w_share), key=lambda e: e[:2]):
+        units, count = units + du, count + dn
+        states.add((units, count))
+    best: list[tuple[float, float]] = []
+    for u, n in sorted(states, key=lambda p: (-p[0], -p[1])):  # most units first
+        if not best or n > best[-1][1]:
+            best.append((u, n))
+    return tuple(reversed(best))
+
+
+def _events(spans: Sequence[Span], w_share: float
+            ) -> list[tuple[float, int, int, float, float]]:
+    # (time, order, stage, units, I-held count): order 0 frees, 1 allocations, so frees win ties.
+    events: list[tuple[float, int, int, float, float]] = []
+    for s in spans:
+        stage, op = s.action.stage, s.action.op
+        if op is Op.F:
+            events.append((s.start, 1, stage, 1.0, 0.0))
+            continue
+        events.append((s.end, 0, stage, -_freed(s.action, w_share), -1.0 if op is Op.W else 0.0))
+        if op is Op.I:  # after I's own frees, as an allocation
+            events.append((s.end, 1, stage, 0.0, 1.0))
+    return events
 
 
 def _freed(action: Action, w_share: float) -> float:
