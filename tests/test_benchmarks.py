@@ -68,3 +68,14 @@ def test_breakdown_tiny_times_every_piece_and_writes_json(tmp_path: Path) -> Non
             assert pieces["post"]["calls_per_step"] == pieces["P2P.send"]["calls_per_step"] > 0
             assert pieces["Stage.forward"]["wall_ms_per_step"] < pieces["Executor.run"][
                 "wall_ms_per_step"]
+
+
+def test_cold_tiny_times_every_piece_in_every_condition(tmp_path: Path) -> None:
+    out = tmp_path / "cold.json"
+    stdout = _run("cold", "--tiny", "--json", str(out), timeout=60)
+    assert "sleep/warm" in stdout
+    pieces = json.loads(out.read_text())["pieces"]
+    assert {"encode 64 B", "encode 512 KiB", "new_frame", "read_header+decode",
+            "torch detach"} == set(pieces)
+    for by in pieces.values():
+        assert set(by) == {"warm", "busy", "sleep", "evict"} and all(v > 0 for v in by.values())
