@@ -19,9 +19,7 @@ whose CPU time is large did the work itself. The wrappers cost a few microsecond
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -130,9 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               timeout=1800)
         print(format_table(name, out[name]))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"meta": {"machine": gb.machine(), "argv": list(sys.argv)},
-                       "schedules": out}, fh, indent=1)
+        gb.save_json(args.json, {"schedules": out})
     return 0
 
 

@@ -24,7 +24,6 @@ busiest rank (``op+``), next to the makespan the simulator predicts.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -424,9 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "schedule run by benchmarks/bare.py (sleeps and one-element messages only): the "
           "machine's floor")
     if args.json:
-        meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started}
-        with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        gb.save_json(args.json, {"rows": rows}, wall_s=time.time() - started)
     return 0
 
 

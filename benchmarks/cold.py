@@ -22,7 +22,6 @@ A plain torch call (``detach``) is timed alike, as the scale every piece is meas
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -121,9 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = measure(args.gap / 1e3, args.evict_mib, args.rounds)
     print(format_table(result))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"meta": {"machine": gb.machine(), "argv": list(sys.argv)},
-                       "pieces": result}, fh, indent=1)
+        gb.save_json(args.json, {"pieces": result})
     return 0
 
 

@@ -12,9 +12,11 @@ after its step, as pipetrain does inside its step.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -276,3 +278,12 @@ def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "pipetrain": pt.__version__, "cpus": os.cpu_count(),
             "processor": platform.processor() or platform.machine()}
+
+
+def save_json(path: str, body: dict[str, Any], **meta: Any) -> None:
+    """Write a benchmark's results to ``path``: ``body`` beside a ``meta`` entry holding the
+    machine, the command line and ``meta``."""
+    with open(path, "w") as fh:
+        json.dump({"meta": {"machine": machine(), "argv": list(sys.argv), **meta}, **body}, fh,
+                  indent=1)
+

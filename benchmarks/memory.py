@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -323,10 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           "each op's own peak and the sends held until the step ends; measured: rise of live "
           "CPU tensor bytes during a step (torch allocator, all threads)")
     if args.json:
-        meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started,
-                "setup": setup.__dict__}
-        with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        gb.save_json(args.json, {"rows": rows}, wall_s=time.time() - started,
+                     setup=setup.__dict__)
     return 0
 
 

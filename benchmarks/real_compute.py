@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -285,11 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in verdicts(rows):
         print(line)
     if args.json:
-        meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started,
-                "preset": args.preset, "batch": args.batch, "microbatches": args.m,
-                "tokens_per_step": work.tokens, "ranks": work.ranks}
-        with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        gb.save_json(args.json, {"rows": rows}, wall_s=time.time() - started,
+                     preset=args.preset, batch=args.batch, microbatches=args.m,
+                     tokens_per_step=work.tokens, ranks=work.ranks)
     return 0
 
 

@@ -35,7 +35,6 @@ in the run and each message the mean ``hop`` measured in the run (both medians o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -374,14 +373,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"within 5% of measured: profiled {_within(rows, 'ratio')}; calibrated "
           f"{_within(rows, 'calibrated_ratio')}")
     if args.json:
-        meta = {"machine": gb.machine(), "argv": list(sys.argv), "wall_s": time.time() - started,
-                "preset": args.preset, "batch": args.batch, "microbatches": args.m,
-                "calibration": {"schedule": calib.name, "steps": args.calibration_steps,
-                                "balance": calib.balance, "comm_s": calib.calibration.comm,
-                                "hops": calib.calibration.hops,
-                                "costs": calib.calibration.costs.to_dict()}}
-        with open(args.json, "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        calibration = {"schedule": calib.name, "steps": args.calibration_steps,
+                       "balance": calib.balance, "comm_s": calib.calibration.comm,
+                       "hops": calib.calibration.hops,
+                       "costs": calib.calibration.costs.to_dict()}
+        gb.save_json(args.json, {"rows": rows}, wall_s=time.time() - started,
+                     preset=args.preset, batch=args.batch, microbatches=args.m,
+                     calibration=calibration)
     return 0
 
 
