@@ -217,13 +217,14 @@ def plan_balance(
     costs = _layer_costs(layers, mode, sample_input, loss_fn, sample_target, layer_costs,
                          repeats)
     pairs = stage_pairs(simulate(schedule))
+    held_share = held_per_stage(1.0, schedule.n_stages)  # the simulator's rule: 0 on stage 0
     sums = _prefix_sums(costs)
 
     def total(key: str, a: int, e: int) -> float:
         return sums[key][e] - sums[key][a]
 
     def kept(s: int, a: int, e: int) -> float:  # stage 0's I computes nothing (docstring)
-        return total("i_held_bytes", a, e) if s > 0 else 0.0
+        return total("i_held_bytes", a, e) * held_share[s]
 
     def peak(s: int, a: int, e: int) -> tuple[float, float, float]:
         return _peak(pairs[s], total("activation_bytes", a, e), kept(s, a, e))
@@ -239,12 +240,14 @@ def plan_balance(
         "memory": memory,
     }[mode] if isinstance(mode, str) else lambda s, a, e: mode(costs, a, e)
     split = best_rank_split(objective, schedule.placement, n_layers=n, max_states=max_states)
-    stages = tuple(StageCost(
-        s, schedule.rank_of(s), a, e, total("f", a, e), total("i", a, e), total("w", a, e),
-        round(total("param_bytes", a, e)), round(total("activation_bytes", a, e)),
-        peak(s, a, e)[1], memory(s, a, e), objective(s, a, e), round(kept(s, a, e)),
-        peak(s, a, e)[2])
-        for s, (a, e) in enumerate(stage_bounds(split.balance)))
+    def stage_cost(s: int, a: int, e: int) -> StageCost:
+        _, units, held = peak(s, a, e)
+        return StageCost(s, schedule.rank_of(s), a, e, total("f", a, e), total("i", a, e),
+                         total("w", a, e), round(total("param_bytes", a, e)),
+                         round(total("activation_bytes", a, e)), units, memory(s, a, e),
+                         objective(s, a, e), round(kept(s, a, e)), held)
+
+    stages = tuple(stage_cost(s, a, e) for s, (a, e) in enumerate(stage_bounds(split.balance)))
     name = mode if isinstance(mode, str) else getattr(mode, "__name__", "custom")
     return BalancePlan(split.balance, name, split.method, split.exact, schedule, stages,
                        _rank_costs(schedule, stages))
