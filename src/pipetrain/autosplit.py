@@ -4,7 +4,7 @@
 ordinary module. The candidates are its *units*: the model's direct children, with every
 container (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) replaced by its own
 children, recursively. For a usual transformer that gives ``embed, pos, blocks.0, ...,
-blocks.N-1, norm, head``. The units are ordered by their first use in the traced ``forward``;
+blocks.N-1, norm, head``. The units are ordered by their first use in the captured ``forward``;
 units used at the same place (an embedding used only as the tied head's weight) or never used
 collapse into the unit before them.
 
@@ -16,13 +16,13 @@ exactly as it does for a layer list.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Any
 
 from torch import fx, nn
 
+from pipetrain.capture import Captured, capture
 from pipetrain.errors import PartitionError
-from pipetrain.trace import _bind, _check_names, _first_use, _signature, _trace
+from pipetrain.trace import _first_use
 
 __all__ = ["units", "cut_points"]
 
@@ -46,27 +46,20 @@ def units(model: nn.Module) -> list[str]:
 
 
 def cut_points(model: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,
-               leaf_modules: Collection[str] = ()) -> list[str]:
+               captured: Captured | None = None) -> list[str]:
     """Every unit that starts a new place in ``forward``, in execution order.
 
     The first unit used is left out (a stage cannot start before the first one), so the
     result can be given to :func:`~pipetrain.trace.split_model` as ``split_points``; it makes
-    ``len(result) + 1`` unit stages.
+    ``len(result) + 1`` unit stages. ``captured`` is the model's capture, when already made.
 
     Raises:
-        PartitionError: when ``forward`` cannot be traced, or uses fewer than two units (then
+        PartitionError: when ``forward`` cannot be captured, or uses fewer than two units (then
             there is nothing to cut between: give ``split_points`` by hand).
     """
-    signature = _signature(model)
-    inputs = _bind(signature, example_inputs)
-    leaves = frozenset(_check_names(model, leaf_modules, "leaf_modules"))
-    before = set(model.__dict__)
-    try:
-        nodes = list(_trace(model, inputs, leaves).nodes)
-    finally:  # the tracer stores tensor constants on the model
-        for name in set(model.__dict__) - before:
-            delattr(model, name)
-    return _ordered(model, nodes)
+    if captured is None:
+        captured = capture(model, example_inputs)
+    return _ordered(model, list(captured.graph.nodes))
 
 
 def _ordered(model: nn.Module, nodes: list[fx.Node]) -> list[str]:

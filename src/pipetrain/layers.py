@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.capture import move_graph
 from pipetrain.errors import PartitionError
 from pipetrain.lazy import LayerSpec, NamedInit, is_meta, resolve
 from pipetrain.partition import named_layers
@@ -45,7 +46,7 @@ class Layers:
     """
 
     def __init__(self, model: Any, traced: TracedSplit | None, seed: int) -> None:
-        self.seed = seed
+        self.seed, self.traced = seed, traced is not None
         self.items: list[Layer] = (named_layers(model) if traced is None
                                    else [("", stage) for stage in traced.stages])
         self.by_name = NamedInit(model, seed) if traced is not None and is_meta(model) else None
@@ -59,8 +60,12 @@ class Layers:
     def build(self, layer: nn.Module | LayerSpec, index: int, device: torch.device) -> nn.Module:
         """``layer`` (at ``index``) as a real module on ``device``."""
         if self.by_name is not None and isinstance(layer, nn.Module) and is_meta(layer):
-            return self.by_name.materialize(layer, device).to(device)  # real buffers too
-        return resolve(layer, index, self.seed, device).to(device)
+            built = self.by_name.materialize(layer, device).to(device)  # real buffers too
+        else:
+            built = resolve(layer, index, self.seed, device).to(device)
+        if self.traced:  # tensors the graph creates are created on the stage's device
+            move_graph(built, device)  # type: ignore[arg-type]
+        return built
 
     def names(self, layers: Sequence[Layer]) -> dict[int, str]:
         """``id`` of each Parameter in ``layers`` -> its name in the model (first holder's)."""
@@ -98,21 +103,24 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
         PartitionError: for split points that do not make ``n_stages`` stages.
     """
     from pipetrain.autosplit import cut_points
+    from pipetrain.capture import capture
     from pipetrain.trace import split_model
 
     if not isinstance(model, nn.Module) or example_inputs is None:
         raise TypeError("split_points= needs the model as one nn.Module and example_inputs= "
                         "(a tuple or dict of its forward's arguments)")
-    if split_points == "auto":  # one small stage per unit; the balancer groups them
-        return split_model(model, cut_points(model, example_inputs), example_inputs)
-    if balance is not None:
+    if split_points != "auto" and balance is not None:
         raise PartitionError("pass either split_points=[...] or balance=, not both (or "
                              "split_points='auto' with a balance mode)")
-    if isinstance(split_points, str) or len(split_points) + 1 != n_stages:
+    if split_points != "auto" and (isinstance(split_points, str)
+                                   or len(split_points) + 1 != n_stages):
         raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} stages but the "
                              f"schedule has {n_stages} (ranks x stages per rank); give "
                              f"{n_stages - 1} split points, or 'auto'")
-    return split_model(model, split_points, example_inputs)
+    captured = capture(model, example_inputs)
+    if split_points == "auto":  # one small stage per unit; the balancer groups them
+        split_points = cut_points(model, example_inputs, captured=captured)
+    return split_model(model, split_points, example_inputs, captured=captured)
 
 
 def packed(traced: TracedSplit, example: Any) -> Any:

@@ -19,7 +19,8 @@ times (a forward that takes another path when replayed is reported, not silently
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,9 @@ class Replay:
         self.rng = _rng_state(device)
         self.count = 0
         self.saved: list[torch.Tensor | None] | None = None
+        self.updated: list[torch.Tensor] = []
+        """Buffers that F updated in place (BatchNorm's running statistics, counters): the
+        replay leaves them as it found them, so they are updated once per micro-batch."""
         self.last_use = False
         """Set before the micro-batch's last backward: each tensor is dropped here as it is
         handed to autograd, which frees it once its node ran (instead of at the micro-batch's
@@ -103,15 +107,20 @@ class Replay:
 
     def forward(self, x: Any) -> Any:
         """F of the segment, keeping positions instead of the tensors autograd saves."""
+        buffers = [b for layer in self.segment.layers for b in layer.buffers()]
+        versions = [b._version for b in buffers]
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            return self.segment.run(x)
+            out = self.segment.run(x)
+        self.updated = [b for b, v in zip(buffers, versions) if b._version != v]
+        return out
 
     def replay(self) -> None:
         """Run the segment again from its input (once) and keep what autograd saves."""
         if self.saved is not None:
             return
         saved: list[torch.Tensor] = []
-        with torch.random.fork_rng(devices=_cuda_of(self.device)), torch.enable_grad():
+        with torch.random.fork_rng(devices=_cuda_of(self.device)), torch.enable_grad(), \
+                _kept(self.updated):
             _set_rng_state(self.device, self.rng)
             with torch.autograd.graph.saved_tensors_hooks(_keeper(saved), _unused):
                 self.segment.run(_again(self.inputs))
@@ -139,6 +148,18 @@ class Replay:
         if self.last_use:
             self.saved[position] = None
         return t
+
+
+@contextmanager
+def _kept(buffers: list[torch.Tensor]) -> Iterator[None]:
+    """``buffers`` as they were before the block, whatever it does to them."""
+    before = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in zip(buffers, before):
+                b.copy_(value)
 
 
 def _keeper(saved: list[torch.Tensor]) -> Callable[[torch.Tensor], None]:

@@ -1,21 +1,22 @@
-"""Trace: cut an ordinary ``nn.Module`` (not a layer list) into pipeline stages with torch.fx.
+"""Trace: cut an ordinary ``nn.Module`` (not a layer list) into pipeline stages of its capture.
 
 A transformer's ``forward`` is not a sequence of layers: it embeds, builds a mask from a keyword
-argument, loops over a ``ModuleList`` and uses the mask in every block, then normalises and
-projects with a weight tied to the embedding. :func:`split_model` records that forward once as an
-fx graph (``torch.fx.Tracer``, which keeps every Python-level call as it was, so the stages run
-the very same operations and match the model bitwise) and cuts the graph at the first use of
-each split-point module, like ``SplitPoint.BEGINNING``.
+argument, loops over a ``ModuleList`` and uses the mask and the rotary tables in every block,
+then normalises and projects with a weight tied to the embedding. :func:`split_model` records
+that forward once with torch.export (:mod:`pipetrain.capture`, one graph of ATen ops) and cuts
+the graph before the first operation run inside each split-point module, like
+``SplitPoint.BEGINNING``.
 
 Each stage is an ``fx.GraphModule`` that takes ONE payload and returns ONE payload, so the
 stages chain like the layers of ``nn.Sequential`` and fit :class:`~pipetrain.Pipeline`:
 
-* stage 0 takes a dict of ``forward``'s parameter names to values (:meth:`TracedSplit.pack`
-  binds positional and keyword arguments and fills in defaults);
+* stage 0 takes a dict of ``forward``'s argument names to values (:meth:`TracedSplit.pack`
+  binds positional and keyword arguments; arguments not given keep their defaults);
 * stage k < last returns a dict of every value a later stage needs, keyed by the name of the
-  graph node that produced it (:attr:`TracedSplit.boundaries`). Ints, None and other plain
-  values travel too;
-* the last stage returns what ``model.forward`` returns.
+  graph node that produced it (:attr:`TracedSplit.boundaries`). Ints (sizes read from a
+  shape) travel too;
+* the last stage returns what ``model.forward`` returns, in its own structure (a Hugging Face
+  ``ModelOutput``, a dict, a tuple, a tensor).
 
 Run as a chain (:meth:`TracedSplit.run`, or the stages given to ``Pipeline`` as a layer list),
 a value made in stage 1 and used in stage 3 passes through stage 2. ``Pipeline(model,
@@ -24,23 +25,23 @@ split_points=...)`` does not relay it: from :attr:`TracedSplit.made_in` and
 to stage 3 directly (:mod:`pipetrain.routes`). A stage carries on a value it neither makes nor
 uses only when its payload holds it, so the same stages serve both ways.
 
-Stages hold the model's own submodules and Parameters (no copies); a weight used by two stages
-(a tied embedding and LM head) is the same Parameter in both. Tracing needs no values, so the
-model may live on the ``meta`` device; :class:`~pipetrain.lazy.NamedInit` then materialises any
-stage with the values the whole model would get.
+Stages hold the model's own Parameters and buffers under the model's names (no copies); a weight
+used by two stages (a tied embedding and LM head) is the same Parameter in both, and a buffer
+that forward updates (BatchNorm's running statistics) is updated in place by the stage that
+runs its module. Capture needs no values, so the model may live on the ``meta`` device;
+:class:`~pipetrain.lazy.NamedInit` then materialises any stage with the values the whole model
+would get.
 
-Limits of tracing: Python-level decisions are taken once, at trace time (a branch on
-``self.training`` or on a plain argument); control flow on tensor values cannot be traced (name
-the module holding it in ``leaf_modules``). A split point cuts at the first use of its module, so
-a module used again later (other than through a shared Parameter) is called from both stages.
+Limits of capture: Python-level decisions are taken once (a branch on ``self.training`` or on
+a plain argument: dropout stays as captured, so capture the model in the mode it trains in);
+control flow on tensor values cannot be captured (:mod:`pipetrain.capture` says what to do).
+A split point cuts at the first operation of its module, so a module used again later (other
+than through a shared Parameter) runs in both stages.
 """
 
 from __future__ import annotations
 
-import inspect
 import operator
-import os
-import traceback
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from difflib import get_close_matches
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pipetrain.capture import Captured, capture
 from pipetrain.errors import PartitionError
 from pipetrain.lazy import is_meta
 from pipetrain.payload import flatten, unflatten
@@ -56,12 +58,9 @@ from pipetrain.routes import Routes, direct
 
 __all__ = ["TracedSplit", "split_model"]  # public: split_model and its result
 
-_PLAIN = (int, float, bool, str, type(None))
-
-
 @dataclass(frozen=True)
 class TracedSplit:
-    """The stages of a traced model and how their names and payloads relate to it."""
+    """The stages of a captured model and how their names and payloads relate to it."""
 
     stages: list[nn.Module]
     """One ``fx.GraphModule`` per stage; ``stages[k](payload)`` returns stage k+1's payload."""
@@ -70,25 +69,25 @@ class TracedSplit:
     that Parameter as ``model.named_parameters()`` reports it (so a tied ``"head.weight"`` maps
     to ``"embed.weight"``)."""
     input_names: list[str]
-    """The keys of stage 0's payload: ``forward``'s parameter names, in order."""
+    """The keys of stage 0's payload: the ``forward`` arguments the example gave, in order."""
     boundaries: list[list[str]]
     """``boundaries[k]``: the keys of the dict stage k returns to stage k+1."""
-    signature: inspect.Signature
-    """The signature of ``model.forward`` (used by :meth:`pack`)."""
+    captured: Captured
+    """The capture the stages were cut from (:mod:`pipetrain.capture`)."""
     made_in: dict[str, int] = field(default_factory=dict)
     """Per boundary key: the stage that makes the value."""
     used_in: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Per boundary key: the stages that use the value (the last: its output), ascending."""
 
     def pack(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Stage 0's payload for ``model(*args, **kwargs)``: parameter name -> value.
+        """Stage 0's payload for ``model(*args, **kwargs)``: argument name -> value.
+
+        Arguments not given are left out and keep their defaults, as in the capture.
 
         Raises:
             TypeError: if the arguments do not fit ``model.forward``.
         """
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return dict(bound.arguments)
+        return self.captured.pack(*args, **kwargs)
 
     def run(self, payload: dict[str, Any]) -> Any:
         """Run the stages one after another on stage 0's payload; returns the model output."""
@@ -114,26 +113,25 @@ class TracedSplit:
 
 def split_model(
     model: nn.Module, split_points: Sequence[str],
-    example_inputs: tuple[Any, ...] | dict[str, Any], *,
-    leaf_modules: Collection[str] = (), check: bool = True,
+    example_inputs: tuple[Any, ...] | dict[str, Any], *, check: bool = True,
+    captured: Captured | None = None,
 ) -> TracedSplit:
-    """Cut ``model`` into ``len(split_points) + 1`` stages by tracing its ``forward``.
+    """Cut ``model`` into ``len(split_points) + 1`` stages of its captured ``forward``.
 
     Args:
-        model: any module whose ``forward`` torch.fx can trace (no control flow on tensor
-            values; see ``leaf_modules``).
-        split_points: module names (``"blocks.4"``); a stage starts right before the first use
-            of each, in execution order.
+        model: any module that ``torch.export.export(model, args, kwargs, strict=False)``
+            captures (:mod:`pipetrain.capture`).
+        split_points: module names (``"blocks.4"``); a stage starts right before the first
+            operation run inside each, in execution order.
         example_inputs: positional (tuple) or keyword (dict) arguments of ``model.forward``.
-            Tensor arguments stay symbolic; plain values (None, ints, bools, floats, strings,
-            and parameters left at their default) are fixed at trace time, and a different
-            value at run time fails an assertion in stage 0.
-        leaf_modules: names of submodules to call as one opaque step instead of tracing into
-            them (for code fx cannot trace); torch.nn's own layers are leaves already.
+            Tensor dimensions stay symbolic where the code allows; plain values (None, ints,
+            bools, floats, strings) are fixed at capture, and a different value at run time
+            is an error in stage 0. Arguments not given keep their defaults.
         check: run the stages once on ``example_inputs`` (without autograd; modules with
             running statistics update them) and check that every payload can travel between
             processes. A model on the ``meta`` device runs on meta copies of the inputs (no
             values, the same payload structure).
+        captured: the capture of ``model`` on ``example_inputs``, when already made.
 
     Returns:
         A :class:`TracedSplit`; ``split.run(split.pack(*args, **kwargs))`` equals
@@ -141,8 +139,8 @@ def split_model(
 
     Raises:
         PartitionError: for unknown, unused, duplicate or out-of-order split points, for
-            arguments that do not fit ``forward``, for a forward fx cannot trace, and (with
-            ``check``) for a payload value that cannot be sent.
+            arguments that do not fit ``forward``, for a forward torch.export cannot capture,
+            and (with ``check``) for a payload value that cannot be sent.
 
     Example::
 
@@ -150,52 +148,22 @@ def split_model(
         pipe = Pipeline(split.stages, "1f1b", microbatches=4, loss_fn=loss_fn)
         pipe.step(split.pack(ids, attention_mask=mask), targets)
     """
-    signature = _signature(model)
-    inputs = _bind(signature, example_inputs)
     points = _check_names(model, split_points, "split_points")
-    leaves = frozenset(_check_names(model, leaf_modules, "leaf_modules"))
-    before = set(model.__dict__)
-    graph = _trace(model, inputs, leaves)
-    try:
-        stages, boundaries, uses = _build(model, graph, points, signature, inputs)
-    finally:  # the tracer stores tensor constants on the model; the stages hold their own
-        for name in set(model.__dict__) - before:
-            delattr(model, name)
+    if captured is None:
+        captured = capture(model, example_inputs)
+    stages, boundaries, uses = _build(model, captured, points)
     canonical = {id(p): name for name, p in model.named_parameters()}
     names = [{n: canonical[id(p)] for n, p in s.named_parameters()} for s in stages]
-    split = TracedSplit(list(stages), names, list(signature.parameters), boundaries, signature,
+    split = TracedSplit(list(stages), names, list(captured.given), boundaries, captured,
                         *uses)
     if check:
+        inputs = captured.pack(*example_inputs) if isinstance(example_inputs, tuple) else \
+            captured.pack(**example_inputs)
         _check_payloads(split, _on_meta(inputs) if is_meta(model) else inputs)
     return split
 
 
-# -- arguments and names ------------------------------------------------------------------
-def _signature(model: nn.Module) -> inspect.Signature:
-    signature = inspect.signature(model.forward)
-    variadic = [p.name for p in signature.parameters.values()
-                if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if variadic:
-        raise PartitionError(
-            f"{type(model).__name__}.forward{signature} takes *{variadic[0]}; tracing needs "
-            "named parameters. Wrap the model in a module whose forward names its arguments"
-        )
-    return signature
-
-
-def _bind(signature: inspect.Signature, example: Any) -> dict[str, Any]:
-    if not isinstance(example, (tuple, dict)):
-        raise PartitionError("example_inputs must be a tuple (positional arguments) or a dict "
-                             f"(keyword arguments) of forward, got {type(example).__name__}")
-    try:
-        bound = (signature.bind(*example) if isinstance(example, tuple)
-                 else signature.bind(**example))
-    except TypeError as e:
-        raise PartitionError(f"example_inputs do not fit forward{signature}: {e}") from e
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
+# -- names --------------------------------------------------------------------------------
 def _check_names(model: nn.Module, names: Collection[str], what: str) -> list[str]:
     """Every problem with a list of module names, raised at once."""
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
@@ -216,58 +184,18 @@ def _check_names(model: nn.Module, names: Collection[str], what: str) -> list[st
     return list(names)
 
 
-# -- tracing ------------------------------------------------------------------------------
-class _Tracer(fx.Tracer):
-    def __init__(self, leaves: frozenset[str]) -> None:
-        super().__init__()
-        self.leaves = leaves
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(
-            m, module_qualified_name)
-
-
-def _trace(model: nn.Module, inputs: dict[str, Any], leaves: frozenset[str]) -> fx.Graph:
-    concrete = {k: v for k, v in inputs.items() if isinstance(v, _PLAIN)}
-    try:
-        return _Tracer(leaves).trace(model, concrete_args=concrete or None)
-    except Exception as e:
-        raise PartitionError(
-            f"torch.fx could not trace {type(model).__name__}.forward{_user_frame(e)}: "
-            f"{type(e).__name__}: {e}\nTracing runs forward on symbolic values, so Python "
-            "control flow on tensor values (if/while on a tensor, len() or iteration of a "
-            "tensor, .item(), ...) and calls that need a real number (torch.ones(n) with n "
-            "from a shape) cannot be traced. Alternatives: name the submodule holding "
-            "that code in leaf_modules=[...] (it is then called as one step), make the branch "
-            "depend on a plain argument fixed in example_inputs, or give Pipeline an explicit "
-            "layer list (nn.Sequential) with balance=[...]"
-        ) from e
-
-
-def _user_frame(e: BaseException) -> str:
-    """`` at file:line (`code`)`` of the innermost traceback frame outside torch and this file."""
-    torch_dir = os.path.dirname(torch.__file__)
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(torch_dir) and f.filename != __file__]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
-
-
 # -- cutting the graph --------------------------------------------------------------------
 def _paths(node: fx.Node) -> set[str]:
-    """The module paths a node runs inside of (its module stack, or its own target)."""
+    """The module paths an operation runs inside of (its module stack)."""
     stack = node.meta.get("nn_module_stack") or {}
-    paths = {str(v[0]) for v in stack.values()}
-    if node.op in ("call_module", "get_attr"):
-        paths.add(str(node.target))
-    return paths
+    return {str(v[0]) for v in stack.values()}
 
 
 def _first_use(nodes: list[fx.Node], point: str) -> int | None:
+    """The first operation run inside module ``point`` (parameter reads are not uses)."""
     for i, node in enumerate(nodes):
-        if any(p == point or p.startswith(point + ".") for p in _paths(node)):
+        if node.op == "call_function" and any(
+                p == point or p.startswith(point + ".") for p in _paths(node)):
             return i
     return None
 
@@ -278,8 +206,8 @@ def _cuts(model: nn.Module, nodes: list[fx.Node], points: list[str]) -> list[int
     unused = [p for p, i in found.items() if i is None]
     if unused:
         raise PartitionError(
-            f"split points {unused} are never used by {type(model).__name__}.forward (or only "
-            "inside a leaf module, which runs as one step); choose modules that forward calls")
+            f"split points {unused} are never used by {type(model).__name__}.forward; choose "
+            "modules that forward calls")
     cuts = [i for i in found.values() if i is not None]
     bad = [f"{a!r} (node {i}) is not after {b!r} (node {j})"
            for (b, j), (a, i) in zip(zip(points, cuts), zip(points[1:], cuts[1:])) if i <= j]
@@ -291,27 +219,26 @@ def _cuts(model: nn.Module, nodes: list[fx.Node], points: list[str]) -> list[int
     return cuts
 
 
-def _build(model: nn.Module, graph: fx.Graph, points: list[str],
-           signature: inspect.Signature, inputs: dict[str, Any]
+def _build(model: nn.Module, captured: Captured, points: list[str]
            ) -> tuple[list[fx.GraphModule], list[list[str]],
                       tuple[dict[str, int], dict[str, tuple[int, ...]]]]:
-    nodes = list(graph.nodes)
+    nodes = list(captured.graph.nodes)
     cuts = _cuts(model, nodes, points)
     stage_of = {n: sum(i >= c for c in cuts) for i, n in enumerate(nodes)}
     n_stages = len(cuts) + 1
     live = _live(nodes, stage_of, n_stages)
-    arg_of = _arg_names(nodes, signature, inputs)
     stages = []
     for k in range(n_stages):
-        builder = _StageBuilder(k, arg_of)
+        builder = _StageBuilder(k, captured, nodes)
         for n in nodes:
             if stage_of[n] == k and n.op not in ("placeholder", "get_attr", "output"):
                 builder.copy(n)
-        out = nodes[-1]
-        builder.graph.output(fx.node.map_arg(out.args[0], builder.value) if k == n_stages - 1
-                             else builder.live(live[k], stage_of))
+        if k == n_stages - 1:
+            builder.finish_output(nodes[-1])
+        else:
+            builder.graph.output(builder.live(live[k], stage_of))
         builder.graph.lint()
-        stages.append(fx.GraphModule(model, builder.graph, class_name=f"Stage{k}"))
+        stages.append(fx.GraphModule(builder.attrs, builder.graph, class_name=f"Stage{k}"))
     crossing = {n for ns in live for n in ns}
     made_in = {n.name: stage_of[n] for n in nodes if n in crossing}
     used_in = {n.name: tuple(sorted({stage_of[u] for u in n.users})) for n in nodes
@@ -332,28 +259,26 @@ def _live(nodes: list[fx.Node], stage_of: dict[fx.Node, int], n_stages: int
     return live
 
 
-def _arg_names(nodes: list[fx.Node], signature: inspect.Signature,
-               inputs: dict[str, Any]) -> dict[fx.Node, str]:
-    """Placeholder -> forward parameter (fx names a fixed argument ``x`` ``x_1``)."""
-    wanted = {}
-    for name in signature.parameters:
-        wanted[f"{name}_1" if isinstance(inputs[name], _PLAIN) else name] = name
-    found = {n: wanted[str(n.target)] for n in nodes if n.op == "placeholder"}
-    assert len(found) == len(wanted), (wanted, found)  # one placeholder per parameter
-    return found
-
-
 class _StageBuilder:
     """One stage's graph: the stage's own nodes, with earlier values read from its payload."""
 
-    def __init__(self, k: int, arg_of: dict[fx.Node, str]) -> None:
-        self.k, self.arg_of = k, arg_of
+    def __init__(self, k: int, captured: Captured, nodes: list[fx.Node]) -> None:
+        self.k, self.captured = k, captured
+        self.index = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
         self.graph = fx.Graph()
         self.payload = self.graph.placeholder("inputs" if k == 0 else "payload")
         self.env: dict[fx.Node, fx.Node] = {}
+        self.attrs: dict[str, Any] = {}
+        self._leaves: fx.Node | None = None
 
     def copy(self, node: fx.Node) -> None:
         self.env[node] = self.graph.node_copy(node, self.value)
+
+    def finish_output(self, out: fx.Node) -> None:
+        """The last stage returns what ``model.forward`` returns (its own structure)."""
+        flat = fx.node.map_arg(out.args[0], self.value)
+        self.graph.output(self.graph.call_function(
+            _model_output, (self._attr(_CAPTURE, self.captured), flat)))
 
     def live(self, nodes: list[fx.Node], stage_of: dict[fx.Node, int]) -> Any:
         """The output of a stage k < last: the values of ``nodes``, made or used here or carried.
@@ -372,12 +297,37 @@ class _StageBuilder:
         """``node``'s value in this stage: computed here, a parameter, or from the payload."""
         if node not in self.env:
             if node.op == "get_attr":  # parameters and buffers are re-read, never sent
-                self.env[node] = self.graph.get_attr(str(node.target))
+                target = str(node.target)
+                self.env[node] = self._attr(target, self.captured.attrs[target])
+            elif node.op == "placeholder" and self.k == 0:
+                self.env[node] = self.graph.call_function(
+                    operator.getitem, (self._stage_inputs(), self.index[node]))
             else:
-                key = self.arg_of[node] if self.k == 0 else node.name
                 self.env[node] = self.graph.create_node(
-                    "call_function", operator.getitem, (self.payload, key), name=node.name)
+                    "call_function", operator.getitem, (self.payload, node.name), name=node.name)
         return self.env[node]
+
+    def _stage_inputs(self) -> fx.Node:
+        """Stage 0: the graph's flattened inputs, checked against the capture (once)."""
+        if self._leaves is None:
+            self._leaves = self.graph.call_function(
+                _graph_inputs, (self._attr(_CAPTURE, self.captured), self.payload))
+        return self._leaves
+
+    def _attr(self, target: str, value: Any) -> fx.Node:
+        self.attrs[target] = value
+        return self.graph.get_attr(target)
+
+
+_CAPTURE = "_pipetrain_capture"
+
+
+def _graph_inputs(captured: Captured, payload: dict[str, Any]) -> list[Any]:
+    return captured.leaves(payload)
+
+
+def _model_output(captured: Captured, flat: list[Any]) -> Any:
+    return captured.output(list(flat))
 
 
 def _carry(payload: dict[str, Any], here: dict[str, Any], names: tuple[str, ...]

@@ -1,0 +1,311 @@
+"""Capture: record a model's ``forward`` once with torch.export, as one graph of ATen ops.
+
+``torch.export.export(model, args, kwargs, strict=False)`` runs ``forward`` on fake tensors
+and records every tensor operation it reaches, whatever Python code reaches it: keyword
+arguments and ``**kwargs``, Hugging Face's mask builders, ``torch.ones(t, t)`` with ``t`` from a
+shape, ``ModelOutput`` dataclasses. :func:`capture` asks for every dimension of every tensor
+argument to stay symbolic where the code allows (``Dim.AUTO``), so one capture serves every
+batch size and sequence length; a dimension the code decides on is fixed, and
+:meth:`Captured.leaves` names it when a later input differs.
+
+What this module returns is the graph of ``ExportedProgram.module()``: parameters and buffers
+are ``get_attr`` nodes under the model's own names (the model's own tensors, a tied weight
+under each of its names), buffers that ``forward`` updates are updated in place (BatchNorm's
+running statistics), and every node keeps the ``nn_module_stack`` that
+:mod:`pipetrain.trace` cuts by. Export's own input guards and shape assertions are dropped:
+:meth:`Captured.leaves` checks the inputs instead, with errors that name the argument.
+
+The graph is an ``torch.fx.Graph`` because that is what torch.export produces; nothing here
+traces with ``torch.fx.Tracer``, so there is one capture path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.export import Dim, ShapesCollection
+
+from pipetrain.errors import PartitionError
+from pipetrain.lazy import is_meta
+
+__all__ = ["Captured", "capture", "move_graph"]
+
+_DROPPED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+            "aten.sym_constrain_range_for_size.default"}
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One flattened input of the captured ``forward``: where it comes from, what it must be."""
+
+    path: str
+    """Where the value sits in the call, as ``input_ids`` or ``kwargs['mask']``."""
+    constant: Any
+    """The captured value of a non-tensor input (fixed at capture), else None."""
+    static: tuple[tuple[int, int], ...]
+    """A tensor's dimensions that the capture fixed: (dim, size)."""
+    tensor: bool
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A model's ``forward`` recorded once, and the layout of its inputs and outputs."""
+
+    graph: fx.Graph
+    """The ATen graph: placeholders (one per flattened input), then the ops, then the output
+    (the flattened outputs)."""
+    attrs: dict[str, Any]
+    """Every ``get_attr`` target -> its value: the model's Parameters and buffers (the very
+    objects), and what export made (tensor constants, subgraphs of higher-order ops)."""
+    signature: inspect.Signature
+    """The signature of ``model.forward``."""
+    in_spec: pytree.TreeSpec
+    """The structure of ``(args, kwargs)`` at capture."""
+    out_spec: pytree.TreeSpec
+    """The structure of the model's output (a ``ModelOutput``, a dict, a tensor, ...)."""
+    inputs: tuple[Leaf, ...]
+    """One per placeholder, in order."""
+    given: tuple[str, ...]
+    """The ``forward`` arguments the example gave, in order (the others keep defaults)."""
+    seconds: float
+    """How long torch.export took."""
+
+    def pack(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Stage 0's payload for ``model(*args, **kwargs)``: argument name -> value.
+
+        Arguments that are not given are left out, so they keep their defaults.
+
+        Raises:
+            TypeError: if the arguments do not fit ``forward``.
+        """
+        return dict(self.signature.bind(*args, **kwargs).arguments)
+
+    def leaves(self, payload: dict[str, Any]) -> list[Any]:
+        """The flattened inputs of the graph for stage 0's ``payload``, checked.
+
+        Raises:
+            ValueError: for arguments other than those captured, a plain value other than the
+                captured one, or a tensor dimension other than one the capture fixed.
+        """
+        bound = inspect.BoundArguments(self.signature, payload)  # type: ignore[arg-type]
+        flat, spec = pytree.tree_flatten((bound.args, bound.kwargs))
+        if spec != self.in_spec:
+            raise ValueError(
+                f"the model was captured with the arguments {list(self.given)} but this step "
+                f"gives {list(payload)} (or the same names with another structure); pass the "
+                "same arguments as example_inputs, or capture again with these")
+        for leaf, value in zip(self.inputs, flat):
+            _check_leaf(leaf, value)
+        return flat
+
+    def output(self, flat: list[Any]) -> Any:
+        """The model's output, rebuilt from the graph's flattened output."""
+        return pytree.tree_unflatten(flat, self.out_spec)
+
+
+def _check_leaf(leaf: Leaf, value: Any) -> None:
+    if not leaf.tensor:
+        if value != leaf.constant or type(value) is not type(leaf.constant):
+            raise ValueError(
+                f"{leaf.path} was {leaf.constant!r} when the model was captured and is fixed "
+                f"in the captured graph; this step gives {value!r}. Plain (non-tensor) "
+                "arguments are constants of the capture: pass the same value, or a tensor")
+        return
+    for dim, size in leaf.static:
+        if value.dim() <= dim or value.shape[dim] != size:
+            raise ValueError(
+                f"dimension {dim} of {leaf.path} was fixed at {size} when the model was "
+                f"captured (forward makes a decision on it, or the example had size 1 there), "
+                f"but this step gives shape {tuple(value.shape)}; give example_inputs the "
+                "shapes the run will use (size >= 2 where a size changes), or keep it fixed")
+
+
+def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any]) -> Captured:
+    """Record ``model.forward`` on ``example`` (positional tuple or keyword dict).
+
+    A model on the ``meta`` device is captured on meta copies of the example's tensors.
+
+    Raises:
+        PartitionError: when the example does not fit ``forward`` or torch.export cannot
+            capture it; the message shows the user's source line and what to do.
+    """
+    import time
+
+    signature = inspect.signature(model.forward)
+    if is_meta(model):  # no values to run on: the inputs become meta tensors too
+        example = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), example)
+    bound = _bind(signature, example)
+    start = time.perf_counter()
+    try:
+        program = torch.export.export(model, bound.args, bound.kwargs, strict=False,
+                                      dynamic_shapes=_auto_dims(model, bound))
+    except Exception as e:
+        raise PartitionError(_explain(model, e)) from e
+    seconds = time.perf_counter() - start
+    module = program.module()
+    graph = module.graph
+    _clean(graph)
+    _use_own_names(graph, model)
+    attrs = {str(n.target): _attr(module, str(n.target)) for n in graph.nodes
+             if n.op == "get_attr" and _has_attr(module, str(n.target))}
+    attrs.update({str(n.target): _attr(model, str(n.target)) for n in graph.nodes
+                  if n.op == "get_attr" and str(n.target) not in attrs})
+    flat, in_spec = pytree.tree_flatten_with_path((bound.args, bound.kwargs))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(flat):  # export's own layout changed: fail loudly
+        raise RuntimeError(f"internal: {len(placeholders)} graph inputs for {len(flat)} "
+                           "flattened arguments")
+    leaves = tuple(_leaf(signature, path, value, node)
+                   for (path, value), node in zip(flat, placeholders))
+    return Captured(graph, attrs, signature, in_spec, program.call_spec.out_spec, leaves,
+                    tuple(bound.arguments), seconds)
+
+
+def _bind(signature: inspect.Signature, example: Any) -> inspect.BoundArguments:
+    if not isinstance(example, (tuple, dict)):
+        raise PartitionError("example_inputs must be a tuple (positional arguments) or a dict "
+                             f"(keyword arguments) of forward, got {type(example).__name__}")
+    try:
+        return (signature.bind(*example) if isinstance(example, tuple)
+                else signature.bind(**example))
+    except TypeError as e:
+        raise PartitionError(f"example_inputs do not fit forward{signature}: {e}") from e
+
+
+def _auto_dims(model: nn.Module, bound: inspect.BoundArguments) -> Any:
+    """Every dimension of every tensor argument symbolic where the code allows."""
+    shapes = ShapesCollection()
+    for t in pytree.tree_leaves((bound.args, bound.kwargs)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            shapes[t] = {d: Dim.AUTO for d in range(t.dim())}
+    return shapes.dynamic_shapes(model, bound.args, bound.kwargs)
+
+
+def move_graph(module: fx.GraphModule, device: torch.device) -> None:
+    """Point the device constants of a stage's graph at ``device``, in place.
+
+    Capture records the device of tensors that ``forward`` creates (``torch.arange(n,
+    device=x.device)``) as constants: the model's device at capture (``meta`` for a model
+    described, not built). A stage materialised or moved elsewhere must create them there.
+    """
+    def retarget(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value != device else value
+
+    changed = False
+    for node in module.graph.nodes:
+        args = fx.node.map_aggregate(node.args, retarget)
+        kwargs = fx.node.map_aggregate(node.kwargs, retarget)
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs, changed = args, kwargs, True  # type: ignore[assignment]
+    if changed:
+        module.recompile()
+
+
+def _clean(graph: fx.Graph) -> None:
+    """Drop export's guard call and shape assertions (inputs are checked by ``leaves``)."""
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn" or str(
+                node.target) in _DROPPED:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()  # keeps in-place updates (impure nodes)
+    graph.lint()
+
+
+def _use_own_names(graph: fx.Graph, model: nn.Module) -> None:
+    """A tensor the model holds under several names (a tied weight) is read under the name of
+    the module that uses it: export reads it under one name everywhere."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    for node in [n for n in graph.nodes if n.op == "get_attr"]:
+        try:
+            held = names.get(id(_attr(model, str(node.target))), [])
+        except AttributeError:  # export's own (a constant, a subgraph)
+            continue
+        for user in list(node.users) if len(held) > 1 else []:
+            stack = {str(v[0]) for v in (user.meta.get("nn_module_stack") or {}).values()}
+            own = [n for n in held if n.rpartition(".")[0] in stack]
+            if own and own[-1] != node.target:
+                with graph.inserting_before(user):
+                    user.replace_input_with(node, graph.get_attr(own[-1]))
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _has_attr(module: nn.Module, target: str) -> bool:
+    try:
+        _attr(module, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _leaf(signature: inspect.Signature, path: Any, value: Any, node: fx.Node) -> Leaf:
+    where = _describe(signature, path)
+    if not isinstance(value, torch.Tensor):
+        return Leaf(where, value, (), False)
+    fake = node.meta.get("val")
+    shape = fake.shape if isinstance(fake, torch.Tensor) else value.shape
+    static = tuple((d, int(s)) for d, s in enumerate(shape) if not isinstance(s, torch.SymInt))
+    return Leaf(where, None, static, True)
+
+
+def _describe(signature: inspect.Signature, path: Any) -> str:
+    """``input_ids``, ``kwargs['mask']``, ``args[1]``: a flattened input's place in the call."""
+    text = pytree.keystr(path)  # "[1]['input_ids']" for kwargs, "[0][2]" for args
+    if text.startswith("[0]"):
+        rest = text[3:]
+        index = int(rest[1:rest.index("]")])
+        params = [p for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        name = params[index].name if index < len(params) else f"args[{index}]"
+        return name + rest[rest.index("]") + 1:]
+    rest = text[3:]
+    key = rest[2:rest.index("]") - 1]
+    return key + rest[rest.index("]") + 1:]
+
+
+def _explain(model: nn.Module, e: BaseException) -> str:
+    """Why torch.export failed, where in the user's code, and what to do."""
+    text = f"{type(e).__name__}: {e}".strip()
+    first = text.splitlines()[0] if text else ""
+    hint = ("Capture runs forward once on fake tensors (torch.export, non-strict), so Python "
+            "control flow on tensor values (if/while on a tensor, .item(), .tolist(), len() of "
+            "a data-dependent result) cannot be recorded. Alternatives: make the branch depend "
+            "on a plain argument fixed in example_inputs, write it with torch.where or "
+            "torch.cond, or give Pipeline an explicit layer list (nn.Sequential) with "
+            "balance=[...]")
+    if "pytree" in text and "output" in text:
+        hint = ("forward returns an object torch.export cannot flatten (for Hugging Face "
+                "models, a KV cache: build the config with use_cache=False, or pass "
+                "use_cache=False in example_inputs); register it with "
+                "torch.utils._pytree.register_pytree_node, or return tensors, tuples, lists, "
+                "dicts or dataclasses of them")
+    return (f"torch.export could not capture {type(model).__name__}.forward"
+            f"{_user_frame(e)}: {first}\n{hint}")
+
+
+def _user_frame(e: BaseException) -> str:
+    """`` at file:line (`code`)`` of the innermost frame outside torch and pipetrain."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
