@@ -94,7 +94,7 @@ class Captured:
             ValueError: for arguments other than those captured, a plain value other than the
                 captured one, or a tensor dimension other than one the capture fixed.
         """
-        bound = inspect.BoundArguments(self.signature, payload)  # type: ignore[arg-type]
+        bound = inspect.BoundArguments(self.signature, payload)
         flat, spec = pytree.tree_flatten((bound.args, bound.kwargs))
         if spec != self.in_spec:
             raise ValueError(
@@ -151,7 +151,10 @@ def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any]) -> Capt
     seconds = time.perf_counter() - start
     module = program.module()
     graph = module.graph
-    _clean(graph)
+    for sub in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        _clean(sub.graph)
+        if sub is not module:
+            sub.recompile()
     _use_own_names(graph, model)
     attrs = {str(n.target): _attr(module, str(n.target)) for n in graph.nodes
              if n.op == "get_attr" and _has_attr(module, str(n.target))}
@@ -181,11 +184,11 @@ def _bind(signature: inspect.Signature, example: Any) -> inspect.BoundArguments:
 
 def _auto_dims(model: nn.Module, bound: inspect.BoundArguments) -> Any:
     """Every dimension of every tensor argument symbolic where the code allows."""
-    shapes = ShapesCollection()
+    shapes = ShapesCollection()  # type: ignore[no-untyped-call]
     for t in pytree.tree_leaves((bound.args, bound.kwargs)):
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             shapes[t] = {d: Dim.AUTO for d in range(t.dim())}
-    return shapes.dynamic_shapes(model, bound.args, bound.kwargs)
+    return shapes.dynamic_shapes(model, bound.args, bound.kwargs)  # type: ignore[no-untyped-call]
 
 
 def move_graph(module: fx.GraphModule, device: torch.device) -> None:
@@ -198,14 +201,15 @@ def move_graph(module: fx.GraphModule, device: torch.device) -> None:
     def retarget(value: Any) -> Any:
         return device if isinstance(value, torch.device) and value != device else value
 
-    changed = False
-    for node in module.graph.nodes:
-        args = fx.node.map_aggregate(node.args, retarget)
-        kwargs = fx.node.map_aggregate(node.kwargs, retarget)
-        if args != node.args or kwargs != node.kwargs:
-            node.args, node.kwargs, changed = args, kwargs, True  # type: ignore[assignment]
-    if changed:
-        module.recompile()
+    for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
+        changed = False  # subgraphs of higher-order ops (a no_grad region) included
+        for node in graph_module.graph.nodes:
+            args = fx.node.map_aggregate(node.args, retarget)
+            kwargs = fx.node.map_aggregate(node.kwargs, retarget)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            graph_module.recompile()
 
 
 def _clean(graph: fx.Graph) -> None:

@@ -47,15 +47,22 @@ class Layers:
 
     def __init__(self, model: Any, traced: TracedSplit | None, seed: int) -> None:
         self.seed, self.traced = seed, traced is not None
+        self._kept: set[str] = set()
         self.items: list[Layer] = (named_layers(model) if traced is None
                                    else [("", stage) for stage in traced.stages])
         self.by_name = NamedInit(model, seed) if traced is not None and is_meta(model) else None
         if traced is None:
             _check_meta_sharing(self.items)
         self._names = _first_names(self.items)  # before any Parameter is replaced
+        self._buffers: dict[int, str] = {}  # a traced model's own buffers (not export's)
+        self.persistent: set[str] | None = None
+        if traced is not None:
+            self._buffers = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
+            self.persistent = {n for n in model.state_dict(keep_vars=True)
+                               if n in self._buffers.values()}
         # the keys are ids: keep their Parameters alive so that no new one reuses an id
         self._alive = [p for _, m in self.items if isinstance(m, nn.Module)
-                       for p in m.parameters()]
+                       for p in m.parameters()] + ([] if traced is None else list(model.buffers()))
 
     def build(self, layer: nn.Module | LayerSpec, index: int, device: torch.device) -> nn.Module:
         """``layer`` (at ``index``) as a real module on ``device``."""
@@ -72,6 +79,35 @@ class Layers:
         origin = self.by_name.origin if self.by_name is not None else id
         return {id(p): self._names[origin(p)] for _, m in layers if isinstance(m, nn.Module)
                 for p in m.parameters() if origin(p) in self._names}
+
+
+    def buffer_names(self, layers: Sequence[Layer]) -> dict[int, str]:
+        """``id`` of each buffer of ``layers`` -> its name in the model.
+
+        A layer list names them by layer (``"3.running_mean"``); a traced model's stages hold
+        the model's own buffers under the model's names, and the tensor constants export made
+        (which are not the model's, and are left out).
+        """
+        origin = self.by_name.origin if self.by_name is not None else id
+        names: dict[int, str] = {}
+        for layer_name, m in layers:
+            if not isinstance(m, nn.Module):
+                continue
+            kept = set(m.state_dict(keep_vars=True)) if self.persistent is None else set()
+            for bname, b in m.named_buffers(remove_duplicate=False):
+                if self.persistent is not None:
+                    if origin(b) in self._buffers:
+                        names.setdefault(id(b), self._buffers[origin(b)])
+                else:
+                    name = f"{layer_name}.{bname}" if layer_name else bname
+                    names.setdefault(id(b), name)
+                    if bname in kept:
+                        self._kept.add(name)
+        return names
+
+    def is_persistent(self, name: str) -> bool:
+        """Whether buffer ``name`` belongs in a state dict (not a non-persistent one)."""
+        return name in self._kept if self.persistent is None else name in self.persistent
 
 
 def profiling_sample(modules: Sequence[nn.Module], mode: Any, sample: Any) -> Any:

@@ -7,11 +7,13 @@ materialises only the layers of its own stages. Each layer is initialised under 
 :func:`build_layers` (or :func:`materialize` on every layer) from the same seed, whatever the
 number of ranks or stages.
 
-An ordinary module cut by tracing (``split_points=``) has no layer list to number, so its
+An ordinary module cut by capture (``split_points=``) has no layer list to number, so its
 parts are initialised by name instead (:class:`NamedInit`): every submodule with
 ``reset_parameters()`` runs it under a seed made from its qualified name in the model, and a
 parameter shared by several submodules (a tied embedding and head) takes the value its first
-owner gives it, on every rank that holds it. ``Pipeline(meta_model, split_points=...,
+owner gives it, on every rank that holds it. A Hugging Face model is initialised through its
+own ``_init_weights(module)`` instead, which also fills buffers such as rotary tables.
+``Pipeline(meta_model, split_points=...,
 init_seed=s)`` materialises each rank's stages this way (:mod:`pipetrain.layers`); the
 single-device reference is ``NamedInit(meta_model, s).materialize(meta_model, device)``.
 """
@@ -128,11 +130,17 @@ class NamedInit:
         for path, module in model.named_modules(remove_duplicate=False):
             for pname, p in module.named_parameters(recurse=False):
                 holders.setdefault(id(p), []).append((path, pname))
-        self._alive = list(model.parameters())  # the ids below stay theirs while we live
+        self._alive: list[torch.Tensor] = list(model.parameters())  # ids stay theirs
         self.owner = {pid: paths[0] for pid, paths in holders.items() if len(paths) > 1}
         """Shared meta parameters -> (first owning module, its name there)."""
-        self._real: dict[int, nn.Parameter] = {}  # meta id -> the real one in this process
+        self._real: dict[int, torch.Tensor] = {}  # meta id -> the real one in this process
         self._meta_of: dict[int, int] = {}  # real id -> meta id
+        hf_init = getattr(model, "_init_weights", None)
+        self._hf_init: Callable[[nn.Module], None] | None = (
+            hf_init if callable(hf_init) and hasattr(model, "config") else None)
+        """A Hugging Face model initialises each module through the model's own
+        ``_init_weights(module)`` (parameters and buffers such as rotary tables); others run
+        each module's ``reset_parameters()``."""
 
     def materialize(self, part: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
         """Give ``part``'s meta parameters real, deterministic values on ``device``; in place.
@@ -140,24 +148,26 @@ class NamedInit:
         ``part``'s module paths must be the model's own (the whole model, or a stage of
         :func:`~pipetrain.trace.split_model`). Each model module at one of those paths whose
         ``reset_parameters()`` covers a parameter of ``part`` runs it, in the model's module
-        order, under the seed of its path, also when tracing copied only its parameters into a
-        bare container (a module whose ``forward`` was traced through); its other parameters
-        then become real too. Buffers still on ``meta`` get storage; only a
-        ``reset_parameters()`` gives them values.
+        order, under the seed of its path, also when capture copied only its parameters into a
+        bare container (a module whose ``forward`` was captured through); its other parameters
+        then become real too. Buffers still on ``meta`` get storage; only an initialiser gives
+        them values. A Hugging Face model (one with ``config`` and ``_init_weights``) runs
+        ``model._init_weights(module)`` instead, for every module whose parameters or buffers
+        ``part`` holds, children before parents as ``model.apply`` does.
 
         Raises:
             ValueError: when a parameter is left uninitialised (no ``reset_parameters``).
         """
-        wanted = {id(p) for p in part.parameters() if p.is_meta}
+        wanted = {id(t) for t in (*part.parameters(), *part.buffers()) if t.is_meta}
         fresh = self._swap(part, torch.device(device))
         covered: set[int] = set()
         for path, module in self._resetters(part):
-            if any(id(p) in wanted or self._meta_of.get(id(p)) in wanted
-                   for p in module.parameters()):
+            if any(id(t) in wanted or self._meta_of.get(id(t)) in wanted
+                   for t in self._initialised(module)):
                 fresh |= self._swap(module, torch.device(device))
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(name_seed(self.seed, path))
-                    module.reset_parameters()  # type: ignore[operator]
+                    self._reset(module)
                 covered.update(id(p) for p in module.parameters())
         missing = [n for n, p in part.named_parameters() if id(p) in fresh - covered]
         if missing:
@@ -169,6 +179,18 @@ class NamedInit:
                 with torch.no_grad():
                     p.copy_(self._owner_value(self._meta_of[id(p)], p.device))
         return part
+
+    def _initialised(self, module: nn.Module) -> list[torch.Tensor]:
+        """What initialising ``module`` writes: its parameters (and buffers, for HF models)."""
+        if self._hf_init is None:
+            return list(module.parameters())
+        return [*module.parameters(), *module.buffers()]
+
+    def _reset(self, module: nn.Module) -> None:
+        if self._hf_init is not None:
+            self._hf_init(module)
+        else:
+            module.reset_parameters()  # type: ignore[operator]
 
     def origin(self, p: torch.Tensor) -> int:
         """``id`` of the meta Parameter that ``p`` was made from here (``id(p)`` for others)."""
@@ -183,16 +205,34 @@ class NamedInit:
         """
         own = dict(part.named_modules())
         found = []
-        for path, module in self.model.named_modules():
+        for path, module in self._model_order():
             mine = own.get(path)
             stands_for = mine is module or (
                 mine is not None and (type(mine) is nn.Module or isinstance(mine, fx.GraphModule)))
-            if stands_for and callable(getattr(module, "reset_parameters", None)):
+            if stands_for and (self._hf_init is not None
+                               or callable(getattr(module, "reset_parameters", None))):
                 found.append((path, module))
         return found
 
+    def _model_order(self) -> list[tuple[str, nn.Module]]:
+        """The model's modules in the order their initialisers run: ``named_modules`` order,
+        or for a Hugging Face model children before parents, as ``model.apply`` visits them
+        (a parent's ``_init_weights`` may re-initialise its children's weights)."""
+        if self._hf_init is None:
+            return list(self.model.named_modules())
+        order: list[tuple[str, nn.Module]] = []
+
+        def visit(path: str, module: nn.Module) -> None:
+            for name, child in module.named_children():
+                visit(f"{path}.{name}" if path else name, child)
+            order.append((path, module))
+
+        visit("", self.model)
+        return order
+
     def _swap(self, part: nn.Module, device: torch.device) -> set[int]:
-        """Replace meta parameters by real empty ones (one per meta tensor); the new ones' ids."""
+        """Replace meta parameters and buffers by real empty ones (one per meta tensor, shared
+        by every module holding it); the ids of the new parameters."""
         fresh: set[int] = set()
         for module in part.modules():
             for name, p in list(module._parameters.items()):
@@ -201,23 +241,28 @@ class NamedInit:
                 if id(p) not in self._real:
                     real = nn.Parameter(torch.empty_like(p, device=device),
                                         requires_grad=p.requires_grad)
-                    self._real[id(p)], self._meta_of[id(real)] = real, id(p)
+                    self._keep(p, real)
                     fresh.add(id(real))
-                module._parameters[name] = self._real[id(p)]
+                module._parameters[name] = self._real[id(p)]  # type: ignore[assignment]
             for name, b in list(module._buffers.items()):
                 if b is not None and b.is_meta:
-                    module._buffers[name] = torch.empty_like(b, device=device)
+                    if id(b) not in self._real:
+                        self._keep(b, torch.empty_like(b, device=device))
+                    module._buffers[name] = self._real[id(b)]
         return fresh
+
+    def _keep(self, meta: torch.Tensor, real: torch.Tensor) -> None:
+        self._real[id(meta)], self._meta_of[id(real)] = real, id(meta)
+        self._alive.append(meta)  # its id stays its own while the mapping lives
 
     def _owner_value(self, meta_id: int, device: torch.device) -> torch.Tensor:
         """A shared parameter as its first owner initialises it (built alone, then dropped)."""
         path, pname = self.owner[meta_id]
         alone = copy.deepcopy(self.model.get_submodule(path)).to_empty(device=device)
-        reset = getattr(alone, "reset_parameters", None)
-        if not callable(reset):
+        if self._hf_init is None and not callable(getattr(alone, "reset_parameters", None)):
             raise ValueError(f"parameter {path}.{pname} is shared by several modules but its "
                              f"first owner {path!r} has no reset_parameters() to initialise it")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(name_seed(self.seed, path))
-            reset()
+            self._reset(alone)
         return alone.get_parameter(pname).detach()

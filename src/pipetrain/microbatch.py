@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from pipetrain.payload import flatten, unflatten
 
@@ -56,12 +57,18 @@ def sizes(total: int, n: int) -> list[int]:
 
 
 def merge(parts: list[Any], dim: int = 0) -> Any:
-    """Concatenate micro-batch outputs back into one batch-shaped payload."""
-    flat = [flatten(p) for p in parts]
-    spec = flat[0][1]
-    merged = [
-        torch.cat([f[0][i] for f in flat], dim=dim) if flat[0][0][i].dim() > 0
-        else torch.stack([f[0][i] for f in flat])
-        for i in range(len(flat[0][0]))
-    ]
-    return unflatten(merged, spec)
+    """Concatenate micro-batch outputs back into one batch-shaped output of the same type.
+
+    Tensors are concatenated along ``dim`` (scalars stacked); any structure ``torch.utils.
+    _pytree`` knows (tuples, lists, dicts, a Hugging Face ``ModelOutput``) is kept, and a
+    non-tensor leaf is taken from the first micro-batch.
+    """
+    flat = [pytree.tree_flatten(p) for p in parts]
+    leaves = []
+    for i, first in enumerate(flat[0][0]):
+        column = [f[0][i] for f in flat]
+        if isinstance(first, torch.Tensor):
+            leaves.append(torch.cat(column, dim=dim) if first.dim() > 0 else torch.stack(column))
+        else:
+            leaves.append(first)
+    return pytree.tree_unflatten(leaves, flat[0][1])

@@ -154,6 +154,7 @@ class Pipeline:
                                for lo, hi in stage_bounds(self.balance)], self.schedule.placement)
         self._build_stages(layers, layer_flags(recompute, self.balance), source)
         self._canonical = source.names(layers)
+        self._buffer_names, self._source = source.buffer_names(self._hosted_layers()), source
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         self._tied_grads = None if self.transport is None else TiedGrads(
@@ -228,6 +229,28 @@ class Pipeline:
                     if id(p) not in seen:
                         seen.add(id(p))
                         yield self._canonical.get(id(p), _join(name, pname)), p
+
+    def named_buffers(self, stage: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's buffers under their names in the original model (BatchNorm's running
+        statistics, rotary tables); only those of ``stage`` when it is given."""
+        seen: set[int] = set()
+        for s in sorted(self._stage_layers) if stage is None else [stage]:
+            for _, layer in self._stage_layers.get(s, []):
+                for b in layer.buffers():
+                    if id(b) not in seen and id(b) in self._buffer_names:
+                        seen.add(id(b))
+                        yield self._buffer_names[id(b)], b
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's part of ``model.state_dict()``, under the model's own keys: its
+        parameters and persistent buffers (detached, not copies)."""
+        state = {name: p.detach() for name, p in self.named_parameters()}
+        state.update({name: b.detach() for name, b in self.named_buffers()
+                      if self._source.is_persistent(name)})
+        return state
+
+    def _hosted_layers(self) -> list[tuple[str, nn.Module]]:
+        return [layer for s in sorted(self._stage_layers) for layer in self._stage_layers[s]]
 
     def pack(self, *args: Any, **kwargs: Any) -> Any:
         """The inputs of a traced model's ``forward`` as the payload ``step`` takes."""

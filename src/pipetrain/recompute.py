@@ -95,9 +95,6 @@ class Replay:
         self.rng = _rng_state(device)
         self.count = 0
         self.saved: list[torch.Tensor | None] | None = None
-        self.updated: list[torch.Tensor] = []
-        """Buffers that F updated in place (BatchNorm's running statistics, counters): the
-        replay leaves them as it found them, so they are updated once per micro-batch."""
         self.last_use = False
         """Set before the micro-batch's last backward: each tensor is dropped here as it is
         handed to autograd, which frees it once its node ran (instead of at the micro-batch's
@@ -107,12 +104,8 @@ class Replay:
 
     def forward(self, x: Any) -> Any:
         """F of the segment, keeping positions instead of the tensors autograd saves."""
-        buffers = [b for layer in self.segment.layers for b in layer.buffers()]
-        versions = [b._version for b in buffers]
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = self.segment.run(x)
-        self.updated = [b for b, v in zip(buffers, versions) if b._version != v]
-        return out
+            return self.segment.run(x)
 
     def replay(self) -> None:
         """Run the segment again from its input (once) and keep what autograd saves."""
@@ -120,7 +113,7 @@ class Replay:
             return
         saved: list[torch.Tensor] = []
         with torch.random.fork_rng(devices=_cuda_of(self.device)), torch.enable_grad(), \
-                _kept(self.updated):
+                _kept([b for layer in self.segment.layers for b in layer.buffers()]):
             _set_rng_state(self.device, self.rng)
             with torch.autograd.graph.saved_tensors_hooks(_keeper(saved), _unused):
                 self.segment.run(_again(self.inputs))
@@ -152,7 +145,9 @@ class Replay:
 
 @contextmanager
 def _kept(buffers: list[torch.Tensor]) -> Iterator[None]:
-    """``buffers`` as they were before the block, whatever it does to them."""
+    """``buffers`` as they were before the block, whatever it does to them: F updated them
+    once already (BatchNorm's running statistics, counters; their kernels update them in
+    place without a version bump, so every buffer is kept), and a replay must not again."""
     before = [b.detach().clone() for b in buffers]
     try:
         yield

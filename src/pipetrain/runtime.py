@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from pipetrain.action import Action, Op
 from pipetrain.comm import P2P
 from pipetrain.dataflow import walk
 from pipetrain.errors import CommError, PipelineError, StageError
-from pipetrain.payload import flatten, unflatten
+from pipetrain.payload import flatten
 from pipetrain.routes import Routes, chain
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Incoming, Stage
@@ -267,5 +268,5 @@ def _present(t: torch.Tensor | None, key: Key) -> torch.Tensor:
 
 
 def _detach(obj: Any) -> Any:
-    tensors, spec = flatten(obj)
-    return unflatten([t.detach() for t in tensors], spec)
+    """``obj`` with its tensors detached, in its own structure (a ``ModelOutput`` stays one)."""
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, obj)

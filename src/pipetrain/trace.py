@@ -52,8 +52,6 @@ from torch import fx, nn
 
 from pipetrain.capture import Captured, capture
 from pipetrain.errors import PartitionError
-from pipetrain.lazy import is_meta
-from pipetrain.payload import flatten, unflatten
 from pipetrain.routes import Routes, direct
 
 __all__ = ["TracedSplit", "split_model"]  # public: split_model and its result
@@ -127,10 +125,9 @@ def split_model(
             Tensor dimensions stay symbolic where the code allows; plain values (None, ints,
             bools, floats, strings) are fixed at capture, and a different value at run time
             is an error in stage 0. Arguments not given keep their defaults.
-        check: run the stages once on ``example_inputs`` (without autograd; modules with
-            running statistics update them) and check that every payload can travel between
-            processes. A model on the ``meta`` device runs on meta copies of the inputs (no
-            values, the same payload structure).
+        check: check that every value crossing a stage boundary can travel between
+            processes, from what capture recorded of it (nothing runs: buffers stay as they
+            are).
         captured: the capture of ``model`` on ``example_inputs``, when already made.
 
     Returns:
@@ -151,15 +148,11 @@ def split_model(
     points = _check_names(model, split_points, "split_points")
     if captured is None:
         captured = capture(model, example_inputs)
-    stages, boundaries, uses = _build(model, captured, points)
+    stages, boundaries, uses = _build(model, captured, points, check)
     canonical = {id(p): name for name, p in model.named_parameters()}
     names = [{n: canonical[id(p)] for n, p in s.named_parameters()} for s in stages]
     split = TracedSplit(list(stages), names, list(captured.given), boundaries, captured,
                         *uses)
-    if check:
-        inputs = captured.pack(*example_inputs) if isinstance(example_inputs, tuple) else \
-            captured.pack(**example_inputs)
-        _check_payloads(split, _on_meta(inputs) if is_meta(model) else inputs)
     return split
 
 
@@ -219,7 +212,7 @@ def _cuts(model: nn.Module, nodes: list[fx.Node], points: list[str]) -> list[int
     return cuts
 
 
-def _build(model: nn.Module, captured: Captured, points: list[str]
+def _build(model: nn.Module, captured: Captured, points: list[str], check: bool
            ) -> tuple[list[fx.GraphModule], list[list[str]],
                       tuple[dict[str, int], dict[str, tuple[int, ...]]]]:
     nodes = list(captured.graph.nodes)
@@ -227,6 +220,8 @@ def _build(model: nn.Module, captured: Captured, points: list[str]
     stage_of = {n: sum(i >= c for c in cuts) for i, n in enumerate(nodes)}
     n_stages = len(cuts) + 1
     live = _live(nodes, stage_of, n_stages)
+    if check:
+        _check_payloads(captured, live)
     stages = []
     for k in range(n_stages):
         builder = _StageBuilder(k, captured, nodes)
@@ -338,30 +333,18 @@ def _carry(payload: dict[str, Any], here: dict[str, Any], names: tuple[str, ...]
 
 
 # -- checking payloads --------------------------------------------------------------------
-def _on_meta(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The tensors of ``inputs`` (also inside tuples, lists, dicts) as meta tensors."""
-    out = {}
-    for key, value in inputs.items():
-        try:
-            tensors, spec = flatten(value)
-        except TypeError:  # not a payload: passed as it is
-            out[key] = value
-            continue
-        out[key] = unflatten([t.to("meta") for t in tensors], spec)
-    return out
+_SENDABLE = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool, str,
+             type(None))
 
 
-def _check_payloads(split: TracedSplit, inputs: dict[str, Any]) -> None:
-    x: Any = inputs
-    with torch.no_grad():
-        for k, stage in enumerate(split.stages[:-1]):
-            x = stage(x)
-            for key, value in x.items():
-                try:
-                    flatten(value)
-                except TypeError as e:
-                    raise PartitionError(
-                        f"stage {k} would send {key!r}, a {type(value).__name__}, to stage "
-                        f"{k + 1}: {e}. Move the split point so that value is made and used "
-                        "in one stage, or compute it from a tensor in the stage that uses it"
-                    ) from e
+def _check_payloads(captured: Captured, live: list[list[fx.Node]]) -> None:
+    """Every value crossing a stage boundary can travel, as capture recorded it (no run)."""
+    for k, nodes in enumerate(live):
+        for node in nodes:
+            value = node.meta.get("val")
+            items = value if isinstance(value, (tuple, list)) else [value]
+            if node.op != "placeholder" and not all(isinstance(v, _SENDABLE) for v in items):
+                raise PartitionError(
+                    f"stage {k} would send {node.name!r}, a {type(value).__name__}, to stage "
+                    f"{k + 1}; payloads hold tensors, sizes and plain values. Move the split "
+                    "point so that value is made and used in one stage")

@@ -1,0 +1,127 @@
+"""Models we did not write, built from small configs (nothing is downloaded): Hugging Face
+GPT-2 (tied head), Llama (grouped-query attention, rotary tables), BERT (keyword inputs,
+padding mask), and a torchvision-style residual CNN with BatchNorm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, LAYERS = 64, 4
+
+
+def _quiet() -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def gpt2() -> nn.Module:
+    tf = _quiet()
+    cfg = tf.GPT2Config(n_layer=LAYERS, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,
+                        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    return tf.GPT2LMHeadModel(cfg)  # type: ignore[no-any-return]
+
+
+def llama() -> nn.Module:
+    tf = _quiet()
+    cfg = tf.LlamaConfig(num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                         max_position_embeddings=64, use_cache=False, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    return tf.LlamaForCausalLM(cfg)  # type: ignore[no-any-return]
+
+
+def bert() -> nn.Module:
+    tf = _quiet()
+    cfg = tf.BertConfig(num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64,
+                        num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        num_labels=3, pad_token_id=0)
+    return tf.BertForSequenceClassification(cfg)  # type: ignore[no-any-return]
+
+
+def blocks(name: str) -> str:
+    """The module path of a model's decoder/encoder layers (``blocks(name) + ".2"``)."""
+    return {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer",
+            "resnet": "layers"}[name]
+
+
+def points(name: str, n_stages: int) -> list[str]:
+    """Split points at layer boundaries for 2 or 4 stages (4 layers)."""
+    return [f"{blocks(name)}.{i}" for i in {2: [2], 4: [1, 2, 3]}[n_stages]]
+
+
+def lm_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on a ``CausalLMOutput``'s logits."""
+    logits = out.logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def cls_loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits if hasattr(out, "logits") else out, y)
+
+
+def batch(name: str, rows: int = 8, seq: int = 12, seed: int = 0
+          ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Keyword inputs and targets for model ``name``."""
+    g = torch.Generator().manual_seed(seed)
+    if name == "resnet":
+        return {"x": torch.randn(rows, 3, 8, 8, generator=g)}, torch.randint(
+            0, 10, (rows,), generator=g)
+    ids = torch.randint(1, VOCAB, (rows, seq), generator=g)
+    if name != "bert":
+        return {"input_ids": ids}, ids
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    for r in range(1, rows, 3):  # padded rows of several lengths
+        mask[r, seq - 2 - r % 5:] = 0
+    return {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 3, (rows,),
+                                                                        generator=g)
+
+
+class BasicBlock(nn.Module):
+    """A torchvision-style residual block: conv-BN-ReLU(inplace), conv-BN, += identity."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """A small ResNet: stem, four residual blocks, pooled linear head."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8),
+                                  nn.ReLU(inplace=True))
+        self.layers = nn.Sequential(BasicBlock(8, 8, 1), BasicBlock(8, 16, 2),
+                                    BasicBlock(16, 16, 1), BasicBlock(16, 16, 1))
+        self.fc = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama, "bert": bert,
+                                               "resnet": ResNet}
+LOSSES = {"gpt2": lm_loss, "llama": lm_loss, "bert": cls_loss, "resnet": cls_loss}

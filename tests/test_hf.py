@@ -1,0 +1,157 @@
+"""Models we did not write, captured by torch.export and pipelined in one process (local ranks):
+Hugging Face GPT-2, Llama and BERT and a residual CNN with BatchNorm train like the same
+micro-batches run one after another through the unsplit model."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain as pt
+from hf import LOSSES, MODELS, batch, points
+from pipetrain.testing import reference_step
+
+pytest.importorskip("transformers")
+
+M = 4
+
+
+def build(name: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name]().to(dtype)
+
+
+def differences(pipe: pt.Pipeline, ref: nn.Module, rtol: float) -> list[str]:
+    """Parameters (and buffers) whose value after the step differs from the reference's."""
+    refs = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
+    bad = []
+    for name, p in pipe.named_parameters():
+        r = refs[name]
+        if p.grad is None or r.grad is None:
+            bad.append(f"{name}: no gradient")
+        elif rtol == 0 and not torch.equal(p.grad, r.grad) or rtol and not torch.allclose(
+                p.grad, r.grad, rtol=rtol, atol=rtol * r.grad.abs().max().item()):
+            bad.append(f"{name}: max diff {(p.grad - r.grad).abs().max().item():.3g}")
+    for name, b in pipe.named_buffers():
+        if not torch.equal(b, refs[name]):
+            bad.append(f"buffer {name} differs")
+    return bad
+
+
+def run_case(name: str, schedule: str, dtype: torch.dtype, ranks: int = 2,
+             rows: int = 8, seq: int = 12, **options: Any) -> tuple[Any, Any, list[str]]:
+    model = build(name, dtype)
+    ref = copy.deepcopy(model)
+    inputs, targets = batch(name, rows, seq)
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    stages = ranks * (1 if schedule in ("1f1b", "gpipe") else 2)
+    pipe = pt.Pipeline(model, schedule, M, LOSSES[name], local_ranks=ranks,
+                       split_points=points(name, stages), example_inputs=inputs, **options)
+    got = pipe.step(pipe.pack(**inputs), targets)
+    want = reference_step(lambda x: ref(**x), inputs, targets, LOSSES[name], M)
+    rtol = 1e-9 if dtype == torch.float64 else 0.0
+    return got.loss, want, differences(pipe, ref, rtol)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "resnet"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_float64_matches_one_process(name: str, schedule: str) -> None:
+    got, want, bad = run_case(name, schedule, torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert bad == []
+
+
+@pytest.mark.parametrize("name", ["bert", "resnet"])
+def test_fp32_is_bitwise_where_nothing_is_tied(name: str) -> None:
+    got, want, bad = run_case(name, "interleaved-1f1b", torch.float32)
+    assert torch.equal(got, want)
+    assert bad == []
+
+
+def test_gpt2_fp32_bitwise_except_the_tied_embedding() -> None:
+    got, want, bad = run_case("gpt2", "dualpipev", torch.float32)
+    assert torch.equal(got, want)
+    assert [b.split(":")[0] for b in bad] in ([], ["transformer.wte.weight"])
+
+
+def test_llama_fp32_differs_from_eager_by_rounding_only() -> None:
+    # under capture, transformers builds an explicit causal mask where eager passes
+    # is_causal=True to SDPA (masking_utils), so fp32 gradients differ in the last bits
+    got, want, _ = run_case("llama", "1f1b", torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_batchnorm_statistics_update_once_per_micro_batch_under_recompute() -> None:
+    got, want, bad = run_case("resnet", "zbv", torch.float64, recompute="always")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert bad == []
+
+
+def test_named_buffers_and_state_dict_use_the_models_own_names() -> None:
+    model = build("resnet", torch.float32)
+    inputs, _ = batch("resnet")
+    pipe = pt.Pipeline(model, "1f1b", M, LOSSES["resnet"], local_ranks=2,
+                       split_points=points("resnet", 2), example_inputs=inputs)
+    assert {n for n, _ in pipe.named_buffers()} == {n for n, _ in model.named_buffers()}
+    assert all(b is model.get_buffer(n) for n, b in pipe.named_buffers())
+    state = pipe.state_dict()
+    assert set(state) == set(model.state_dict())
+    llama = build("llama", torch.float32)
+    pipe = pt.Pipeline(llama, "1f1b", M, LOSSES["llama"], local_ranks=2,
+                       split_points=points("llama", 2), example_inputs=batch("llama")[0])
+    assert set(pipe.state_dict()) == set(llama.state_dict())  # rotary tables: not persistent
+    assert "model.rotary_emb.inv_freq" in dict(pipe.named_buffers())
+
+
+def test_labels_inside_the_model_and_outputs_as_the_model_returns_them() -> None:
+    model = build("gpt2", torch.float64)
+    ref = copy.deepcopy(model)
+    inputs, labels = batch("gpt2")
+    example = {"input_ids": inputs["input_ids"], "labels": labels}
+    pipe = pt.Pipeline(model, "zbv", M, lambda out, _: out.loss, local_ranks=2,
+                       split_points=points("gpt2", 4), example_inputs=example)
+    got = pipe.step(pipe.pack(**example), labels, return_outputs=True)
+    assert type(got.outputs).__name__ == "CausalLMOutputWithCrossAttentions"
+    assert got.outputs.logits.shape == (8, 12, 64)
+    want = reference_step(lambda x: ref(**x).loss, example, labels, lambda out, _: out, M)
+    torch.testing.assert_close(got.loss, want, rtol=1e-12, atol=0)
+
+
+def test_sequence_length_and_batch_size_change_between_steps() -> None:
+    model = build("gpt2", torch.float64)
+    ref = copy.deepcopy(model)
+    example, _ = batch("gpt2", 8, 12)
+    pipe = pt.Pipeline(model, "1f1b", M, LOSSES["gpt2"], local_ranks=2,
+                       split_points=points("gpt2", 2), example_inputs=example)
+    for rows, seq in [(8, 12), (6, 20), (7, 5)]:  # 7 rows: uneven micro-batches
+        inputs, targets = batch("gpt2", rows, seq, seed=rows)
+        got = pipe.step(pipe.pack(**inputs), targets)
+        want = reference_step(lambda x: ref(**x), inputs, targets, LOSSES["gpt2"], M)
+        torch.testing.assert_close(got.loss, want, rtol=1e-12, atol=0)
+    assert differences(pipe, ref, 1e-9) == []
+
+
+def test_meta_llama_materialised_per_rank_equals_the_whole_model() -> None:
+    from pipetrain.lazy import NamedInit
+
+    def meta() -> nn.Module:
+        with torch.device("meta"):
+            return MODELS["llama"]()
+
+    whole = meta()
+    NamedInit(whole, 3).materialize(whole)
+    inputs, targets = batch("llama")
+    pipe = pt.Pipeline(meta(), "zbv", M, LOSSES["llama"], local_ranks=2, init_seed=3,
+                       split_points=points("llama", 4), example_inputs=inputs)
+    refs = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
+    assert all(torch.equal(p, refs[n]) for n, p in pipe.named_parameters())
+    assert all(torch.equal(b, refs[n]) for n, b in pipe.named_buffers())
+    inv = dict(pipe.named_buffers())["model.rotary_emb.inv_freq"]
+    assert inv.max().item() == 1.0 and inv.min().item() > 0  # the rotary table, not garbage
+    got = pipe.step(pipe.pack(**inputs), targets)
+    want = reference_step(lambda x: whole(**x), inputs, targets, LOSSES["llama"], M)
+    assert torch.equal(got.loss, want)
