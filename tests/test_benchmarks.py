@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -79,3 +81,17 @@ def test_cold_tiny_times_every_piece_in_every_condition(tmp_path: Path) -> None:
             "torch detach"} == set(pieces)
     for by in pieces.values():
         assert set(by) == {"warm", "busy", "sleep", "evict"} and all(v > 0 for v in by.values())
+
+
+def test_capture_tiny_times_capture_and_compares_steps(tmp_path: Path) -> None:
+    pytest.importorskip("torch.export")
+    out = tmp_path / "capture.json"
+    stdout = _run("capture", "--tiny", "--json", str(out), timeout=180)
+    assert "capture s" in stdout and "captured/list" in stdout
+    data = json.loads(out.read_text())
+    sizes = data["capture"]["sizes"]
+    assert [s["preset"] for s in sizes] == ["tiny", "small"]
+    assert all(s["capture_s"] > 0 and s["nodes"] > 0 for s in sizes)
+    step = data["step"]
+    assert step["losses_equal"] and step["grad_rel_diff_step0"] == 0.0  # same model, same math
+    assert step["median_list_s"] > 0 and step["median_captured_s"] > 0

@@ -2,11 +2,13 @@
 
 ``Pipeline(model, split_points="auto", example_inputs=...)`` needs candidate places to cut an
 ordinary module. The candidates are its *units*: the model's direct children, with every
-container (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) replaced by its own
-children, recursively. For a usual transformer that gives ``embed, pos, blocks.0, ...,
-blocks.N-1, norm, head``. The units are ordered by their first use in the captured ``forward``;
-units used at the same place (an embedding used only as the tied head's weight) or never used
-collapse into the unit before them.
+container (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``), and every module holding a
+stack of same-class layers, replaced by its own children, recursively. For a usual
+transformer that gives ``embed, pos, blocks.0, ..., blocks.N-1, norm, head``; for Hugging Face
+Llama ``model.embed_tokens, model.layers.0, ..., model.norm, model.rotary_emb, lm_head``.
+The units are ordered by their first use in the captured ``forward``; units used at the same
+place (an embedding used only as the tied head's weight) or never used collapse into the unit
+before them.
 
 Cutting at every unit (:func:`pipetrain.trace.split_model` with all of them) gives one small
 stage per unit; those stages chain like the layers of ``nn.Sequential``, so the balancer
@@ -30,19 +32,27 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def units(model: nn.Module) -> list[str]:
-    """The model's units in registration order: children, containers opened recursively."""
+    """The model's units in registration order: children, containers opened recursively, and
+    so is a module that holds a stack of layers somewhere inside it (a Hugging Face
+    ``GPT2Model`` holding ``h``), so that the stack's layers are units."""
     found: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if isinstance(child, _CONTAINERS):
+            if isinstance(child, _CONTAINERS) or any(_is_stack(m) for m in child.modules()):
                 visit(path + ".", child)
             else:
                 found.append(path)
 
     visit("", model)
     return found
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """A container of two or more layers of one class (transformer blocks, residual blocks)."""
+    kids = list(module.children())
+    return isinstance(module, _CONTAINERS) and len(kids) > 1 and len({type(k) for k in kids}) == 1
 
 
 def cut_points(model: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,

@@ -1,0 +1,90 @@
+"""Models we did not write, pipelined across processes (gloo): HF GPT-2 (tied head), Llama
+(rotary tables routed to every stage), BERT (padding mask) and a BatchNorm ResNet under 1f1b,
+interleaved-1f1b, zbv and dualpipev on 2 ranks and three schedules on 4, in float64, within
+1e-9 of the same micro-batches run one after another on one process; and a meta-built Llama
+that each rank materialises alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain as pt
+from hf import LOSSES, MODELS, batch, points
+from pipetrain.testing import reference_step
+
+pytest.importorskip("transformers")
+
+M = 4
+SCHEDULES = {2: ["1f1b", "interleaved-1f1b", "zbv", "dualpipev"], 4: ["1f1b", "zbv"]}
+NAMES = {2: ["gpt2", "llama", "bert", "resnet"], 4: ["gpt2", "llama"]}
+
+
+def _case(name: str, schedule: str, ranks: int) -> list[str]:
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    ref = copy.deepcopy(model)
+    inputs, targets = batch(name, rows=8, seq=10)
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    stages = ranks * (1 if schedule == "1f1b" else 2)
+    split = points(name, stages) if stages <= 4 else "auto"
+    pipe = pt.Pipeline(model, schedule, M, LOSSES[name], split_points=split,
+                       example_inputs=inputs, timeout=60)
+    got = pipe.step(pipe.pack(**inputs), targets)
+    want = reference_step(lambda x: ref(**x), inputs, targets, LOSSES[name], M)
+    problems = [] if got.loss is not None and torch.allclose(got.loss, want, rtol=1e-12, atol=0) \
+        else [f"loss {got.loss} != {want}"]
+    refs = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}
+    for n, p in pipe.named_parameters():
+        r = refs[n].grad
+        if p.grad is None or r is None or not torch.allclose(
+                p.grad, r, rtol=1e-9, atol=1e-9 * r.abs().max().item()):
+            problems.append(f"gradient of {n} differs")
+    problems += [f"buffer {n} differs" for n, b in pipe.named_buffers()
+                 if not torch.equal(b, refs[n])]
+    return [f"rank {pipe.rank} {name} {schedule}: {p}" for p in problems]
+
+
+def _all(ctx: pt.RankContext) -> list[str]:
+    torch.set_num_threads(1)
+    return [p for name in NAMES[ctx.world_size] for schedule in SCHEDULES[ctx.world_size]
+            for p in _case(name, schedule, ctx.world_size)]
+
+
+def _meta_llama(ctx: pt.RankContext) -> list[str]:
+    from pipetrain.lazy import NamedInit
+
+    def meta() -> nn.Module:
+        with torch.device("meta"):
+            return MODELS["llama"]()
+
+    whole = meta()
+    NamedInit(whole, 5).materialize(whole)
+    inputs, targets = batch("llama")
+    pipe = pt.Pipeline(meta(), "zbv", M, LOSSES["llama"], split_points=points("llama", 4),
+                       example_inputs=inputs, init_seed=5, timeout=60)
+    refs = dict(whole.named_parameters())
+    mine = dict(pipe.named_parameters())
+    problems = [f"{n} differs at init" for n, p in mine.items() if not torch.equal(p, refs[n])]
+    if not 0 < len(mine) < len(refs):
+        problems.append(f"holds {len(mine)} of {len(refs)} parameters")
+    got = pipe.step(pipe.pack(**inputs), targets)
+    want = reference_step(lambda x: whole(**x), inputs, targets, LOSSES["llama"], M)
+    if got.loss is None or not torch.equal(got.loss, want):
+        problems.append(f"loss {got.loss} != {want}")
+    return [f"rank {ctx.rank}: {p}" for p in problems]
+
+
+def test_hf_models_and_a_cnn_on_two_ranks() -> None:
+    assert sum(pt.launch(_all, 2, timeout=600), []) == []
+
+
+def test_hf_models_on_four_ranks() -> None:
+    assert sum(pt.launch(_all, 4, timeout=600), []) == []
+
+
+def test_meta_llama_each_rank_materialises_its_own_stages() -> None:
+    assert sum(pt.launch(_meta_llama, 2, timeout=300), []) == []
