@@ -58,9 +58,8 @@ def run_case(name: str, schedule: str, dtype: torch.dtype, ranks: int = 2,
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "resnet"])
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_float64_matches_one_process(name: str, schedule: str) -> None:
-    got, want, bad = run_case(name, schedule, torch.float64)
+def test_float64_matches_one_process(name: str) -> None:  # more schedules: test_hf_dist.py
+    got, want, bad = run_case(name, "1f1b", torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert bad == []
 
@@ -78,11 +77,25 @@ def test_gpt2_fp32_bitwise_except_the_tied_embedding() -> None:
     assert [b.split(":")[0] for b in bad] in ([], ["transformer.wte.weight"])
 
 
-def test_llama_fp32_differs_from_eager_by_rounding_only() -> None:
+def test_llama_fp32_is_bitwise_to_its_capture_and_rounding_to_eager() -> None:
     # under capture, transformers builds an explicit causal mask where eager passes
-    # is_causal=True to SDPA (masking_utils), so fp32 gradients differ in the last bits
-    got, want, _ = run_case("llama", "1f1b", torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    # is_causal=True to SDPA (masking_utils), so fp32 gradients differ from eager in the last
+    # bits (measured: 3.8e-7 of the largest); against the captured graph run one micro-batch
+    # after another on one process, the pipeline is bitwise
+    from pipetrain.trace import split_model
+
+    model = build("llama", torch.float32)
+    eager, whole = copy.deepcopy(model), copy.deepcopy(model)
+    inputs, targets = batch("llama")
+    pipe = pt.Pipeline(model, "zbv", M, LOSSES["llama"], local_ranks=2,
+                       split_points=points("llama", 4), example_inputs=inputs)
+    got = pipe.step(pipe.pack(**inputs), targets)
+    one = split_model(whole, [], inputs)
+    want = reference_step(lambda x: one.run(one.pack(**x)), inputs, targets, LOSSES["llama"], M)
+    assert torch.equal(got.loss, want)
+    assert differences(pipe, whole, 0.0) == []
+    reference_step(lambda x: eager(**x), inputs, targets, LOSSES["llama"], M)
+    assert differences(pipe, eager, 1e-5) == []
 
 
 def test_batchnorm_statistics_update_once_per_micro_batch_under_recompute() -> None:
@@ -155,3 +168,50 @@ def test_meta_llama_materialised_per_rank_equals_the_whole_model() -> None:
     got = pipe.step(pipe.pack(**inputs), targets)
     want = reference_step(lambda x: whole(**x), inputs, targets, LOSSES["llama"], M)
     assert torch.equal(got.loss, want)
+
+
+def test_recompute_and_frozen_parameters_on_llama_under_split_backward() -> None:
+    model = build("llama", torch.float64)
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen, on the first stage
+    ref = copy.deepcopy(model)
+    inputs, targets = batch("llama")
+    pipe = pt.Pipeline(model, "zbv", M, LOSSES["llama"], local_ranks=2, recompute="always",
+                       split_points=points("llama", 4), example_inputs=inputs)
+    got = pipe.step(pipe.pack(**inputs), targets)
+    want = reference_step(lambda x: ref(**x), inputs, targets, LOSSES["llama"], M)
+    torch.testing.assert_close(got.loss, want, rtol=1e-12, atol=0)
+    frozen = dict(pipe.named_parameters())["model.embed_tokens.weight"]
+    assert frozen.grad is None
+    refs = dict(ref.named_parameters())
+    assert [n for n, p in pipe.named_parameters() if p.requires_grad and not torch.allclose(
+        p.grad, refs[n].grad, rtol=1e-9, atol=1e-9 * refs[n].grad.abs().max().item())] == []
+
+
+@pytest.mark.parametrize("balance", ["params", "time", "memory"])
+def test_auto_split_of_an_hf_model_under_every_balance_mode(balance: str) -> None:
+    model = build("gpt2", torch.float64)
+    ref = copy.deepcopy(model)
+    inputs, targets = batch("gpt2")
+    pipe = pt.Pipeline(model, "interleaved-1f1b", M, LOSSES["gpt2"], local_ranks=2,
+                       split_points="auto", balance=balance, example_inputs=inputs)
+    assert pipe.traced is not None and len(pipe.traced.stages) >= 8  # wte, wpe, h.0-3, ...
+    got = pipe.step(pipe.pack(**inputs), targets)
+    want = reference_step(lambda x: ref(**x), inputs, targets, LOSSES["gpt2"], M)
+    torch.testing.assert_close(got.loss, want, rtol=1e-12, atol=0)
+    assert differences(pipe, ref, 1e-9) == []
+
+
+def test_llama_rotary_tables_and_mask_are_sent_straight_to_every_stage() -> None:
+    from pipetrain.trace import split_model
+
+    model = build("llama", torch.float32)
+    inputs, _ = batch("llama")
+    split = split_model(model, points("llama", 4), inputs)
+    out = split.stages[0](split.pack(**inputs))
+    shared = [k for k, s in split.made_in.items() if s == 0 and split.used_in[k] == (0, 1, 2, 3)
+              and isinstance(out[k], torch.Tensor) and out[k].is_floating_point()]
+    assert len(shared) >= 2  # cos and sin, made once in stage 0
+    pairs = split.routes([1, 1, 1, 1]).pairs()
+    for key in shared:
+        assert all(key in (pairs[("act", 0, d)] or ()) for d in (1, 2, 3))
+        assert all(key not in (pairs.get(("act", s, d)) or ()) for s, d in [(1, 2), (2, 3)])

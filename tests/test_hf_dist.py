@@ -1,6 +1,7 @@
 """Models we did not write, pipelined across processes (gloo): HF GPT-2 (tied head), Llama
 (rotary tables routed to every stage), BERT (padding mask) and a BatchNorm ResNet under 1f1b,
-interleaved-1f1b, zbv and dualpipev on 2 ranks and three schedules on 4, in float64, within
+interleaved-1f1b, zbv and dualpipev on 2 ranks, GPT-2 under zbv (8 stages from
+split_points="auto") and Llama under 1f1b on 4, in float64, within
 1e-9 of the same micro-batches run one after another on one process; and a meta-built Llama
 that each rank materialises alone."""
 
@@ -19,8 +20,9 @@ from pipetrain.testing import reference_step
 pytest.importorskip("transformers")
 
 M = 4
-SCHEDULES = {2: ["1f1b", "interleaved-1f1b", "zbv", "dualpipev"], 4: ["1f1b", "zbv"]}
-NAMES = {2: ["gpt2", "llama", "bert", "resnet"], 4: ["gpt2", "llama"]}
+CASES = {2: [(name, schedule) for name in ("gpt2", "llama", "bert", "resnet")
+             for schedule in ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")],
+         4: [("gpt2", "zbv"), ("llama", "1f1b")]}
 
 
 def _case(name: str, schedule: str, ranks: int) -> list[str]:
@@ -50,7 +52,7 @@ def _case(name: str, schedule: str, ranks: int) -> list[str]:
 
 def _all(ctx: pt.RankContext) -> list[str]:
     torch.set_num_threads(1)
-    return [p for name in NAMES[ctx.world_size] for schedule in SCHEDULES[ctx.world_size]
+    return [p for name, schedule in CASES[ctx.world_size]
             for p in _case(name, schedule, ctx.world_size)]
 
 

@@ -28,6 +28,16 @@ def test_readme_snippet_runs(tmp_path: Path) -> None:
     assert len(losses) == 2 and losses[0] == losses[1]
 
 
+def test_readme_any_model_snippet_runs_an_hf_model(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    code = next(b for b in blocks if "LlamaForCausalLM" in b)
+    script = tmp_path / "hf_snippet.py"
+    script.write_text(code)
+    losses = eval(_run([sys.executable, str(script)], tmp_path).strip())
+    assert len(losses) == 2 and losses[0] == losses[1] and 0 < losses[0] < 6
+
+
 def _console_line(containing: str) -> str:
     """The README's first ``$ ...`` console line that contains ``containing``, without ``$ ``."""
     for line in (ROOT / "README.md").read_text().splitlines():
