@@ -122,6 +122,19 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+def on_meta(name: str) -> nn.Module:
+    """Model ``name`` described on the ``meta`` device (no storage)."""
+    with torch.device("meta"):
+        return MODELS[name]()
+
+
+def materialized(model: nn.Module, seed: int) -> nn.Module:
+    """The single-device reference of a meta model: materialised whole, by name."""
+    from pipetrain.lazy import NamedInit
+
+    return NamedInit(model, seed).materialize(model)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama, "bert": bert,
                                                "resnet": ResNet}
 LOSSES = {"gpt2": lm_loss, "llama": lm_loss, "bert": cls_loss, "resnet": cls_loss}

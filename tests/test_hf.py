@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from hf import LOSSES, MODELS, batch, points
+from hf import LOSSES, MODELS, batch, materialized, on_meta, points
 from pipetrain.testing import reference_step
 
 pytest.importorskip("transformers")
@@ -149,16 +149,9 @@ def test_sequence_length_and_batch_size_change_between_steps() -> None:
 
 
 def test_meta_llama_materialised_per_rank_equals_the_whole_model() -> None:
-    from pipetrain.lazy import NamedInit
-
-    def meta() -> nn.Module:
-        with torch.device("meta"):
-            return MODELS["llama"]()
-
-    whole = meta()
-    NamedInit(whole, 3).materialize(whole)
+    whole = materialized(on_meta("llama"), 3)
     inputs, targets = batch("llama")
-    pipe = pt.Pipeline(meta(), "zbv", M, LOSSES["llama"], local_ranks=2, init_seed=3,
+    pipe = pt.Pipeline(on_meta("llama"), "zbv", M, LOSSES["llama"], local_ranks=2, init_seed=3,
                        split_points=points("llama", 4), example_inputs=inputs)
     refs = {**dict(whole.named_parameters()), **dict(whole.named_buffers())}
     assert all(torch.equal(p, refs[n]) for n, p in pipe.named_parameters())

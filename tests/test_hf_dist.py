@@ -11,10 +11,9 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import pipetrain as pt
-from hf import LOSSES, MODELS, batch, points
+from hf import LOSSES, MODELS, batch, materialized, on_meta, points
 from pipetrain.testing import reference_step
 
 pytest.importorskip("transformers")
@@ -57,16 +56,9 @@ def _all(ctx: pt.RankContext) -> list[str]:
 
 
 def _meta_llama(ctx: pt.RankContext) -> list[str]:
-    from pipetrain.lazy import NamedInit
-
-    def meta() -> nn.Module:
-        with torch.device("meta"):
-            return MODELS["llama"]()
-
-    whole = meta()
-    NamedInit(whole, 5).materialize(whole)
+    whole = materialized(on_meta("llama"), 5)
     inputs, targets = batch("llama")
-    pipe = pt.Pipeline(meta(), "zbv", M, LOSSES["llama"], split_points=points("llama", 4),
+    pipe = pt.Pipeline(on_meta("llama"), "zbv", M, LOSSES["llama"], split_points=points("llama", 4),
                        example_inputs=inputs, init_seed=5, timeout=60)
     refs = dict(whole.named_parameters())
     mine = dict(pipe.named_parameters())
