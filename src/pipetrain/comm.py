@@ -70,7 +70,8 @@ class PeerFailed(CommError):
 
 
 class _Relayed(Exception):
-    """A peer passed on another rank's failure; the origin's own ABORT reaches this rank too."""
+    """A peer passed on another rank's failure: the origin's own ABORT reaches only the ranks
+    it exchanges messages with, so this may be the first news of it here."""
 
     def __init__(self, error: PeerFailed) -> None:
         super().__init__(str(error))
@@ -115,7 +116,8 @@ class _Receiver:
             try:
                 _Incoming(job[0], self.peer, self.src, self.box, self.capacity
                           ).step(*job[1:])
-            except _Relayed:
+            except _Relayed as e:  # the first error in the mailbox wins: the origin's, if here
+                self.box.fail(e.error)
                 return
             except BaseException as e:  # noqa: BLE001  (handed to the main thread)
                 self.box.fail(e)
@@ -409,6 +411,11 @@ def _close(receivers: list[_Receiver], sends: list[tuple[Any, Any, Any]],
 def _abort_error(peer: int, header: Sequence[int], msg: Message) -> PeerFailed:
     t = msg.tensors[0]
     text = bytes(t.cpu().tolist()).decode(errors="replace") if t is not None else ""
+    relayed = f"{PeerFailed.__name__}: "
+    if header[5] == _RELAY and text.startswith(relayed):  # the origin's news, passed on
+        text = text[len(relayed):]
+        return PeerFailed(text if "[passed on by rank" in text
+                          else f"{text} [passed on by rank {peer}]")
     op = OPS[header[10]] if 0 <= header[10] < len(OPS) else "?"
     stage, mb, step = header[4], header[3], header[2]
     where = (f"at stage {stage}, mb {mb}, action {stage}{op}{mb}" if stage >= 0
