@@ -15,6 +15,7 @@ from torch import nn
 import pipetrain as pt
 
 TIMEOUT = 30.0  # far above the time news takes: a rank that only timed out fails the test
+HANG_TIMEOUT, HANG_S = 10.0, 30.0  # a hung stage sleeps far longer than its peers wait
 
 
 class Fault(nn.Module):
@@ -33,6 +34,8 @@ class Fault(nn.Module):
                 os._exit(3)
             if how == "shape":
                 return torch.cat([x, x[:, :1]], 1)
+            if how == "hang":
+                time.sleep(HANG_S)
             raise RuntimeError("injected failure")
         return x
 
@@ -45,7 +48,7 @@ def _run(ctx: pt.RankContext, schedule: str, how: str, culprit: int) -> str:
     faults = [Fault(-1) for _ in range(n_stages)]
     layers = [m for fault in faults for m in (nn.Linear(4, 4), fault)]
     pipe = pt.Pipeline(nn.Sequential(*layers), schedule, 8, nn.MSELoss(),
-                       balance=[2] * n_stages, timeout=TIMEOUT)
+                       balance=[2] * n_stages, timeout=HANG_TIMEOUT if how == "hang" else TIMEOUT)
     for s, fault in enumerate(faults):  # the rank holding each stage, by the schedule
         fault.rank = pipe.schedule.rank_of(s)
     x, y = torch.randn(16, 4), torch.randn(16, 4)
@@ -74,7 +77,8 @@ def _check(out: Path, cases: list[tuple[str, str, int, int]], survivors: list[in
     results = {r: json.loads((out / f"rank{r}.json").read_text()) for r in survivors}
     for i, (schedule, how, _, named) in enumerate(cases):
         texts = {r: results[r][i] for r in survivors}
-        late = {r: t for r, t in texts.items() if float(t.split()[0]) > TIMEOUT / 2}
+        bound = 3 * HANG_TIMEOUT if how == "hang" else TIMEOUT / 2
+        late = {r: t for r, t in texts.items() if float(t.split()[0]) > bound}
         assert late == {}, f"{schedule} {how}: ranks that waited for a timeout: {late}"
         quiet = {r: t for r, t in texts.items() if f"rank {named}" not in t}
         assert quiet == {}, f"{schedule} {how}: errors not naming rank {named}: {quiet}"
@@ -97,3 +101,16 @@ def test_a_killed_rank_is_named_on_every_rank(tmp_path: Path) -> None:
     with pytest.raises(pt.PipelineError, match="rank 1 ---\nprocess exited with code 3"):
         pt.launch(_cases, 4, cases, str(tmp_path), timeout=120)
     _check(tmp_path, cases, [0, 2, 3])
+
+
+@pytest.mark.parametrize("world,schedule", [(4, "1f1b"), (8, "interleaved-1f1b")])
+def test_a_hung_rank_is_named_with_its_action_on_every_rank(world: int, schedule: str,
+                                                             tmp_path: Path) -> None:
+    cases = [(schedule, "hang", 1, 1)]
+    pt.launch(_cases, world, cases, str(tmp_path), timeout=300)
+    texts = [json.loads((tmp_path / f"rank{r}.json").read_text())[0] for r in range(world)]
+    survivors = [r for r in range(world) if r != 1]
+    _check(tmp_path, cases, survivors)
+    for r in survivors:  # the watchdog tells the rank in its own code from those waiting
+        assert "rank 1 is stuck in its own stage code: 1F0 of step 1 has run for" in texts[r]
+    assert any("waits for rank" in texts[r] for r in survivors)

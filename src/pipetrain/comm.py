@@ -223,6 +223,7 @@ class P2P:
         self.mailbox = Mailbox()
         self._globals = [r if group is None else dist.get_global_rank(group, r)
                          for r in range(n_ranks)]
+        self.first_global = self._globals[0]
         self._sends: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
         self._pending: dict[tuple[int, Key], list[tuple[Any, torch.Tensor, Any]]] = {}
         self._proofs: Proofs = {}

@@ -38,6 +38,7 @@ from pipetrain.stage import Stage
 from pipetrain.tied import TiedGrads, find_tied
 from pipetrain.timeline import Timeline
 from pipetrain.trace import TracedSplit
+from pipetrain.watchdog import Watchdog, diagnosed
 from pipetrain.wire import OPS
 
 __all__ = ["Pipeline", "StepResult"]
@@ -162,6 +163,8 @@ class Pipeline:
             self.transport.spare_tag, timeout)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  *grad_links(self.tied, self.local), routes=self.routes)
+        self.watchdog = None if self.transport is None else Watchdog.of(
+            self.transport, self.executor.activity)
         self._plans: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}
         self._proofs: dict[bool, Proofs] = {}  # sends that each received message proves done
         self._step = 0
@@ -324,8 +327,11 @@ class Pipeline:
             self.executor.run(data)
             loss, times = self._finish(data)
         except BaseException as e:
-            self._fail(step, e, data.done_sent)
-            raise
+            error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
+            self._fail(step, error, data.done_sent)
+            if error is e:
+                raise
+            raise error from e
         outputs = None
         if keep_outputs and data.outputs:
             outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
@@ -357,7 +363,10 @@ class Pipeline:
         if self.transport is None:
             loss, times = total_loss(data), StepTimes(self.schedule, data.train, own, data.times)
         else:
+            self.executor.activity.waiting("the end-of-step exchange", tuple(
+                r for r in range(self.schedule.n_ranks) if r != self.rank), data.step)
             loss, times = exchange(self.transport, self.schedule, self.rank, data, own)
+            self.executor.activity.idle()
         if data.train and self._tied_grads is not None:
             self._tied_grads.all_reduce()
         if data.train and self.executor.deferred:

@@ -37,6 +37,7 @@ from pipetrain.routes import Routes, chain
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Incoming, Stage
 from pipetrain.tied import TiedParam
+from pipetrain.watchdog import Activity
 from pipetrain.wire import ACT, GRAD, Key, Message
 
 __all__: list[str] = []
@@ -88,6 +89,17 @@ class Executor:
         self.order = [(r, schedule.actions[r][i]) for r, i in order]
         self.ready = grads_final_after(self.order, linked or {}, set(deferred))
         self.deferred = tuple(s for s in sorted(deferred) if s in stages)
+        self.activity = Activity()
+        """What this rank does now, for the watchdog (:mod:`pipetrain.watchdog`)."""
+        self._waits_on = [(str(a), tuple(dict.fromkeys(
+            schedule.rank_of(s) for s in self._sources(a) if schedule.rank_of(s) != r)))
+            for r, a in self.order]
+
+    def _sources(self, a: Action) -> tuple[int, ...]:
+        """The stages whose messages ``a`` consumes."""
+        if a.op is Op.W:
+            return ()
+        return self._act_in[a.stage] if a.op is Op.F else self._grad_in[a.stage]
 
     def executed(self, train: bool) -> list[tuple[int, Action]]:
         """The (rank, action) pairs a step runs, in the order their times are recorded."""
@@ -95,15 +107,18 @@ class Executor:
 
     def run(self, data: StepData) -> None:
         """Execute every hosted rank's list for one step (raises StageError / CommError)."""
-        train, times, ready = data.train, data.times, self.ready
+        train, times, ready, activity = data.train, data.times, self.ready, self.activity
         for index, (rank, action) in enumerate(self.order):
             op = action.op
             if not train and op is not Op.F:
                 continue
             self.current = (rank, action)
             if op is Op.B or op is Op.I:  # recompute (if any) before waiting for the gradient
+                activity.computing()
                 self._guarded(rank, action, data, self.stages[action.stage].prepare_backward)
+            activity.waiting(*self._waits_on[index], data.step)
             received = self._receive(rank, action, data)
+            activity.computing()
             start = time.time()
             try:
                 self._compute(rank, action, received, data)
@@ -116,6 +131,7 @@ class Executor:
             if train and index in ready and data.on_grads_ready is not None:
                 self.grads_ready(rank, action, ready[index], data)
         self.current = None
+        activity.idle()
 
     def grads_ready(self, rank: int, action: Action | None, stages: Sequence[int],
                     data: StepData) -> None:

@@ -1,0 +1,177 @@
+"""Watchdog: what each rank of a pipeline is doing, asked for when a wait times out.
+
+A rank that stops making progress is seen by its peers only as silence: each of them times out
+waiting for its own neighbour, and a timeout names the neighbour, not the rank that stopped.
+Like the NCCL flight recorder's analysis, which points at the rank that never joined a
+collective, the watchdog follows the pipeline's wait-for chain to its end::
+
+    rank 3 timed out waiting for rank 2 ──► probe every rank through the job's store
+    rank 2: waiting for rank 1 (2F3, 9.8 s) ─┐
+    rank 1: computing 1F3 for 10.1 s  ◄──────┘  "stuck in its own stage code"
+
+Each rank's main thread records what it does in an :class:`Activity` (two attribute writes
+per action: nothing touches the network in the steady state). One daemon thread per rank
+waits on the job's ``torch.distributed`` store for a probe; when a rank times out it posts one,
+every rank's thread answers with its activity, and the chain is followed from the peer that
+was waited for: to a rank computing (stuck in its own stage code), to a rank that does not
+answer (dead or frozen), or round a cycle (ranks waiting for each other).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from pipetrain.errors import CommError
+
+__all__: list[str] = []
+
+_ANSWER_S = 2.0  # how long a probe waits for the ranks' answers
+
+
+class Activity:
+    """What this rank's main thread is doing: one action, waiting for peers or computing."""
+
+    def __init__(self) -> None:
+        self.action = ""
+        self.step = -1
+        self.state = "idle"
+        self.peers: tuple[int, ...] = ()
+        self.since = time.monotonic()
+
+    def waiting(self, action: str, peers: tuple[int, ...], step: int) -> None:
+        self.action, self.step, self.peers = action, step, peers
+        self.state, self.since = "waiting", time.monotonic()
+
+    def computing(self) -> None:
+        self.state, self.since = "computing", time.monotonic()
+
+    def idle(self) -> None:
+        self.state, self.peers, self.since = "idle", (), time.monotonic()
+
+    def report(self) -> dict[str, Any]:
+        return {"action": self.action, "step": self.step, "state": self.state,
+                "peers": list(self.peers), "seconds": round(time.monotonic() - self.since, 1)}
+
+
+class Watchdog:
+    """Answers probes about ``activity`` and sends them; one per pipeline transport.
+
+    Args:
+        store: the job's store (the default group's); None disables the watchdog.
+        prefix: a key prefix of this pipeline's own, the same on all its ranks.
+        rank, n_ranks: this rank and the size of the pipeline group.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, n_ranks: int,
+                 activity: Activity) -> None:
+        self.store, self.prefix, self.rank, self.n_ranks = store, prefix, rank, n_ranks
+        self.activity = activity
+        self.stop = threading.Event()
+        if store is not None:
+            threading.Thread(target=_answer, args=(store, prefix, rank, activity, self.stop),
+                             daemon=True, name="pipetrain-watchdog").start()
+
+    @classmethod
+    def of(cls, transport: Any, activity: Activity) -> Watchdog:
+        """The watchdog of a pipeline transport (:class:`~pipetrain.comm.P2P`): its keys are
+        the pipeline's own (first global rank and tag), the same on every rank of it."""
+        prefix = f"pipetrain/watchdog/{transport.first_global}/{transport.spare_tag}/"
+        dog = cls(job_store(), prefix, transport.rank, transport.n_ranks, activity)
+        weakref.finalize(transport, dog.stop.set)
+        return dog
+
+    def diagnose(self, waited_for: Sequence[int]) -> str:
+        """Who stopped making progress, seen from a rank that waited for ``waited_for``."""
+        if self.store is None:
+            return ""
+        try:
+            reports = self._probe()
+        except Exception as e:  # noqa: BLE001  (a diagnosis must never hide the error)
+            return f"(the watchdog could not ask the other ranks: {e})"
+        return chain(reports, [p for p in waited_for if p != self.rank], self.n_ranks)
+
+    def _probe(self) -> dict[int, dict[str, Any]]:
+        n = self.store.add(f"{self.prefix}probes", 1)
+        self.store.set(f"{self.prefix}probe/{n}", "1")
+        keys = [f"{self.prefix}status/{n}/{r}" for r in range(self.n_ranks)]
+        deadline = time.monotonic() + _ANSWER_S
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)
+                if self.store.check([k])}
+
+
+def _answer(store: Any, prefix: str, rank: int, activity: Activity,
+            stop: threading.Event) -> None:
+    n = 1
+    while not stop.is_set():
+        try:
+            store.wait([f"{prefix}probe/{n}"], timedelta(seconds=5))
+        except Exception:  # noqa: BLE001  (no probe yet, or the store is gone)
+            if not stop.is_set():
+                time.sleep(0.1)
+            continue
+        try:
+            store.set(f"{prefix}status/{n}/{rank}", json.dumps(activity.report()))
+        except Exception:  # noqa: BLE001
+            return
+        n += 1
+
+
+def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int) -> str:
+    """Follow waits from ``start`` to the rank that holds everyone up; describe it."""
+    if not start:  # waited at the step's end, for every peer: the longest-running rank
+        busy = [r for r in range(n_ranks) if reports.get(r, {}).get("state") == "computing"]
+        start = busy or [r for r in range(n_ranks) if r not in reports] or list(reports)
+    path: list[int] = []
+    r = start[0]
+    while True:
+        report = reports.get(r)
+        if report is None:
+            return _via(path, r) + f"rank {r} does not answer (its process died or is frozen)"
+        what = f"{report['action']} of step {report['step']}"
+        if report["state"] == "computing":
+            return _via(path, r) + (f"rank {r} is stuck in its own stage code: {what} has run for "
+                                 f"{report['seconds']} s without finishing")
+        if report["state"] != "waiting":
+            return _via(path, r) + f"rank {r} is {report['state']} for {report['seconds']} s"
+        path.append(r)
+        later = [p for p in report["peers"] if p not in path]
+        if not later:
+            return (f"ranks {' -> '.join(map(str, path))} wait for each other "
+                    f"(rank {r}: {what}): the ranks disagree on the schedule")
+        r = later[0]
+
+
+def _via(path: list[int], end: int) -> str:
+    """``rank 3 waits for rank 2; rank 2 waits for rank 1; `` for ``path`` [3, 2], end 1."""
+    return "".join(f"rank {a} waits for rank {b}; " for a, b in zip(path, [*path[1:], end]))
+
+
+def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
+    """``error``, or for a timeout a :class:`CommError` that also names who held it up."""
+    from pipetrain.comm import PeerFailed
+
+    if (watchdog is None or not isinstance(error, CommError) or isinstance(error, PeerFailed)
+            or "timed out" not in str(error)):
+        return error
+    activity = watchdog.activity
+    peers = activity.peers if activity.state == "waiting" else ()
+    found = watchdog.diagnose(peers)
+    return CommError(f"{error}\n  watchdog: {found}") if found else error
+
+
+def job_store() -> Any:
+    """The store of the default process group (None outside an initialised job)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
