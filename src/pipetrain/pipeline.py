@@ -328,6 +328,8 @@ class Pipeline:
             loss, times = self._finish(data)
         except BaseException as e:
             error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
+            if self.watchdog is not None:
+                self.watchdog.failed(error)
             self._fail(step, error, data.done_sent)
             if error is e:
                 raise

@@ -10,8 +10,9 @@ collective, the watchdog follows the pipeline's wait-for chain to its end::
     rank 1: computing 1F3 for 10.1 s  ◄──────┘  "stuck in its own stage code"
 
 Each rank's main thread records what it does in an :class:`Activity` (two attribute writes
-per action: nothing touches the network in the steady state). One daemon thread per rank
-waits on the job's ``torch.distributed`` store for a probe; when a rank times out it posts one,
+per action). One daemon thread per rank looks in the job's ``torch.distributed`` store for a
+probe twice a second (one small request: the steady state pays nothing else); when a rank
+times out it posts one,
 every rank's thread answers with its activity, and the chain is followed from the peer that
 was waited for: to a rank computing (stuck in its own stage code), to a rank that does not
 answer (dead or frozen), or round a cycle (ranks waiting for each other).
@@ -24,7 +25,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -33,7 +33,8 @@ from pipetrain.errors import CommError
 
 __all__: list[str] = []
 
-_ANSWER_S = 2.0  # how long a probe waits for the ranks' answers
+_POLL_S = 0.5  # how often a rank looks for a probe (one small store request)
+_ANSWER_S = 2.0 + _POLL_S  # how long a probe waits for the ranks' answers
 
 
 class Activity:
@@ -105,25 +106,39 @@ class Watchdog:
         deadline = time.monotonic() + _ANSWER_S
         while not self.store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)
-                if self.store.check([k])}
+        reports = {}
+        for r, key in enumerate(keys):  # a rank that failed already may have exited since
+            for k in (key, f"{self.prefix}final/{r}"):
+                if self.store.check([k]):
+                    reports[r] = json.loads(self.store.get(k))
+                    break
+        return reports
+
+    def failed(self, error: BaseException) -> None:
+        """Leave this rank's failure where later probes find it (its process may exit)."""
+        if self.store is None:
+            return
+        report = {**self.activity.report(), "state": "failed",
+                  "error": f"{type(error).__name__}: {error}"[:2000]}
+        try:
+            self.store.set(f"{self.prefix}final/{self.rank}", json.dumps(report))
+        except Exception:  # noqa: BLE001  (best effort: the store may be gone)
+            pass
 
 
 def _answer(store: Any, prefix: str, rank: int, activity: Activity,
             stop: threading.Event) -> None:
+    """Answer each probe with ``activity``: a check of the store every ``_POLL_S`` (a blocking
+    wait would hold the store's connection, which the main thread shares, and c10d logs
+    every wait that times out)."""
     n = 1
-    while not stop.is_set():
+    while not stop.wait(_POLL_S):
         try:
-            store.wait([f"{prefix}probe/{n}"], timedelta(seconds=5))
-        except Exception:  # noqa: BLE001  (no probe yet, or the store is gone)
-            if not stop.is_set():
-                time.sleep(0.1)
-            continue
-        try:
-            store.set(f"{prefix}status/{n}/{rank}", json.dumps(activity.report()))
-        except Exception:  # noqa: BLE001
+            while store.check([f"{prefix}probe/{n}"]):  # every probe posted since
+                store.set(f"{prefix}status/{n}/{rank}", json.dumps(activity.report()))
+                n += 1
+        except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
             return
-        n += 1
 
 
 def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int) -> str:
@@ -138,6 +153,8 @@ def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int
         if report is None:
             return _via(path, r) + f"rank {r} does not answer (its process died or is frozen)"
         what = f"{report['action']} of step {report['step']}"
+        if report["state"] == "failed":
+            return _via(path, r) + f"rank {r} failed: {report['error']}"
         if report["state"] == "computing":
             return _via(path, r) + (f"rank {r} is stuck in its own stage code: {what} has run for "
                                  f"{report['seconds']} s without finishing")
