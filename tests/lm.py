@@ -7,9 +7,13 @@ LM head tied to the token embedding.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pipetrain.capture import Captured
 
 
 class Attention(nn.Module):
@@ -76,6 +80,18 @@ class TinyLM(nn.Module):
 def tiny_lm(seed: int = 0, n_layers: int = 4) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(n_layers=n_layers)
+
+
+@functools.cache
+def captured_lm(masked: bool) -> tuple[TinyLM, Captured]:
+    """One ``tiny_lm()`` and its capture on ``lm_batch()``, shared by tests that only read the
+    model (capture takes seconds; zero the gradients before use)."""
+    from pipetrain.capture import capture
+
+    model = tiny_lm()
+    ids, mask, _ = lm_batch()
+    inputs = {"input_ids": ids, "attention_mask": mask} if masked else {"input_ids": ids}
+    return model, capture(model, inputs)
 
 
 def lm_batch(n: int = 4, length: int = 8, vocab: int = 32, seed: int = 0

@@ -15,7 +15,7 @@ from torch import nn
 import pipetrain as pt
 
 TIMEOUT = 30.0  # far above the time news takes: a rank that only timed out fails the test
-HANG_TIMEOUT, HANG_S = 10.0, 30.0  # a hung stage sleeps far longer than its peers wait
+HANG_TIMEOUT, HANG_S = 8.0, 22.0  # a hung stage sleeps far longer than its peers wait
 
 
 class Fault(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from lm import lm_batch, lm_loss, tiny_lm
+from lm import captured_lm, lm_batch, lm_loss, tiny_lm
 from pipetrain.errors import PartitionError
 from pipetrain.trace import TracedSplit, split_model
 
@@ -33,13 +33,14 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("masked", [True, False], ids=["mask", "no-mask"])
 @pytest.mark.parametrize("points", POINTS, ids=str)
 def test_chained_stages_match_the_model_bitwise(points: list[str], masked: bool) -> None:
-    model = tiny_lm()
+    model, captured = captured_lm(masked)
+    model.zero_grad()
     kwargs, targets = _inputs(masked)
     want = model(**kwargs)
     lm_loss(want, targets).backward()  # type: ignore[no-untyped-call]
     want_grads = _grads(model)
     model.zero_grad()
-    split = split_model(model, points, kwargs)
+    split = split_model(model, points, kwargs, captured=captured)
     assert len(split.stages) == len(points) + 1
     got = split.run(split.pack(**kwargs))
     assert torch.equal(got, want)
@@ -59,8 +60,8 @@ def test_positional_example_inputs_and_pack() -> None:
 
 @pytest.mark.parametrize("points", POINTS[1:], ids=str)
 def test_parameters_are_the_models_own_under_their_names(points: list[str]) -> None:
-    model = tiny_lm()
-    split = split_model(model, points, _inputs(True)[0])
+    model, captured = captured_lm(True)
+    split = split_model(model, points, _inputs(True)[0], captured=captured)
     seen = set()
     for stage, names in zip(split.stages, split.param_names):
         assert set(names) == {n for n, _ in stage.named_parameters()}
@@ -71,7 +72,8 @@ def test_parameters_are_the_models_own_under_their_names(points: list[str]) -> N
 
 
 def test_each_block_lands_in_its_stage() -> None:
-    split = split_model(tiny_lm(), ["blocks.1", "blocks.3"], _inputs(True)[0])
+    model, captured = captured_lm(True)
+    split = split_model(model, ["blocks.1", "blocks.3"], _inputs(True)[0], captured=captured)
     owners = [{n.split(".")[0] + "." + n.split(".")[1] for n in names.values()
                if n.startswith("blocks.")} for names in split.param_names]
     assert owners == [{"blocks.0"}, {"blocks.1", "blocks.2"}, {"blocks.3"}]
@@ -80,8 +82,8 @@ def test_each_block_lands_in_its_stage() -> None:
 
 @pytest.mark.parametrize("points", POINTS[1:], ids=str)
 def test_tied_embedding_is_one_parameter_in_first_and_last_stage(points: list[str]) -> None:
-    model = tiny_lm()
-    split = split_model(model, points, _inputs(True)[0])
+    model, captured = captured_lm(True)
+    split = split_model(model, points, _inputs(True)[0], captured=captured)
     last = len(split.stages) - 1
     assert split.shared == {"embed.weight": [0, last]}
     first_params = dict(split.stages[0].named_parameters())
@@ -92,7 +94,8 @@ def test_tied_embedding_is_one_parameter_in_first_and_last_stage(points: list[st
 
 
 def test_mask_passes_through_the_middle_stage() -> None:
-    split = split_model(tiny_lm(), ["blocks.1", "blocks.3"], _inputs(True)[0])
+    model, captured = captured_lm(True)
+    split = split_model(model, ["blocks.1", "blocks.3"], _inputs(True)[0], captured=captured)
     payload = split.stages[0](split.pack(**_inputs(True)[0]))
     assert set(payload) == set(split.boundaries[0])
     mask_keys = {k for k in set(split.boundaries[0]) & set(split.boundaries[1])
@@ -152,8 +155,9 @@ def test_fixed_plain_argument_is_checked_at_run_time() -> None:
     ("blocks.1", r"must be a list of module names"),
 ])
 def test_bad_split_points(points: Any, match: str) -> None:
+    model, captured = captured_lm(True)
     with pytest.raises(PartitionError, match=match):
-        split_model(tiny_lm(), points, _inputs(True)[0])
+        split_model(model, points, _inputs(True)[0], captured=captured)
 
 
 def test_unused_split_point_and_bad_inputs() -> None:
