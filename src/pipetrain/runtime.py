@@ -154,13 +154,9 @@ class Executor:
 
     def _receive(self, rank: int, a: Action, data: StepData) -> list[Message]:
         """The messages ``a`` consumes (this is where a rank waits for its peers)."""
-        if a.op is Op.F:
-            kind, sources = ACT, self._act_in[a.stage]
-        elif a.op is Op.W:
-            return []
-        else:
-            kind, sources = GRAD, self._grad_in[a.stage]
-        return [self._take(rank, Key(kind, data.step, a.mb, src, a.stage), a) for src in sources]
+        kind = ACT if a.op is Op.F else GRAD
+        return [self._take(rank, Key(kind, data.step, a.mb, src, a.stage), a)
+                for src in self._sources(a)]
 
     def _compute(self, rank: int, a: Action, msgs: list[Message], data: StepData) -> None:
         stage = self.stages[a.stage]
