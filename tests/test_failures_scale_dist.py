@@ -103,9 +103,7 @@ def test_a_killed_rank_is_named_on_every_rank(tmp_path: Path) -> None:
     _check(tmp_path, cases, [0, 2, 3])
 
 
-# Not yet at 8 ranks: rank 0 hosts the job's store, and when it fails early (a peer closed
-# the connection) and its process exits, the other ranks' probes find no store to ask.
-@pytest.mark.parametrize("world,schedule", [(4, "1f1b")])
+@pytest.mark.parametrize("world,schedule", [(4, "1f1b"), (8, "interleaved-1f1b")])
 def test_a_hung_rank_is_named_with_its_action_on_every_rank(world: int, schedule: str,
                                                              tmp_path: Path) -> None:
     cases = [(schedule, "hang", 1, 1)]

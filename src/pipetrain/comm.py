@@ -83,6 +83,7 @@ class _Link:
     """What a receiver needs of the transport: groups, device, limits (no back-reference)."""
 
     rank: int
+    me: str  # this rank, as the job knows it (see _rank)
     cpu_group: dist.ProcessGroup | None
     frames: dist.ProcessGroup  # cpu_group itself: frames go through it directly, by group rank
     device_groups: dict[tuple[int, int], dist.ProcessGroup]
@@ -154,7 +155,8 @@ class _Incoming:
         self.box.hand_over(last, ahead)
 
     def _where(self, key: Key) -> str:
-        return f"rank {self.link.rank} receiving the {key.describe()} from rank {self.peer}"
+        return (f"{self.link.me} receiving the {key.describe()} from "
+                f"{_rank(self.peer, self.src)}")
 
     def _unpack(self, key: Key, frame: torch.Tensor) -> Message:
         header = read_header(frame)
@@ -181,7 +183,7 @@ class _Incoming:
         self.capacity.record(size, bool(header[11]))  # before the next receive is posted
         msg = decode(header, payload)
         if msg.key.kind == ABORT:
-            error = _abort_error(self.peer, header, msg)
+            error = _abort_error(self.peer, self.src, header, msg)
             raise _Relayed(error) if msg.key.dst_stage == _RELAY else error
         if msg.key != key:
             raise CommError(f"{self._where(key)}: received the {msg.key.describe()} instead; "
@@ -221,9 +223,10 @@ class P2P:
         self.device, self.timeout, self.max_bytes = device, timeout, max_message_bytes
         self.cpu_group, self.device_groups = pipeline_groups(group, n_ranks, device)
         self.mailbox = Mailbox()
-        self._globals = [r if group is None else dist.get_global_rank(group, r)
+        self.globals = [r if group is None else dist.get_global_rank(group, r)
                          for r in range(n_ranks)]
-        self.first_global = self._globals[0]
+        """The global rank of each pipeline rank."""
+        self.first_global = self.globals[0]
         self._sends: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
         self._pending: dict[tuple[int, Key], list[tuple[Any, torch.Tensor, Any]]] = {}
         self._proofs: Proofs = {}
@@ -232,12 +235,14 @@ class P2P:
         self._capacity = {peer: Capacity() for peer in range(n_ranks) if peer != rank}
         """Per peer, the capacity of this rank's messages to it (the receiver's copy agrees)."""
         self._frames = frame_group(self.cpu_group)
-        self._tag = _TAG_BASE + 3 * next_instance(self._globals)
+        self.generation = next_instance(self.globals)
+        """How many pipelines this process built over these ranks before this one."""
+        self._tag = _TAG_BASE + 3 * self.generation
         self.spare_tag = self._tag + 2
         """A tag of this pipeline's own for exchanges outside the schedule (tied gradients)."""
-        self._link = _Link(rank, self.cpu_group, self._frames, self.device_groups, device,
+        self._link = _Link(rank, _rank(rank, self.globals[rank]), self.cpu_group, self._frames, self.device_groups, device,
                            timeout, max_message_bytes, self._tag, self._tag + 1)
-        self._receivers = {peer: _Receiver(peer, self._globals[peer], self.mailbox)
+        self._receivers = {peer: _Receiver(peer, self.globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
         weakref.finalize(self, _close, list(self._receivers.values()), self._sends, timeout)
 
@@ -262,7 +267,7 @@ class P2P:
         out = {}
         for peer, key in keys.items():
             posted = self.mailbox.take_handed(key, time.monotonic() + self.timeout, describe)
-            incoming = _Incoming(self._link, peer, self._globals[peer], self.mailbox,
+            incoming = _Incoming(self._link, peer, self.globals[peer], self.mailbox,
                                  self._receivers[peer].capacity)
             try:
                 out[peer] = incoming.receive(key, posted)
@@ -287,7 +292,7 @@ class P2P:
             works: list[Any] = [self._frames.send([first], dst_rank, self._tag)]  # as dist.isend
             if payload is not None:
                 group = self.device_groups[(self.rank, dst_rank)] if on_device else self.cpu_group
-                works.append(dist.isend(payload, dst=self._globals[dst_rank], group=group,
+                works.append(dist.isend(payload, dst=self.globals[dst_rank], group=group,
                                         tag=self._tag + 1))
             entries = [(work, first, payload) for work in works]
             self._sends += entries
@@ -367,7 +372,7 @@ class P2P:
                 continue
             try:
                 frame, _, _ = encode(msg, self.rank, op)  # 4096 bytes fit every receive
-                works.append(dist.isend(frame, dst=self._globals[peer], group=self.cpu_group,
+                works.append(dist.isend(frame, dst=self.globals[peer], group=self.cpu_group,
                                         tag=self._tag))
             except RuntimeError:
                 continue
@@ -409,16 +414,21 @@ def _close(receivers: list[_Receiver], sends: list[tuple[Any, Any, Any]],
         r.jobs.put(None)
 
 
-def _abort_error(peer: int, header: Sequence[int], msg: Message) -> PeerFailed:
+def _abort_error(peer: int, src: int, header: Sequence[int], msg: Message) -> PeerFailed:
     t = msg.tensors[0]
     text = bytes(t.cpu().tolist()).decode(errors="replace") if t is not None else ""
-    relayed = f"{PeerFailed.__name__}: "
-    if header[5] == _RELAY and text.startswith(relayed):  # the origin's news, passed on
-        text = text[len(relayed):]
+    relayed = [f"{name}: " for name in ("PeerFailed", "JobFailed")]
+    if header[5] == _RELAY and text.startswith(tuple(relayed)):  # the origin's news, passed on
+        text = text.split(": ", 1)[1]
         return PeerFailed(text if "[passed on by rank" in text
-                          else f"{text} [passed on by rank {peer}]")
+                          else f"{text} [passed on by {_rank(peer, src)}]")
     op = OPS[header[10]] if 0 <= header[10] < len(OPS) else "?"
     stage, mb, step = header[4], header[3], header[2]
     where = (f"at stage {stage}, mb {mb}, action {stage}{op}{mb}" if stage >= 0
              else "outside any action")
-    return PeerFailed(f"rank {peer} failed {where} (step {step}): {text}")
+    return PeerFailed(f"{_rank(peer, src)} failed {where} (step {step}): {text}")
+
+
+def _rank(peer: int, src: int) -> str:
+    """``rank 1``, or ``rank 3 (rank 1 of its pipeline)`` where the two differ (dp x pp)."""
+    return f"rank {peer}" if peer == src else f"rank {src} (rank {peer} of its pipeline)"

@@ -4,16 +4,21 @@
 NCCL when every rank can have its own GPU) with the rendezvous bound to 127.0.0.1, calls
 ``fn(ctx)`` and returns the per-rank results. A rank that raises or dies makes ``launch`` stop
 the others and raise a :class:`PipelineError` with each failing rank's traceback.
+
+The job's store lives in the launching process, as torchrun's lives in its agent: a rank
+that fails and exits takes nothing with it that its peers still need (the watchdog's probes,
+the job's news).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,10 +26,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
 
 from pipetrain.errors import PipelineError
+from pipetrain.news import STORE_HOST_ENV
 
-__all__ = ["RankContext", "launch", "free_port"]
+__all__ = ["RankContext", "launch", "free_port", "loopback_store"]
+
+_LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.contextmanager
+def loopback_store() -> Iterator[int]:
+    """A TCPStore server listening on 127.0.0.1 only, alive for the block; yields its port.
+
+    TCPStore binds every interface (it ignores the host it is given), so a socket bound to
+    127.0.0.1 is handed to it. ``multi_tenant``: a TCPStore(127.0.0.1, port, is_master=True)
+    made later in this process, as torch's elastic agent makes one, reuses this server.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((_LOOPBACK, 0))
+    sock.listen(256)
+    port = int(sock.getsockname()[1])
+    store = TCPStore(_LOOPBACK, port, is_master=True, multi_tenant=True,
+                          master_listen_fd=sock.detach(), timeout=timedelta(seconds=60))
+    try:
+        yield port
+    finally:
+        del store
+
+
 def _backend(nprocs: int, backend: str | None) -> str:
     if backend is not None:
         return backend
@@ -53,15 +83,18 @@ def _backend(nprocs: int, backend: str | None) -> str:
 def _worker(fn: Callable[..., Any], rank: int, nprocs: int, port: int, backend: str,
             args: tuple[Any, ...], results: Any, threads: int) -> None:
     torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR=_LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank))
+    os.environ[STORE_HOST_ENV] = "launcher"
     device = torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=nprocs,
-                                timeout=timedelta(seconds=120))
+        timeout = timedelta(seconds=120)
+        store = TCPStore(_LOOPBACK, port, nprocs, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs,
+                                timeout=timeout)
         value = fn(RankContext(rank, nprocs, device, backend), *args)
         results.put((rank, True, value))
     except BaseException as e:  # noqa: BLE001  (reported to the parent)
@@ -88,20 +121,22 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port, chosen = free_port(), _backend(nprocs, backend)
-    procs = [ctx.Process(target=_worker, args=(fn, r, nprocs, port, chosen, args, results,
-                                                threads), daemon=True) for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    chosen = _backend(nprocs, backend)
     got: dict[int, tuple[bool, Any]] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        _collect(procs, results, got, deadline)
-    finally:
+    with loopback_store() as port:
+        procs = [ctx.Process(target=_worker, args=(fn, r, nprocs, port, chosen, args, results,
+                                                    threads), daemon=True)
+                 for r in range(nprocs)]
         for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        try:
+            _collect(procs, results, got, deadline)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     if failed:
         detail = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items()))

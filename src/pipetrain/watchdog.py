@@ -24,11 +24,12 @@ import json
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from pipetrain import news
 from pipetrain.errors import CommError
 
 __all__: list[str] = []
@@ -72,20 +73,27 @@ class Watchdog:
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, n_ranks: int,
-                 activity: Activity) -> None:
+                 activity: Activity, generation: int = 0, timeout: float = 60.0,
+                 on_news: Callable[[BaseException], None] | None = None) -> None:
         self.store, self.prefix, self.rank, self.n_ranks = store, prefix, rank, n_ranks
-        self.activity = activity
+        self.activity, self.generation, self.timeout = activity, generation, timeout
+        self.globals: list[int] = list(range(n_ranks))
         self.stop = threading.Event()
+        news.built(generation)
         if store is not None:
-            threading.Thread(target=_answer, args=(store, prefix, rank, activity, self.stop),
+            threading.Thread(target=_answer, args=(store, prefix, rank, activity, self.stop,
+                                                   generation, on_news),
                              daemon=True, name="pipetrain-watchdog").start()
 
     @classmethod
     def of(cls, transport: Any, activity: Activity) -> Watchdog:
         """The watchdog of a pipeline transport (:class:`~pipetrain.comm.P2P`): its keys are
-        the pipeline's own (first global rank and tag), the same on every rank of it."""
+        the pipeline's own (first global rank and tag), the same on every rank of it; the
+        job's news (:mod:`pipetrain.news`) fails the transport's waits."""
         prefix = f"pipetrain/watchdog/{transport.first_global}/{transport.spare_tag}/"
-        dog = cls(job_store(), prefix, transport.rank, transport.n_ranks, activity)
+        dog = cls(job_store(), prefix, transport.rank, transport.n_ranks, activity,
+                  transport.generation, transport.timeout, transport.mailbox.fail)
+        dog.globals = list(transport.globals)
         weakref.finalize(transport, dog.stop.set)
         return dog
 
@@ -97,7 +105,13 @@ class Watchdog:
             reports = self._probe()
         except Exception as e:  # noqa: BLE001  (a diagnosis must never hide the error)
             return f"(the watchdog could not ask the other ranks: {e})"
-        return chain(reports, [p for p in waited_for if p != self.rank], self.n_ranks)
+        return chain(reports, [p for p in waited_for if p != self.rank], self.n_ranks,
+                     self.name)
+
+    def name(self, r: int) -> str:
+        """Pipeline rank ``r`` as the job knows it."""
+        g = self.globals[r] if r < len(self.globals) else r
+        return f"rank {r}" if g == r else f"rank {g} (rank {r} of its pipeline)"
 
     def _probe(self) -> dict[int, dict[str, Any]]:
         n = self.store.add(f"{self.prefix}probes", 1)
@@ -115,34 +129,54 @@ class Watchdog:
         return reports
 
     def failed(self, error: BaseException) -> None:
-        """Leave this rank's failure where later probes find it (its process may exit)."""
+        """Leave this rank's failure where later probes find it (its process may exit), post
+        it as the job's news unless older news is there, and count this rank out of it."""
         if self.store is None:
             return
         report = {**self.activity.report(), "state": "failed",
                   "error": f"{type(error).__name__}: {error}"[:2000]}
+        me = dist.get_rank()
         try:
             self.store.set(f"{self.prefix}final/{self.rank}", json.dumps(report))
+            if not isinstance(error, news.JobFailed):
+                news.post(self.store, self.generation,
+                          {**report, "rank": me, "pipeline_rank": self.rank})
+            news.count_out(self.store, self.generation)
         except Exception:  # noqa: BLE001  (best effort: the store may be gone)
-            pass
+            return
+        if news.hosts_store(me):  # peers still time out and probe: give them time to
+            news.keep_store_at_exit(self.store, self.generation, dist.get_world_size(),
+                                    self.timeout + _ANSWER_S + 2 * _POLL_S)
 
 
-def _answer(store: Any, prefix: str, rank: int, activity: Activity,
-            stop: threading.Event) -> None:
-    """Answer each probe with ``activity``: a check of the store every ``_POLL_S`` (a blocking
-    wait would hold the store's connection, which the main thread shares, and c10d logs
-    every wait that times out)."""
-    n = 1
+def _answer(store: Any, prefix: str, rank: int, activity: Activity, stop: threading.Event,
+            generation: int, on_news: Callable[[BaseException], None] | None) -> None:
+    """Answer each probe with ``activity`` and look for the job's news: two checks of the
+    store every ``_POLL_S`` (a blocking wait would hold the store's connection, which the main
+    thread shares, and c10d logs every wait that times out)."""
+    n, told = 1, False
     while not stop.wait(_POLL_S):
         try:
             while store.check([f"{prefix}probe/{n}"]):  # every probe posted since
                 store.set(f"{prefix}status/{n}/{rank}", json.dumps(activity.report()))
                 n += 1
+            text = None if told else news.read(store, generation)
         except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
             return
+        if text is not None:
+            told = True
+            news.heard(generation, text)
+            if on_news is not None:
+                on_news(news.JobFailed(text))
 
 
-def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int) -> str:
-    """Follow waits from ``start`` to the rank that holds everyone up; describe it."""
+def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int,
+          name: Callable[[int], str] = "rank {}".format) -> str:
+    """Follow waits from ``start`` to the rank that holds everyone up; describe it.
+
+    ``name(r)`` says pipeline rank ``r`` as the job knows it (``rank 3 (rank 1 of its
+    pipeline)`` when replicas make the two differ).
+    """
     if not start:  # waited at the step's end, for every peer: the longest-running rank
         busy = [r for r in range(n_ranks) if reports.get(r, {}).get("state") == "computing"]
         start = busy or [r for r in range(n_ranks) if r not in reports] or list(reports)
@@ -151,26 +185,37 @@ def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int
     while True:
         report = reports.get(r)
         if report is None:
-            return _via(path, r) + f"rank {r} does not answer (its process died or is frozen)"
+            return _via(path, r, name) + (f"{name(r)} does not answer (its process died or "
+                                          "is frozen)")
         what = f"{report['action']} of step {report['step']}"
         if report["state"] == "failed":
-            return _via(path, r) + f"rank {r} failed: {report['error']}"
+            return _via(path, r, name) + f"{name(r)} failed: {report['error']}"
         if report["state"] == "computing":
-            return _via(path, r) + (f"rank {r} is stuck in its own stage code: {what} has run for "
-                                 f"{report['seconds']} s without finishing")
+            return _via(path, r, name) + (f"{name(r)} is stuck in its own stage code: {what} "
+                                          f"has run for {report['seconds']} s without finishing")
         if report["state"] != "waiting":
-            return _via(path, r) + f"rank {r} is {report['state']} for {report['seconds']} s"
+            return _via(path, r, name) + _outside(name(r), report)
         path.append(r)
         later = [p for p in report["peers"] if p not in path]
         if not later:
             return (f"ranks {' -> '.join(map(str, path))} wait for each other "
-                    f"(rank {r}: {what}): the ranks disagree on the schedule")
+                    f"({name(r)}: {what}): the ranks disagree on the schedule")
         r = later[0]
 
 
-def _via(path: list[int], end: int) -> str:
+def _outside(rank: str, report: dict[str, Any]) -> str:
+    """A rank between steps: its caller's own code (data, optimizer, logging) holds it."""
+    if report["step"] < 0:
+        return (f"{rank} has not begun its first step for {report['seconds']} s: it is stuck "
+                "in its own code before the pipeline's first step")
+    return (f"{rank} is outside the pipeline for {report['seconds']} s: it ended step "
+            f"{report['step']} and has not begun the next, so its own code between steps "
+            "(data loading, the optimizer, logging) is stuck")
+
+
+def _via(path: list[int], end: int, name: Callable[[int], str]) -> str:
     """``rank 3 waits for rank 2; rank 2 waits for rank 1; `` for ``path`` [3, 2], end 1."""
-    return "".join(f"rank {a} waits for rank {b}; " for a, b in zip(path, [*path[1:], end]))
+    return "".join(f"{name(a)} waits for {name(b)}; " for a, b in zip(path, [*path[1:], end]))
 
 
 def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:

@@ -12,8 +12,8 @@ the same command line scales out unchanged::
 
 Security: torch.distributed has no authentication, so a local launch listens on 127.0.0.1
 only. The agent's TCPStore would bind every interface (it ignores the host it is given), so
-:func:`_loopback_store` binds a socket to 127.0.0.1 first and hands its file descriptor to a
-multi-tenant TCPStore, which the agent's static rendezvous then reuses for the same port.
+:func:`~pipetrain.launch.loopback_store` binds a socket to 127.0.0.1 first and hands its file
+descriptor to a multi-tenant TCPStore, which the agent's static rendezvous then reuses.
 Gloo and NCCL listen on the interface named by ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``,
 set to the loopback interface unless the user chose one.
 
@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]  # not in __all__
 
 from pipetrain.errors import PipelineError
+from pipetrain.launch import loopback_store
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.events import NullReporter, Reporter
@@ -108,7 +109,7 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    with (_loopback_store() as port, _worker_env(backend), _quiet_torch_logs(),
+    with (loopback_store() as port, _worker_env(backend), _quiet_torch_logs(),
           tempfile.TemporaryDirectory(prefix="pipetrain-launch-") as logs):
         launcher = _elastic(cfg, port, logs)
         try:
@@ -136,23 +137,6 @@ def _elastic(cfg: TrainConfig, port: int, logs: str) -> Any:
         local_addr=_LOOPBACK, logs_specs=DefaultLogsSpecs(log_dir=logs),
         shutdown_timeout=SHUTDOWN_GRACE)
     return elastic_launch(config, worker)
-
-
-@contextlib.contextmanager
-def _loopback_store() -> Iterator[int]:
-    """A TCPStore server listening on 127.0.0.1 only, alive for the block; yields its port."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((_LOOPBACK, 0))
-    sock.listen(256)
-    port = int(sock.getsockname()[1])
-    # multi_tenant: the agent's own TCPStore(127.0.0.1, port, is_master=True) reuses this server
-    store = TCPStore(_LOOPBACK, port, is_master=True, multi_tenant=True,
-                          master_listen_fd=sock.detach(), timeout=timedelta(seconds=60))
-    try:
-        yield port
-    finally:
-        del store
 
 
 @contextlib.contextmanager

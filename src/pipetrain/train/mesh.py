@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain import news
+
 __all__ = ["Mesh", "build_mesh", "GradReducer"]
 
 BUCKET_BYTES = 25 << 20
@@ -60,20 +62,26 @@ class Mesh:
         if self.dp == 1:
             return value
         t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
-        dist.all_reduce(t, group=self.dp_group)
+        _all_reduce(t, "the dp mean", group=self.dp_group)
         return float(t) / self.dp
 
     def pp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's pipeline group; return it."""
         if self.pp > 1:
-            dist.all_reduce(tensor, group=self.pp_group)
+            _all_reduce(tensor, "the pipeline sum", group=self.pp_group)
         return tensor
 
     def world_max(self, value: float) -> float:
         """The largest ``value`` of any rank (call on every rank at once)."""
         t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        _all_reduce(t, "the world max", op=dist.ReduceOp.MAX)
         return float(t)
+
+
+def _all_reduce(tensor: torch.Tensor, what: str, **kwargs: Any) -> None:
+    """``dist.all_reduce`` that raises the job's news (a failed peer never joins)."""
+    news.wait(dist.all_reduce(tensor, async_op=True, **kwargs),
+              f"[rank {dist.get_rank()}] {what}", poll=tensor.device.type == "cpu")
 
 
 def layout(world: int, dp: int, pp: int | None) -> tuple[int, int]:
@@ -207,7 +215,8 @@ class GradReducer:
         for stage in sorted(self.buckets):
             self.start(stage)
         for work, flat, bucket in self._pending:
-            work.wait()
+            news.wait(work, f"[rank {dist.get_rank()}] the gradient all-reduce over replicas",
+                      poll=flat.device.type == "cpu")
             flat.div_(self.size)
             for p, part in zip(bucket, torch.split(flat, [p.numel() for p in bucket]),
                                strict=True):

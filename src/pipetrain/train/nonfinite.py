@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from pipetrain import news
 from pipetrain.errors import PipelineError
 from pipetrain.payload import flatten, unflatten
 
@@ -73,7 +74,8 @@ def decide(own: int, rank: int, world: int, device: torch.device) -> Verdict:
     vector = torch.zeros(world, dtype=torch.int32, device=device)
     vector[rank] = own
     if dist.is_initialized():
-        dist.all_reduce(vector, op=dist.ReduceOp.MAX)
+        news.wait(dist.all_reduce(vector, op=dist.ReduceOp.MAX, async_op=True),
+                  f"[rank {rank}] the finite-loss check", poll=device.type == "cpu")
     findings = tuple(int(v) for v in vector.tolist())
     return Verdict(max(findings), findings)
 

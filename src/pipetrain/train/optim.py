@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain import news
 from pipetrain.gpt import Embedding
 from pipetrain.pipeline import Pipeline
 
@@ -118,7 +119,8 @@ def global_grad_norm(counted: Sequence[nn.Parameter], group: dist.ProcessGroup |
     """
     total = grad_square_sum(counted, device)
     if group is not None:
-        dist.all_reduce(total, group=group)
+        news.wait(dist.all_reduce(total, group=group, async_op=True),
+                  f"[rank {dist.get_rank()}] the gradient norm", poll=device.type == "cpu")
     return total.sqrt()
 
 

@@ -1,0 +1,161 @@
+"""News: the first failure of a job, posted in the job's store and read by every rank.
+
+A pipeline's ABORT frames reach the ranks of that pipeline only. The ranks of the other
+data-parallel replicas exchange no pipeline messages with it: they would sit in their gradient
+all-reduce until the process group's timeout. So the first rank to fail also posts its failure
+in the job's ``torch.distributed`` store, under the pipeline's generation (the n-th pipeline
+each replica built); each rank's watchdog thread looks for it twice a second::
+
+    rank 1 fails ──► store["pipetrain/news/0"] = {rank 1, 1F3, step 4, RuntimeError(...)}
+                                  ▲ read every 0.5 s by each rank's watchdog thread
+    rank 3 (replica 1), waiting in a receive ──► its mailbox fails with the news
+    rank 2 (replica 1), in a dp all-reduce    ──► :func:`wait` raises the news
+
+Nothing is read or written on the steady path but the watchdog thread's one small request;
+a collective waited for through :func:`wait` polls a process-local value.
+
+The store lives in one process: under a plain ``init_process_group("env://")`` that is rank 0.
+Rank 0, when it fails, keeps its process (and the store) up at exit until every rank of the
+job has counted itself out (:func:`count_out`) or the peers' timeouts have passed, so they can
+still read the news and ask the watchdog (:func:`keep_store_at_exit`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+from typing import Any
+
+from pipetrain.comm import PeerFailed
+
+__all__ = ["JobFailed", "wait"]
+
+STORE_HOST_ENV = "PIPETRAIN_STORE_HOST"
+"""Set to ``launcher`` by a launcher whose own process hosts the job's store."""
+
+
+class JobFailed(PeerFailed):
+    """A rank of the job failed, possibly in another pipeline; this rank read the news."""
+
+
+_heard: dict[int, str] = {}  # generation -> the news, as text
+_newest = [-1]  # the newest generation this process built a pipeline of
+_lock = threading.Lock()
+
+
+def key(generation: int) -> str:
+    return f"pipetrain/news/{generation}"
+
+
+def post(store: Any, generation: int, report: dict[str, Any]) -> None:
+    """Post ``report`` (rank, action, step, error) unless a failure was posted before."""
+    store.compare_set(key(generation), "", json.dumps(report))
+
+
+def read(store: Any, generation: int) -> str | None:
+    """The generation's news as text (None if there is none)."""
+    if not store.check([key(generation)]):
+        return None
+    return describe(json.loads(store.get(key(generation))))
+
+
+def describe(report: dict[str, Any]) -> str:
+    """``rank 1 failed at stage 1, mb 3, action 1F3 (step 4): RuntimeError: ...``"""
+    from pipetrain.action import Action
+
+    try:
+        action = Action.parse(report["action"])
+        where = f"at stage {action.stage}, mb {action.mb}, action {action}"
+    except ValueError:
+        where = "outside any action"
+    rank = f"rank {report['rank']}"
+    if report.get("pipeline_rank", report["rank"]) != report["rank"]:
+        rank += f" (rank {report['pipeline_rank']} of its pipeline)"
+    return f"{rank} failed {where} (step {report['step']}): {report['error']}"
+
+
+def built(generation: int) -> None:
+    """A pipeline of ``generation`` was built here: older news no longer concerns this rank."""
+    with _lock:
+        _newest[0] = max(_newest[0], generation)
+
+
+def heard(generation: int, text: str) -> None:
+    with _lock:
+        _heard.setdefault(generation, text)
+
+
+def latest() -> str | None:
+    """The news of this process's newest pipeline generation, if any arrived."""
+    with _lock:
+        return _heard.get(_newest[0])
+
+
+def wait(work: Any, what: str, poll: bool = True) -> None:
+    """Wait for a collective (``async_op=True`` work), raising :class:`JobFailed` as soon as
+    the job's news arrives: a failed replica never joins, and its peers must not wait for it.
+
+    ``poll=False`` (a collective of CUDA tensors) is a plain ``work.wait()``: under NCCL it
+    only orders streams, and NCCL's own timeout covers a peer that never joins.
+    """
+    if poll:
+        pause = 5e-5
+        while not work.is_completed():
+            text = latest()
+            if text is not None:
+                raise JobFailed(f"{what}: {text}")
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+    try:
+        work.wait()
+    except RuntimeError as e:  # a peer's process closed its connections: say why, if known
+        deadline = time.monotonic() + 1.5
+        while latest() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = latest()
+        if text is None:
+            raise
+        raise JobFailed(f"{what}: {text}") from e
+
+
+# ------------------------------------------------------------------ keeping the store up
+
+
+def hosts_store(global_rank: int) -> bool:
+    """Whether this process hosts the job's store: rank 0 of a plain ``env://`` job."""
+    return (global_rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            and os.environ.get(STORE_HOST_ENV) != "launcher")
+
+
+def count_out(store: Any, generation: int) -> None:
+    """Count this rank as done with ``generation``'s failure (best effort)."""
+    try:
+        store.add(f"{key(generation)}/out", 1)
+    except Exception:  # noqa: BLE001  (the store may be gone)
+        pass
+
+
+_kept: list[tuple[Any, int, int, float]] = []
+
+
+def keep_store_at_exit(store: Any, generation: int, world: int, seconds: float) -> None:
+    """At exit, keep this process (which hosts the store) up until all ``world`` ranks have
+    counted themselves out of ``generation``'s failure, or for ``seconds`` from now."""
+    if not _kept:
+        atexit.register(_linger)
+    _kept.append((store, generation, world, time.monotonic() + seconds))
+
+
+def _linger() -> None:
+    for store, generation, world, deadline in _kept:
+        while time.monotonic() < deadline:
+            try:
+                if store.add(f"{key(generation)}/out", 0) >= world:
+                    break
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(0.1)
+    _kept.clear()
