@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from pipetrain.delivery import Proofs
 from pipetrain.errors import CommError
-from pipetrain.groups import frame_group, next_instance, pipeline_groups
+from pipetrain.groups import frame_group, next_instance, pipeline_groups, rank_name
 from pipetrain.mailbox import Describe, Mailbox
 from pipetrain.wire import (
     ABORT,
@@ -156,7 +156,7 @@ class _Incoming:
 
     def _where(self, key: Key) -> str:
         return (f"{self.link.me} receiving the {key.describe()} from "
-                f"{_rank(self.peer, self.src)}")
+                f"{rank_name(self.peer, self.src)}")
 
     def _unpack(self, key: Key, frame: torch.Tensor) -> Message:
         header = read_header(frame)
@@ -240,8 +240,9 @@ class P2P:
         self._tag = _TAG_BASE + 3 * self.generation
         self.spare_tag = self._tag + 2
         """A tag of this pipeline's own for exchanges outside the schedule (tied gradients)."""
-        self._link = _Link(rank, _rank(rank, self.globals[rank]), self.cpu_group, self._frames, self.device_groups, device,
-                           timeout, max_message_bytes, self._tag, self._tag + 1)
+        self._link = _Link(rank, rank_name(rank, self.globals[rank]), self.cpu_group,
+                           self._frames, self.device_groups, device, timeout,
+                           max_message_bytes, self._tag, self._tag + 1)
         self._receivers = {peer: _Receiver(peer, self.globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
         weakref.finalize(self, _close, list(self._receivers.values()), self._sends, timeout)
@@ -421,14 +422,10 @@ def _abort_error(peer: int, src: int, header: Sequence[int], msg: Message) -> Pe
     if header[5] == _RELAY and text.startswith(tuple(relayed)):  # the origin's news, passed on
         text = text.split(": ", 1)[1]
         return PeerFailed(text if "[passed on by rank" in text
-                          else f"{text} [passed on by {_rank(peer, src)}]")
+                          else f"{text} [passed on by {rank_name(peer, src)}]")
     op = OPS[header[10]] if 0 <= header[10] < len(OPS) else "?"
     stage, mb, step = header[4], header[3], header[2]
     where = (f"at stage {stage}, mb {mb}, action {stage}{op}{mb}" if stage >= 0
              else "outside any action")
-    return PeerFailed(f"{_rank(peer, src)} failed {where} (step {step}): {text}")
+    return PeerFailed(f"{rank_name(peer, src)} failed {where} (step {step}): {text}")
 
-
-def _rank(peer: int, src: int) -> str:
-    """``rank 1``, or ``rank 3 (rank 1 of its pipeline)`` where the two differ (dp x pp)."""
-    return f"rank {peer}" if peer == src else f"rank {src} (rank {peer} of its pipeline)"

@@ -32,6 +32,14 @@ def next_instance(ranks: Sequence[int]) -> int:
     return n
 
 
+def rank_name(rank: int, global_rank: int) -> str:
+    """A pipeline rank as the job knows it: ``rank 1``, or ``rank 3 (rank 1 of its pipeline)``
+    where data-parallel replicas make the pipeline rank and the global rank differ."""
+    if rank == global_rank:
+        return f"rank {rank}"
+    return f"rank {global_rank} (rank {rank} of its pipeline)"
+
+
 def frame_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The group headers travel in, as an object (None means the default group)."""
     if group is not None:

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from pipetrain.comm import PeerFailed
+from pipetrain.groups import rank_name
 
 __all__ = ["JobFailed", "wait"]
 
@@ -71,9 +72,7 @@ def describe(report: dict[str, Any]) -> str:
         where = f"at stage {action.stage}, mb {action.mb}, action {action}"
     except ValueError:
         where = "outside any action"
-    rank = f"rank {report['rank']}"
-    if report.get("pipeline_rank", report["rank"]) != report["rank"]:
-        rank += f" (rank {report['pipeline_rank']} of its pipeline)"
+    rank = rank_name(report.get("pipeline_rank", report["rank"]), report["rank"])
     return f"{rank} failed {where} (step {report['step']}): {report['error']}"
 
 

@@ -32,6 +32,7 @@ from pipetrain.action import Action, Op
 from pipetrain.comm import P2P
 from pipetrain.dataflow import walk
 from pipetrain.errors import CommError, PipelineError, StageError
+from pipetrain.groups import rank_name
 from pipetrain.payload import flatten
 from pipetrain.routes import Routes, chain
 from pipetrain.schedule import Schedule
@@ -82,6 +83,7 @@ class Executor:
         self._grad_out = [tuple(s for s, _ in p.grad_out) for p in ports]
         self._local: dict[Key, Message] = {}
         self.current: tuple[int, Action] | None = None
+        self._globals = list(transport.globals) if transport is not None else []
         if len(ranks) > 1:
             order = [(r, i) for r, i in walk(schedule).order if r in ranks]
         else:
@@ -95,6 +97,11 @@ class Executor:
             schedule.rank_of(s) for s in self._sources(a) if schedule.rank_of(s) != r)))
             for r, a in self.order]
 
+    def _rank(self, rank: int) -> str:
+        return rank_name(rank, self._globals[rank] if rank < len(self._globals) else rank)
+
+    def _where(self, rank: int, a: Action, step: int) -> str:
+        return f"[{self._rank(rank)} | stage {a.stage} | mb {a.mb} | {a}] step {step}"
     def _sources(self, a: Action) -> tuple[int, ...]:
         """The stages whose messages ``a`` consumes."""
         if a.op is Op.W:
@@ -125,7 +132,7 @@ class Executor:
             except PipelineError:
                 raise
             except Exception as e:
-                raise StageError(_where(rank, action, data.step) + f" failed: {e!r}") from e
+                raise StageError(self._where(rank, action, data.step) + f" failed: {e!r}") from e
             times.append(start)
             times.append(time.time())
             if train and index in ready and data.on_grads_ready is not None:
@@ -142,15 +149,16 @@ class Executor:
                 if hook is not None:
                     hook(s)
             except Exception as e:
-                where = (_where(rank, action, data.step) if action is not None
-                         else f"[rank {rank} | stage {s}] step {data.step}")
+                where = (self._where(rank, action, data.step) if action is not None
+                         else f"[{self._rank(rank)} | stage {s}] step {data.step}")
                 raise StageError(f"{where} on_grads_ready({s}) raised {e!r}") from e
 
     def _guarded(self, rank: int, action: Action, data: StepData, fn: Any) -> None:
         try:
             fn(action.mb)
         except Exception as e:
-            raise StageError(_where(rank, action, data.step) + f" recompute failed: {e!r}") from e
+            where = self._where(rank, action, data.step)
+            raise StageError(f"{where} recompute failed: {e!r}") from e
 
     def _receive(self, rank: int, a: Action, data: StepData) -> list[Message]:
         """The messages ``a`` consumes (this is where a rank waits for its peers)."""
@@ -203,12 +211,14 @@ class Executor:
     def _take(self, rank: int, key: Key, a: Action) -> Message:
         if key.src_stage in self.stages:
             if key not in self._local:
-                raise PipelineError(f"{_where(rank, a, key.step)}: the {key.describe()} was not "
-                                    "produced before it was needed (the schedule is not runnable)")
+                raise PipelineError(f"{self._where(rank, a, key.step)}: the {key.describe()} was "
+                                    "not produced before it was needed (the schedule is not "
+                                    "runnable)")
             return self._local.pop(key)
         if self.transport is None:
-            raise CommError(f"{_where(rank, a, key.step)}: no transport for the {key.describe()}")
-        return self.transport.recv(key, lambda: _where(rank, a, key.step))
+            raise CommError(f"{self._where(rank, a, key.step)}: no transport for the "
+                            f"{key.describe()}")
+        return self.transport.recv(key, lambda: self._where(rank, a, key.step))
 
 
 def grads_final_after(order: Sequence[tuple[int, Action]], linked: dict[int, set[int]],
@@ -267,10 +277,6 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True,
                 plan += [(GRAD, a.mb, a.stage, d) for d in back[a.stage]]
         out[peer] = plan
     return out
-
-
-def _where(rank: int, a: Action, step: int) -> str:
-    return f"[rank {rank} | stage {a.stage} | mb {a.mb} | {a}] step {step}"
 
 
 def _present(t: torch.Tensor | None, key: Key) -> torch.Tensor:

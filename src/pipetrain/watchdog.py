@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from pipetrain import news
 from pipetrain.errors import CommError
+from pipetrain.groups import rank_name
 
 __all__: list[str] = []
 
@@ -110,8 +111,7 @@ class Watchdog:
 
     def name(self, r: int) -> str:
         """Pipeline rank ``r`` as the job knows it."""
-        g = self.globals[r] if r < len(self.globals) else r
-        return f"rank {r}" if g == r else f"rank {g} (rank {r} of its pipeline)"
+        return rank_name(r, self.globals[r] if r < len(self.globals) else r)
 
     def _probe(self) -> dict[int, dict[str, Any]]:
         n = self.store.add(f"{self.prefix}probes", 1)

@@ -190,7 +190,18 @@ def _failure_report(failures: dict[int, Any], max_restarts: int) -> str:
                 else "without restarts (--max-restarts 0)")
     lines = [f"the job failed {restarts}: rank {first_rank} failed first: {_how(first)}"]
     lines += [f"  then rank {rank}: {_how(f)}" for rank, f in ordered[1:]]
+    cause = _watchdog_finding(_how(first))
+    if cause:  # the first failure was a timeout: its watchdog named the rank holding all up
+        lines.append(f"the cause, found by rank {first_rank}'s watchdog: {cause}")
     return "\n".join(lines)
+
+
+def _watchdog_finding(message: str) -> str | None:
+    """The ``watchdog:`` line of a timeout's message (:func:`pipetrain.watchdog.diagnosed`)."""
+    for line in message.splitlines():
+        if line.strip().startswith("watchdog: "):
+            return line.strip()[len("watchdog: "):]
+    return None
 
 
 def _failure_time(failure: Any) -> tuple[int, float]:
