@@ -54,6 +54,13 @@ RESTARTING = ("kill", "raise", "hang", "shape")
 FIRST_FAILURE_S = 3.0
 """Bound from a fault to the first failure line (plus ``timeout`` for a hang)."""
 _FAILURE = re.compile(r"^pipetrain train: (?!restart |summary|\d+ process)")  # a rank's failure
+
+
+def _names_hung(rank: int) -> re.Pattern[str]:
+    """The watchdog's finding for a rank hung between steps (``faults``' hang fires there)."""
+    return re.compile(rf"rank {rank}( \(rank \d+ of its pipeline\))? is outside the pipeline")
+
+
 _NAMES_STAGE = re.compile(r"\[rank \d+ \| stage \d+ \| mb \d+ \| \d+[FBIW]\d+\]")
 
 
@@ -94,7 +101,8 @@ class Outcome:
 
 
 def train_args(a: argparse.Namespace) -> list[str]:
-    return ["--nproc", str(a.nproc), "--preset", "tiny", "--schedule", a.schedule,
+    return ["--nproc", str(a.nproc), "--dp", str(a.dp), "--preset", "tiny",
+            "--schedule", a.schedule,
             "--seq-len", str(a.seq_len), "--batch-size", "8", "--microbatches", "4",
             "--steps", str(a.steps), "--checkpoint-every", str(a.checkpoint_every),
             "--eval-every", "0", "--sample-tokens", "0", "--timeout", str(a.timeout),
@@ -190,6 +198,8 @@ def _check_restart(o: Outcome, job: Job, records: list[dict[str, Any]],
               "hang": "timed out"}.get(o.fault.kind)
     if wanted and wanted not in text:
         o.problems.append(f"no failure line says {wanted!r}")
+    if o.fault.kind == "hang" and not _names_hung(o.fault.rank).search(text):
+        o.problems.append(f"no failure line names rank {o.fault.rank} as stuck (the watchdog)")
     if o.fault.kind == "shape" and not _NAMES_STAGE.search(text):
         o.problems.append("no failure line names rank, stage, micro-batch and action")
 
@@ -293,6 +303,7 @@ def _result(a: argparse.Namespace, plan: str, outcomes: list[Outcome], job: Job,
     step_records = sum(r["kind"] == "step" for r in records)
     return {
         "config": {"seed": a.seed, "steps": a.steps, "faults": a.faults, "nproc": a.nproc,
+                   "dp": a.dp,
                    "schedule": a.schedule, "checkpoint_every": a.checkpoint_every,
                    "timeout": a.timeout, "seq_len": a.seq_len, "kinds": a.kinds},
         "plan": plan, "by_kind": by_kind,
@@ -312,8 +323,8 @@ def _result(a: argparse.Namespace, plan: str, outcomes: list[Outcome], job: Job,
 def print_report(r: dict[str, Any]) -> None:
     c = r["config"]
     print(f"\nsoak: seed {c['seed']}, {c['faults']} faults over {c['steps']} steps, "
-          f"{c['nproc']} ranks ({c['schedule']}), checkpoint every {c['checkpoint_every']} "
-          f"steps, timeout {c['timeout']} s")
+          f"{c['nproc']} ranks (dp {c.get('dp', 1)}, {c['schedule']}), checkpoint every "
+          f"{c['checkpoint_every']} steps, timeout {c['timeout']} s")
     print(f"{'fault':<22}{'fired':>6}{'survived':>9}{'1st failure s':>14}{'recovery s':>11}"
           f"{'resumed at':>11}{'steps lost':>11}")
     for f in r["faults_detail"]:
@@ -348,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--faults", type=int, default=20)
     p.add_argument("--kinds", default=",".join(faults.KINDS))
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks in all (dp x pp)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     p.add_argument("--schedule", default="zbv")
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--timeout", type=float, default=5.0)

@@ -36,11 +36,21 @@ __all__ = ["JobFailed", "wait"]
 
 STORE_HOST_ENV = "PIPETRAIN_STORE_HOST"
 """Set to ``launcher`` by a launcher whose own process hosts the job's store."""
+OFF_ENV = "PIPETRAIN_WATCHDOG"
+"""Set to ``0`` to run without the watchdog and the news (to measure what they cost)."""
+
+
+def enabled() -> bool:
+    """Whether watchdogs and news run (``PIPETRAIN_WATCHDOG=0`` turns both off)."""
+    return os.environ.get(OFF_ENV, "1") != "0"
 
 
 class JobFailed(PeerFailed):
     """A rank of the job failed, possibly in another pipeline; this rank read the news."""
 
+
+EXPLAIN_S = 1.5
+"""How long a collective that failed (a peer closed its connections) waits for news of why."""
 
 _heard: dict[int, str] = {}  # generation -> the news, as text
 _newest = [-1]  # the newest generation this process built a pipeline of
@@ -100,18 +110,18 @@ def wait(work: Any, what: str, poll: bool = True) -> None:
     ``poll=False`` (a collective of CUDA tensors) is a plain ``work.wait()``: under NCCL it
     only orders streams, and NCCL's own timeout covers a peer that never joins.
     """
-    if poll:
-        pause = 5e-5
+    if poll and _newest[0] >= 0 and enabled():  # a watchdog runs here: news can come
+        pause = 2e-5
         while not work.is_completed():
             text = latest()
             if text is not None:
                 raise JobFailed(f"{what}: {text}")
             time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+            pause = min(2 * pause, 2e-4)
     try:
         work.wait()
     except RuntimeError as e:  # a peer's process closed its connections: say why, if known
-        deadline = time.monotonic() + 1.5
+        deadline = time.monotonic() + EXPLAIN_S
         while latest() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         text = latest()

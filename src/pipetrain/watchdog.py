@@ -80,8 +80,8 @@ class Watchdog:
         self.activity, self.generation, self.timeout = activity, generation, timeout
         self.globals: list[int] = list(range(n_ranks))
         self.stop = threading.Event()
-        news.built(generation)
         if store is not None:
+            news.built(generation)
             threading.Thread(target=_answer, args=(store, prefix, rank, activity, self.stop,
                                                    generation, on_news),
                              daemon=True, name="pipetrain-watchdog").start()
@@ -232,7 +232,10 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
 
 
 def job_store() -> Any:
-    """The store of the default process group (None outside an initialised job)."""
+    """The store of the default process group (None outside an initialised job, or with
+    ``PIPETRAIN_WATCHDOG=0``)."""
+    if not news.enabled():
+        return None
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001

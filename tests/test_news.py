@@ -1,0 +1,97 @@
+"""The job's news (no processes): first failure wins, its text, and collectives it interrupts."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from pipetrain import news
+from pipetrain.train.elastic import _failure_report, _watchdog_finding
+
+
+def _store() -> Any:
+    return dist.HashStore()
+
+
+def test_the_first_failure_posted_wins_and_reads_as_text() -> None:
+    store = _store()
+    assert news.read(store, 7) is None
+    news.post(store, 7, {"rank": 3, "pipeline_rank": 1, "action": "1F3", "step": 4,
+                         "error": "RuntimeError: boom"})
+    news.post(store, 7, {"rank": 0, "action": "0B0", "step": 4, "error": "later"})
+    assert news.read(store, 7) == ("rank 3 (rank 1 of its pipeline) failed at stage 1, mb 3, "
+                                   "action 1F3 (step 4): RuntimeError: boom")
+    assert news.read(store, 8) is None  # another pipeline generation has none
+    assert news.describe({"rank": 2, "action": "", "step": 0, "error": "E"}) == (
+        "rank 2 failed outside any action (step 0): E")
+
+
+class _Work:
+    """A collective that completes after ``seconds`` (or never), maybe with an error."""
+
+    def __init__(self, seconds: float | None, error: str | None = None) -> None:
+        self.done_at = None if seconds is None else time.monotonic() + seconds
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return self.done_at is not None and time.monotonic() >= self.done_at
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+@pytest.fixture()
+def generation() -> Any:
+    saved = (dict(news._heard), news._newest[0])
+    news.built(10**6)  # a watchdog of this (fresh) generation runs here
+    yield 10**6
+    news._heard.clear()
+    news._heard.update(saved[0])
+    news._newest[0] = saved[1]
+
+
+def test_news_interrupts_a_collective_that_would_never_finish(generation: int) -> None:
+    news.wait(_Work(0.01), "all-reduce")  # no news: it waits for the collective
+    news.heard(generation - 1, "old news")  # an earlier pipeline's failure: not this one's
+    news.wait(_Work(0.0), "all-reduce")
+    news.heard(generation, "rank 3 failed at stage 1")
+    with pytest.raises(news.JobFailed, match=r"^\[rank 0\] all-reduce: rank 3 failed"):
+        news.wait(_Work(None), "[rank 0] all-reduce")
+
+
+def test_a_collective_error_is_explained_by_the_news(generation: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(news, "EXPLAIN_S", 0.05)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        news.wait(_Work(0.0, "Connection closed by peer"), "x")  # no news within 1.5 s
+    news.heard(generation, "rank 2 failed")
+    with pytest.raises(news.JobFailed, match="rank 2 failed") as info:
+        news.wait(_Work(0.0, "Connection closed by peer"), "x", poll=False)
+    assert "Connection closed" in str(info.value.__cause__)
+
+
+def test_only_rank_0_of_a_plain_env_job_hosts_the_store(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    monkeypatch.delenv(news.STORE_HOST_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert news.hosts_store(0) and not news.hosts_store(1)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert not news.hosts_store(0)
+
+
+def test_the_launcher_report_ends_with_the_watchdog_finding() -> None:
+    class Failure:
+        exitcode, timestamp = 1, 0
+        error_file_data = {"pipetrain": {"time": 1.0, "message":
+                                         "CommError: timed out\n  watchdog: rank 1 is stuck"}}
+        message = ""
+
+    report = _failure_report({0: Failure()}, 0)
+    assert report.splitlines()[-1] == "the cause, found by rank 0's watchdog: rank 1 is stuck"
+    assert _watchdog_finding("no finding") is None
