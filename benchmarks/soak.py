@@ -185,7 +185,8 @@ def _check_restart(o: Outcome, job: Job, records: list[dict[str, Any]],
     if o.resumed_at != newest:
         o.problems.append(f"resumed at step {o.resumed_at}, newest checkpoint {newest}")
     o.steps_lost = o.fault.step - o.resumed_at
-    said = [(t, s) for t, s in job.lines if fired <= t <= nxt["time"] and _FAILURE.match(s)]
+    said = [(t, s) for t, s in job.lines if fired <= t <= nxt["time"]
+            and (_FAILURE.match(s) or s.startswith("  watchdog: "))]  # a timeout's finding
     if not said:
         o.problems.append("no failure line before the restart")
         return

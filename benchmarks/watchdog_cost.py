@@ -76,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=6, help="rounds per mode, alternating")
     p.add_argument("--steps", type=int, default=40, help="timed steps per round")
     p.add_argument("--width", type=int, default=256)
-    p.add_argument("--tiny", action="store_true", help="2 rounds of 5 steps (the tests)")
+    p.add_argument("--tiny", action="store_true", help="1 round of 3 steps (the tests)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    rounds, steps = (2, 5) if a.tiny else (a.rounds, a.steps)
+    rounds, steps = (1, 3) if a.tiny else (a.rounds, a.steps)
     layouts = ["pp4", "dp2xpp2"]
     per_rank = pt.launch(_job, 4, layouts, rounds, a.width, steps, timeout=1200)
     rows: dict[str, Any] = {}

@@ -95,3 +95,14 @@ def test_capture_tiny_times_capture_and_compares_steps(tmp_path: Path) -> None:
     step = data["step"]
     assert step["losses_equal"] and step["grad_rel_diff_step0"] == 0.0  # same model, same math
     assert step["median_list_s"] > 0 and step["median_captured_s"] > 0
+
+
+def test_watchdog_cost_tiny_times_both_modes(tmp_path: Path) -> None:
+    out = tmp_path / "watchdog.json"
+    stdout = _run("watchdog_cost", "--tiny", "--json", str(out))
+    assert "on/off" in stdout
+    data = json.loads(out.read_text())
+    for layout in ("pp4", "dp2xpp2"):
+        row = data["layouts"][layout]
+        assert row["on_ms"] > 0 and row["off_ms"] > 0
+        assert len(row["rounds_on_ms"]) == len(row["rounds_off_ms"]) == 1

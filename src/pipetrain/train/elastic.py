@@ -19,8 +19,9 @@ set to the loopback interface unless the user chose one.
 
 Fail-stop: a rank that raises writes its message (with a precise time) to the agent's error
 file and exits 1; a killed rank is seen by the agent; a hung rank is detected by its peers'
-bounded waits (``timeout``), which raise. The agent then stops every other rank, and
-:class:`JobFailed` names the rank that failed first.
+bounded waits (``timeout``), which raise, naming it (the watchdog). The agent then stops every
+other rank, and :class:`JobFailed` names the rank that failed first; when that was a timeout,
+its last line is the watchdog's finding (which rank held everyone up, and where).
 """
 
 from __future__ import annotations
