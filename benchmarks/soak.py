@@ -9,7 +9,8 @@ as they arrive) the script then checks every fault:
 - ``kill``, ``raise``, ``hang``, ``shape``: it ended the attempt it fired in (``raise`` and
   ``shape`` with an error naming the rank, ``shape`` also the stage and micro-batch; ``hang``
   by a peer's timeout, whose watchdog names the hung rank), the first failure came within its
-  bound (``timeout`` + 3 s for a hang, 3 s otherwise), and the next attempt resumed from the newest checkpoint before the fault;
+  bound (``timeout`` + 3 s for a hang, 3 s otherwise), and the next attempt resumed from the
+  newest checkpoint before the fault;
 - ``nan``: its step was logged as skipped by every rank (the collective non-finite policy), and
   it cost no restart;
 
