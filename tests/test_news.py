@@ -95,3 +95,18 @@ def test_the_launcher_report_ends_with_the_watchdog_finding() -> None:
     report = _failure_report({0: Failure()}, 0)
     assert report.splitlines()[-1] == "the cause, found by rank 0's watchdog: rank 1 is stuck"
     assert _watchdog_finding("no finding") is None
+
+
+def test_the_store_host_lingers_until_every_rank_is_out_or_the_deadline() -> None:
+    store = _store()
+    news.keep_store_at_exit(store, 5, 3, seconds=0.3)
+    for _ in range(3):
+        news.count_out(store, 5)
+    start = time.monotonic()
+    news._linger()  # every rank counted out: no wait
+    assert time.monotonic() - start < 0.1 and news._kept == []
+    news.keep_store_at_exit(store, 6, 3, seconds=0.3)
+    news.count_out(store, 6)
+    start = time.monotonic()
+    news._linger()  # one rank of three out: until the deadline
+    assert 0.25 < time.monotonic() - start < 1.0
