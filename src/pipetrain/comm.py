@@ -83,7 +83,7 @@ class _Link:
     """What a receiver needs of the transport: groups, device, limits (no back-reference)."""
 
     rank: int
-    me: str  # this rank, as the job knows it (see _rank)
+    me: str  # this rank, as the job knows it (P2P.name)
     cpu_group: dist.ProcessGroup | None
     frames: dist.ProcessGroup  # cpu_group itself: frames go through it directly, by group rank
     device_groups: dict[tuple[int, int], dist.ProcessGroup]
@@ -240,12 +240,16 @@ class P2P:
         self._tag = _TAG_BASE + 3 * self.generation
         self.spare_tag = self._tag + 2
         """A tag of this pipeline's own for exchanges outside the schedule (tied gradients)."""
-        self._link = _Link(rank, rank_name(rank, self.globals[rank]), self.cpu_group,
+        self._link = _Link(rank, self.name(rank), self.cpu_group,
                            self._frames, self.device_groups, device, timeout,
                            max_message_bytes, self._tag, self._tag + 1)
         self._receivers = {peer: _Receiver(peer, self.globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
         weakref.finalize(self, _close, list(self._receivers.values()), self._sends, timeout)
+
+    def name(self, rank: int) -> str:
+        """Pipeline rank ``rank`` as the job knows it (:func:`~pipetrain.groups.rank_name`)."""
+        return rank_name(rank, self.globals[rank])
 
     def start_step(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key],
                    proofs: Proofs | None = None) -> None:

@@ -32,7 +32,6 @@ from pipetrain.action import Action, Op
 from pipetrain.comm import P2P
 from pipetrain.dataflow import walk
 from pipetrain.errors import CommError, PipelineError, StageError
-from pipetrain.groups import rank_name
 from pipetrain.payload import flatten
 from pipetrain.routes import Routes, chain
 from pipetrain.schedule import Schedule
@@ -83,7 +82,6 @@ class Executor:
         self._grad_out = [tuple(s for s, _ in p.grad_out) for p in ports]
         self._local: dict[Key, Message] = {}
         self.current: tuple[int, Action] | None = None
-        self._globals = list(transport.globals) if transport is not None else []
         if len(ranks) > 1:
             order = [(r, i) for r, i in walk(schedule).order if r in ranks]
         else:
@@ -98,10 +96,11 @@ class Executor:
             for r, a in self.order]
 
     def _rank(self, rank: int) -> str:
-        return rank_name(rank, self._globals[rank] if rank < len(self._globals) else rank)
+        return f"rank {rank}" if self.transport is None else self.transport.name(rank)
 
     def _where(self, rank: int, a: Action, step: int) -> str:
         return f"[{self._rank(rank)} | stage {a.stage} | mb {a.mb} | {a}] step {step}"
+
     def _sources(self, a: Action) -> tuple[int, ...]:
         """The stages whose messages ``a`` consumes."""
         if a.op is Op.W:

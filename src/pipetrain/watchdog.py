@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from pipetrain import news
 from pipetrain.errors import CommError
-from pipetrain.groups import rank_name
 
 __all__: list[str] = []
 
@@ -72,14 +71,20 @@ class Watchdog:
         store: the job's store (the default group's); None disables the watchdog.
         prefix: a key prefix of this pipeline's own, the same on all its ranks.
         rank, n_ranks: this rank and the size of the pipeline group.
+        generation, timeout: the pipeline's (:attr:`~pipetrain.comm.P2P.generation`) and
+            its peers' wait bound.
+        on_news: called with :class:`~pipetrain.news.JobFailed` when the job's news arrives.
+        name: how errors say pipeline rank r.
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, n_ranks: int,
                  activity: Activity, generation: int = 0, timeout: float = 60.0,
-                 on_news: Callable[[BaseException], None] | None = None) -> None:
+                 on_news: Callable[[BaseException], None] | None = None,
+                 name: Callable[[int], str] = "rank {}".format) -> None:
         self.store, self.prefix, self.rank, self.n_ranks = store, prefix, rank, n_ranks
         self.activity, self.generation, self.timeout = activity, generation, timeout
-        self.globals: list[int] = list(range(n_ranks))
+        self.name = name
+        """Pipeline rank r as the job knows it (global rank in dp x pp)."""
         self.stop = threading.Event()
         if store is not None:
             news.built(generation)
@@ -94,8 +99,8 @@ class Watchdog:
         job's news (:mod:`pipetrain.news`) fails the transport's waits."""
         prefix = f"pipetrain/watchdog/{transport.first_global}/{transport.spare_tag}/"
         dog = cls(job_store(), prefix, transport.rank, transport.n_ranks, activity,
-                  transport.generation, transport.timeout, transport.mailbox.fail)
-        dog.globals = list(transport.globals)
+                  transport.generation, transport.timeout, transport.mailbox.fail,
+                  transport.name)
         weakref.finalize(transport, dog.stop.set)
         return dog
 
@@ -109,10 +114,6 @@ class Watchdog:
             return f"(the watchdog could not ask the other ranks: {e})"
         return chain(reports, [p for p in waited_for if p != self.rank], self.n_ranks,
                      self.name)
-
-    def name(self, r: int) -> str:
-        """Pipeline rank ``r`` as the job knows it."""
-        return rank_name(r, self.globals[r] if r < len(self.globals) else r)
 
     def _probe(self) -> dict[int, dict[str, Any]]:
         n = self.store.add(f"{self.prefix}probes", 1)
