@@ -29,10 +29,13 @@ import threading
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from pipetrain.comm import PeerFailed
 from pipetrain.groups import rank_name
 
-__all__ = ["JobFailed", "wait"]
+__all__ = ["JobFailed", "wait", "all_reduce"]
 
 STORE_HOST_ENV = "PIPETRAIN_STORE_HOST"
 """Set to ``launcher`` by a launcher whose own process hosts the job's store."""
@@ -128,6 +131,12 @@ def wait(work: Any, what: str, poll: bool = True) -> None:
         if text is None:
             raise
         raise JobFailed(f"{what}: {text}") from e
+
+
+def all_reduce(tensor: torch.Tensor, what: str, **kwargs: Any) -> None:
+    """``dist.all_reduce`` of ``tensor`` in place, waited for through :func:`wait`."""
+    wait(dist.all_reduce(tensor, async_op=True, **kwargs), f"[rank {dist.get_rank()}] {what}",
+         poll=tensor.device.type == "cpu")
 
 
 # ------------------------------------------------------------------ keeping the store up

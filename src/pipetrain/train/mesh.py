@@ -62,26 +62,21 @@ class Mesh:
         if self.dp == 1:
             return value
         t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
-        _all_reduce(t, "the dp mean", group=self.dp_group)
+        news.all_reduce(t, "the dp mean", group=self.dp_group)
         return float(t) / self.dp
 
     def pp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's pipeline group; return it."""
         if self.pp > 1:
-            _all_reduce(tensor, "the pipeline sum", group=self.pp_group)
+            news.all_reduce(tensor, "the pipeline sum", group=self.pp_group)
         return tensor
 
     def world_max(self, value: float) -> float:
         """The largest ``value`` of any rank (call on every rank at once)."""
         t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
-        _all_reduce(t, "the world max", op=dist.ReduceOp.MAX)
+        news.all_reduce(t, "the world max", op=dist.ReduceOp.MAX)
         return float(t)
 
-
-def _all_reduce(tensor: torch.Tensor, what: str, **kwargs: Any) -> None:
-    """``dist.all_reduce`` that raises the job's news (a failed peer never joins)."""
-    news.wait(dist.all_reduce(tensor, async_op=True, **kwargs),
-              f"[rank {dist.get_rank()}] {what}", poll=tensor.device.type == "cpu")
 
 
 def layout(world: int, dp: int, pp: int | None) -> tuple[int, int]:

@@ -74,8 +74,7 @@ def decide(own: int, rank: int, world: int, device: torch.device) -> Verdict:
     vector = torch.zeros(world, dtype=torch.int32, device=device)
     vector[rank] = own
     if dist.is_initialized():
-        news.wait(dist.all_reduce(vector, op=dist.ReduceOp.MAX, async_op=True),
-                  f"[rank {rank}] the finite-loss check", poll=device.type == "cpu")
+        news.all_reduce(vector, "the finite-loss check", op=dist.ReduceOp.MAX)
     findings = tuple(int(v) for v in vector.tolist())
     return Verdict(max(findings), findings)
 

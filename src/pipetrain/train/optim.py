@@ -119,8 +119,7 @@ def global_grad_norm(counted: Sequence[nn.Parameter], group: dist.ProcessGroup |
     """
     total = grad_square_sum(counted, device)
     if group is not None:
-        news.wait(dist.all_reduce(total, group=group, async_op=True),
-                  f"[rank {dist.get_rank()}] the gradient norm", poll=device.type == "cpu")
+        news.all_reduce(total, "the gradient norm", group=group)
     return total.sqrt()
 
 
