@@ -1,14 +1,14 @@
 """Watchdog cost: step time with the watchdog and the job's news on, and with both off.
 
-Every pipeline rank runs a daemon thread that checks the job's store twice a second for a
-probe and for news (:mod:`pipetrain.watchdog`, :mod:`pipetrain.news`), records its current
-action (two updates per action: a clock read and a few attribute writes each), and, under data
+Every pipeline rank runs a daemon thread that checks the job's store twice a second for a probe
+and for news (:mod:`pipetrain.watchdog`, :mod:`pipetrain.news`), records its current action
+(two updates per action: a clock read and a few attribute writes each), and, under data
 parallelism, waits for gradient all-reduces by polling so that news can interrupt them. This
-script measures what that costs: the same job, alternating rounds with ``PIPETRAIN_WATCHDOG=0`` (off) and without (on), median
-step time per round, on a 4-rank pipeline (1F1B) and on dp 2 x pp 2 (ZB-V, gradients averaged
-by ``GradReducer``).
+script measures what that costs: the same job, alternating rounds with ``PIPETRAIN_WATCHDOG=0``
+(off) and without (on), median step time per round, on a 4-rank pipeline (1F1B) and on dp 2 x
+pp 2 (ZB-V, gradients averaged by ``GradReducer``).
 
-    python benchmarks/watchdog_cost.py              # README figures (about 2 minutes)
+    python benchmarks/watchdog_cost.py              # README figures (about 1 minute)
     python benchmarks/watchdog_cost.py --tiny --json out.json
 """
 

@@ -9,14 +9,14 @@ collective, the watchdog follows the pipeline's wait-for chain to its end::
     rank 2: waiting for rank 1 (2F3, 9.8 s) ─┐
     rank 1: computing 1F3 for 10.1 s  ◄──────┘  "stuck in its own stage code"
 
-Each rank's main thread records what it does in an :class:`Activity` (two updates per
-action, a clock read and a few attribute writes each). One daemon thread per rank looks in the
-job's ``torch.distributed`` store for a probe, and for the job's news (:mod:`pipetrain.news`),
-twice a second (two small requests: the steady state pays nothing else). When a rank times
-out it posts a probe, every rank's thread answers with its activity, and the chain is followed from the peer that was waited for: to a
-rank computing (stuck in its own stage code), to a rank between steps (stuck in its caller's
-code), to a rank that does not answer (dead or frozen), or round a cycle (ranks waiting for
-each other).
+Each rank's main thread records what it does in an :class:`Activity` (two updates per action, a
+clock read and a few attribute writes each). One daemon thread per rank looks in the job's
+``torch.distributed`` store for a probe, and for the job's news (:mod:`pipetrain.news`), twice
+a second (two small requests: the steady state pays nothing else). When a rank times out it
+posts a probe, every rank's thread answers with its activity, and the chain is followed from
+the peer that was waited for: to a rank computing (stuck in its own stage code), to a rank
+between steps (stuck in its caller's code), to a rank that does not answer (dead or frozen), or
+round a cycle (ranks waiting for each other).
 """
 
 from __future__ import annotations
