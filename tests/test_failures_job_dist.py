@@ -1,5 +1,6 @@
 """Failures across a whole job: data-parallel replicas learn of a failure in another replica's
-pipeline, and a plain ``env://`` job (rank 0 hosts the store) keeps the news readable."""
+pipeline (ordinary modules, and a Hugging Face Llama fed bad token ids), and a plain ``env://``
+job (rank 0 hosts the store) keeps the news readable."""
 
 from __future__ import annotations
 
@@ -59,10 +60,38 @@ def _dp_case(how: str, culprit: int) -> str:
     return "no error"
 
 
+def _dp_llama_case(culprit: int) -> str:
+    """A Hugging Face Llama built from a config, in dp 2 x pp 2: at step 1 global rank
+    ``culprit`` (stage 0 of replica 1) gets token ids beyond the vocabulary, so its embedding
+    fails inside the captured graph."""
+    import hf
+
+    mesh = build_mesh(2, 2)
+    torch.manual_seed(0)
+    inputs, targets = hf.batch("llama", rows=8, seq=10)
+    pipe = pt.Pipeline(hf.llama(), "1f1b", 4, hf.LOSSES["llama"], group=mesh.pp_group,
+                       split_points=hf.points("llama", 2), example_inputs=inputs,
+                       timeout=TIMEOUT)
+    reducer = GradReducer({s: list(st.parameters()) for s, st in pipe.stages.items()},
+                          mesh.dp_group, mesh.dp)
+    start = 0.0
+    for step in range(2):
+        ids = inputs["input_ids"]
+        if step == 1:
+            start = time.monotonic()
+            ids = ids + hf.VOCAB if mesh.rank == culprit else ids
+        try:
+            pipe.step(pipe.pack(input_ids=ids), targets, on_grads_ready=reducer.hook)
+            reducer.finish()
+        except pt.PipelineError as e:
+            return f"{time.monotonic() - start:.2f} {e}"
+    return "no error"
+
+
 def _dp_cases(ctx: pt.RankContext, cases: list[tuple[str, int]], out: str) -> None:
     results = []
     for how, culprit in cases:
-        results.append(_dp_case(how, culprit))
+        results.append(_dp_llama_case(culprit) if how == "llama ids" else _dp_case(how, culprit))
         Path(out, f"rank{ctx.rank}.json").write_text(json.dumps(results))
 
 
@@ -78,8 +107,10 @@ def _check(out: Path, texts_of: dict[int, list[str]] | None, case: int, survivor
 
 
 def test_every_replica_learns_of_a_failure_in_another(tmp_path: Path) -> None:
-    # global rank 3 is pipeline rank 1 of replica 1; rank 1 hangs in replica 0; rank 2 dies
-    cases = [("raise", 3), ("shape", 0), ("hang", 1), ("kill", 2)]
+    # global rank 3 is pipeline rank 1 of replica 1; rank 1 hangs in replica 0; rank 2 feeds
+    # a Llama bad token ids, then dies
+    pytest.importorskip("transformers")
+    cases = [("raise", 3), ("shape", 0), ("hang", 1), ("llama ids", 2), ("kill", 2)]
     with pytest.raises(pt.PipelineError, match="rank 2 ---\nprocess exited with code 3"):
         pt.launch(_dp_cases, 4, cases, str(tmp_path), timeout=300)
     texts = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
@@ -89,7 +120,11 @@ def test_every_replica_learns_of_a_failure_in_another(tmp_path: Path) -> None:
     _check(tmp_path, texts, 1, [0, 1, 2, 3], ("rank 1 failed at stage 1", "[rank 1 | stage 1"),
            TIMEOUT / 2)
     _check(tmp_path, texts, 2, [0, 2, 3], "rank 1 is stuck in its own stage code", 3 * HANG_TIMEOUT)
-    _check(tmp_path, texts, 3, [0, 1, 3], "rank 2", TIMEOUT / 2)
+    _check(tmp_path, texts, 3, [0, 1, 2, 3], ("rank 2 (rank 0 of its pipeline) failed at stage 0",
+                                              "[rank 2 (rank 0 of its pipeline) | stage 0"),
+           TIMEOUT / 2)
+    assert "index out of range" in texts[1][3]  # the cause, read in the other replica
+    _check(tmp_path, texts, 4, [0, 1, 3], "rank 2", TIMEOUT / 2)
 
 
 # ------------------------------------------------------------ a user's own env:// launcher
