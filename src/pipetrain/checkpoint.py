@@ -251,7 +251,7 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load(path: str | os.PathLike[str], state: dict[str, torch.Tensor], *, group: Group = None,
-         strict: bool = True) -> dict[str, Any]:
+         strict: bool = True, verify: bool = True) -> dict[str, Any]:
     """Fill ``state``'s tensors in place from the checkpoint at ``path``; collective.
 
     Every rank passes the tensors it needs (same keys as when saving; any layout). Before DCP
@@ -264,6 +264,8 @@ def load(path: str | os.PathLike[str], state: dict[str, torch.Tensor], *, group:
         strict: require every key of ``state`` in the checkpoint, with its dtype, and every
             checkpoint key under a prefix (``model/``, ``optim/``, ``rng/`` ...) that some rank
             asked for to be loaded by some rank. Without it, absent keys stay as they are.
+        verify: hash the data files first; False only for a checkpoint this process has
+            just verified (a conversion loading it part by part).
 
     Returns:
         The metadata: the caller's ``meta`` plus step, world_size and versions.
@@ -278,8 +280,8 @@ def load(path: str | os.PathLike[str], state: dict[str, torch.Tensor], *, group:
     _agree(problem, group, f"opening checkpoint {path}")
     assert opened is not None
     data = sorted(n for n in opened.files if n not in (store.META, store.DCP_METADATA))
-    _agree("\n    ".join(store.verify_files(opened, data[index::size])), group,
-           f"verifying checkpoint {path}")
+    _agree("\n    ".join(store.verify_files(opened, data[index::size]) if verify else []),
+           group, f"verifying checkpoint {path}")
     wanted, problem = _match_keys(opened.metadata, state, strict, group)
     _agree(problem, group, f"matching keys with checkpoint {path}")
     reader = _IndexedReader(path, opened.metadata)

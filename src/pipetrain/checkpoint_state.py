@@ -16,7 +16,7 @@ __all__ = ["model_state", "optimizer_state", "load_optimizer_state", "rng_state"
            "set_rng_state"]
 
 
-def model_state(named_params: Iterable[tuple[str, nn.Parameter]]) -> dict[str, torch.Tensor]:
+def model_state(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """``{"model/<name>": parameter}``: live tensors, which ``checkpoint.load`` overwrites."""
     return {f"model/{name}": p.detach() for name, p in named_params}
 

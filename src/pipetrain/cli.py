@@ -25,6 +25,7 @@ from pipetrain.generators import REGISTRY, _load_builtin, make_schedule
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, Simulation, simulate
 from pipetrain.train import cli as train_cli
+from pipetrain.train import export_cli
 from pipetrain.validate import format_grid, validate
 
 __all__ = ["Subcommand", "subcommands", "build_parser", "main"]
@@ -54,6 +55,7 @@ def subcommands() -> dict[str, Subcommand]:
         "validate": Subcommand("check a hand-written schedule file, then simulate it",
                                _configure_validate, _run_validate),
         "train": Subcommand(train_cli.HELP, train_cli.configure, train_cli.run),
+        "export-hf": Subcommand(export_cli.HELP, export_cli.configure, export_cli.run),
     }
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Batches", "ByteCorpus", "decode", "default_corpus", "encode"]
+__all__ = ["Batches", "ByteCorpus", "Corpus", "decode", "default_corpus", "encode",
+           "text_files"]
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
 DEFAULT_MAX_BYTES = 8 << 20
@@ -33,30 +34,47 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 @dataclass(frozen=True, eq=False)
-class ByteCorpus:
-    """All bytes of a text corpus (uint8) and where its held-out tail begins.
+class Corpus:
+    """All token ids of a text corpus (1-D) and where its held-out tail begins.
 
-    Build one with :meth:`from_path`, :meth:`from_bytes` or :func:`default_corpus`.
+    A :class:`ByteCorpus` holds bytes (uint8); a tokenized corpus
+    (:func:`pipetrain.hf.tokens.token_corpus`) holds a tokenizer's ids, memory-mapped.
     """
 
     data: torch.Tensor
-    """Every byte, training part first (uint8, 1-D)."""
+    """Every token id, training part first (1-D)."""
     n_train: int
-    """Bytes ``[0, n_train)`` are for training, ``[n_train, len)`` are held out."""
+    """Tokens ``[0, n_train)`` are for training, ``[n_train, len)`` are held out."""
     source: str
-    """Where the bytes came from (a path, or a description)."""
+    """Where the text came from (a path, or a description)."""
     files: tuple[str, ...] = ()
     """The files read, in order (relative to ``source`` for a directory)."""
 
     @property
     def train(self) -> torch.Tensor:
-        """The training bytes."""
+        """The training tokens."""
         return self.data[: self.n_train]
 
     @property
     def eval(self) -> torch.Tensor:
-        """The held-out bytes, after (never overlapping) the training bytes."""
+        """The held-out tokens, after (never overlapping) the training tokens."""
         return self.data[self.n_train:]
+
+    def __len__(self) -> int:
+        return int(self.data.numel())
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.source!r}, {len(self):,} tokens, "
+                f"{len(self.files)} files, {self.n_train:,} train / "
+                f"{len(self) - self.n_train:,} eval)")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class ByteCorpus(Corpus):
+    """A corpus whose tokens are its bytes (uint8, ids 0..255).
+
+    Build one with :meth:`from_path`, :meth:`from_bytes` or :func:`default_corpus`.
+    """
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, eval_fraction: float = 0.05, source: str = "<bytes>",
@@ -91,21 +109,13 @@ class ByteCorpus:
         root = Path(path)
         if not root.exists():
             raise FileNotFoundError(f"no such file or directory: {str(root)!r}")
-        files = [root] if root.is_file() else _text_files(root, suffixes)
+        files = [root] if root.is_file() else text_files(root, suffixes)
         if not files:
             raise ValueError(f"{str(root)!r} holds no text files (looked for "
                              f"{', '.join(suffixes)} recursively)")
         raw, n_read = _read(files, max_bytes)
         names = [p.name if p == root else p.relative_to(root).as_posix() for p in files[:n_read]]
         return cls.from_bytes(raw, eval_fraction=eval_fraction, source=str(root), files=names)
-
-    def __len__(self) -> int:
-        return int(self.data.numel())
-
-    def __repr__(self) -> str:
-        return (f"ByteCorpus({self.source!r}, {len(self):,} bytes, {len(self.files)} files, "
-                f"{self.n_train:,} train / {len(self) - self.n_train:,} eval)")
-
 
 def default_corpus(*, max_bytes: int = DEFAULT_MAX_BYTES,
                    eval_fraction: float = 0.05) -> ByteCorpus:
@@ -117,7 +127,9 @@ def default_corpus(*, max_bytes: int = DEFAULT_MAX_BYTES,
                                 max_bytes=max_bytes)
 
 
-def _text_files(root: Path, suffixes: Sequence[str]) -> list[Path]:
+def text_files(root: Path, suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[Path]:
+    """Every file under ``root`` ending in one of ``suffixes``, in an order every machine shares
+    (installed packages and caches left out)."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]

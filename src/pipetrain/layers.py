@@ -145,14 +145,18 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
     if not isinstance(model, nn.Module) or example_inputs is None:
         raise TypeError("split_points= needs the model as one nn.Module and example_inputs= "
                         "(a tuple or dict of its forward's arguments)")
-    if split_points != "auto" and balance is not None:
-        raise PartitionError("pass either split_points=[...] or balance=, not both (or "
-                             "split_points='auto' with a balance mode)")
-    if split_points != "auto" and (isinstance(split_points, str)
-                                   or len(split_points) + 1 != n_stages):
+    if isinstance(split_points, str) and split_points != "auto":
+        raise PartitionError(f"split_points={split_points!r}: give a list of module names, "
+                             "or 'auto'")
+    if split_points != "auto" and balance is None and len(split_points) + 1 != n_stages:
         raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} stages but the "
                              f"schedule has {n_stages} (ranks x stages per rank); give "
-                             f"{n_stages - 1} split points, or 'auto'")
+                             f"{n_stages - 1} split points, or more with a balance= that "
+                             "groups them, or 'auto'")
+    if split_points != "auto" and len(split_points) + 1 < n_stages:
+        raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} units, fewer "
+                             f"than the schedule's {n_stages} stages; give at least "
+                             f"{n_stages - 1} split points")
     captured = capture(model, example_inputs)
     if split_points == "auto":  # one small stage per unit; the balancer groups them
         split_points = cut_points(model, example_inputs, captured=captured)

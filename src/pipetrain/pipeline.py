@@ -98,7 +98,8 @@ class Pipeline:
             (:func:`pipetrain.trace.split_model`): one stage starts at the first use of each
             named module (``["blocks.4", "blocks.8"]``); ``"auto"`` cuts at every unit
             (:mod:`pipetrain.autosplit`) and groups the units by ``balance`` (default
-            ``"params"``). Needs ``example_inputs``; ``step`` takes what :meth:`pack` builds.
+            ``"params"``); with ``balance=``, a list cuts units that the balance groups the
+            same way. Needs ``example_inputs``; ``step`` takes what :meth:`pack` builds.
         example_inputs: with ``split_points``, positional (tuple) or keyword (dict) arguments
             of ``model.forward``; with a profiling ``balance``, one micro-batch of input.
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``

@@ -18,10 +18,16 @@ class TrainConfig:
     # model and data
     preset: str = "tiny"
     """GPT preset (:data:`pipetrain.gpt.PRESETS`)."""
+    hf: str = ""
+    """A local Hugging Face ``save_pretrained`` directory (config, safetensors weights or none,
+    tokenizer) to train instead of the preset; empty: the preset."""
     data: str | None = None
     """A text file or directory; None uses the default corpus (the stdlib's own sources)."""
     seq_len: int = 128
     """Tokens per training sequence."""
+    token_cache: str = "~/.cache/pipetrain/tokens"
+    """With ``hf``: where tokenized corpora are kept (int32 ids, memory-mapped; one file per
+    corpus and tokenizer)."""
     batch_size: int = 16
     """Sequences per step over all data-parallel replicas."""
     seed: int = 0
@@ -78,6 +84,9 @@ class TrainConfig:
     """Directory of logs, pictures and checkpoints (``<out>/checkpoints``); empty: none."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (and at the end); 0: only at the end."""
+    save_hf_every: int = 0
+    """With ``hf``: also write ``<out>/hf`` (``save_pretrained`` format) every this many
+    steps; it is always written at the end."""
     keep_checkpoints: int = 0
     """Keep only the newest this many checkpoints (older ones are deleted); 0: keep all."""
     resume: bool = True

@@ -9,7 +9,8 @@ feed it back in. Each eval step needs one row per micro-batch, so the context is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,14 +22,17 @@ __all__ = ["eval_loss", "generate", "pick"]
 
 
 def eval_loss(pipe: Pipeline, mesh: Mesh, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              *, step: int | None = None) -> float:
+              *, step: int | None = None, feed: Callable[[torch.Tensor], Any] | None = None
+              ) -> float:
     """Mean loss over ``batches`` (this replica's rows), averaged over the replicas.
 
-    ``step`` numbers the eval steps (the training step they follow; errors name it).
+    ``step`` numbers the eval steps (the training step they follow; errors name it); ``feed``
+    turns token ids into the pipeline's input (default: the ids themselves).
     """
     total = 0.0
     for inputs, targets in batches:
-        loss = pipe.eval_step(inputs, targets, step=step).loss
+        loss = pipe.eval_step(inputs if feed is None else feed(inputs), targets,
+                              step=step).loss
         if loss is None:
             raise RuntimeError(f"[rank {mesh.rank}] eval step returned no loss")
         total += float(loss)
@@ -45,8 +49,9 @@ def pick(logits: torch.Tensor, top_k: int, generator: torch.Generator) -> int:
 
 
 def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *,
-             context: int, top_k: int = 0, seed: int = 0, step: int | None = None
-             ) -> list[int]:
+             context: int, top_k: int = 0, seed: int = 0, step: int | None = None,
+             feed: Callable[[torch.Tensor], Any] | None = None,
+             logits: Callable[[Any], torch.Tensor] | None = None) -> list[int]:
     """``n_tokens`` new tokens after ``prompt``, the same list on every rank of the replica.
 
     Args:
@@ -58,6 +63,8 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
         top_k: 0 picks the most likely token; k > 0 samples among the k most likely.
         seed: the sampling generator's seed (the text is deterministic given it).
         step: the number of its eval steps (the training step they follow; errors name it).
+        feed: token ids -> the pipeline's input (default: the ids themselves).
+        logits: the pipeline's outputs -> (B, T, vocab) logits (default: the outputs).
 
     Raises:
         ValueError: for an empty prompt.
@@ -72,10 +79,11 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
     ids = list(prompt)
     for _ in range(n_tokens):
         window = torch.tensor(ids[-context:], dtype=torch.long).repeat(rows, 1)
-        outputs = pipe.eval_step(window, step=step).outputs
+        outputs = pipe.eval_step(window if feed is None else feed(window), step=step).outputs
         token = torch.zeros(1, dtype=torch.long, device=mesh.comm_device)
         if pipe.rank == holder:
-            token[0] = pick(outputs[0, -1], top_k, generator)
+            scores = outputs if logits is None else logits(outputs)
+            token[0] = pick(scores[0, -1], top_k, generator)
         dist.broadcast(token, src=src, group=mesh.pp_group)
         ids.append(int(token))
     return ids[len(prompt):]

@@ -120,7 +120,7 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
 
         summary = run(TrainConfig(preset="tiny", steps=50), NullReporter())
     """
-    trainer = build(cfg)
+    trainer = build(cfg, progress=cfg.progress)
     resumed = restore(trainer)
     reporter.record("start", {**_start_fields(trainer),
                               "resumed_from": None if resumed is None else str(resumed)})
@@ -135,9 +135,12 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
             reporter.record("eval", {"step": step, "eval_loss": evaluate(trainer)})
         if _due(cfg.checkpoint_every, trainer.step, cfg.steps):
             saved = _checkpoint(trainer, reporter) or saved
+        if _due(cfg.save_hf_every, trainer.step, cfg.steps):
+            _save_hf(trainer, reporter)
     elapsed = trainer.mesh.world_max(time.perf_counter() - clock)
     if tally.steps:  # the end of a run that trained is always saved
         saved = _checkpoint(trainer, reporter) or saved
+    _save_hf(trainer, reporter)
     final_eval = evaluate(trainer)
     reporter.record("eval", {"step": trainer.step - 1, "eval_loss": final_eval})
     last = tally.last
@@ -167,6 +170,17 @@ def _checkpoint(trainer: Trainer, reporter: Reporter) -> Path | None:
     return path
 
 
+def _save_hf(trainer: Trainer, reporter: Reporter) -> None:
+    """Write ``<out>/hf`` (``--hf`` runs with an ``out``): the first replica's ranks, each its
+    own shard."""
+    source = trainer.source
+    if source is None or not trainer.cfg.out or trainer.mesh.dp_rank != 0:
+        return
+    path = source.save(Path(trainer.cfg.out) / "hf", trainer.pipe, trainer.mesh.pp_group)
+    if path is not None:
+        reporter.record("hf", {"step": trainer.step, "path": str(path)})
+
+
 def train_step(trainer: Trainer, step: int) -> StepStats:
     """Run step ``step`` (the markers refer to the module docstring's diagram)."""
     cfg, mesh, pipe = trainer.cfg, trainer.mesh, trainer.pipe
@@ -178,7 +192,7 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     inputs, targets = trainer.batch(step)
     try:
         with autocast(cfg.precision, mesh.device), faults.wrong_shape(pipe, fault == "shape"):
-            result = pipe.step(inputs, targets, step=step,  # [2] errors name this step
+            result = pipe.step(trainer.feed(inputs), targets, step=step,  # [2] errors name it
                                on_grads_ready=trainer.reducer.hook)  # [3]
     finally:
         trainer.injector.armed = False
@@ -210,7 +224,8 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
 def evaluate(trainer: Trainer) -> float:
     """The held-out loss (mean over the eval batches and the replicas)."""
     with autocast(trainer.cfg.precision, trainer.mesh.device):
-        scaled = eval_loss(trainer.pipe, trainer.mesh, trainer.eval_set, step=_last(trainer))
+        scaled = eval_loss(trainer.pipe, trainer.mesh, trainer.eval_set, step=_last(trainer),
+                           feed=trainer.feed)
     return trainer.scale.unscale_loss(scaled)  # the loss function multiplies by the fp16 scale
 
 
@@ -219,12 +234,15 @@ def sample(trainer: Trainer) -> str | None:
     cfg = trainer.cfg
     if cfg.sample_tokens <= 0:
         return None
-    prompt = encode(cfg.prompt).tolist() or [NEWLINE]
+    source = trainer.source
+    prompt = (source.encode(cfg.prompt) if source is not None else encode(cfg.prompt).tolist()
+              ) or [NEWLINE]
     with autocast(cfg.precision, trainer.mesh.device):
         ids = generate(trainer.pipe, trainer.mesh, prompt, cfg.sample_tokens,
                        context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
-                       step=_last(trainer))
-    return decode(prompt + ids)
+                       step=_last(trainer), feed=trainer.feed,
+                       logits=source.logits if source is not None else None)
+    return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
 
 
 def _last(trainer: Trainer) -> int:
@@ -235,8 +253,12 @@ def _last(trainer: Trainer) -> int:
 def _start_fields(trainer: Trainer) -> dict[str, Any]:
     return {"config": dataclasses.asdict(trainer.cfg), "world": trainer.mesh.dp * trainer.mesh.pp,
             "layout": trainer.layout(), "balance": list(trainer.pipe.balance),
-            "params": trainer.model.n_params, "start_step": trainer.step,
-            "run_id": _run_id()}
+            "params": _n_params(trainer), "start_step": trainer.step,
+            "run_id": _run_id(), **({"load": trainer.loaded} if trainer.loaded else {})}
+
+
+def _n_params(trainer: Trainer) -> int:
+    return trainer.source.n_params if trainer.source is not None else trainer.model.n_params
 
 
 def _run_id() -> str | None:
@@ -254,6 +276,6 @@ def _summary(trainer: Trainer, tally: Tally, elapsed: float, final_eval: float,
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "bubble": trainer.mesh.dp_mean(tally.bubble), "steps": trainer.step,
         "steps_run": tally.steps, "skipped": trainer.skipped,
-        "params": trainer.model.n_params, "layout": trainer.layout(), "sample": text,
+        "params": _n_params(trainer), "layout": trainer.layout(), "sample": text,
         "seconds": elapsed,
     }

@@ -119,6 +119,12 @@ class ProgressReporter:
         if fields.get("start_step"):
             parts.append(f"resuming at step {fields['start_step']}")
         self._print("start: " + ", ".join(p for p in parts if p))
+        load = fields.get("load")
+        if load:
+            self._print(f"weights: {load['weights']}; rank 0 read {load['bytes_read'] / 2**20:.1f} "
+                        f"MiB for its {load['share_bytes'] / 2**20:.1f} MiB share of "
+                        f"{load['model_bytes'] / 2**20:.1f} MiB, peak resident memory "
+                        f"{load['peak_rss_bytes'] / 2**20:.0f} MiB")
         if self.cfg.progress and self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -151,6 +157,9 @@ class ProgressReporter:
 
     def _on_checkpoint(self, fields: dict[str, Any]) -> None:
         self._print(f"checkpoint  step {fields.get('step')}  {fields.get('path')}")
+
+    def _on_hf(self, fields: dict[str, Any]) -> None:
+        self._print(f"hf  step {fields.get('step')}  {fields.get('path')}")
 
     def _on_sample(self, fields: dict[str, Any]) -> None:
         self._print("sample:\n" + str(fields.get("text", "")))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -33,15 +34,26 @@ def checkpoint_root(out: str) -> Path | None:
 
 def _state(trainer: Trainer, *, rng: bool) -> dict[str, torch.Tensor]:
     named = list(trainer.pipe.named_parameters())
-    state = {**checkpoint.model_state(named),
+    params = {n for n, _ in named}
+    buffers = [(n, b) for n, b in trainer.pipe.state_dict().items() if n not in params]
+    state = {**checkpoint.model_state([*named, *buffers]),  # persistent buffers too
              **checkpoint.optimizer_state(trainer.optimizer, named)}
     if rng:
         state.update(checkpoint.rng_state(trainer.mesh.rank))
     return state
 
 
+def _model(trainer: Trainer) -> dict[str, object]:
+    """The model's identity (a GPT config, or a Hugging Face architecture and config)."""
+    if trainer.source is not None:
+        described: dict[str, object] = json.loads(json.dumps(trainer.source.describe()))
+        return described
+    return dataclasses.asdict(trainer.model)
+
+
 def _meta(trainer: Trainer) -> dict[str, object]:
-    return {"model": dataclasses.asdict(trainer.model), "layout": trainer.layout(),
+    source = {"hf_source": str(Path(trainer.cfg.hf).resolve())} if trainer.cfg.hf else {}
+    return {"model": _model(trainer), "layout": trainer.layout(), **source,
             "seed": trainer.cfg.seed, "skipped": trainer.skipped,
             "loss_scale": trainer.scale.state_dict(), "data": {"seed": trainer.cfg.seed,
                                                                 "step": trainer.step}}
@@ -71,7 +83,7 @@ def restore(trainer: Trainer) -> Path | None:
     if path is None:
         return None
     meta = checkpoint.read_meta(path)
-    want = dataclasses.asdict(trainer.model)
+    want = _model(trainer)
     if meta.get("model") != want:
         raise CheckpointError(
             f"[rank {trainer.mesh.rank}] the checkpoint {path} holds another model "

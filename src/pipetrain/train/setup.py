@@ -1,37 +1,33 @@
-"""Setup: from a TrainConfig to this rank's mesh, pipelined GPT, optimizer, loss scale and data.
+"""Setup: from a TrainConfig to this rank's mesh, pipelined model, optimizer, loss scale and data.
 
-Every rank builds the GPT's layers in order from ``cfg.seed``, so their values do not depend on
-the layout, but keeps real only the blocks of its own stages (the others are moved to ``meta``
-as soon as they are built: a rank never holds more than its share plus one block); the
-profiling balances, which measure every layer on rank 0, build them all. It hosts its stages in
-a :class:`~pipetrain.Pipeline` over its replica's pipeline group, and draws the same global
+The model comes from its source (:mod:`pipetrain.train.source`): the built-in GPT, whose
+layers every rank builds in order from ``cfg.seed`` keeping real only those of its own stages,
+or a Hugging Face checkpoint (``--hf``), built on ``meta``, cut at its decoder layers, each
+rank materialising and loading only its own stages. A rank hosts its stages in a
+:class:`~pipetrain.Pipeline` over its replica's pipeline group, and draws the same global
 batch per step, of which its replica takes rows ``[dp_rank * B/dp, (dp_rank + 1) * B/dp)``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipetrain.balance import plan_balance
-from pipetrain.data import Batches, ByteCorpus, default_corpus
+from pipetrain.data import Batches, Corpus
 from pipetrain.generators import make_schedule
-from pipetrain.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
-from pipetrain.partition import check_balance, even_balance, stage_bounds
+from pipetrain.gpt import PRESETS
 from pipetrain.pipeline import Pipeline
-from pipetrain.schedule import Schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
 from pipetrain.train.nonfinite import NaNInjector
-from pipetrain.train.optim import build_optimizer, counted_parameters, no_decay_names
+from pipetrain.train.optim import build_optimizer, counted_parameters
 from pipetrain.train.precision import PRECISIONS, LossScale
+from pipetrain.train.source import Source, source_for
 
-__all__ = ["Trainer", "build", "check_config", "hosted_layers"]
+__all__ = ["Trainer", "build", "check_config"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -42,7 +38,8 @@ class Trainer:
 
     cfg: TrainConfig
     mesh: Mesh
-    model: GPTConfig
+    model: Any
+    """What the run trains (the source's model: a GPTConfig, or a Hugging Face model)."""
     pipe: Pipeline
     optimizer: torch.optim.AdamW
     scale: LossScale
@@ -60,6 +57,10 @@ class Trainer:
     """The next step to run (= steps done, skipped ones included)."""
     skipped: int = 0
     """Steps skipped for a non-finite loss, gradients or an fp16 overflow."""
+    source: Source | None = None
+    """The model's source (built-in GPT or ``--hf``): input, logits and text."""
+    loaded: dict[str, Any] = field(default_factory=dict)
+    """What this rank read of stored weights (``--hf``), and its peak memory after."""
 
     def layout(self) -> dict[str, Any]:
         """How the run is laid out: a resumed run with the same layout restores RNG streams."""
@@ -72,6 +73,10 @@ class Trainer:
     def batch(self, step: int) -> Batch:
         """This replica's rows of global batch ``step``."""
         return self.rows(self.batches.batch(step))
+
+    def feed(self, ids: torch.Tensor) -> Any:
+        """The pipeline's input for token ids (a dict of keyword arguments for ``--hf``)."""
+        return ids if self.source is None else self.source.feed(ids)
 
     def rows(self, batch: Batch) -> Batch:
         n = batch[0].size(0) // self.mesh.dp
@@ -92,7 +97,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     except ValueError as e:
         problems.append(str(e))
         dp = max(cfg.dp, 1)
-    if cfg.preset not in PRESETS:
+    if not cfg.hf and cfg.preset not in PRESETS:
         problems.append(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
@@ -110,74 +115,38 @@ def check_config(cfg: TrainConfig, world: int) -> None:
             f"  - {p}" for p in problems))
 
 
-def build(cfg: TrainConfig) -> Trainer:
-    """This rank's part of the run described by ``cfg`` (call on every rank at once)."""
+def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
+    """This rank's part of the run described by ``cfg`` (call on every rank at once).
+
+    ``progress`` shows a bar if this rank tokenizes the corpus (``--hf``, first use).
+    """
     import torch.distributed as dist
 
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
     mesh = build_mesh(cfg.dp, cfg.pp, cfg.device)
-    model = dataclasses.replace(PRESETS[cfg.preset], seq_len=cfg.seq_len)
+    source = source_for(cfg)
     schedule = make_schedule(cfg.schedule, mesh.pp, cfg.microbatches, cfg.stages_per_rank)
-    hosted = hosted_layers(model, schedule, _balance(cfg.balance), mesh.pp_rank)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        layers = gpt_layers(model, keep=None if hosted is None else hosted.__contains__)
-    no_decay = no_decay_names(nn.Sequential(*layers))
     scale = LossScale(enabled=cfg.precision == "fp16")
-    pipe = Pipeline(layers, schedule, cfg.microbatches, scale.wrap(lm_loss),
-                    balance=_balance(cfg.balance),
-                    group=mesh.pp_group, device=mesh.device, timeout=cfg.timeout,
-                    recompute=cfg.recompute, init_seed=cfg.seed,
-                    example_inputs=torch.zeros(cfg.batch_size // mesh.dp // cfg.microbatches,
-                                               cfg.seq_len, dtype=torch.long))
-    corpus = ByteCorpus.from_path(cfg.data) if cfg.data else default_corpus()
+    rows = cfg.batch_size // mesh.dp // cfg.microbatches
+    pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
+                           device=mesh.device, timeout=cfg.timeout)
+    loaded = source.loaded(pipe)
+    corpus = source.corpus(cfg, progress=progress and mesh.rank == 0)
     batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     params = [p for p in pipe.parameters() if p.requires_grad]
     trainer = Trainer(
-        cfg, mesh, model, pipe,
-        build_optimizer(pipe.named_parameters(), no_decay, lr=cfg.lr,
+        cfg, mesh, source.model, pipe,
+        build_optimizer(pipe.named_parameters(), source.no_decay, lr=cfg.lr,
                         weight_decay=cfg.weight_decay),
         scale, GradReducer({s: st.parameters() for s, st in pipe.stages.items()}, mesh.dp_group,
                            mesh.dp), batches, [],
         NaNInjector.for_pipeline(pipe),
-        params, counted_parameters(pipe))
+        params, counted_parameters(pipe), source=source, loaded=loaded)
     trainer.eval_set = [trainer.rows(b) for b in _eval_batches(corpus, cfg)]
     return trainer
 
 
-def hosted_layers(model: GPTConfig, schedule: Schedule, balance: str | Sequence[int] | None,
-                  pp_rank: int) -> set[int] | None:
-    """Indices of the layers of ``pp_rank``'s stages; None when every rank must build them all.
-
-    The split is the one ``Pipeline`` makes of the same layers: ``"params"`` is planned on the
-    model built on ``meta`` (parameter bytes need no values). The profiling balances run every
-    layer on rank 0, so under them every rank builds every layer (None).
-    """
-    with torch.device("meta"):
-        described = gpt_layers(model)
-    n = len(described)
-    if balance == "params":
-        sizes: Sequence[int] = plan_balance(described, schedule, "params").balance
-    elif balance is None:
-        sizes = even_balance(n, schedule.n_stages)
-    elif isinstance(balance, str):
-        return None
-    else:
-        sizes = check_balance(balance, n, schedule.n_stages)
-    bounds = stage_bounds(sizes)
-    return {i for s in schedule.stages_of(pp_rank) for i in range(*bounds[s])}
-
-
-def _balance(text: str) -> str | Sequence[int] | None:
-    """``--balance``: a mode, ``even`` (None), or layers per stage ``3,4,4,3``."""
-    if text == "even":
-        return None
-    if text and text.replace(",", "").replace(" ", "").isdigit():
-        return [int(n) for n in text.split(",")]
-    return text
-
-
-def _eval_batches(corpus: ByteCorpus, cfg: TrainConfig) -> list[Batch]:
+def _eval_batches(corpus: Corpus, cfg: TrainConfig) -> list[Batch]:
     try:
         held_out = Batches(corpus.eval, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     except ValueError as e:

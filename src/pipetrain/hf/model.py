@@ -1,0 +1,216 @@
+"""HF model: a local ``save_pretrained`` directory as a model on ``meta``, cut at its decoder
+layers, whose ranks each read only their own tensors from the safetensors files.
+
+The model class comes from ``config.json`` through ``AutoModelForCausalLM`` and is built on the
+``meta`` device in float32 (no storage). :func:`split_points` names the decoder layers (the
+largest stack of one layer class) as the units the pipeline's balance groups into stages.
+After the pipeline has materialised a rank's stages, :func:`load_weights` opens each
+safetensors file with ``safe_open`` and copies only the tensors of that rank's parameters and
+buffers into them, by name (a tied weight under any of its names): the rank never maps or reads
+another rank's tensors. A directory without weights keeps the seeded initialisation by name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.autosplit import units
+
+__all__ = ["HFModel", "LoadReport", "load_weights", "open_model", "split_points"]
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def transformers() -> Any:
+    """The ``transformers`` module, quiet, or an ImportError that says how to install it."""
+    try:
+        import transformers as tf
+    except ImportError as e:  # pragma: no cover - the hf extra is a test dependency
+        raise ImportError("--hf needs transformers and safetensors: pip install "
+                          "'pipetrain[hf]' (with torch pinned)") from e
+    tf.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    return tf
+
+
+@dataclass(frozen=True, eq=False)
+class HFModel:
+    """A local Hugging Face checkpoint, described (its model lives on ``meta``)."""
+
+    root: Path
+    """The ``save_pretrained`` directory."""
+    config: Any
+    """Its ``PretrainedConfig`` (``use_cache`` off: a pipeline passes no KV cache)."""
+    model: nn.Module
+    """``AutoModelForCausalLM.from_config(config)`` on the ``meta`` device, float32."""
+    weights: dict[str, Path]
+    """Tensor name in the files -> the safetensors file holding it; empty: no weights."""
+    aliases: dict[str, tuple[str, ...]]
+    """Each parameter and buffer name -> every name of the same tensor (a tied weight's)."""
+
+    @property
+    def n_params(self) -> int:
+        """Parameters, a tied weight counted once."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model's position table covers (None: no limit stated)."""
+        value = getattr(self.config, "max_position_embeddings", None)
+        return int(value) if isinstance(value, int) else None
+
+    def describe(self) -> dict[str, Any]:
+        """The model's identity as JSON values (checkpoint metadata; equal across restarts)."""
+        config = json.loads(self.config.to_json_string(use_diff=False))
+        for volatile in ("transformers_version", "_name_or_path", "use_cache"):
+            config.pop(volatile, None)
+        return {"hf": {"architecture": type(self.model).__name__, "config": config}}
+
+
+def open_model(root: str | Path) -> HFModel:
+    """The model of directory ``root`` (``config.json``, optional safetensors weights).
+
+    Raises:
+        FileNotFoundError: when ``root`` or its ``config.json`` is missing.
+        ValueError: when the config is not a causal LM transformers knows, or the weights are
+            only in pickle files (``pytorch_model.bin``), which are not read.
+    """
+    tf = transformers()
+    path = Path(root)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--hf {str(path)!r}: no config.json there; give a directory "
+                                "written by save_pretrained (config.json, *.safetensors, "
+                                "tokenizer files)")
+    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    config.use_cache = False
+    try:
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as e:
+        raise ValueError(f"--hf {str(path)!r}: {type(config).__name__} is not a causal language "
+                         f"model transformers can build ({e})") from None
+    model.train()
+    return HFModel(path, config, model, _weight_files(path), _names_by_tensor(model))
+
+
+def _weight_files(root: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the index of a sharded checkpoint or the single file."""
+    if (root / INDEX).is_file():
+        index = json.loads((root / INDEX).read_text())
+        return {name: root / file for name, file in index["weight_map"].items()}
+    if (root / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(root / SINGLE), "pt") as f:
+            return {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 (not a dict)
+    pickled = sorted(p.name for p in root.glob("*.bin"))
+    if pickled:
+        raise ValueError(f"{root} holds weights only as pickle files ({', '.join(pickled)}), "
+                         "which pipetrain does not unpickle; convert them once with "
+                         "model.save_pretrained(dir, safe_serialization=True)")
+    return {}
+
+
+def split_points(model: nn.Module, n_stages: int) -> list[str]:
+    """The units to group into ``n_stages`` stages: the decoder layers, or every unit.
+
+    Each name starts a unit. The decoder layers (the largest stack of one layer class, such as
+    ``model.layers.0`` .. ``model.layers.31``) are the units when there are at least
+    ``n_stages`` of them: the embedding goes with the first, the final norm and head with the
+    last. A model with fewer layers than stages is cut at every unit instead
+    (:func:`pipetrain.autosplit.units`: embedding, each layer, norm, head).
+
+    Raises:
+        ValueError: when the model has fewer units than stages.
+    """
+    found = units(model)
+    stacks: dict[str, list[str]] = {}
+    for name in found:
+        parent, _, index = name.rpartition(".")
+        if index.isdigit():
+            stacks.setdefault(parent, []).append(name)
+    layers = max(stacks.values(), key=len, default=[])
+    if len(layers) >= n_stages:
+        return layers[1:]
+    if len(found) >= n_stages:
+        return found[1:]
+    raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers and "
+                     f"{len(found)} units in all, fewer than the {n_stages} stages of this "
+                     "layout; use fewer ranks or stages per rank (--stages-per-rank 1)")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank read from the safetensors files."""
+
+    tensors: int
+    bytes: int
+    """Bytes of the tensors read, as stored."""
+    files: int
+    """Files opened."""
+
+
+def load_weights(hf: HFModel, state: Mapping[str, torch.Tensor]) -> LoadReport:
+    """Copy the stored value of every tensor of ``state`` (a rank's own) into it, in place.
+
+    ``state`` maps the model's names (``pipe.state_dict()``) to this rank's materialised
+    tensors; each is looked up in the files under its own name or, for a tied weight, any
+    other name of the same Parameter, and cast to the tensor's dtype.
+
+    Raises:
+        ValueError: naming the tensors the files lack, or a stored shape that differs.
+    """
+    if not hf.weights:
+        return LoadReport(0, 0, 0)
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    missing = []
+    for name in state:
+        candidates = (name, *(a for a in hf.aliases.get(name, ()) if a != name))
+        stored = next((a for a in candidates if a in hf.weights), None)
+        if stored is None:
+            missing.append(name)
+        else:
+            by_file.setdefault(hf.weights[stored], []).append((name, stored))
+    if missing:
+        raise ValueError(f"{hf.root}: the weights lack {_few(missing)}; is this directory "
+                         "from another model than its config.json?")
+    read = n_bytes = 0
+    with torch.no_grad():
+        for file, names in sorted(by_file.items()):
+            with safe_open(str(file), "pt", device="cpu") as f:
+                for name, stored in names:
+                    value = f.get_tensor(stored)
+                    target = state[name]
+                    if tuple(value.shape) != tuple(target.shape):
+                        raise ValueError(f"{file}: {stored} has shape {tuple(value.shape)}, the "
+                                         f"model's {name} {tuple(target.shape)}")
+                    target.copy_(value)
+                    read, n_bytes = read + 1, n_bytes + value.numel() * value.element_size()
+    return LoadReport(read, n_bytes, len(by_file))
+
+
+def _names_by_tensor(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    groups: dict[int, list[str]] = {}
+    for n, t in [*model.named_parameters(remove_duplicate=False),
+                 *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(n)
+    return {n: tuple(g) for g in groups.values() for n in g}
+
+
+def share_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of a rank's tensors (its share of the model)."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _few(items: list[str], n: int = 6) -> str:
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+

@@ -1,0 +1,136 @@
+"""HF source: a local Hugging Face checkpoint (``--hf DIR``) as the model of a training run.
+
+The model comes from ``DIR/config.json`` on ``meta`` (:mod:`pipetrain.hf.model`), is cut at its
+decoder layers, which ``--balance`` groups into the schedule's stages, and each rank
+materialises its own stages by name from ``--seed`` and then reads their stored values, if DIR
+has weights, straight from the safetensors files. Text goes through DIR's tokenizer
+(:mod:`pipetrain.hf.tokens`); the pipeline's input is ``{"input_ids": ids}``, and the loss is
+the mean next-token cross-entropy of the output's ``logits``, which is what
+``model(input_ids, labels=...)`` computes on the same tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import resource
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.data import Corpus
+from pipetrain.gpt import lm_loss
+from pipetrain.hf.model import load_weights, open_model, share_bytes, split_points
+from pipetrain.hf.save import save_pretrained
+from pipetrain.hf.tokens import load_tokenizer, token_corpus
+from pipetrain.lazy import NamedInit
+from pipetrain.partition import even_balance
+from pipetrain.pipeline import Pipeline
+from pipetrain.schedule import Schedule
+from pipetrain.train.config import TrainConfig
+from pipetrain.train.optim import no_decay_names
+from pipetrain.train.source import LossWrap, Source, parse_balance
+
+__all__ = ["HFSource", "causal_lm_loss", "peak_rss_bytes"]
+
+
+def causal_lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a ``CausalLMOutput``'s logits against ``targets``."""
+    return lm_loss(out.logits, targets)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``getrusage``; kilobytes on Linux)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class HFSource(Source):
+    """The model, tokenizer and weights of ``cfg.hf``.
+
+    Raises:
+        FileNotFoundError, ValueError: for a directory without a config or tokenizer, a
+            tokenizer larger than the model's vocabulary, or ``--seq-len`` beyond the model's
+            positions.
+    """
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.root = Path(cfg.hf)
+        self.hf = open_model(self.root)
+        self.model = self.hf
+        self.n_params = self.hf.n_params
+        self.tokenizer = load_tokenizer(self.root)
+        self.no_decay = no_decay_names(self.hf.model)
+        vocab = int(self.hf.config.vocab_size)
+        if len(self.tokenizer) > vocab:
+            raise ValueError(f"--hf {cfg.hf}: the tokenizer has {len(self.tokenizer)} tokens but "
+                             f"the model's vocab_size is {vocab}; save the matching tokenizer")
+        limit = self.hf.max_positions
+        if limit is not None and cfg.seq_len > limit:
+            raise ValueError(f"--seq-len {cfg.seq_len} is longer than {limit}, the positions "
+                             f"of {type(self.hf.model).__name__} (max_position_embeddings); "
+                             f"use --seq-len {limit} or less")
+
+    def describe(self) -> dict[str, Any]:
+        return self.hf.describe()
+
+    def pipeline(self, cfg: TrainConfig, schedule: Schedule, rows: int, pp_rank: int,
+                 wrap: LossWrap, **where: Any) -> Pipeline:
+        """Cut at the decoder layers; the balance groups them (``even``: equal counts).
+
+        The profiling balances (``time``, ``memory``) run every layer, so under them the
+        whole model is materialised on every rank first.
+        """
+        points = split_points(self.hf.model, schedule.n_stages)
+        balance = parse_balance(cfg.balance)
+        if balance is None:
+            balance = even_balance(len(points) + 1, schedule.n_stages)
+        model = self.hf.model
+        if isinstance(balance, str) and balance != "params":
+            model = NamedInit(model, cfg.seed).materialize(model)
+        example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
+        return Pipeline(model, schedule, cfg.microbatches, wrap(causal_lm_loss),
+                        split_points=points, balance=balance, recompute=cfg.recompute,
+                        init_seed=cfg.seed, example_inputs=example, **where)
+
+    def loaded(self, pipe: Pipeline) -> dict[str, Any]:
+        """Read this rank's tensors from the safetensors files; what it read and its memory."""
+        state = pipe.state_dict()
+        report = load_weights(self.hf, state)
+        return {"weights": "stored" if self.hf.weights else "initialised from --seed",
+                "tensors_read": report.tensors, "bytes_read": report.bytes,
+                "share_bytes": share_bytes(state), "model_bytes": 4 * self.n_params,
+                "peak_rss_bytes": peak_rss_bytes()}
+
+    def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus:
+        return token_corpus(self.tokenizer, self.root, cfg.data, cfg.token_cache,
+                            progress=progress)
+
+    def feed(self, ids: torch.Tensor) -> Any:
+        return {"input_ids": ids}
+
+    def logits(self, outputs: Any) -> torch.Tensor:
+        return outputs.logits  # type: ignore[no-any-return]
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self.tokenizer.decode(list(ids))
+        return text
+
+    def save(self, out: Path, pipe: Pipeline, group: Any) -> Path:
+        """Write ``out`` as a ``save_pretrained`` directory (collective over one pipeline)."""
+        return save_pretrained(out, pipe.state_dict(), self.saved_config(), self.tokenizer,
+                               self.root, group=group)
+
+    def saved_config(self) -> Any:
+        """The config to save: the source's, float32, with its own ``use_cache``."""
+        config = copy.deepcopy(self.hf.config)
+        raw = json.loads((self.root / "config.json").read_text())
+        config.use_cache = raw.get("use_cache", True)
+        return config
