@@ -138,3 +138,63 @@ def materialized(model: nn.Module, seed: int) -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {"gpt2": gpt2, "llama": llama, "bert": bert,
                                                "resnet": ResNet}
 LOSSES = {"gpt2": lm_loss, "llama": lm_loss, "bert": cls_loss, "resnet": cls_loss}
+
+
+# ---------------------------------------------------------------- saved checkpoint directories
+
+
+def python_text(n_files: int = 6) -> str:
+    """Some Python source from this machine's standard library (local files, no download)."""
+    import sysconfig
+    from pathlib import Path
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = ["textwrap.py", "shlex.py", "fnmatch.py", "bisect.py", "colorsys.py", "keyword.py",
+             "glob.py", "heapq.py"]
+    return "\n".join((stdlib / n).read_text() for n in names[:n_files])
+
+
+def tokenizer(text: str, vocab: int = 300) -> Any:
+    """A byte-level BPE tokenizer trained on ``text`` (as GPT-2's, but ``vocab`` tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tf = _quiet()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def saved_config(name: str, vocab: int, layers: int = LAYERS) -> Any:
+    """A tiny config of ``name`` (no dropout, 64 positions) for a tokenizer of ``vocab``."""
+    tf = _quiet()
+    if name == "gpt2":
+        return tf.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=vocab,
+                             n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                             bos_token_id=0, eos_token_id=0)
+    return tf.LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                          max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                          pad_token_id=0)
+
+
+def save_dir(name: str, path: Any, text: str, *, weights: bool = True, seed: int = 0,
+             layers: int = LAYERS) -> Any:
+    """A ``save_pretrained`` directory of a tiny ``name`` ("gpt2" or "llama") with its
+    tokenizer trained on ``text``; without ``weights``, config and tokenizer only."""
+    from pathlib import Path
+
+    tf = _quiet()
+    tok = tokenizer(text)
+    config = saved_config(name, len(tok), layers)
+    directory = Path(path)
+    if weights:
+        torch.manual_seed(seed)
+        tf.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    else:
+        config.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory

@@ -44,8 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-
-from pipetrain.payload import flatten, unflatten
+import torch.utils._pytree as pytree
 
 if TYPE_CHECKING:
     from pipetrain.pipeline import Pipeline
@@ -225,9 +224,8 @@ def wrong_shape(pipe: Pipeline, enabled: bool = True) -> Iterator[None]:
     last = stage.is_last
 
     def spoil(module: torch.nn.Module, args: object, output: object) -> object:
-        tensors, spec = flatten(output)
-        return unflatten([_misshape(t, last) if t.is_floating_point() else t
-                          for t in tensors], spec)
+        return pytree.tree_map_only(  # keeps the output's type (a Hugging Face ModelOutput)
+            torch.Tensor, lambda t: _misshape(t, last) if t.is_floating_point() else t, output)
 
     handle = stage.module[-1].register_forward_hook(spoil)
     try:

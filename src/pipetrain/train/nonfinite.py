@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from pipetrain import news
 from pipetrain.errors import PipelineError
-from pipetrain.payload import flatten, unflatten
 
 if TYPE_CHECKING:
     from pipetrain.pipeline import Pipeline
@@ -106,9 +106,8 @@ class NaNInjector:
     def _hook(self, module: nn.Module, args: object, output: object) -> object:
         if not self.armed:
             return None
-        tensors, spec = flatten(output)
-        return unflatten([t * float("nan") if t.is_floating_point() else t for t in tensors],
-                         spec)
+        return pytree.tree_map_only(  # keeps the output's type (a Hugging Face ModelOutput)
+            torch.Tensor, lambda t: t * float("nan") if t.is_floating_point() else t, output)
 
     def remove(self) -> None:
         for h in self.handles:
