@@ -28,7 +28,9 @@ from pipetrain.train.optim import (
     param_groups,
 )
 from pipetrain.train.precision import LossScale, autocast
-from pipetrain.train.setup import _balance, check_config, hosted_layers
+from pipetrain.train.setup import check_config
+from pipetrain.train.source import hosted_layers
+from pipetrain.train.source import parse_balance as _balance
 from pipetrain.train.timing import measured_costs, predict
 
 SMALL = GPTConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2)

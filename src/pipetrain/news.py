@@ -124,21 +124,13 @@ def wait(work: Any, what: str, poll: bool = True) -> None:
     try:
         work.wait()
     except RuntimeError as e:  # a peer's process closed its connections: say why, if known
-        text = explained()
+        deadline = time.monotonic() + EXPLAIN_S
+        while latest() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = latest()
         if text is None:
             raise
         raise JobFailed(f"{what}: {text}") from e
-
-
-def explained() -> str | None:
-    """The news, waited for up to :data:`EXPLAIN_S`: a peer closed its connections, which a
-    failing rank does only after posting why (None when no news came, or news is off)."""
-    if _newest[0] < 0 or not enabled():
-        return None
-    deadline = time.monotonic() + EXPLAIN_S
-    while latest() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return latest()
 
 
 def all_reduce(tensor: torch.Tensor, what: str, **kwargs: Any) -> None:

@@ -130,6 +130,16 @@ class Watchdog:
                     break
         return reports
 
+    def news(self) -> str | None:
+        """The job's news, read from the store now (not waiting for this thread's next look):
+        a rank posts it before it closes its connections."""
+        if self.store is None:
+            return None
+        try:
+            return news.latest() or news.read(self.store, self.generation)
+        except Exception:  # noqa: BLE001  (the store's host may be gone too)
+            return None
+
     def failed(self, error: BaseException) -> None:
         """Leave this rank's failure where later probes find it (its process may exit), post
         it as the job's news unless older news is there, and count this rank out of it."""
@@ -226,7 +236,7 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
     from pipetrain.comm import PeerFailed
 
     if isinstance(error, CommError) and "closed the connection" in str(error):
-        text = news.explained() if watchdog is not None else None
+        text = watchdog.news() if watchdog is not None else None
         if text is None or text in str(error):
             return error
         kind = PeerFailed if isinstance(error, PeerFailed) else CommError

@@ -39,7 +39,8 @@ else:  # pragma: no cover
 __all__ = ["HELP", "configure", "run", "resolve", "load_toml", "field_docs", "format_config",
            "config_toml"]
 
-HELP = "train a pipelined GPT (local processes, or one worker under torchrun)"
+HELP = ("train a pipelined GPT, or a local Hugging Face checkpoint with --hf (local processes, "
+        "or one worker under torchrun)")
 """The command's line in ``pipetrain --help``."""
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _METAVARS: dict[type, str] = {int: "N", float: "X", str: "TEXT"}
@@ -175,11 +176,16 @@ def check(cfg: TrainConfig) -> None:
     from pipetrain.gpt import PRESETS
 
     _load_builtin()
-    if cfg.preset not in PRESETS:
+    if cfg.hf and not Path(cfg.hf, "config.json").is_file():
+        raise ValueError(f"--hf {cfg.hf!r}: no config.json there; give a local directory "
+                         "written by save_pretrained (config, safetensors, tokenizer)")
+    if not cfg.hf and cfg.preset not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
     if cfg.schedule not in REGISTRY:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of "
                          f"{sorted(REGISTRY)}")
+    if cfg.save_hf_every < 0:
+        raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
     for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
