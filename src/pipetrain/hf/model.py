@@ -13,6 +13,7 @@ another rank's tensors. A directory without weights keeps the seeded initialisat
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,14 @@ class HFModel:
     """Its ``PretrainedConfig`` (``use_cache`` off: a pipeline passes no KV cache)."""
     model: nn.Module
     """``AutoModelForCausalLM.from_config(config)`` on the ``meta`` device, float32."""
-    weights: dict[str, Path]
-    """Tensor name in the files -> the safetensors file holding it; empty: no weights."""
+    weights: dict[str, tuple[Path, str]]
+    """Model tensor name -> (the safetensors file holding it, its name there); empty: no
+    weights."""
     aliases: dict[str, tuple[str, ...]]
     """Each parameter and buffer name -> every name of the same tensor (a tied weight's)."""
+    fused: tuple[str, ...] = ()
+    """Model tensors that transformers builds at load from several stored ones (a mixture of
+    experts' fused expert weights), which are not read one by one."""
 
     @property
     def n_params(self) -> int:
@@ -96,19 +101,53 @@ def open_model(root: str | Path) -> HFModel:
         raise ValueError(f"--hf {str(path)!r}: {type(config).__name__} is not a causal language "
                          f"model transformers can build ({e})") from None
     model.train()
-    return HFModel(path, config, model, _weight_files(path), _names_by_tensor(model))
+    renamings, fused = _conversions(model)
+    return HFModel(path, config, model, _weight_files(path, renamings),
+                   _names_by_tensor(model), fused)
 
 
-def _weight_files(root: Path) -> dict[str, Path]:
-    """Tensor name -> file, from the index of a sharded checkpoint or the single file."""
+def _conversions(model: nn.Module) -> tuple[list[tuple[str, str]], tuple[str, ...]]:
+    """transformers' own checkpoint conversions for ``model``: the renamings of stored names
+    (regex, replacement), and the model names of tensors it fuses from several stored ones."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        rules = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001  (an older or newer transformers: no renaming)
+        return [], ()
+    renamings: list[tuple[str, str]] = []
+    fused: list[str] = []
+    for rule in rules:
+        sources = list(getattr(rule, "source_patterns", []) or [])
+        targets = list(getattr(rule, "target_patterns", []) or [])
+        if type(rule).__name__ == "WeightRenaming" and targets:
+            renamings += [(src, targets[i] if len(targets) == len(sources) else targets[0])
+                          for i, src in enumerate(sources)]
+        elif targets:
+            fused += targets
+    return renamings, tuple(fused)
+
+
+def _renamed(name: str, renamings: list[tuple[str, str]]) -> str:
+    for pattern, replacement in renamings:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def _weight_files(root: Path, renamings: list[tuple[str, str]]) -> dict[str, tuple[Path, str]]:
+    """Model tensor name -> (file, stored name), from the index of a sharded checkpoint or the
+    single file; stored names are renamed as transformers renames them at load."""
+    stored: dict[str, Path] = {}
     if (root / INDEX).is_file():
         index = json.loads((root / INDEX).read_text())
-        return {name: root / file for name, file in index["weight_map"].items()}
-    if (root / SINGLE).is_file():
+        stored = {name: root / file for name, file in index["weight_map"].items()}
+    elif (root / SINGLE).is_file():
         from safetensors import safe_open
 
         with safe_open(str(root / SINGLE), "pt") as f:
-            return {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 (not a dict)
+            stored = {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 (not a dict)
+    if stored:
+        return {_renamed(n, renamings): (file, n) for n, file in stored.items()}
     pickled = sorted(p.name for p in root.glob("*.bin"))
     if pickled:
         raise ValueError(f"{root} holds weights only as pickle files ({', '.join(pickled)}), "
@@ -174,11 +213,19 @@ def load_weights(hf: HFModel, state: Mapping[str, torch.Tensor]) -> LoadReport:
     missing = []
     for name in state:
         candidates = (name, *(a for a in hf.aliases.get(name, ()) if a != name))
-        stored = next((a for a in candidates if a in hf.weights), None)
-        if stored is None:
+        found = next((a for a in candidates if a in hf.weights), None)
+        if found is None:
             missing.append(name)
         else:
-            by_file.setdefault(hf.weights[stored], []).append((name, stored))
+            file, stored = hf.weights[found]
+            by_file.setdefault(file, []).append((name, stored))
+    fused = [n for n in missing if any(n.endswith(f.lstrip(".")) for f in hf.fused)]
+    if fused:
+        raise ValueError(f"{hf.root}: transformers builds {_few(fused)} at load from several "
+                         f"stored tensors (a {type(hf.model).__name__} checkpoint keeps its "
+                         "experts apart); pipetrain reads stored tensors one by one and does "
+                         "not fuse them. Start from no weights (config and tokenizer only), or "
+                         "use an architecture without fused weights")
     if missing:
         raise ValueError(f"{hf.root}: the weights lack {_few(missing)}; is this directory "
                          "from another model than its config.json?")
