@@ -23,12 +23,12 @@ class TrainConfig:
     tokenizer) to train instead of the preset; empty: the preset."""
     data: str | None = None
     """A text file or directory; None uses the default corpus (the stdlib's own sources)."""
-    seq_len: int = 128
+    seq_len: int = 64
     """Tokens per training sequence."""
     token_cache: str = "~/.cache/pipetrain/tokens"
     """With ``hf``: where tokenized corpora are kept (int32 ids, memory-mapped; one file per
     corpus and tokenizer)."""
-    batch_size: int = 16
+    batch_size: int = 32
     """Sequences per step over all data-parallel replicas."""
     seed: int = 0
     """Seed of the initialisation and of the data order."""
@@ -52,13 +52,13 @@ class TrainConfig:
     device: str = "auto"
     """``auto`` (CUDA + NCCL when there is a GPU, else CPU + gloo), ``cpu`` or ``cuda``."""
     # optimisation
-    steps: int = 200
+    steps: int = 1500
     """Optimizer steps of the whole run."""
-    lr: float = 3e-3
+    lr: float = 1e-2
     """Peak learning rate, reached after ``warmup`` steps, then cosine down to ``min_lr``."""
     min_lr: float = 3e-4
     """Learning rate at the last step."""
-    warmup: int = 20
+    warmup: int = 50
     """Linear warm-up steps."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to biases, norms and embeddings)."""
@@ -77,7 +77,7 @@ class TrainConfig:
     """Tokens to generate through the pipeline at the end; 0: none."""
     prompt: str = "def "
     """Start of the generated text."""
-    sample_top_k: int = 0
+    sample_top_k: int = 5
     """0: generate the most likely token each time; k > 0: sample among the k most likely
     (seeded by ``seed``, so the text is reproducible)."""
     out: str = "runs/pipetrain"

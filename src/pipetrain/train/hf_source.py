@@ -60,6 +60,7 @@ class HFSource(Source):
     def __init__(self, cfg: TrainConfig) -> None:
         self.root = Path(cfg.hf)
         self.hf = open_model(self.root)
+        self.rss_before = peak_rss_bytes()
         self.model = self.hf
         self.n_params = self.hf.n_params
         self.tokenizer = load_tokenizer(self.root)
@@ -97,13 +98,14 @@ class HFSource(Source):
                         init_seed=cfg.seed, example_inputs=example, **where)
 
     def loaded(self, pipe: Pipeline) -> dict[str, Any]:
-        """Read this rank's tensors from the safetensors files; what it read and its memory."""
+        """Read this rank's tensors from the safetensors files; what it read, and this
+        process's peak resident memory before building its stages and after loading them."""
         state = pipe.state_dict()
         report = load_weights(self.hf, state)
         return {"weights": "stored" if self.hf.weights else "initialised from --seed",
                 "tensors_read": report.tensors, "bytes_read": report.bytes,
                 "share_bytes": share_bytes(state), "model_bytes": 4 * self.n_params,
-                "peak_rss_bytes": peak_rss_bytes()}
+                "rss_before_bytes": self.rss_before, "peak_rss_bytes": peak_rss_bytes()}
 
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus:
         return token_corpus(self.tokenizer, self.root, cfg.data, cfg.token_cache,

@@ -254,7 +254,19 @@ def _start_fields(trainer: Trainer) -> dict[str, Any]:
     return {"config": dataclasses.asdict(trainer.cfg), "world": trainer.mesh.dp * trainer.mesh.pp,
             "layout": trainer.layout(), "balance": list(trainer.pipe.balance),
             "params": _n_params(trainer), "start_step": trainer.step,
-            "run_id": _run_id(), **({"load": trainer.loaded} if trainer.loaded else {})}
+            "run_id": _run_id(), **({"load": _every_rank(trainer.loaded)} if trainer.loaded
+                                     else {})}
+
+
+def _every_rank(value: dict[str, Any]) -> list[dict[str, Any]]:
+    """``value`` of every rank, by global rank (a small all-gather at the start)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _n_params(trainer: Trainer) -> int:

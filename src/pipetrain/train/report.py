@@ -119,12 +119,13 @@ class ProgressReporter:
         if fields.get("start_step"):
             parts.append(f"resuming at step {fields['start_step']}")
         self._print("start: " + ", ".join(p for p in parts if p))
-        load = fields.get("load")
-        if load:
-            self._print(f"weights: {load['weights']}; rank 0 read {load['bytes_read'] / 2**20:.1f} "
-                        f"MiB for its {load['share_bytes'] / 2**20:.1f} MiB share of "
-                        f"{load['model_bytes'] / 2**20:.1f} MiB, peak resident memory "
-                        f"{load['peak_rss_bytes'] / 2**20:.0f} MiB")
+        for rank, load in enumerate(fields.get("load") or []):
+            grew = (load["peak_rss_bytes"] - load["rss_before_bytes"]) / 2**20
+            self._print(f"rank {rank}: weights {load['weights']}, read "
+                        f"{load['bytes_read'] / 2**20:.1f} MiB for its "
+                        f"{load['share_bytes'] / 2**20:.1f} MiB share of the model's "
+                        f"{load['model_bytes'] / 2**20:.1f} MiB; peak resident memory "
+                        f"{load['peak_rss_bytes'] / 2**20:.0f} MiB (+{grew:.1f} MiB building it)")
         if self.cfg.progress and self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
