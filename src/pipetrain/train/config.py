@@ -69,7 +69,7 @@ class TrainConfig:
     nonfinite: str = "skip"
     """A NaN/Inf loss or gradient on any rank: ``skip`` the step on every rank, or ``abort``."""
     # evaluation and outputs
-    eval_every: int = 50
+    eval_every: int = 250
     """Held-out loss every this many steps (and at the end); 0: only at the end."""
     eval_batches: int = 4
     """Batches of the held-out split per evaluation."""
