@@ -232,16 +232,39 @@ def load_weights(hf: HFModel, state: Mapping[str, torch.Tensor]) -> LoadReport:
     read = n_bytes = 0
     with torch.no_grad():
         for file, names in sorted(by_file.items()):
-            with safe_open(str(file), "pt", device="cpu") as f:
-                for name, stored in names:
-                    value = f.get_tensor(stored)
-                    target = state[name]
-                    if tuple(value.shape) != tuple(target.shape):
-                        raise ValueError(f"{file}: {stored} has shape {tuple(value.shape)}, the "
-                                         f"model's {name} {tuple(target.shape)}")
-                    target.copy_(value)
-                    read, n_bytes = read + 1, n_bytes + value.numel() * value.element_size()
+            for group in _groups(names, state):  # the file is mapped one group at a time
+                with safe_open(str(file), "pt", device="cpu") as f:
+                    for name, stored in group:
+                        value = f.get_tensor(stored)
+                        target = state[name]
+                        if tuple(value.shape) != tuple(target.shape):
+                            raise ValueError(f"{file}: {stored} has shape "
+                                             f"{tuple(value.shape)}, the model's {name} "
+                                             f"{tuple(target.shape)}")
+                        target.copy_(value)
+                        read, n_bytes = read + 1, n_bytes + value.numel() * value.element_size()
     return LoadReport(read, n_bytes, len(by_file))
+
+
+MAPPED_BYTES = 256 << 20
+"""The file pages a rank keeps mapped while it reads: safetensors maps the file, and the
+pages it has read count in the process's resident memory until the file is closed."""
+
+
+def _groups(names: list[tuple[str, str]], state: Mapping[str, torch.Tensor]
+            ) -> list[list[tuple[str, str]]]:
+    """``names`` in runs of at most :data:`MAPPED_BYTES` (a larger tensor alone)."""
+    groups: list[list[tuple[str, str]]] = [[]]
+    size = 0
+    for item in names:
+        t = state[item[0]]
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > MAPPED_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
 
 
 def _names_by_tensor(model: nn.Module) -> dict[str, tuple[str, ...]]:
