@@ -232,15 +232,15 @@ def _via(path: list[int], end: int, name: Callable[[int], str]) -> str:
 
 def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
     """``error``, or for a timeout a :class:`CommError` that also names who held it up; for a
-    peer that closed its connection, ``error`` with the job's news of why, once it arrives."""
+    peer that closed its connection, the job's news of why (a :class:`PeerFailed`, this rank
+    only relays it) when the store holds it."""
     from pipetrain.comm import PeerFailed
 
     if isinstance(error, CommError) and "closed the connection" in str(error):
         text = watchdog.news() if watchdog is not None else None
         if text is None or text in str(error):
             return error
-        kind = PeerFailed if isinstance(error, PeerFailed) else CommError
-        return kind(f"{error}\n  the job's first failure: {text}")
+        return PeerFailed(f"{text}\n  (seen here as: {error})")  # the cause first
     if (watchdog is None or not isinstance(error, CommError) or isinstance(error, PeerFailed)
             or "timed out" not in str(error)):
         return error
