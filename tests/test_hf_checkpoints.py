@@ -68,6 +68,26 @@ def test_a_rank_reads_only_its_own_tensors_a_tied_one_under_any_name(
         hfmodel.load_weights(hf, {"model.nope": torch.zeros(1)})
 
 
+def test_a_sharded_directory_is_read_through_its_index(dirs: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    """transformers' own sharded save (many files and an index): a rank opens only the files
+    that hold its tensors."""
+    import transformers as tf
+
+    source = tf.AutoModelForCausalLM.from_pretrained(dirs["llama"])
+    sharded = tmp_path / "sharded"
+    source.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / hfmodel.INDEX).is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    hf = hfmodel.open_model(sharded)
+    stored = source.state_dict()
+    names = ["model.layers.1.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    state = {n: torch.zeros_like(stored[n]) for n in names}
+    report = hfmodel.load_weights(hf, state)
+    holding = {json.loads((sharded / hfmodel.INDEX).read_text())["weight_map"][n] for n in names}
+    assert report.tensors == 2 and report.files == len(holding)
+    assert all(torch.equal(t, stored[n]) for n, t in state.items())
+
+
 def test_a_directory_without_weights_or_with_pickles_only(dirs: dict[str, Path],
                                                           tmp_path: Path, text: str) -> None:
     bare = save_dir("llama", tmp_path / "bare", text, weights=False)

@@ -100,8 +100,10 @@ def test_the_launcher_report_ends_with_the_watchdog_finding() -> None:
 def test_the_store_host_lingers_until_every_rank_is_out_or_the_deadline() -> None:
     store = _store()
     news.keep_store_at_exit(store, 5, 3, seconds=30.0)
-    for _ in range(3):
-        news.count_out(store, 5)
+    for _ in range(2):
+        news.count_out(store, 5)  # this rank counts once
+    assert store.add(f"{news.key(5)}/out", 0) == 1
+    store.add(f"{news.key(5)}/out", 2)  # the two other ranks
     start = time.monotonic()
     news._linger()  # every rank counted out: no wait (far below the 30 s deadline)
     assert time.monotonic() - start < 15.0 and news._kept == []
@@ -109,4 +111,20 @@ def test_the_store_host_lingers_until_every_rank_is_out_or_the_deadline() -> Non
     news.count_out(store, 6)
     start = time.monotonic()
     news._linger()  # one rank of three out: until the deadline, not before
+    assert time.monotonic() - start >= 0.3
+
+
+def test_a_failed_rank_leaves_once_its_peers_are_out_or_after_the_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(news.OFF_ENV, raising=False)
+    store = _store()
+    news.built(7)
+    store.add(f"{news.key(7)}/out", 1)  # one peer heard the news and counted out
+    start = time.monotonic()
+    news.leave(store, 2, seconds=30.0)  # this rank makes two of two: no wait
+    assert time.monotonic() - start < 15.0
+    assert store.add(f"{news.key(7)}/out", 0) == 2
+    news.built(8)
+    start = time.monotonic()
+    news.leave(store, 3, seconds=0.3)  # a stuck peer never counts out: the bound
     assert time.monotonic() - start >= 0.3

@@ -117,11 +117,15 @@ def _watch(proc: subprocess.Popen[str]) -> tuple[set[tuple[str, int]], set[int]]
 
 
 def _is_worker(pid: int) -> bool:
-    """A spawned worker (not the launcher, not multiprocessing's resource tracker)."""
+    """A worker: spawned, or forked by the forkserver (not the launcher, not the forkserver
+    itself, not multiprocessing's resource tracker)."""
     try:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        parent = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1]
+        forked = b"forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes()
     except OSError:
         return False
+    return b"spawn_main" in command or (b"forkserver" in command and forked)
 
 
 def _alive(pids: set[int]) -> set[int]:

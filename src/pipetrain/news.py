@@ -148,12 +148,38 @@ def hosts_store(global_rank: int) -> bool:
             and os.environ.get(STORE_HOST_ENV) != "launcher")
 
 
+_counted: set[int] = set()
+
+
 def count_out(store: Any, generation: int) -> None:
-    """Count this rank as done with ``generation``'s failure (best effort)."""
+    """Count this rank as done with ``generation``'s failure, once (best effort)."""
+    if generation in _counted:
+        return
+    _counted.add(generation)
     try:
         store.add(f"{key(generation)}/out", 1)
     except Exception:  # noqa: BLE001  (the store may be gone)
         pass
+
+
+def leave(store: Any, world: int, seconds: float = EXPLAIN_S) -> None:
+    """Count this failed rank out of its newest pipeline's failure, then wait until all
+    ``world`` ranks have (at most ``seconds``): under an agent that stops every worker as
+    soon as one exits, the first rank to fail would otherwise stop its peers before they
+    have heard the news and said what they saw. A rank that is itself stuck never counts
+    out; it costs the wait's bound once."""
+    generation = _newest[0]
+    if generation < 0 or not enabled():
+        return
+    count_out(store, generation)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if store.add(f"{key(generation)}/out", 0) >= world:
+                return
+        except Exception:  # noqa: BLE001  (the store may be gone)
+            return
+        time.sleep(0.05)
 
 
 _kept: list[tuple[Any, int, int, float]] = []

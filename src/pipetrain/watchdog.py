@@ -37,6 +37,7 @@ __all__: list[str] = []
 
 _POLL_S = 0.5  # how often a rank looks for a probe (one small store request)
 _ANSWER_S = 2.0 + _POLL_S  # how long a probe waits for the ranks' answers
+_PROBE_GRACE_S = 0.25  # a peer whose wait timed out probes within this (it closed on us)
 
 
 class Activity:
@@ -140,6 +141,13 @@ class Watchdog:
         except Exception:  # noqa: BLE001  (the store's host may be gone too)
             return None
 
+    def probes(self) -> int:
+        """How many probes ranks of this pipeline have sent (0 if the store is gone)."""
+        try:
+            return int(self.store.add(f"{self.prefix}probes", 0)) if self.store else 0
+        except Exception:  # noqa: BLE001
+            return 0
+
     def failed(self, error: BaseException) -> None:
         """Leave this rank's failure where later probes find it (its process may exit), post
         it as the job's news unless older news is there, and count this rank out of it."""
@@ -237,7 +245,7 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
     from pipetrain.comm import PeerFailed
 
     if isinstance(error, CommError) and "closed the connection" in str(error):
-        text = watchdog.news() if watchdog is not None else None
+        text = _news_within(watchdog, _ANSWER_S + 2 * _POLL_S)
         if text is None or text in str(error):
             return error
         return PeerFailed(f"{text}\n  (seen here as: {error})")  # the cause first
@@ -248,6 +256,23 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
     peers = activity.peers if activity.state == "waiting" else ()
     found = watchdog.diagnose(peers)
     return CommError(f"{error}\n  watchdog: {found}") if found else error
+
+
+def _news_within(watchdog: Watchdog | None, seconds: float) -> str | None:
+    """The job's news, waited for while a peer is finding out why: gloo closes a connection
+    when its own wait times out, before that rank has probed the others and posted the
+    cause. A peer that died probes nothing: after ``_PROBE_GRACE_S`` without a probe, None."""
+    if watchdog is None or watchdog.store is None:
+        return None
+    start = time.monotonic()
+    text = watchdog.news()
+    while text is None:
+        elapsed = time.monotonic() - start
+        if elapsed > seconds or (elapsed > _PROBE_GRACE_S and watchdog.probes() == 0):
+            return None
+        time.sleep(0.05)
+        text = watchdog.news()
+    return text
 
 
 def job_store() -> Any:

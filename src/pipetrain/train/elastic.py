@@ -1,9 +1,11 @@
 """Elastic: start the ``pipetrain train`` workers locally, or be one of them under torchrun.
 
 A local launch (:func:`launch_local`) hands ``--nproc`` workers to torch's elastic agent
-(``torch.distributed.launcher.api.elastic_launch``): it watches them every 0.1 s, stops all of
-them as soon as one fails, and restarts the whole group up to ``max_restarts`` times (each
-restart resumes from the newest committed checkpoint, because ``resume`` is on by default).
+(``torch.distributed.launcher.api.elastic_launch``), which forks them from a server that
+imported torch and pipetrain once (:func:`~pipetrain.launch.start_context`). It looks at them
+every ``MONITOR_S``, stops all of them once one has failed, and restarts the whole group up
+to ``max_restarts`` times (each restart resumes from the newest committed checkpoint, because
+``resume`` is on by default).
 Under ``torchrun`` the agent is torchrun's and :func:`worker` runs directly in each process, so
 the same command line scales out unchanged::
 
@@ -45,11 +47,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]  # not in __all__
 
+from pipetrain import news
 from pipetrain.errors import PipelineError
-from pipetrain.launch import loopback_store
+from pipetrain.launch import loopback_store, start_context
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.events import NullReporter, Reporter
+from pipetrain.watchdog import job_store
 
 __all__ = ["JobFailed", "RunFn", "under_torchrun", "launch_local", "worker", "backend_for",
            "SHUTDOWN_GRACE"]
@@ -58,6 +62,9 @@ RunFn = Callable[[TrainConfig, Reporter], dict[str, Any]]
 """The training function every worker calls (default: ``pipetrain.train.loop.run``)."""
 SHUTDOWN_GRACE = 5
 """Seconds the agent waits after SIGTERM before it SIGKILLs a worker it is stopping."""
+MONITOR_S = 0.5
+"""How often the agent looks at its workers: a rank that saw a peer die or heard the job's
+news (its watchdog looks every 0.5 s) has this long to say so before the agent stops it."""
 _LOOPBACK = "127.0.0.1"
 
 
@@ -118,7 +125,7 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
           tempfile.TemporaryDirectory(prefix="pipetrain-launch-") as logs):
         launcher = _elastic(cfg, port, logs)
         try:
-            results = launcher(cfg, run)
+            results = launcher(cfg, run, dict(os.environ))
         except ChildFailedError as e:
             raise JobFailed(_failure_report(e.failures, cfg.max_restarts)) from None
         except SignalException as e:  # Ctrl-C or kill: the agent has stopped every worker
@@ -138,10 +145,17 @@ def _elastic(cfg: TrainConfig, port: int, logs: str) -> Any:
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=uuid.uuid4().hex[:12],
         rdzv_backend="static", rdzv_endpoint=f"{_LOOPBACK}:{port}",
         rdzv_configs={"rank": 0, "timeout": max(60, int(cfg.timeout))},
-        max_restarts=cfg.max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=cfg.max_restarts, monitor_interval=MONITOR_S, start_method=_start_method(cfg),
         local_addr=_LOOPBACK, logs_specs=DefaultLogsSpecs(log_dir=logs),
         shutdown_timeout=SHUTDOWN_GRACE)
     return elastic_launch(config, worker)
+
+
+def _start_method(cfg: TrainConfig) -> str:
+    """forkserver, whose server imports torch, pipetrain's training loop (and transformers for
+    ``--hf``) once for every worker and restart, or spawn where there is none."""
+    modules = ("pipetrain.train.loop", *(("transformers",) if cfg.hf else ()))
+    return str(start_context(modules).get_start_method())
 
 
 @contextlib.contextmanager
@@ -229,29 +243,37 @@ def _how(failure: Any) -> str:
 # ---------------------------------------------------------------------------------- worker
 
 
-def worker(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
+def worker(cfg: TrainConfig, run: RunFn | None = None,
+           env: dict[str, str] | None = None) -> dict[str, Any]:
     """One rank of the job: join the group, train, leave; runs in every worker process.
 
     Expects the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``, ``MASTER_PORT``). Prints the resolved config on global rank 0, builds the
     progress reporter there, calls ``run(cfg, reporter)`` (default ``loop.run``) and returns
-    its summary.
+    its summary. ``env``: the launching process's environment, for a worker forked from a
+    server started earlier (:func:`_inherit`).
 
     Raises:
         SystemExit: code 1 after any exception, once its message is printed (naming the rank)
             and written to the elastic agent's error file with its precise time.
     """
+    if env is not None:
+        _inherit(env)
     rank = int(os.environ.get("RANK", "0"))
+    joined: list[Any] = []  # the job's store, once joined
     try:
-        return _work(cfg, run, rank)
+        return _work(cfg, run, rank, joined)
     except BaseException as e:  # noqa: BLE001  (every failure becomes a clean exit 1)
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
         _report_failure(e, rank)
+        if joined:
+            news.leave(joined[0], int(os.environ.get("WORLD_SIZE", "1")))
         raise SystemExit(1) from None
 
 
-def _work(cfg: TrainConfig, run: RunFn | None, rank: int) -> dict[str, Any]:
+def _work(cfg: TrainConfig, run: RunFn | None, rank: int, joined: list[Any]
+          ) -> dict[str, Any]:
     if cfg.out and os.environ.get(faults.ENV):  # once per job: restarts keep the run id
         job = os.environ.get("TORCHELASTIC_RUN_ID", "job")
         os.environ.setdefault(faults.DIR_ENV, str(Path(cfg.out) / "faults" / job))
@@ -261,12 +283,25 @@ def _work(cfg: TrainConfig, run: RunFn | None, rank: int) -> dict[str, Any]:
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     _init_group(backend, rank, timedelta(seconds=cfg.timeout))
+    joined += [store for store in (job_store(),) if store is not None]
     reporter = _reporter(cfg, rank)
     try:
         return (run or _default_run())(cfg, reporter)
     finally:
         reporter.close()
         dist.destroy_process_group()
+
+
+def _inherit(env: dict[str, str]) -> None:
+    """Take the launcher's environment as of the launch: what the agent set for this worker
+    stays, pipetrain's own switches (``PIPETRAIN_*``) follow the launcher exactly."""
+    for key in [k for k in os.environ if k.startswith("PIPETRAIN_") and k not in env]:
+        del os.environ[key]
+    for key, value in env.items():
+        if key.startswith("PIPETRAIN_"):
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
 
 
 def _default_run() -> RunFn:

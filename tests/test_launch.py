@@ -1,0 +1,28 @@
+"""pt.launch: ranks forked from a server that imported torch once still see the caller's
+environment of the moment, and find functions of the caller's modules."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import pipetrain as pt
+from pipetrain.launch import start_context
+
+
+def _env(ctx: pt.RankContext, name: str) -> tuple[int, str | None, int]:
+    import torch
+
+    return ctx.rank, os.environ.get(name), torch.get_num_threads()
+
+
+def test_each_launch_hands_its_ranks_the_environment_of_the_moment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert start_context().get_start_method() in ("forkserver", "spawn")
+    monkeypatch.setenv("PIPETRAIN_TEST_VALUE", "first")
+    assert pt.launch(_env, 2, "PIPETRAIN_TEST_VALUE") == [(0, "first", 1), (1, "first", 1)]
+    monkeypatch.setenv("PIPETRAIN_TEST_VALUE", "second")  # the server started before this
+    assert pt.launch(_env, 2, "PIPETRAIN_TEST_VALUE") == [(0, "second", 1), (1, "second", 1)]
+    monkeypatch.delenv("PIPETRAIN_TEST_VALUE")
+    assert pt.launch(_env, 2, "PIPETRAIN_TEST_VALUE", threads=2) == [(0, None, 2), (1, None, 2)]
