@@ -172,7 +172,12 @@ def leave(store: Any, world: int, seconds: float = EXPLAIN_S) -> None:
     if generation < 0 or not enabled():
         return
     count_out(store, generation)
-    deadline = time.monotonic() + seconds
+    _wait_out(store, generation, world, time.monotonic() + seconds)
+
+
+def _wait_out(store: Any, generation: int, world: int, deadline: float) -> None:
+    """Until all ``world`` ranks have counted out of ``generation``'s failure, or
+    ``deadline`` (monotonic), or the store is gone."""
     while time.monotonic() < deadline:
         try:
             if store.add(f"{key(generation)}/out", 0) >= world:
@@ -195,11 +200,5 @@ def keep_store_at_exit(store: Any, generation: int, world: int, seconds: float) 
 
 def _linger() -> None:
     for store, generation, world, deadline in _kept:
-        while time.monotonic() < deadline:
-            try:
-                if store.add(f"{key(generation)}/out", 0) >= world:
-                    break
-            except Exception:  # noqa: BLE001
-                break
-            time.sleep(0.1)
+        _wait_out(store, generation, world, deadline)
     _kept.clear()
