@@ -128,3 +128,20 @@ def test_a_failed_rank_leaves_once_its_peers_are_out_or_after_the_bound(
     start = time.monotonic()
     news.leave(store, 3, seconds=0.3)  # a stuck peer never counts out: the bound
     assert time.monotonic() - start >= 0.3
+
+
+@pytest.mark.parametrize("failing", [True, False])
+def test_a_stop_signal_waits_for_a_rank_that_is_explaining_a_failure(failing: bool) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, signal\nfrom pipetrain import news\nfrom pipetrain.train import elastic\n"
+            f"signal.signal(signal.SIGTERM, elastic._on_stop)\nif {failing}: news.start_failing()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\nprint('said what it saw')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    if failing:
+        assert done.returncode == 0 and "said what it saw" in done.stdout, done.stderr
+    else:
+        assert done.returncode == -signal.SIGTERM and done.stdout == ""

@@ -57,6 +57,18 @@ EXPLAIN_S = 1.5
 
 _heard: dict[int, str] = {}  # generation -> the news, as text
 _newest = [-1]  # the newest generation this process built a pipeline of
+_failing = [False]  # this process is finding out and saying why its step failed
+
+
+def failing() -> bool:
+    """Whether this process is in the middle of explaining a failure (:func:`start_failing`)."""
+    return _failing[0]
+
+
+def start_failing() -> None:
+    """Mark this process as explaining a failure: a launcher's stop signal waits for it
+    (:func:`pipetrain.train.elastic.worker`), so the rank says what it saw first."""
+    _failing[0] = True
 _lock = threading.Lock()
 
 
@@ -93,6 +105,7 @@ def built(generation: int) -> None:
     """A pipeline of ``generation`` was built here: older news no longer concerns this rank."""
     with _lock:
         _newest[0] = max(_newest[0], generation)
+        _failing[0] = False
 
 
 def heard(generation: int, text: str) -> None:

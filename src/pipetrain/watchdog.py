@@ -244,6 +244,7 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
     only relays it) when the store holds it."""
     from pipetrain.comm import PeerFailed
 
+    news.start_failing()
     if isinstance(error, CommError) and "closed the connection" in str(error):
         text = _news_within(watchdog, _ANSWER_S + 2 * _POLL_S)
         if text is None or text in str(error):

@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -259,6 +260,7 @@ def worker(cfg: TrainConfig, run: RunFn | None = None,
     """
     if env is not None:
         _inherit(env)
+    signal.signal(signal.SIGTERM, _on_stop)
     rank = int(os.environ.get("RANK", "0"))
     joined: list[Any] = []  # the job's store, once joined
     try:
@@ -290,6 +292,15 @@ def _work(cfg: TrainConfig, run: RunFn | None, rank: int, joined: list[Any]
     finally:
         reporter.close()
         dist.destroy_process_group()
+
+
+def _on_stop(signum: int, frame: Any) -> None:
+    """The agent's SIGTERM: a rank explaining a failure finishes saying what it saw (bounded
+    by the news wait, within ``SHUTDOWN_GRACE``) and exits 1; any other rank stops now."""
+    if news.failing():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _inherit(env: dict[str, str]) -> None:
