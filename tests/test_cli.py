@@ -48,6 +48,25 @@ def test_simulate_text_summary_and_grid(capsys: pytest.CaptureFixture[str]) -> N
     assert "step  rank 0  rank 1" in out  # grid
 
 
+@pytest.mark.parametrize(("limit", "code", "fits"), [("4", 0, True), ("3", 3, False)])
+def test_memory_limit_reports_the_fit(capsys: pytest.CaptureFixture[str], limit: str, code: int,
+                                      fits: bool) -> None:
+    # 1F1B at p = 4 holds 4 stage-activations on rank 0, 3 on rank 1, ...
+    argv = ["simulate", "-s", "1f1b", "-p", "4", "-m", "8", "--memory-limit", limit]
+    assert main(argv) == code
+    out = capsys.readouterr().out
+    assert ("fits (peak 4, rank 0)" in out) == fits
+    assert ("DOES NOT FIT on ranks [0] (peak 4, rank 0)" in out) == (not fits)
+    assert main([*argv, "--json"]) == code
+    result = json.loads(capsys.readouterr().out)
+    assert (result["memory_limit"], result["fits"]) == (float(limit), fits)
+
+
+def test_memory_limit_must_be_a_number(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "-s", "1f1b", "-p", "2", "-m", "2", "--memory-limit", "-1"]) == 2
+    assert "--memory-limit must be a finite number >= 0" in capsys.readouterr().err
+
+
 def test_simulate_writes_png_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png, trace = tmp_path / "t.png", tmp_path / "t.json"
     assert main(["simulate", "-s", "gpipe", "-p", "2", "-m", "2", "--json",

@@ -2,10 +2,12 @@
 
 Each subcommand is a :class:`Subcommand` (help, parser setup, run) in the table that
 :func:`subcommands` returns; a new one (``train``) lives in its own module and adds one
-entry there. Exit codes: 0 success, 1 invalid schedule, 2 bad arguments.
+entry there. Exit codes: 0 success, 1 invalid schedule, 2 bad arguments, 3 a simulated
+peak above ``--memory-limit``.
 
     $ pipetrain schedules
     $ pipetrain simulate --schedule 1f1b --ranks 4 --microbatches 8 --png 1f1b.png
+    $ pipetrain simulate -s zb-auto -p 4 -m 8 --memory-limit 4 --w-share 0.5
     $ pipetrain validate my_schedule.csv --cost F=1,I=1,W=1
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from pipetrain import draw
 from pipetrain.errors import ScheduleError
-from pipetrain.generators import REGISTRY, _load_builtin, make_schedule
+from pipetrain.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, Simulation, simulate
 from pipetrain.train import cli as train_cli
@@ -30,7 +32,7 @@ from pipetrain.validate import format_grid, validate
 
 __all__ = ["Subcommand", "subcommands", "build_parser", "main"]
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_UNFIT = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="delay of every message between ranks (default 0)")
     parser.add_argument("--w-share", type=float, metavar="X",
                         help="share of an activation kept from I until W, in [0, 1]")
+    parser.add_argument("--memory-limit", type=float, metavar="N",
+                        help="the most stage-activations a rank may hold (the simulator's "
+                             "count at --w-share): zb-auto searches under it; for any "
+                             "schedule, exit 3 when a rank's simulated peak is above it")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (the simulation) instead of text")
     parser.add_argument("--png", type=Path, metavar="FILE", help="write a timeline picture")
@@ -166,8 +172,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    target = Target(memory_limit=args.memory_limit, costs=_costs(args), comm=args.comm,
+                    **_w_share(args))
     schedule = make_schedule(args.schedule, args.ranks, args.microbatches,
-                             args.stages_per_rank)
+                             args.stages_per_rank, target)
     return _report(schedule, args, grid=args.grid)
 
 
@@ -184,20 +192,49 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 def _report(schedule: Schedule, args: argparse.Namespace, *, grid: bool) -> int:
     """Simulate ``schedule`` with the run options, print it and write the requested files."""
-    costs = Costs.parse(args.cost) if args.cost is not None else Costs()
-    extra = {} if args.w_share is None else {"w_share": args.w_share}
-    sim = simulate(schedule, costs, args.comm, **extra)
+    sim = simulate(schedule, _costs(args), args.comm, **_w_share(args))
+    fit = _fit(sim, args.memory_limit)
     if args.json:
-        print(json.dumps(sim.to_dict()))
+        print(json.dumps({**sim.to_dict(), **fit}))
     else:
         print(_summary(sim))
+        if fit:
+            print(_fit_line(sim, args.memory_limit))
         print()
         print(draw.text_timeline(sim.timeline, args.width))
         if grid:
             print()
             print(format_grid(schedule))
     _write_files(sim, args)
-    return EXIT_OK
+    return EXIT_UNFIT if fit and not fit["fits"] else EXIT_OK
+
+
+def _costs(args: argparse.Namespace) -> Costs:
+    return Costs.parse(args.cost) if args.cost is not None else Costs()
+
+
+def _w_share(args: argparse.Namespace) -> dict[str, float]:
+    return {} if args.w_share is None else {"w_share": args.w_share}
+
+
+def _fit(sim: Simulation, limit: float | None) -> dict[str, object]:
+    """``{"memory_limit", "fits"}`` for the JSON output, or nothing without a limit."""
+    if limit is None:
+        return {}
+    if not (limit >= 0 and limit != float("inf")):
+        raise ValueError(f"--memory-limit must be a finite number >= 0, got {limit!r}")
+    return {"memory_limit": limit, "fits": max(sim.peak_activations) <= limit + 1e-9}
+
+
+def _fit_line(sim: Simulation, limit: float) -> str:
+    peak = max(sim.peak_activations)
+    rank = sim.peak_activations.index(peak)
+    if peak <= limit + 1e-9:
+        return f"memory limit    {limit:g} stage-activations: fits (peak {peak:g}, rank {rank})"
+    over = [r for r, x in enumerate(sim.peak_activations) if x > limit + 1e-9]
+    return (f"memory limit    {limit:g} stage-activations: DOES NOT FIT on ranks {over} "
+            f"(peak {peak:g}, rank {rank}); choose a schedule with less memory (v-half, "
+            "v-min, zb-auto under this limit) or fewer micro-batches in flight")
 
 
 def _write_files(sim: Simulation, args: argparse.Namespace) -> None:

@@ -4,10 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipetrain.schedule import Schedule
 
-__all__ = ["ScheduleKind", "REGISTRY", "make_schedule", "register"]
+if TYPE_CHECKING:
+    from pipetrain.simulate import Costs
+
+__all__ = ["ScheduleKind", "Target", "REGISTRY", "make_schedule", "register"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a searching generator (``zb-auto``) fits its schedule to; others ignore it.
+
+    Attributes:
+        memory_limit: the most stage-activations any rank may hold, in the simulator's count
+            (:mod:`pipetrain.simulate`) at ``w_share``; None lets the generator pick its own.
+        costs: op costs per stage per micro-batch; None means F = I = W = 1.
+        comm: the delay of every message between ranks.
+        w_share: share of an activation kept from I until W (the simulator's ``w_share``).
+    """
+
+    memory_limit: float | None = None
+    costs: Costs | None = None
+    comm: float = 0.0
+    w_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -18,6 +40,8 @@ class ScheduleKind:
     description: str
     default_stages_per_rank: int
     build: Callable[[int, int, int], Schedule]  # (p, m, v) -> Schedule
+    search: Callable[[int, int, int, Target], Schedule] | None = None
+    """For a searching generator: (p, m, v, target) -> Schedule; ``build`` uses Target()."""
 
 
 REGISTRY: dict[str, ScheduleKind] = {}
@@ -28,7 +52,8 @@ def register(kind: ScheduleKind) -> None:
 
 
 def make_schedule(
-    name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int | None = None
+    name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int | None = None,
+    target: Target | None = None,
 ) -> Schedule:
     """Generate the named schedule for ``n_ranks`` ranks and ``n_microbatches`` micro-batches.
 
@@ -37,6 +62,8 @@ def make_schedule(
         n_ranks: ranks in the pipeline (p).
         n_microbatches: micro-batches per step (m).
         stages_per_rank: model stages held by each rank (v); None takes the schedule's own.
+        target: the memory limit and costs a searching schedule (``zb-auto``) fits; the
+            fixed schedules ignore it.
 
     Raises:
         ValueError: for an unknown name or integers outside the schedule's constraints.
@@ -53,6 +80,8 @@ def make_schedule(
                          ("stages_per_rank", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
+    if target is not None and kind.search is not None:
+        return kind.search(n_ranks, n_microbatches, v, target)
     return kind.build(n_ranks, n_microbatches, v)
 
 
@@ -60,5 +89,6 @@ def _load_builtin() -> None:
     # Importing the modules registers their kinds; kept lazy so the registry has no cycles.
     import importlib
 
-    for module in ("basic", "interleaved", "zerobubble", "vshape", "dualpipev"):
+    for module in ("basic", "interleaved", "zerobubble", "vshape", "dualpipev", "controllable",
+                   "zbauto", "looped"):
         importlib.import_module(f"pipetrain.generators.{module}")

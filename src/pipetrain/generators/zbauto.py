@@ -1,0 +1,1 @@
+"""zb-auto: Zero Bubble's automatic schedule search under a memory limit."""
