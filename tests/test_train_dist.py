@@ -103,6 +103,9 @@ def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
             problems.append(f"{schedule}: layout {summary['layout']}")
         if not isinstance(summary["sample"], str) or not summary["sample"].startswith("def "):
             problems.append(f"{schedule}: sample {summary['sample']!r}")
+        peaks = summary["peak_memory_bytes"]  # fp32 parameters, gradients, two AdamW moments
+        if len(peaks) != 2 or sum(peaks) < 16 * summary["params"] or not summary["step_s"] > 0:
+            problems.append(f"{schedule}: peaks {peaks}, step_s {summary['step_s']}")
         gathered = [None, None]
         dist.all_gather_object(gathered, summary)
         if gathered[0] != gathered[1]:

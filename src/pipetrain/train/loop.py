@@ -23,10 +23,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from pipetrain.data import decode, encode
 from pipetrain.timeline import Timeline
@@ -34,6 +37,7 @@ from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.events import Reporter
 from pipetrain.train.infer import eval_loss, generate
+from pipetrain.train.memory import MemoryMeter
 from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
 from pipetrain.train.optim import clip_grads_, grad_square_sum, lr_at, set_lr
 from pipetrain.train.precision import autocast
@@ -80,8 +84,10 @@ class Tally:
     bubble_steps: int = 0
     last: StepStats | None = None
     before_last: StepStats | None = None
+    seconds: list[float] = dataclasses.field(default_factory=list)
 
     def add(self, stats: StepStats) -> None:
+        self.seconds.append(stats.seconds)
         if self.steps > 0:  # the first step also pays for warming up
             self.bubble_sum += stats.bubble
             self.bubble_steps += 1
@@ -96,6 +102,12 @@ class Tally:
             return self.bubble_sum / self.bubble_steps
         return self.last.bubble if self.last is not None else math.nan
 
+    @property
+    def step_s(self) -> float:
+        """The median seconds per step, the first (warm-up) step left out when others ran."""
+        kept = self.seconds[1:] or self.seconds
+        return statistics.median(kept) if kept else math.nan
+
 
 def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     """Train as ``cfg`` says; call in every process of an initialised torch.distributed job.
@@ -109,8 +121,11 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
         The summary, equal on every rank: final_loss (mean over the replicas, last step not
         skipped), eval_loss, tokens_per_s (all replicas, this invocation), bubble (mean
         measured, first step left out), steps (done in all), steps_run (by this invocation),
-        skipped, params, layout, sample (None without sample_tokens), seconds, checkpoint
-        (the newest saved or resumed from; None without ``out``).
+        skipped, params, layout, sample (None without sample_tokens), seconds, step_s (the
+        median seconds per step after the first, the slowest rank's), peak_memory_bytes (per
+        global rank, the most bytes of tensors it held while training: see
+        :mod:`pipetrain.train.memory`), checkpoint (the newest saved or resumed from; None
+        without ``out``).
 
     Raises:
         ValueError: for a configuration that does not fit the world (all problems listed).
@@ -126,9 +141,11 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
                               "resumed_from": None if resumed is None else str(resumed)})
     tally = Tally()
     saved = resumed
+    meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step)
     clock = time.perf_counter()
     for step in range(trainer.step, cfg.steps):
-        stats = train_step(trainer, step)
+        with meter.step(_held(trainer)):
+            stats = train_step(trainer, step)
         tally.add(stats)
         reporter.record("step", stats.fields())
         if _due(cfg.eval_every, trainer.step, cfg.steps):
@@ -152,6 +169,7 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     if text is not None:
         reporter.record("sample", {"text": text})
     summary = {**_summary(trainer, tally, elapsed, final_eval, text),
+               "peak_memory_bytes": _every_rank_value(meter.peak_bytes),
                "checkpoint": None if saved is None else str(saved)}
     reporter.record("end", summary)
     return summary
@@ -269,6 +287,21 @@ def _every_rank(value: dict[str, Any]) -> list[dict[str, Any]]:
     return gathered
 
 
+def _every_rank_value(value: int | None) -> list[int | None]:
+    return [x["value"] for x in _every_rank({"value": value})]
+
+
+def _held(trainer: Trainer) -> list[torch.Tensor]:
+    """What the rank holds between steps: parameters, buffers, gradients, optimizer state."""
+    pipe = trainer.pipe
+    held: list[torch.Tensor] = [p for _, p in pipe.named_parameters()]
+    held += [b for _, b in pipe.named_buffers()]
+    held += [p.grad for p in held if isinstance(p, torch.nn.Parameter) and p.grad is not None]
+    for state in trainer.optimizer.state.values():
+        held += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return held
+
+
 def _n_params(trainer: Trainer) -> int:
     return trainer.source.n_params if trainer.source is not None else trainer.model.n_params
 
@@ -289,5 +322,5 @@ def _summary(trainer: Trainer, tally: Tally, elapsed: float, final_eval: float,
         "bubble": trainer.mesh.dp_mean(tally.bubble), "steps": trainer.step,
         "steps_run": tally.steps, "skipped": trainer.skipped,
         "params": _n_params(trainer), "layout": trainer.layout(), "sample": text,
-        "seconds": elapsed,
+        "seconds": elapsed, "step_s": trainer.mesh.world_max(tally.step_s),
     }

@@ -1,0 +1,102 @@
+"""Peak memory: the most bytes of tensors one rank held during training, measured.
+
+On CUDA this is the caching allocator's own count, ``torch.cuda.max_memory_allocated``, from
+the first training step to the last (its peak is reset when training starts).
+
+The CPU allocator keeps no such count, so on CPU one step is measured with the torch profiler's
+allocation events (``profile_memory``): the step after the first, because the first also
+creates the optimizer state and every later step repeats the allocations of the one before.
+Its peak is the bytes of the tensors alive when the step starts (parameters, gradients,
+buffers and optimizer state, each storage counted once) plus the most bytes the step's own
+allocations held at once. Allocations outside torch's allocator (the Python objects, the
+libraries) are not tensors and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["MemoryMeter", "tensor_bytes"]
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of the distinct storages behind ``tensors`` (views and ties counted once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+class MemoryMeter:
+    """Measures one rank's peak tensor bytes over the steps of a run (see the module docstring).
+
+    Call :meth:`step` around every training step, in order, with the tensors the rank holds
+    between steps; :attr:`peak_bytes` is the measured peak (None before anything is measured).
+    """
+
+    def __init__(self, device: torch.device, steps: int) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._measured = 1 if steps >= 2 else 0  # which step of this run the CPU measures
+        self._count = 0
+        self.peak_bytes: int | None = None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    @contextlib.contextmanager
+    def step(self, held: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Run one training step under measurement (``held``: what lives across steps)."""
+        index, self._count = self._count, self._count + 1
+        if self.cuda:
+            yield
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            return
+        if index != self._measured:
+            yield
+            return
+        base = tensor_bytes(held)
+        with _cpu_profile() as prof:
+            yield
+        extra = _peak_allocated(prof)
+        self.peak_bytes = None if extra is None else base + extra
+
+
+@contextlib.contextmanager
+def _cpu_profile() -> Iterator[Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():  # frees of tensors made before the step are not events
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield prof
+
+
+def _peak_allocated(prof: Any) -> int | None:
+    """The most bytes the profiled block's own CPU allocations held at once (None: this torch
+    does not expose allocation events)."""
+    try:
+        from torch._C._profiler import _EventType
+
+        roots = list(prof.profiler.kineto_results.experimental_event_tree())
+    except (ImportError, AttributeError):
+        return None
+    allocations: list[tuple[int, int]] = []
+    stack = roots
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
+    live = peak = 0
+    for _, size in sorted(allocations):  # a free is a negative size
+        live += size
+        peak = max(peak, live)
+    return peak
