@@ -21,7 +21,7 @@ def test_every_grid_point_is_valid_and_looped() -> None:
         s = make_schedule("looped-bfs", p, m, v)
         validate(s)
         assert s.placement == tuple(stage % p for stage in range(p * v))
-        for rank, acts in enumerate(s.actions):
+        for acts in s.actions:
             assert len(acts) == 2 * v * m
             turn = [a.op for a in acts].index(Op.B)
             assert turn == v * m  # every forward of the rank comes before its first backward

@@ -27,7 +27,7 @@ from pipetrain.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, Simulation, simulate
 from pipetrain.train import cli as train_cli
-from pipetrain.train import export_cli
+from pipetrain.train import export_cli, plan_cli
 from pipetrain.validate import format_grid, validate
 
 __all__ = ["Subcommand", "subcommands", "build_parser", "main"]
@@ -58,6 +58,7 @@ def subcommands() -> dict[str, Subcommand]:
                                _configure_validate, _run_validate),
         "train": Subcommand(train_cli.HELP, train_cli.configure, train_cli.run),
         "export-hf": Subcommand(export_cli.HELP, export_cli.configure, export_cli.run),
+        "plan": Subcommand(plan_cli.HELP, plan_cli.configure, plan_cli.run),
     }
 
 

@@ -1,4 +1,4 @@
-"""Looped BFS: breadth-first pipelining over looped stages, every micro-batch through a stage at once.
+"""Looped BFS: breadth-first pipelining over looped stages, all micro-batches stage by stage.
 
 Stage s lives on rank ``s mod p`` as in the interleaved schedules, so a micro-batch loops around
 the ranks v times. Where interleaved 1F1B goes depth-first (a round of micro-batches climbs into

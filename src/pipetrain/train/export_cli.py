@@ -33,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="largest shard file, e.g. 500MB or 2GiB (default: 2GiB)")
 
 
-def size_bytes(text: str) -> int:
+def size_bytes(text: str, flag: str = "--shard-size") -> int:
     """``2GiB``, ``500MB``, ``4096``: a size in bytes.
 
     Raises:
@@ -42,7 +42,7 @@ def size_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
-        raise ValueError(f"--shard-size {text!r}: give a size such as 500MB or 2GiB")
+        raise ValueError(f"{flag} {text!r}: give a size such as 500MB or 2GiB")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

@@ -1,0 +1,237 @@
+"""Planner: the fastest pipeline layout whose predicted peak memory fits every rank.
+
+A layout is a schedule, its stages per rank, the micro-batches per step, a balance (layers per
+stage) and a recomputation policy. For each one the planner predicts
+
+    step time   simulate(schedule) with per-stage costs summed from the profiled layers of a
+                micro-batch of that size, times the measured/profiled ratio of each op in a
+                calibration run, plus the calibrated hop delay and the step's time outside
+                the schedule (gradient norm, optimizer)
+    peak bytes  per rank: the stages' parameters, gradients and AdamW moments (4 x their
+                trainable bytes, + frozen bytes), plus the most activation bytes alive at once
+                in the simulated timeline (F holds its stage's activations of one micro-batch;
+                I keeps the gradients W needs; W or B frees them), plus one micro-batch's
+                working memory of the rank's largest stage during its backward
+
+With ``recompute="always"`` a stage keeps only its input between F and its backward, and the
+backward first runs the forward again (its I, or B, costs one more F). Candidates that do not
+fit the memory limit are kept but ranked after those that do; the rest go fastest first.
+Everything here is pure: the measurements come in as :class:`Profiled` and :class:`Scale`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipetrain.action import Op
+from pipetrain.balance import plan_balance
+from pipetrain.generators import REGISTRY, Target, _load_builtin, make_schedule
+from pipetrain.partition import stage_bounds
+from pipetrain.profile import LayerCost
+from pipetrain.schedule import Schedule
+from pipetrain.simulate import Costs, Simulation, simulate
+
+__all__ = ["Profiled", "Scale", "Candidate", "SCHEDULES", "RECOMPUTE", "search",
+           "microbatch_choices"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2",
+             "interleaved-zb", "zbv", "v-half", "v-min", "dualpipev", "zb-auto")
+RECOMPUTE = ("never", "always")
+STATE_MULTIPLIER = 4.0  # fp32 weights, gradients and AdamW's two moments
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """The model's layers measured on one micro-batch of ``rows`` sequences."""
+
+    rows: int
+    layers: tuple[LayerCost, ...]
+    input_bytes: tuple[int, ...]
+    """Per layer, the bytes of its input (what a recomputed stage keeps, for its first layer)."""
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Measured over profiled time per op in a calibration run, and the step's other costs."""
+
+    f: float = 1.0
+    i: float = 1.0
+    w: float = 1.0
+    b: float = 1.0
+    """A fused backward's time over the profiled I + W."""
+    comm: float = 0.0
+    """Seconds from a message's send to its use on an idle rank (the calibrated hop)."""
+    overhead: float = 0.0
+    """Seconds of a step outside the schedule's actions (norm, optimizer, reductions)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and what the planner predicts for it."""
+
+    schedule: str
+    stages_per_rank: int
+    microbatches: int
+    balance: tuple[int, ...]
+    recompute: str
+    predicted_step_s: float
+    predicted_peak_bytes: tuple[int, ...]
+    fits: bool
+    simulation: Simulation = field(compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
+                "microbatches": self.microbatches, "balance": list(self.balance),
+                "recompute": self.recompute, "predicted_step_s": self.predicted_step_s,
+                "predicted_peak_bytes": list(self.predicted_peak_bytes), "fits": self.fits}
+
+
+def microbatch_choices(rows_per_replica: int, p: int, most: int = 4) -> list[int]:
+    """Micro-batch counts that split the replica's rows evenly: from p/2 up, the ``most``
+    smallest (more micro-batches shrink the bubble but cost per-action overhead)."""
+    counts = [m for m in range(max(1, p // 2), rows_per_replica + 1) if rows_per_replica % m == 0]
+    return counts[:most] or [rows_per_replica]
+
+
+def search(profiles: Sequence[Profiled], p: int, rows_per_replica: int, memory_limit: float,
+           scale: Scale, *, schedules: Iterable[str] = SCHEDULES,
+           recompute: Iterable[str] = RECOMPUTE) -> list[Candidate]:
+    """Every layout over ``profiles`` (one per micro-batch size), ranked.
+
+    Raises:
+        ValueError: when no profile matches a micro-batch count of ``rows_per_replica``.
+    """
+    _load_builtin()
+    by_rows = {prof.rows: prof for prof in profiles}
+    found: dict[tuple[Any, ...], Candidate] = {}
+    for prof in by_rows.values():
+        if rows_per_replica % prof.rows:
+            raise ValueError(f"a profile of {prof.rows} rows does not split "
+                             f"{rows_per_replica} rows into equal micro-batches")
+        m = rows_per_replica // prof.rows
+        for name in schedules:
+            for policy in recompute:
+                for cand in _layouts(prof, name, p, m, policy, memory_limit, scale):
+                    key = (cand.schedule, cand.microbatches, cand.balance, cand.recompute)
+                    found.setdefault(key, cand)
+    return sorted(found.values(), key=lambda c: (not c.fits, c.predicted_step_s,
+                                                 max(c.predicted_peak_bytes)))
+
+
+def _layouts(prof: Profiled, name: str, p: int, m: int, policy: str, limit: float,
+             scale: Scale) -> list[Candidate]:
+    v = REGISTRY[name].default_stages_per_rank
+    if len(prof.layers) < p * v:
+        return []
+    try:
+        schedule = make_schedule(name, p, m, v)
+    except ValueError:
+        return []  # the schedule's constraints exclude (p, m)
+    layers = _with_policy(prof, policy)
+    out = []
+    for mode in ("time", "memory"):
+        balance = plan_balance(list(layers), schedule, mode, layer_costs=layers).balance
+        if name == "zb-auto":
+            schedule = _fitted_zb_auto(prof, schedule, balance, policy, p, m, limit, scale)
+        out.append(evaluate(prof, schedule, balance, policy, limit, scale))
+    return out
+
+
+def _with_policy(prof: Profiled, policy: str) -> tuple[LayerCost, ...]:
+    """The layers' costs as the balance sees them: recomputation moves the F into I."""
+    if policy == "never":
+        return prof.layers
+    return tuple(LayerCost(c.f, c.i + c.f, c.w, c.param_bytes, prof.input_bytes[j],
+                           c.frozen_bytes, c.i_held_bytes) for j, c in enumerate(prof.layers))
+
+
+def evaluate(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy: str,
+             limit: float, scale: Scale) -> Candidate:
+    """The predicted step time and per-rank peak bytes of one layout."""
+    bounds = stage_bounds(balance)
+    sim = simulate(schedule, _costs(prof, bounds, policy, scale), scale.comm)
+    peaks = tuple(round(x) for x in rank_peaks(prof, schedule, bounds, policy, sim))
+    return Candidate(schedule.name, schedule.n_stages // schedule.n_ranks,
+                     schedule.n_microbatches, tuple(balance), policy,
+                     sim.makespan + scale.overhead, peaks, max(peaks) <= limit, sim)
+
+
+def _costs(prof: Profiled, bounds: Sequence[tuple[int, int]], policy: str,
+           scale: Scale) -> Costs:
+    def total(op: str, a: int, e: int) -> float:
+        return sum(getattr(c, op) for c in prof.layers[a:e])
+
+    f = [total("f", a, e) * scale.f for a, e in bounds]
+    again = f if policy == "always" else [0.0] * len(f)
+    i = [total("i", a, e) * scale.i + x for (a, e), x in zip(bounds, again, strict=True)]
+    w = [total("w", a, e) * scale.w for a, e in bounds]
+    b = [(total("i", a, e) + total("w", a, e)) * scale.b + x
+         for (a, e), x in zip(bounds, again, strict=True)]
+    return Costs(F=tuple(f), B=tuple(b), I=tuple(i), W=tuple(w))
+
+
+def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, int]],
+               policy: str, sim: Simulation) -> list[float]:
+    """Per rank, the predicted peak bytes (the module docstring's three terms)."""
+    layers = prof.layers
+    full = [sum(c.activation_bytes for c in layers[a:e]) for a, e in bounds]
+    kept = full if policy == "never" else [prof.input_bytes[a] for a, _ in bounds]
+    held = [0.0] + [float(sum(c.i_held_bytes for c in layers[a:e])) for a, e in bounds[1:]]
+    static = [sum(_state_bytes(c) for c in layers[a:e]) for a, e in bounds]
+    peaks = []
+    for rank in range(schedule.n_ranks):
+        stages = schedule.stages_of(rank)
+        alive = _alive_peak(sim, rank, kept, held)
+        work = max(full[s] for s in stages)  # one micro-batch's backward of the largest stage
+        peaks.append(sum(static[s] for s in stages) + alive + work)
+    return peaks
+
+
+def _state_bytes(c: LayerCost) -> float:
+    return (c.param_bytes - c.frozen_bytes) * STATE_MULTIPLIER + c.frozen_bytes
+
+
+def _alive_peak(sim: Simulation, rank: int, kept: Sequence[float],
+                held: Sequence[float]) -> float:
+    """The most activation bytes alive at once on ``rank`` in ``sim`` (frees before allocations
+    at equal times, as in :mod:`pipetrain.simulate`)."""
+    events: list[tuple[float, int, float]] = []
+    share = sim.w_share
+    for span in sim.timeline.of_rank(rank):
+        s, op = span.action.stage, span.action.op
+        if op is Op.F:
+            events.append((span.start, 1, kept[s]))
+        elif op is Op.B:
+            events.append((span.end, 0, -kept[s]))
+        elif op is Op.I:
+            events.append((span.end, 0, -(1 - share) * kept[s]))
+            events.append((span.end, 1, held[s]))
+        else:
+            events.append((span.end, 0, -share * kept[s] - held[s]))
+    alive = peak = 0.0
+    for _, _, delta in sorted(events):
+        alive += delta
+        peak = max(peak, alive)
+    return peak
+
+
+def _fitted_zb_auto(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy: str,
+                    p: int, m: int, limit: float, scale: Scale) -> Schedule:
+    """zb-auto searched under the activations the limit leaves on the tightest rank."""
+    bounds = stage_bounds(balance)
+    layers = prof.layers
+    per_stage = [max(1.0, float(sum(c.activation_bytes for c in layers[a:e])
+                                if policy == "never" else prof.input_bytes[a]))
+                 for a, e in bounds]
+    room = min((limit - sum(_state_bytes(c) for c in layers[a:e])) / per_stage[s]
+               for s, (a, e) in enumerate(bounds))
+    units = float(max(1, min(2 * p, math.floor(room)))) if math.isfinite(room) else None
+    target = Target(memory_limit=units, costs=_costs(prof, bounds, policy, scale),
+                    comm=scale.comm)
+    try:
+        return make_schedule("zb-auto", p, m, 1, target)
+    except ValueError:
+        return schedule

@@ -1,0 +1,265 @@
+"""``pipetrain plan``: profile the model, calibrate on the ranks, search layouts, write the best.
+
+    $ pipetrain plan --preset small --nproc 4 --memory-limit 64MiB
+
+1. Profile every layer in this process on one micro-batch of each size the search tries
+   (:func:`pipetrain.profile.profile_layers`).
+2. Calibrate: train 3 steps of zb-h1 and of 1f1b on the ranks (a local launch, as
+   ``pipetrain train``); the measured/profiled ratio of each op, the hop delay and the step's
+   time outside the schedule scale every prediction (:mod:`pipetrain.calibrate`).
+3. Search (:func:`pipetrain.planner.search`), print the best candidates, and write the best
+   one's predicted timeline (``plan.png``) and a config that ``pipetrain train --config``
+   runs as it is (``plan.toml``) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.train.config import TrainConfig
+
+__all__ = ["HELP", "configure", "run"]
+
+HELP = "choose the fastest layout (schedule, micro-batches, balance, recompute) that fits memory"
+EXIT_OK, EXIT_NONE_FITS = 0, 3
+CALIBRATION_SCHEDULES = ("zb-h1", "1f1b")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    parser.add_argument("--memory-limit", required=True, metavar="SIZE",
+                        help="bytes each device may hold, e.g. 64MiB or 16GiB")
+    parser.add_argument("--preset", default=d.preset, help="GPT preset (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len, metavar="N")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N",
+                        help="sequences per step over all replicas (default: %(default)s)")
+    parser.add_argument("--nproc", type=int, default=d.nproc, metavar="N")
+    parser.add_argument("--pp", type=int, metavar="N", help="pipeline ranks (default: nproc/dp)")
+    parser.add_argument("--dp", type=int, default=d.dp, metavar="N")
+    parser.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    parser.add_argument("--schedules", metavar="NAMES",
+                        help="comma-separated schedules to consider (default: all)")
+    parser.add_argument("--top", type=int, default=8, metavar="N",
+                        help="candidates to show (default: %(default)s)")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="predict from the profile alone (faster, less accurate)")
+    parser.add_argument("--out", type=Path, default=Path("runs/plan"), metavar="DIR",
+                        help="where plan.toml and plan.png go (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan; exit 3 when no candidate fits the limit (the fastest is still written)."""
+    from pipetrain.planner import SCHEDULES, search
+    from pipetrain.train.export_cli import size_bytes
+    from pipetrain.train.mesh import layout
+
+    limit = size_bytes(args.memory_limit, "--memory-limit")
+    dp, pp = layout(args.nproc, args.dp, args.pp)
+    cfg = TrainConfig(preset=args.preset, seq_len=args.seq_len, batch_size=args.batch_size,
+                      nproc=args.nproc, pp=args.pp, dp=dp, device=args.device, out="",
+                      progress=False, sample_tokens=0, eval_batches=1)
+    rows = _rows_per_replica(cfg, dp)
+    schedules = _schedules(args.schedules, SCHEDULES)
+    profiles = profile_model(cfg, pp, rows)
+    scale = _no_scale() if args.no_calibrate else calibrate_on_ranks(cfg, pp, rows, profiles)
+    ranked = search(profiles, pp, rows, limit, scale, schedules=schedules)
+    if not ranked:
+        raise ValueError("no layout is possible: the model has fewer layers than stages; "
+                         "use fewer pipeline ranks (--pp)")
+    best = ranked[0]
+    toml_path, png_path = _write(args.out, cfg, best)
+    report = {"best": best.to_dict(), "candidates": [c.to_dict() for c in ranked],
+              "config": str(toml_path), "png": str(png_path), "memory_limit": limit,
+              "scale": dataclasses.asdict(scale)}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print(ranked[:args.top], limit, cfg, toml_path, png_path)
+    return EXIT_OK if best.fits else EXIT_NONE_FITS
+
+
+def _rows_per_replica(cfg: TrainConfig, dp: int) -> int:
+    if cfg.batch_size % dp:
+        raise ValueError(f"batch_size={cfg.batch_size} must split into dp={dp} equal replicas")
+    return cfg.batch_size // dp
+
+
+def _schedules(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    if text is None:
+        return known
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--schedules: unknown {unknown}; choose among {list(known)}")
+    return names
+
+
+def _no_scale() -> Any:
+    from pipetrain.planner import Scale
+
+    return Scale()
+
+
+# -- 1. profile ----------------------------------------------------------------------------
+
+
+def profile_model(cfg: TrainConfig, pp: int, rows: int) -> list[Any]:
+    """The layers profiled on one micro-batch of every size the search tries."""
+    from pipetrain.gpt import gpt_layers, lm_loss
+    from pipetrain.planner import Profiled, microbatch_choices
+    from pipetrain.profile import profile_layers
+    from pipetrain.train.source import GPTSource
+
+    model = GPTSource(cfg).model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        layers = gpt_layers(model)
+    out = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of a CPU run computes
+    try:
+        for m in microbatch_choices(rows, pp):
+            x = torch.zeros(rows // m, cfg.seq_len, dtype=torch.long)
+            costs = profile_layers(layers, x, loss_fn=lm_loss, sample_target=x, repeats=5)
+            out.append(Profiled(rows // m, tuple(costs), _input_bytes(layers, x)))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _input_bytes(layers: list[torch.nn.Module], x: torch.Tensor) -> tuple[int, ...]:
+    from pipetrain.payload import flatten
+    from pipetrain.train.memory import tensor_bytes
+
+    sizes = []
+    with torch.no_grad():
+        for layer in layers:
+            sizes.append(tensor_bytes(flatten(x)[0]))
+            x = layer(x)
+    return tuple(sizes)
+
+
+# -- 2. calibrate ----------------------------------------------------------------------------
+
+
+def calibrate_on_ranks(cfg: TrainConfig, pp: int, rows: int, profiles: list[Any]) -> Any:
+    """Measured/profiled ratios from 3 steps of each calibration schedule on the ranks."""
+    from pipetrain.planner import Scale
+    from pipetrain.train.elastic import launch_local
+
+    prof = profiles[len(profiles) // 2]
+    m = rows // prof.rows
+    base = dataclasses.replace(cfg, microbatches=m, steps=3, balance="params")
+    with _stdout_to_stderr():  # the ranks print their config; stdout stays the plan's
+        measured = {name: launch_local(dataclasses.replace(base, schedule=name),
+                                       _calibration_run) for name in CALIBRATION_SCHEDULES}
+    split, fused = measured["zb-h1"], measured["1f1b"]
+    f, i, w, b = (_ratio(split, prof, "f", ("f",)), _ratio(split, prof, "i", ("i",)),
+                  _ratio(split, prof, "w", ("w",)), _ratio(fused, prof, "b", ("i", "w")))
+    return Scale(f=f, i=i, w=w, b=b, comm=split["comm"],
+                 overhead=statistics.mean([split["overhead"], fused["overhead"]]))
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _ratio(result: dict[str, Any], prof: Any, op: str, profiled: tuple[str, ...]) -> float:
+    """Measured seconds of ``op`` over all stages, over the profiled seconds of the same layers."""
+    bounds = _bounds(result["balance"])
+    want = sum(getattr(c, o) for a, e in bounds for c in prof.layers[a:e] for o in profiled)
+    got = sum(result["costs"][op.upper()])
+    return got / want if want > 0 else 1.0
+
+
+def _bounds(balance: list[int]) -> list[tuple[int, int]]:
+    from pipetrain.partition import stage_bounds
+
+    return stage_bounds(balance)
+
+
+def _calibration_run(cfg: TrainConfig, reporter: Any) -> dict[str, Any]:
+    """On every rank: train ``cfg.steps`` steps; the costs measured after the first."""
+    from pipetrain.calibrate import calibrate
+    from pipetrain.train.loop import train_step
+    from pipetrain.train.setup import build
+
+    trainer = build(cfg)
+    stats = [train_step(trainer, step) for step in range(cfg.steps)][1:]
+    schedule = trainer.pipe.schedule
+    calib = calibrate([s.timeline for s in stats], schedule)
+    overhead = statistics.median(s.seconds - s.timeline.makespan for s in stats)
+    return {"costs": calib.costs.to_dict(), "comm": calib.comm, "overhead": max(0.0, overhead),
+            "balance": list(trainer.pipe.balance)}
+
+
+# -- 3. report ------------------------------------------------------------------------------
+
+
+def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
+    from pipetrain import draw
+    from pipetrain.train.cli import config_toml
+
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = dataclasses.replace(
+        cfg, schedule=best.schedule, stages_per_rank=best.stages_per_rank,
+        microbatches=best.microbatches, balance=",".join(map(str, best.balance)),
+        recompute=best.recompute, out="runs/pipetrain", progress=True,
+        sample_tokens=TrainConfig.sample_tokens, eval_batches=TrainConfig.eval_batches)
+    toml_path, png_path = out / "plan.toml", out / "plan.png"
+    toml_path.write_text(config_toml(chosen))
+    draw.save_png(best.simulation.timeline, png_path,
+                  title=f"plan: {best.schedule} m={best.microbatches} balance "
+                        f"{list(best.balance)} recompute {best.recompute} (predicted)")
+    return toml_path, png_path
+
+
+def _print(shown: list[Any], limit: int, cfg: TrainConfig, toml_path: Path,
+           png_path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tokens = cfg.batch_size * cfg.seq_len
+    table = Table(title=f"pipetrain plan: {cfg.preset}, memory limit {_mib(limit)} per rank",
+                  title_justify="left")
+    for name in ("schedule", "v", "m", "balance", "recompute", "step s", "tokens/s",
+                 "peak per rank (MiB)", "fits"):
+        table.add_column(name, justify="right" if name in ("v", "m", "step s", "tokens/s")
+                         else "left")
+    for c in shown:
+        table.add_row(c.schedule, str(c.stages_per_rank), str(c.microbatches),
+                      ",".join(map(str, c.balance)), c.recompute, f"{c.predicted_step_s:.3f}",
+                      f"{tokens / c.predicted_step_s:,.0f}",
+                      " ".join(f"{b / 2**20:.1f}" for b in c.predicted_peak_bytes),
+                      "yes" if c.fits else "NO")
+    console = Console()
+    console.print(table)
+    print(f"best: {toml_path} (pipetrain train --config {toml_path}); timeline {png_path}")
+    if not shown[0].fits:
+        print("no layout fits: raise --memory-limit, add ranks (--nproc), or shorten "
+              "--seq-len / --batch-size", file=sys.stderr)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"

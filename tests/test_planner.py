@@ -1,0 +1,71 @@
+"""Planner: predicted step time and peak bytes of a layout, the fit, and the ranking."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipetrain import make_schedule
+from pipetrain.planner import Profiled, Scale, evaluate, microbatch_choices, search
+from pipetrain.profile import LayerCost
+
+MIB = 2**20
+
+
+def _profile(rows: int, n: int = 6) -> Profiled:
+    # Every layer: F 1 ms, I 1 ms, W 1 ms per row; 1 MiB of parameters; 1 MiB of activations
+    # per row, of which W needs a quarter after I; inputs of 1/8 MiB per row.
+    layer = LayerCost(f=1e-3 * rows, i=1e-3 * rows, w=1e-3 * rows, param_bytes=MIB,
+                      activation_bytes=MIB * rows, i_held_bytes=MIB * rows // 4)
+    return Profiled(rows, (layer,) * n, (MIB * rows // 8,) * n)
+
+
+def test_microbatch_choices_split_the_rows_evenly_from_half_the_ranks() -> None:
+    assert microbatch_choices(32, 4) == [2, 4, 8, 16]
+    assert microbatch_choices(12, 4, most=3) == [2, 3, 4]
+    assert microbatch_choices(3, 8) == [3]
+
+
+def test_one_f_one_b_prediction_is_the_simulated_makespan_plus_overhead() -> None:
+    prof, scale = _profile(2), Scale(overhead=0.5)
+    cand = evaluate(prof, make_schedule("1f1b", 2, 4), [3, 3], "never", 1e12, scale)
+    # per stage and micro-batch: F 6 ms, B 12 ms; (m + p - 1) (F + B) = 5 x 18 ms
+    assert cand.predicted_step_s == pytest.approx(0.090 + 0.5)
+    # rank 0: 3 layers x 4 bytes per parameter byte + 2 micro-batches x 6 MiB + 6 MiB working
+    assert cand.predicted_peak_bytes[0] == 12 * MIB + 12 * MIB + 6 * MIB
+    assert cand.predicted_peak_bytes[1] == 12 * MIB + 6 * MIB + 6 * MIB
+    assert cand.fits and cand.to_dict()["balance"] == [3, 3]
+
+
+def test_recompute_keeps_only_stage_inputs_and_pays_one_more_forward() -> None:
+    prof = _profile(2)
+    never = evaluate(prof, make_schedule("1f1b", 2, 4), [3, 3], "never", 1e12, Scale())
+    always = evaluate(prof, make_schedule("1f1b", 2, 4), [3, 3], "always", 1e12, Scale())
+    assert always.predicted_step_s == pytest.approx(5 * (0.006 + 0.018))
+    assert always.predicted_peak_bytes[0] == 12 * MIB + 2 * (MIB // 4) + 6 * MIB
+    assert max(always.predicted_peak_bytes) < max(never.predicted_peak_bytes)
+
+
+def test_split_backward_keeps_what_w_needs_until_w() -> None:
+    prof = _profile(2)
+    cand = evaluate(prof, make_schedule("zb-h1", 2, 4), [3, 3], "never", 1e12, Scale())
+    # rank 1 (not stage 0): its I's gradients for W (1.5 MiB per micro-batch) count too
+    plain = evaluate(prof, make_schedule("1f1b", 2, 4), [3, 3], "never", 1e12, Scale())
+    assert cand.predicted_peak_bytes[1] > plain.predicted_peak_bytes[1]
+
+
+def test_search_ranks_fitting_layouts_first_then_fastest() -> None:
+    profiles = [_profile(r) for r in (1, 2, 4)]
+    ranked = search(profiles, 2, 8, 40 * MIB, Scale(comm=1e-4),
+                    schedules=("gpipe", "1f1b", "zb-h1", "zbv"))
+    fits = [c.fits for c in ranked]
+    assert fits == sorted(fits, reverse=True) and fits[0] and not fits[-1]
+    fitting = [c.predicted_step_s for c in ranked if c.fits]
+    assert fitting == sorted(fitting)
+    assert all(max(c.predicted_peak_bytes) <= 40 * MIB for c in ranked if c.fits)
+    assert {c.microbatches for c in ranked} == {2, 4, 8}
+    assert ranked[0].schedule in ("zb-h1", "zbv")  # split backward fills 1F1B's bubble
+
+
+def test_a_profile_must_split_the_rows() -> None:
+    with pytest.raises(ValueError, match="does not split 8 rows"):
+        search([_profile(3)], 2, 8, 1e12, Scale())
