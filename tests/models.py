@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
-MULTI = {"interleaved-1f1b", "zbv", "dualpipev"}  # several stages per rank
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev",
+             "looped-bfs", "zb-auto", "v-half", "v-min"]
+MULTI = {"interleaved-1f1b", "zbv", "dualpipev", "looped-bfs", "v-half", "v-min"}  # v = 2
+SOME = SCHEDULES[:7]  # for the slower multi-process tests; test_runtime_dist runs them all
 
 
 def mlp(n_layers: int = 8, width: int = 8, seed: int = 1) -> nn.Sequential:

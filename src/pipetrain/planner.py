@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import nn
+
 from pipetrain.action import Op
 from pipetrain.balance import plan_balance
 from pipetrain.generators import REGISTRY, Target, _load_builtin, make_schedule
@@ -131,12 +133,13 @@ def _layouts(prof: Profiled, name: str, p: int, m: int, policy: str, limit: floa
     except ValueError:
         return []  # the schedule's constraints exclude (p, m)
     layers = _with_policy(prof, policy)
+    stand_ins = [nn.Identity() for _ in layers]  # measured costs given: nothing is profiled
     out = []
     for mode in ("time", "memory"):
-        balance = plan_balance(list(layers), schedule, mode, layer_costs=layers).balance
-        if name == "zb-auto":
-            schedule = _fitted_zb_auto(prof, schedule, balance, policy, p, m, limit, scale)
-        out.append(evaluate(prof, schedule, balance, policy, limit, scale))
+        balance = plan_balance(stand_ins, schedule, mode, layer_costs=layers).balance
+        run = schedule if name != "zb-auto" else _fitted_zb_auto(
+            prof, schedule, balance, policy, p, m, limit, scale)
+        out.append(evaluate(prof, run, balance, policy, limit, scale))
     return out
 
 
@@ -162,7 +165,7 @@ def evaluate(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy:
 def _costs(prof: Profiled, bounds: Sequence[tuple[int, int]], policy: str,
            scale: Scale) -> Costs:
     def total(op: str, a: int, e: int) -> float:
-        return sum(getattr(c, op) for c in prof.layers[a:e])
+        return float(sum(getattr(c, op) for c in prof.layers[a:e]))
 
     f = [total("f", a, e) * scale.f for a, e in bounds]
     again = f if policy == "always" else [0.0] * len(f)

@@ -53,5 +53,5 @@ def looped_bfs(p: int, m: int, v: int = 2) -> Schedule:
     return Schedule.from_lists("looped-bfs", m, [s % p for s in range(p * v)], lists)
 
 
-register(ScheduleKind("looped-bfs", "breadth-first over looped stages: all forwards stage by "
-                      "stage, then all backwards (Looped BFS)", 2, looped_bfs))
+register(ScheduleKind("looped-bfs", "breadth-first over looped stages, every micro-batch a "
+                      "stage at a time (Looped BFS)", 2, looped_bfs))

@@ -1,0 +1,153 @@
+"""Plan accuracy: does `pipetrain plan` choose a layout that fits, runs as predicted, and wins?
+
+For each preset and memory limit: run `pipetrain plan`, then train its three best predicted
+candidates for a few steps each with `pipetrain train` on the same ranks, and print, per
+candidate, the predicted and measured step time and peak bytes per rank. The checks of the
+planner: the chosen layout's measured peak stays at or under the limit on every rank, its step
+runs within 15 % of the prediction, and it is the fastest measured of the three.
+
+    python benchmarks/plan_accuracy.py                 # small and medium at 4 processes
+    python benchmarks/plan_accuracy.py --tiny          # seconds: the tiny preset, 2 processes
+    python benchmarks/plan_accuracy.py --json out.json
+
+Medium runs at a shorter sequence and batch than its preset's (a CPU runs its full size at
+minutes per step); the layer shapes are the preset's. Limits are set from the model: the
+replicated parameter state per rank plus a low, middle and high share of what 1F1B's
+activations need, so each limit excludes different layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.cli import main as pipetrain_main
+
+MIB = 2**20
+SETUPS = {  # preset: (seq_len, batch_size, nproc, steps)
+    "small": (128, 16, 4, 8),
+    "medium": (64, 8, 4, 5),
+}
+TINY = {"tiny": (64, 16, 2, 6)}
+TOLERANCE = 0.15
+
+
+@dataclasses.dataclass
+class Row:
+    preset: str
+    limit: int
+    rank: int
+    candidate: dict[str, Any]
+    step_s: float = float("nan")
+    peaks: list[int] = dataclasses.field(default_factory=list)
+
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pipetrain_main(argv)
+    return code, out.getvalue()
+
+
+def plan(preset: str, seq: int, batch: int, nproc: int, limit: int, out: Path) -> dict[str, Any]:
+    code, text = _cli(["plan", "--preset", preset, "--seq-len", str(seq), "--batch-size",
+                       str(batch), "--nproc", str(nproc), "--memory-limit", str(limit),
+                       "--out", str(out), "--json"])
+    report: dict[str, Any] = json.loads(text)
+    report["exit"] = code
+    return report
+
+
+def measure(preset: str, seq: int, batch: int, nproc: int, steps: int, cand: dict[str, Any],
+            out: Path) -> tuple[float, list[int]]:
+    argv = ["train", "--preset", preset, "--seq-len", str(seq), "--batch-size", str(batch),
+            "--nproc", str(nproc), "--schedule", cand["schedule"], "--stages-per-rank",
+            str(cand["stages_per_rank"]), "--microbatches", str(cand["microbatches"]),
+            "--balance", ",".join(map(str, cand["balance"])), "--recompute", cand["recompute"],
+            "--steps", str(steps), "--out", str(out), "--no-resume", "--no-progress",
+            "--sample-tokens", "0", "--eval-batches", "1"]
+    code, _ = _cli(argv)
+    if code != 0:
+        raise RuntimeError(f"pipetrain {' '.join(argv)} exited {code}")
+    summary = json.loads((out / "summary.json").read_text())
+    return float(summary["step_s"]), [int(x) for x in summary["peak_memory_bytes"]]
+
+
+def limits(preset: str, seq: int, batch: int, nproc: int, out: Path) -> list[int]:
+    """Three limits: the loosest plan's smallest and largest predicted peaks, and between."""
+    report = plan(preset, seq, batch, nproc, 1 << 40, out)
+    peaks = sorted(max(c["predicted_peak_bytes"]) for c in report["candidates"])
+    low, high = peaks[0], peaks[-1]
+    return [int(low + (high - low) * share) for share in (0.1, 0.4, 0.9)]
+
+
+def run(setups: dict[str, tuple[int, int, int, int]], work: Path) -> list[Row]:
+    rows = []
+    for preset, (seq, batch, nproc, steps) in setups.items():
+        for limit in limits(preset, seq, batch, nproc, work / preset / "probe"):
+            report = plan(preset, seq, batch, nproc, limit, work / preset / str(limit))
+            for k, cand in enumerate(report["candidates"][:3]):
+                row = Row(preset, limit, k, cand)
+                row.step_s, row.peaks = measure(preset, seq, batch, nproc, steps, cand,
+                                                work / preset / f"{limit}-{k}")
+                rows.append(row)
+                print(_line(row), flush=True)
+    return rows
+
+
+def _line(r: Row) -> str:
+    c = r.candidate
+    err = r.step_s / c["predicted_step_s"] - 1
+    layout = (f"{c['schedule']} v{c['stages_per_rank']} m{c['microbatches']} "
+              f"{','.join(map(str, c['balance']))} {c['recompute']}")
+    return (f"{r.preset:7s} {r.limit / MIB:8.1f} {r.rank + 1:4d}  {layout:36s} "
+            f"{c['predicted_step_s']:8.3f} {r.step_s:8.3f} {err:+7.1%}  "
+            f"{max(c['predicted_peak_bytes']) / MIB:8.1f} {max(r.peaks) / MIB:8.1f}  "
+            f"{'yes' if max(r.peaks) <= r.limit else 'NO':>4s}")
+
+
+def verdicts(rows: list[Row]) -> list[str]:
+    """Per (preset, limit): the planner's three checks on its chosen layout."""
+    out = []
+    for key in sorted({(r.preset, r.limit) for r in rows}):
+        group = [r for r in rows if (r.preset, r.limit) == key]
+        best = group[0]
+        err = best.step_s / best.candidate["predicted_step_s"] - 1
+        fastest = min(group, key=lambda r: r.step_s) is best
+        out.append(f"{key[0]} {key[1] / MIB:.1f} MiB: fits measured "
+                   f"{'yes' if max(best.peaks) <= key[1] else 'NO'}; step within 15 %: "
+                   f"{'yes' if abs(err) <= TOLERANCE else 'NO'} ({err:+.1%}); fastest of the "
+                   f"top 3 measured: {'yes' if fastest else 'NO'}")
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny preset only (seconds)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the rows")
+    args = parser.parse_args()
+    header = (f"{'preset':7s} {'limit':>8s} {'rank':>4s}  {'layout':36s} {'pred s':>8s} "
+              f"{'meas s':>8s} {'error':>7s}  {'pred MiB':>8s} {'meas MiB':>8s}  {'fits':>4s}")
+    print(f"# torch {torch.__version__}, {platform.platform()}, {torch.get_num_threads()} threads")
+    print(header)
+    with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
+        rows = run(TINY if args.tiny else SETUPS, Path(tmp))
+    print()
+    print("\n".join(verdicts(rows)))
+    if args.json:
+        args.json.write_text(json.dumps([{**dataclasses.asdict(r)} for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
