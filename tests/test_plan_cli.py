@@ -57,8 +57,13 @@ def test_bad_flags_exit_2(argv: list[str], match: str, tmp_path: Path,
     assert re.search(match, capsys.readouterr().err)
 
 
-def test_calibrated_plan_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, report = _plan(tmp_path, capsys, "--memory-limit", "64MiB")
+def test_calibrated_plan_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    code, report = _plan(tmp_path / "plan", capsys, "--memory-limit", "64MiB")
+    assert list(cwd.iterdir()) == []  # the calibration runs write no files (out="")
     scale = report["scale"]
     assert code == 0 and all(scale[op] > 0 for op in "fiwb") and scale["overhead"] >= 0
     assert report["best"]["fits"]

@@ -350,8 +350,9 @@ def _reporter(cfg: TrainConfig, rank: int) -> Reporter:
               f"committed checkpoint under {cfg.out} (if any)", flush=True)
     else:
         print(format_config(cfg, world=dist.get_world_size()), flush=True)
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out) / "config.toml").write_text(config_toml(cfg))
+        if cfg.out:  # empty: no files
+            Path(cfg.out).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.out) / "config.toml").write_text(config_toml(cfg))
     return ProgressReporter(cfg)
 
 

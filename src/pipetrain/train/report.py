@@ -59,10 +59,12 @@ class ProgressReporter:
 
     def __init__(self, cfg: TrainConfig, *, console: Console | None = None) -> None:
         self.cfg = cfg
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = Path(cfg.out) if cfg.out else None  # empty: show progress, write no file
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
         self.console = console or Console()
-        self._log: IO[str] | None = (self.out / "log.jsonl").open("a", encoding="utf-8")
+        self._log: IO[str] | None = (None if self.out is None else
+                                     (self.out / "log.jsonl").open("a", encoding="utf-8"))
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._bubbles: dict[str, float] = {}
@@ -88,6 +90,8 @@ class ProgressReporter:
                          "timeline_bubble_measured": measured.bubble_fraction,
                          "timeline_bubble_simulated": simulated.bubble_fraction}
         predicted = simulated.timeline
+        if self.out is None:
+            return
         if predicted.unit == "units":  # costs read off the measured step: the measured unit
             predicted = Timeline(predicted.n_ranks, predicted.spans, measured.unit)
         trace = timeline_trace(measured, predicted)
@@ -169,6 +173,9 @@ class ProgressReporter:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        if self.out is None:
+            self.console.print(_summary_table({**fields, **self._bubbles}))
+            return
         self._save_loss()
         summary = {**fields, **self._bubbles, "out": str(self.out),
                    "files": sorted(set(self._files + ["summary.json"]))}
@@ -176,6 +183,8 @@ class ProgressReporter:
         self.console.print(_summary_table(summary))
 
     def _save_loss(self) -> None:
+        if self.out is None:
+            return
         try:
             save_loss_png(read_log(self.out / "log.jsonl"), self.out / "loss.png")
             self._files.append("loss.png")
