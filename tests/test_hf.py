@@ -48,7 +48,7 @@ def run_case(name: str, schedule: str, dtype: torch.dtype, ranks: int = 2,
     ref = copy.deepcopy(model)
     inputs, targets = batch(name, rows, seq)
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
-    stages = ranks * (1 if schedule in ("1f1b", "gpipe") else 2)
+    stages = pt.make_schedule(schedule, ranks, M).n_stages
     pipe = pt.Pipeline(model, schedule, M, LOSSES[name], local_ranks=ranks,
                        split_points=points(name, stages), example_inputs=inputs, **options)
     got = pipe.step(pipe.pack(**inputs), targets)
@@ -67,6 +67,15 @@ def test_float64_matches_one_process(name: str) -> None:  # more schedules: test
 @pytest.mark.parametrize("name", ["bert", "resnet"])
 def test_fp32_is_bitwise_where_nothing_is_tied(name: str) -> None:
     got, want, bad = run_case(name, "interleaved-1f1b", torch.float32)
+    assert torch.equal(got, want)
+    assert bad == []
+
+
+@pytest.mark.parametrize("schedule", ["looped-bfs", "zb-auto", "v-half", "v-min"])
+@pytest.mark.parametrize("name", ["bert", "resnet"])
+def test_memory_controlled_schedules_are_bitwise_on_models_we_did_not_write(
+        name: str, schedule: str) -> None:
+    got, want, bad = run_case(name, schedule, torch.float32)
     assert torch.equal(got, want)
     assert bad == []
 
