@@ -28,13 +28,12 @@ from typing import Any
 
 from torch import nn
 
-from pipetrain.action import Op
 from pipetrain.balance import plan_balance
 from pipetrain.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.partition import stage_bounds
 from pipetrain.profile import LayerCost
 from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, Simulation, simulate
+from pipetrain.simulate import Costs, Simulation, peak_units, simulate
 
 __all__ = ["Profiled", "Scale", "Candidate", "SCHEDULES", "RECOMPUTE", "search",
            "microbatch_choices"]
@@ -187,7 +186,7 @@ def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, i
     peaks = []
     for rank in range(schedule.n_ranks):
         stages = schedule.stages_of(rank)
-        alive = _alive_peak(sim, rank, kept, held)
+        alive = peak_units(sim.timeline.of_rank(rank), sim.w_share, held, kept)
         work = max(full[s] for s in stages)  # one micro-batch's backward of the largest stage
         peaks.append(sum(static[s] for s in stages) + alive + work)
     return peaks
@@ -195,30 +194,6 @@ def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, i
 
 def _state_bytes(c: LayerCost) -> float:
     return (c.param_bytes - c.frozen_bytes) * STATE_MULTIPLIER + c.frozen_bytes
-
-
-def _alive_peak(sim: Simulation, rank: int, kept: Sequence[float],
-                held: Sequence[float]) -> float:
-    """The most activation bytes alive at once on ``rank`` in ``sim`` (frees before allocations
-    at equal times, as in :mod:`pipetrain.simulate`)."""
-    events: list[tuple[float, int, float]] = []
-    share = sim.w_share
-    for span in sim.timeline.of_rank(rank):
-        s, op = span.action.stage, span.action.op
-        if op is Op.F:
-            events.append((span.start, 1, kept[s]))
-        elif op is Op.B:
-            events.append((span.end, 0, -kept[s]))
-        elif op is Op.I:
-            events.append((span.end, 0, -(1 - share) * kept[s]))
-            events.append((span.end, 1, held[s]))
-        else:
-            events.append((span.end, 0, -share * kept[s] - held[s]))
-    alive = peak = 0.0
-    for _, _, delta in sorted(events):
-        alive += delta
-        peak = max(peak, alive)
-    return peak
 
 
 def _fitted_zb_auto(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy: str,

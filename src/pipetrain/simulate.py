@@ -255,9 +255,13 @@ def held_per_stage(i_held: Cost, n_stages: int) -> tuple[float, ...]:
     return (0.0,) + (_finite_nonneg("i_held", i_held),) * (n_stages - 1)
 
 
-def peak_units(spans: Sequence[Span], w_share: float, held: tuple[float, ...]) -> float:
-    """The most activation units alive at once over ``spans`` (the module's memory model)."""
-    events = [(t, order, units + held[stage] * n_held)
+def peak_units(spans: Sequence[Span], w_share: float, held: Sequence[float],
+               size: Sequence[float] | None = None) -> float:
+    """The most activation units alive at once over ``spans`` (the module's memory model).
+
+    ``size[stage]`` weighs one unit of that stage (bytes, say); None counts every unit as 1.
+    """
+    events = [(t, order, units * (1.0 if size is None else size[stage]) + held[stage] * n_held)
               for t, order, stage, units, n_held in _events(spans, w_share)]
     alive = peak = 0.0
     for _, _, delta in sorted(events):
