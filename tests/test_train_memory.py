@@ -23,21 +23,28 @@ def _step(size_mib: int) -> None:
 
 def test_cpu_measures_the_second_step_on_top_of_what_is_held() -> None:
     held = [torch.zeros(MIB // 4)]  # 1 MiB
+    calls: list[int] = []
+
+    def listed() -> list[torch.Tensor]:
+        calls.append(1)
+        return held
+
     meter = MemoryMeter(torch.device("cpu"), steps=3)
-    with meter.step(held):
+    with meter.step(listed):
         _step(64)  # the first step is not measured
     assert meter.peak_bytes is None
-    with meter.step(held):
+    with meter.step(listed):
         _step(8)
     peak = meter.peak_bytes
     assert peak is not None and 17 * MIB <= peak < 18 * MIB
-    with meter.step(held):
+    with meter.step(listed):
         _step(32)  # later steps repeat the measured one's allocations: not measured
     assert meter.peak_bytes == peak
+    assert len(calls) == 1  # what the rank holds is listed for the measured step only
 
 
 def test_a_one_step_run_measures_its_only_step() -> None:
     meter = MemoryMeter(torch.device("cpu"), steps=1)
-    with meter.step([]):
+    with meter.step(list):
         _step(4)
     assert meter.peak_bytes is not None and 8 * MIB <= meter.peak_bytes < 9 * MIB

@@ -144,7 +144,7 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step)
     clock = time.perf_counter()
     for step in range(trainer.step, cfg.steps):
-        with meter.step(_held(trainer)):
+        with meter.step(lambda: _held(trainer)):
             stats = train_step(trainer, step)
         tally.add(stats)
         reporter.record("step", stats.fields())

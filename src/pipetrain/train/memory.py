@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,8 +38,9 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
 class MemoryMeter:
     """Measures one rank's peak tensor bytes over the steps of a run (see the module docstring).
 
-    Call :meth:`step` around every training step, in order, with the tensors the rank holds
-    between steps; :attr:`peak_bytes` is the measured peak (None before anything is measured).
+    Call :meth:`step` around every training step, in order, with a function that lists the
+    tensors the rank holds between steps (called only for the measured step);
+    :attr:`peak_bytes` is the measured peak (None before anything is measured).
     """
 
     def __init__(self, device: torch.device, steps: int) -> None:
@@ -52,8 +53,8 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(device)
 
     @contextlib.contextmanager
-    def step(self, held: Iterable[torch.Tensor]) -> Iterator[None]:
-        """Run one training step under measurement (``held``: what lives across steps)."""
+    def step(self, held: Callable[[], Iterable[torch.Tensor]]) -> Iterator[None]:
+        """Run one training step under measurement (``held()``: what lives across steps)."""
         index, self._count = self._count, self._count + 1
         if self.cuda:
             yield
@@ -62,7 +63,7 @@ class MemoryMeter:
         if index != self._measured:
             yield
             return
-        base = tensor_bytes(held)
+        base = tensor_bytes(held())
         with _cpu_profile() as prof:
             yield
         extra = _peak_allocated(prof)
