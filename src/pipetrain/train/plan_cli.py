@@ -61,7 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan; exit 3 when no candidate fits the limit (the fastest is still written)."""
-    from pipetrain.planner import SCHEDULES, search
+    from pipetrain.planner import SCHEDULES, Scale, search
     from pipetrain.train.export_cli import size_bytes
     from pipetrain.train.mesh import layout
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows_per_replica(cfg, dp)
     schedules = _schedules(args.schedules, SCHEDULES)
     profiles = profile_model(cfg, pp, rows)
-    scale = _no_scale() if args.no_calibrate else calibrate_on_ranks(cfg, pp, rows, profiles)
+    scale = Scale() if args.no_calibrate else calibrate_on_ranks(cfg, pp, rows, profiles)
     ranked = search(profiles, pp, rows, limit, scale, schedules=schedules)
     if not ranked:
         raise ValueError("no layout is possible: the model has fewer layers than stages; "
@@ -104,12 +104,6 @@ def _schedules(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
     if unknown or not names:
         raise ValueError(f"--schedules: unknown {unknown}; choose among {list(known)}")
     return names
-
-
-def _no_scale() -> Any:
-    from pipetrain.planner import Scale
-
-    return Scale()
 
 
 # -- 1. profile ----------------------------------------------------------------------------
@@ -187,16 +181,12 @@ def _stdout_to_stderr() -> Iterator[None]:
 
 def _ratio(result: dict[str, Any], prof: Any, op: str, profiled: tuple[str, ...]) -> float:
     """Measured seconds of ``op`` over all stages, over the profiled seconds of the same layers."""
-    bounds = _bounds(result["balance"])
+    from pipetrain.partition import stage_bounds
+
+    bounds = stage_bounds(result["balance"])
     want = sum(getattr(c, o) for a, e in bounds for c in prof.layers[a:e] for o in profiled)
     got = sum(result["costs"][op.upper()])
     return got / want if want > 0 else 1.0
-
-
-def _bounds(balance: list[int]) -> list[tuple[int, int]]:
-    from pipetrain.partition import stage_bounds
-
-    return stage_bounds(balance)
 
 
 def _calibration_run(cfg: TrainConfig, reporter: Any) -> dict[str, Any]:
