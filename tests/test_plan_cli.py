@@ -1,4 +1,5 @@
-"""`pipetrain plan`: the JSON report, the TOML that `train --config` reads, the picture, errors."""
+"""`pipetrain plan`: the JSON report, the TOML that `train --config` reads, the picture, errors,
+and a plan of a local Hugging Face checkpoint (``--hf``) cut where ``train --hf`` cuts it."""
 
 from __future__ import annotations
 
@@ -55,6 +56,36 @@ def test_bad_flags_exit_2(argv: list[str], match: str, tmp_path: Path,
                           capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--out", str(tmp_path), *argv]) == 2
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_plan_of_a_hugging_face_llama_cuts_its_decoder_layers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from hf import python_text, save_dir
+    from pipetrain.hf.model import open_model, split_points
+
+    text = python_text(2)
+    (tmp_path / "data.py").write_text(text)
+    llama = save_dir("llama", tmp_path / "llama", text, layers=6)
+    code = main(["plan", "--hf", str(llama), "--seq-len", "32", "--batch-size", "8",
+                 "--nproc", "2", "--out", str(tmp_path / "plan"), "--schedules", FEW,
+                 "--memory-limit", "1GiB", "--no-calibrate", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["best"]["fits"]
+    units = len(split_points(open_model(llama).model, 2)) + 1
+    assert units == 6 and all(sum(c["balance"]) == units for c in report["candidates"])
+    assert {c["stages_per_rank"] for c in report["candidates"]} == {1, 2}  # 6 layers: zbv too
+    toml = load_toml(Path(report["config"]))
+    assert toml["hf"] == str(llama) and toml["seq_len"] == 32
+    # the profile saw the layers' sizes: the last stage holds the head, the first the table
+    assert all(b > 0 for c in report["candidates"] for b in c["predicted_peak_bytes"])
+
+
+def test_plan_of_a_missing_checkpoint_exits_2(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--hf", str(tmp_path), "--memory-limit", "1GiB", "--no-calibrate",
+                 "--out", str(tmp_path / "plan")]) == 2
+    assert "no config.json there" in capsys.readouterr().err
 
 
 def test_calibrated_plan_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str],

@@ -45,6 +45,13 @@ def test_recompute_keeps_only_stage_inputs_and_pays_one_more_forward() -> None:
     assert max(always.predicted_peak_bytes) < max(never.predicted_peak_bytes)
 
 
+def test_a_recomputed_split_backward_keeps_what_its_i_rebuilt_until_w() -> None:
+    cand = evaluate(_profile(2), make_schedule("zb-h1", 2, 4), [3, 3], "always", 1e12, Scale())
+    # rank 1 runs 1I0 1F1 1I1 before 1W0: two replayed micro-batches (6 MiB each) with their
+    # I-held gradients (1.5 MiB each) and the inputs F kept (1/4 MiB each), + 6 MiB working
+    assert cand.predicted_peak_bytes[1] == 12 * MIB + 2 * 6 * MIB + 3 * MIB + MIB // 2 + 6 * MIB
+
+
 def test_split_backward_keeps_what_w_needs_until_w() -> None:
     prof = _profile(2)
     cand = evaluate(prof, make_schedule("zb-h1", 2, 4), [3, 3], "never", 1e12, Scale())

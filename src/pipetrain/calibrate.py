@@ -13,7 +13,9 @@ every rank's spans) and returns
             message)
 
 A calibration measured with one split of the layers into stages predicts another split
-through :func:`regroup`.
+through :func:`regroup`. Ranks that shared fewer cores than there were ranks (CPU processes)
+ran slower while more of them were busy: ``calibrate(..., cores=n)`` reads each span's work at
+full speed (:func:`pipetrain.sharing.unshare`), and its predictions share the cores again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pipetrain.action import Op
 from pipetrain.dataflow import needs, produces
 from pipetrain.schedule import Schedule
+from pipetrain.sharing import unshare
 from pipetrain.simulate import Costs, Simulation, simulate
 from pipetrain.timeline import Span, Timeline
 
@@ -44,19 +47,25 @@ class Calibration:
     """The median hop; 0.0 when the timelines hold none."""
     hops: int
     """How many hops the median is over."""
+    cores: float | None = None
+    """The cores the measured ranks shared (costs are then work at full speed); None: one
+    device per rank."""
 
     def predict(self, schedule: Schedule) -> Simulation:
-        """``simulate(schedule, costs, comm)``: the schedule's step at these costs."""
-        return simulate(schedule, self.costs, self.comm)
+        """``simulate(schedule, costs, comm, cores=cores)``: the schedule's step at these
+        costs."""
+        return simulate(schedule, self.costs, self.comm, cores=self.cores)
 
 
-def calibrate(timelines: Timeline | Sequence[Timeline], schedule: Schedule) -> Calibration:
+def calibrate(timelines: Timeline | Sequence[Timeline], schedule: Schedule, *,
+              cores: float | None = None) -> Calibration:
     """Read costs per stage and op, and the message delay, off measured steps of ``schedule``.
 
     Args:
         timelines: one step's timeline or several (medians are over all of them), each with
             the spans of every rank.
         schedule: the schedule the steps ran.
+        cores: the cores the ranks shared, when fewer than the ranks; None: a device each.
 
     Returns:
         A :class:`Calibration`; ``calibration.predict(other_schedule)`` simulates any
@@ -75,7 +84,8 @@ def calibrate(timelines: Timeline | Sequence[Timeline], schedule: Schedule) -> C
     steps = _as_list(timelines)
     delays = hop_delays(steps, schedule)
     comm = max(0.0, statistics.median(delays)) if delays else 0.0
-    return Calibration(stage_costs(steps, schedule), comm, len(delays))
+    work = steps if cores is None else [unshare(step, cores) for step in steps]
+    return Calibration(stage_costs(work, schedule), comm, len(delays), cores)
 
 
 def stage_costs(timelines: Timeline | Sequence[Timeline], schedule: Schedule) -> Costs:

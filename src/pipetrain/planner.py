@@ -6,7 +6,8 @@ stage) and a recomputation policy. For each one the planner predicts
     step time   simulate(schedule) with per-stage costs summed from the profiled layers of a
                 micro-batch of that size, times the measured/profiled ratio of each op in a
                 calibration run, plus the calibrated hop delay and the step's time outside
-                the schedule (gradient norm, optimizer)
+                the schedule (gradient norm, optimizer); ranks that share fewer cores than
+                they are (CPU processes) share them in the simulation too
     peak bytes  per rank: the stages' parameters, gradients and AdamW moments (4 x their
                 trainable bytes, + frozen bytes), plus the most activation bytes alive at once
                 in the simulated timeline (F holds its stage's activations of one micro-batch;
@@ -14,8 +15,9 @@ stage) and a recomputation policy. For each one the planner predicts
                 working memory of the rank's largest stage during its backward
 
 With ``recompute="always"`` a stage keeps only its input between F and its backward, and the
-backward first runs the forward again (its I, or B, costs one more F). Candidates that do not
-fit the memory limit are kept but ranked after those that do; the rest go fastest first.
+backward first runs the forward again (its I, or B, costs one more F); what a split backward's
+I rebuilds stays alive until its W. Candidates that do not fit the memory limit are kept but
+ranked after those that do; the rest go fastest first.
 Everything here is pure: the measurements come in as :class:`Profiled` and :class:`Scale`.
 """
 
@@ -67,6 +69,9 @@ class Scale:
     """Seconds from a message's send to its use on an idle rank (the calibrated hop)."""
     overhead: float = 0.0
     """Seconds of a step outside the schedule's actions (norm, optimizer, reductions)."""
+    cores: float | None = None
+    """The cores the ranks share when fewer than the ranks (CPU processes; the simulation
+    then shares them, :mod:`pipetrain.sharing`); None: a device each."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,8 @@ def evaluate(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy:
              limit: float, scale: Scale) -> Candidate:
     """The predicted step time and per-rank peak bytes of one layout."""
     bounds = stage_bounds(balance)
-    sim = simulate(schedule, _costs(prof, bounds, policy, scale), scale.comm)
+    sim = simulate(schedule, _costs(prof, bounds, policy, scale), scale.comm,
+                   cores=scale.cores)
     peaks = tuple(round(x) for x in rank_peaks(prof, schedule, bounds, policy, sim))
     return Candidate(schedule.name, schedule.n_stages // schedule.n_ranks,
                      schedule.n_microbatches, tuple(balance), policy,
@@ -181,12 +187,13 @@ def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, i
     layers = prof.layers
     full = [sum(c.activation_bytes for c in layers[a:e]) for a, e in bounds]
     kept = full if policy == "never" else [prof.input_bytes[a] for a, _ in bounds]
+    replay = [0.0] * len(full) if policy == "never" else full  # rebuilt by I, kept until W
     held = [0.0] + [float(sum(c.i_held_bytes for c in layers[a:e])) for a, e in bounds[1:]]
     static = [sum(_state_bytes(c) for c in layers[a:e]) for a, e in bounds]
     peaks = []
     for rank in range(schedule.n_ranks):
         stages = schedule.stages_of(rank)
-        alive = peak_units(sim.timeline.of_rank(rank), sim.w_share, held, kept)
+        alive = peak_units(sim.timeline.of_rank(rank), sim.w_share, held, kept, replay)
         work = max(full[s] for s in stages)  # one micro-batch's backward of the largest stage
         peaks.append(sum(static[s] for s in stages) + alive + work)
     return peaks

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pipetrain.action import Action, Op
 from pipetrain.dataflow import walk
 from pipetrain.schedule import Schedule
+from pipetrain.sharing import shared_walk
 from pipetrain.timeline import Span, Timeline
 from pipetrain.validate import validate
 
@@ -167,6 +168,8 @@ class Simulation:
     """Per rank, the most stage-activation units alive at once (see module docstring)."""
     i_held: Cost = 0.0
     """Units I adds and W frees (see module docstring): one for all stages but 0, or per stage."""
+    cores: float | None = None
+    """The cores the ranks shared (:mod:`pipetrain.sharing`); None: a device each."""
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready summary, with the action lists and every span's start and end."""
@@ -178,7 +181,7 @@ class Simulation:
             "bubble_fraction": self.bubble_fraction, "bubble_rate": self.bubble_rate,
             "peak_activations": list(self.peak_activations),
             "costs": self.costs.to_dict(), "comm": self.comm, "w_share": self.w_share,
-            "i_held": _jsonable(self.i_held),
+            "i_held": _jsonable(self.i_held), "cores": self.cores,
             "actions": [[str(a) for a in acts] for acts in s.actions],
             "spans": [[[str(x.action), x.start, x.end] for x in self.timeline.of_rank(r)]
                       for r in range(s.n_ranks)],
@@ -187,7 +190,7 @@ class Simulation:
 
 def simulate(
     schedule: Schedule, costs: Costs | None = None, comm: float = 0.0, *,
-    w_share: float = DEFAULT_W_SHARE, i_held: Cost = 0.0,
+    w_share: float = DEFAULT_W_SHARE, i_held: Cost = 0.0, cores: float | None = None,
 ) -> Simulation:
     """Validate ``schedule`` and compute when each action runs and what it costs.
 
@@ -198,6 +201,9 @@ def simulate(
         w_share: share of a micro-batch's stage activation that W (not I) frees, in [0, 1].
         i_held: units I keeps for W on top (the gradients at the cut): one value for every
             stage but stage 0, or a tuple per stage; see the module docstring.
+        cores: the cores the ranks share, when fewer than the ranks (CPU processes): each of
+            ``k`` busy ranks then runs at ``min(1, cores / k)`` of its speed
+            (:mod:`pipetrain.sharing`); None gives each rank its own device.
 
     Returns:
         A :class:`Simulation` with the timeline, makespan, bubble and peak-memory metrics.
@@ -217,7 +223,11 @@ def simulate(
     _check_arguments(schedule, costs, comm, w_share)
     held = held_per_stage(i_held, schedule.n_stages)
     validate(schedule)
-    result = walk(schedule, lambda rank, a: costs.of(a.op, a.stage), comm)
+    def duration(rank: int, a: Action) -> float:
+        return costs.of(a.op, a.stage)
+
+    result = (walk(schedule, duration, comm) if cores is None
+              else shared_walk(schedule, duration, comm, cores))
     spans = tuple(Span(rank, schedule.actions[rank][step], result.start[rank, step],
                        result.end[rank, step]) for rank, step in result.order)
     timeline = Timeline(schedule.n_ranks, spans)
@@ -231,7 +241,7 @@ def simulate(
         bubble_fraction=timeline.bubble_fraction,
         bubble_rate=(cost - work) / cost if cost > 0 else 0.0,
         peak_activations=tuple(peak_units(timeline.of_rank(r), w_share, held) for r in ranks),
-        i_held=i_held,
+        i_held=i_held, cores=cores,
     )
 
 
@@ -256,13 +266,20 @@ def held_per_stage(i_held: Cost, n_stages: int) -> tuple[float, ...]:
 
 
 def peak_units(spans: Sequence[Span], w_share: float, held: Sequence[float],
-               size: Sequence[float] | None = None) -> float:
+               size: Sequence[float] | None = None,
+               replay: Sequence[float] | None = None) -> float:
     """The most activation units alive at once over ``spans`` (the module's memory model).
 
     ``size[stage]`` weighs one unit of that stage (bytes, say); None counts every unit as 1.
+    ``replay[stage]`` is what a recomputed stage's I rebuilds and keeps until its W: it is
+    allocated when I starts and freed when W ends (a fused B's replay is gone when B ends).
     """
     events = [(t, order, units * (1.0 if size is None else size[stage]) + held[stage] * n_held)
               for t, order, stage, units, n_held in _events(spans, w_share)]
+    if replay is not None:
+        events += [(s.start, 1, replay[s.action.stage]) if s.action.op is Op.I
+                   else (s.end, 0, -replay[s.action.stage])
+                   for s in spans if s.action.op in (Op.I, Op.W)]
     alive = peak = 0.0
     for _, _, delta in sorted(events):
         alive += delta

@@ -1,9 +1,11 @@
 """``pipetrain plan``: profile the model, calibrate on the ranks, search layouts, write the best.
 
     $ pipetrain plan --preset small --nproc 4 --memory-limit 64MiB
+    $ pipetrain plan --hf llama-local --data notes.txt --nproc 4 --memory-limit 16GiB
 
 1. Profile every layer in this process on one micro-batch of each size the search tries
-   (:func:`pipetrain.profile.profile_layers`).
+   (:func:`pipetrain.profile.profile_layers`): the GPT preset's blocks, or the decoder layers
+   of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts).
 2. Calibrate: train 3 steps of zb-h1 and of 1f1b on the ranks (a local launch, as
    ``pipetrain train``); the measured/profiled ratio of each op, the hop delay and the step's
    time outside the schedule scale every prediction (:mod:`pipetrain.calibrate`).
@@ -21,7 +23,7 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit", required=True, metavar="SIZE",
                         help="bytes each device may hold, e.g. 64MiB or 16GiB")
     parser.add_argument("--preset", default=d.preset, help="GPT preset (default: %(default)s)")
+    parser.add_argument("--hf", default=d.hf, metavar="DIR",
+                        help="a local Hugging Face save_pretrained directory instead of --preset")
+    parser.add_argument("--data", default=d.data, metavar="PATH",
+                        help="text the calibration steps train on (default: the stdlib's sources)")
+    parser.add_argument("--token-cache", default=d.token_cache, metavar="DIR",
+                        help="with --hf: where tokenized corpora are kept (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=d.seq_len, metavar="N")
     parser.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N",
                         help="sequences per step over all replicas (default: %(default)s)")
@@ -62,18 +70,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan; exit 3 when no candidate fits the limit (the fastest is still written)."""
     from pipetrain.planner import SCHEDULES, Scale, search
+    from pipetrain.train.cli import check
     from pipetrain.train.export_cli import size_bytes
     from pipetrain.train.mesh import layout
 
     limit = size_bytes(args.memory_limit, "--memory-limit")
     dp, pp = layout(args.nproc, args.dp, args.pp)
-    cfg = TrainConfig(preset=args.preset, seq_len=args.seq_len, batch_size=args.batch_size,
-                      nproc=args.nproc, pp=args.pp, dp=dp, device=args.device, out="",
-                      progress=False, sample_tokens=0, eval_batches=1)
+    cfg = TrainConfig(preset=args.preset, hf=args.hf, data=args.data,
+                      token_cache=args.token_cache, seq_len=args.seq_len,
+                      batch_size=args.batch_size, nproc=args.nproc, pp=args.pp, dp=dp,
+                      device=args.device, out="", progress=False, sample_tokens=0,
+                      eval_batches=1)
+    check(cfg)
     rows = _rows_per_replica(cfg, dp)
     schedules = _schedules(args.schedules, SCHEDULES)
     profiles = profile_model(cfg, pp, rows)
-    scale = Scale() if args.no_calibrate else calibrate_on_ranks(cfg, pp, rows, profiles)
+    cores = shared_cores(cfg)
+    scale = (Scale(cores=cores) if args.no_calibrate
+             else calibrate_on_ranks(cfg, pp, rows, profiles, cores))
     ranked = search(profiles, pp, rows, limit, scale, schedules=schedules)
     if not ranked:
         raise ValueError("no layout is possible: the model has fewer layers than stages; "
@@ -109,25 +123,57 @@ def _schedules(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
 # -- 1. profile ----------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """The layers the balance groups into stages, as ``pipetrain train`` cuts the model."""
+
+    layers: list[torch.nn.Module]
+    feed: Callable[[torch.Tensor], Any]
+    """Token ids -> the first layer's input."""
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def model_units(cfg: TrainConfig, pp: int) -> Units:
+    """The GPT preset's layers, or ``--hf``'s units: its decoder layers (the embedding with the
+    first, norm and head with the last) captured with torch.export, materialised from the seed
+    (values do not change the times)."""
+    if not cfg.hf:
+        from pipetrain.gpt import gpt_layers, lm_loss
+        from pipetrain.train.source import GPTSource
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            return Units(gpt_layers(GPTSource(cfg).model), lambda ids: ids, lm_loss)
+    from pipetrain.hf.model import open_model, split_points
+    from pipetrain.layers import packed, trace_stages
+    from pipetrain.lazy import NamedInit
+    from pipetrain.train.hf_source import causal_lm_loss
+
+    meta = open_model(Path(cfg.hf)).model
+    model: torch.nn.Module = NamedInit(meta, cfg.seed).materialize(meta)
+    # 2 rows: export specializes a dimension of size 1, and the capture serves every size
+    example = {"input_ids": torch.zeros(2, cfg.seq_len, dtype=torch.long)}
+    traced = trace_stages(model, split_points(model, pp), example, "time", pp)
+    return Units(list(traced.stages), lambda ids: packed(traced, {"input_ids": ids}),
+                 causal_lm_loss)
+
+
 def profile_model(cfg: TrainConfig, pp: int, rows: int) -> list[Any]:
     """The layers profiled on one micro-batch of every size the search tries."""
-    from pipetrain.gpt import gpt_layers, lm_loss
     from pipetrain.planner import Profiled, microbatch_choices
     from pipetrain.profile import profile_layers
-    from pipetrain.train.source import GPTSource
 
-    model = GPTSource(cfg).model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        layers = gpt_layers(model)
+    units = model_units(cfg, pp)
     out = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of a CPU run computes
     try:
         for m in microbatch_choices(rows, pp):
-            x = torch.zeros(rows // m, cfg.seq_len, dtype=torch.long)
-            costs = profile_layers(layers, x, loss_fn=lm_loss, sample_target=x, repeats=5)
-            out.append(Profiled(rows // m, tuple(costs), _input_bytes(layers, x)))
+            ids = torch.zeros(rows // m, cfg.seq_len, dtype=torch.long)
+            x = units.feed(ids)
+            costs = profile_layers(units.layers, x, loss_fn=units.loss, sample_target=ids,
+                                   repeats=5)
+            out.append(Profiled(rows // m, tuple(costs), _input_bytes(units.layers, x)))
     finally:
         torch.set_num_threads(threads)
     return out
@@ -148,7 +194,19 @@ def _input_bytes(layers: list[torch.nn.Module], x: torch.Tensor) -> tuple[int, .
 # -- 2. calibrate ----------------------------------------------------------------------------
 
 
-def calibrate_on_ranks(cfg: TrainConfig, pp: int, rows: int, profiles: list[Any]) -> Any:
+def shared_cores(cfg: TrainConfig) -> float | None:
+    """The cores this machine's ranks share (one thread each), when fewer than the ranks of a
+    CPU run; None when each rank has its own device or core."""
+    from pipetrain.train.elastic import backend_for
+
+    if backend_for(cfg.device, cfg.nproc) != "gloo":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return float(cores) if cores and cores < cfg.nproc else None
+
+
+def calibrate_on_ranks(cfg: TrainConfig, pp: int, rows: int, profiles: list[Any],
+                       cores: float | None = None) -> Any:
     """Measured/profiled ratios from 3 steps of each calibration schedule on the ranks."""
     from pipetrain.planner import Scale
     from pipetrain.train.elastic import launch_local
@@ -157,13 +215,22 @@ def calibrate_on_ranks(cfg: TrainConfig, pp: int, rows: int, profiles: list[Any]
     m = rows // prof.rows
     base = dataclasses.replace(cfg, microbatches=m, steps=3, balance="params")
     with _stdout_to_stderr():  # the ranks print their config; stdout stays the plan's
-        measured = {name: launch_local(dataclasses.replace(base, schedule=name),
-                                       _calibration_run) for name in CALIBRATION_SCHEDULES}
+        measured = {name: _calibrated(launch_local(dataclasses.replace(base, schedule=name),
+                                                   _calibration_run), cores)
+                    for name in CALIBRATION_SCHEDULES}
     split, fused = measured["zb-h1"], measured["1f1b"]
     f, i, w, b = (_ratio(split, prof, "f", ("f",)), _ratio(split, prof, "i", ("i",)),
                   _ratio(split, prof, "w", ("w",)), _ratio(fused, prof, "b", ("i", "w")))
     return Scale(f=f, i=i, w=w, b=b, comm=split["comm"],
-                 overhead=statistics.mean([split["overhead"], fused["overhead"]]))
+                 overhead=statistics.mean([split["overhead"], fused["overhead"]]), cores=cores)
+
+
+def _calibrated(run: dict[str, Any], cores: float | None) -> dict[str, Any]:
+    """A calibration run's costs (work at full speed when the ranks shared ``cores``) and hop."""
+    from pipetrain.calibrate import calibrate
+
+    calib = calibrate(run["timelines"], run["schedule"], cores=cores)
+    return {**run, "costs": calib.costs.to_dict(), "comm": calib.comm}
 
 
 @contextlib.contextmanager
@@ -190,18 +257,15 @@ def _ratio(result: dict[str, Any], prof: Any, op: str, profiled: tuple[str, ...]
 
 
 def _calibration_run(cfg: TrainConfig, reporter: Any) -> dict[str, Any]:
-    """On every rank: train ``cfg.steps`` steps; the costs measured after the first."""
-    from pipetrain.calibrate import calibrate
+    """On every rank: train ``cfg.steps`` steps; the timelines of those after the first."""
     from pipetrain.train.loop import train_step
     from pipetrain.train.setup import build
 
     trainer = build(cfg)
     stats = [train_step(trainer, step) for step in range(cfg.steps)][1:]
-    schedule = trainer.pipe.schedule
-    calib = calibrate([s.timeline for s in stats], schedule)
     overhead = statistics.median(s.seconds - s.timeline.makespan for s in stats)
-    return {"costs": calib.costs.to_dict(), "comm": calib.comm, "overhead": max(0.0, overhead),
-            "balance": list(trainer.pipe.balance)}
+    return {"timelines": [s.timeline for s in stats], "schedule": trainer.pipe.schedule,
+            "overhead": max(0.0, overhead), "balance": list(trainer.pipe.balance)}
 
 
 # -- 3. report ------------------------------------------------------------------------------
