@@ -39,6 +39,22 @@ def test_profile_only_plan_writes_a_config_train_runs(tmp_path: Path,
     assert Path(report["png"]).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_searched_schedule_is_written_out_and_trained_as_planned(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipetrain.schedule import Schedule
+    from pipetrain.train.config import TrainConfig
+    from pipetrain.train.setup import run_schedule
+
+    code = main(["plan", "--preset", "tiny", "--nproc", "2", "--out", str(tmp_path),
+                 "--schedules", "zb-auto", "--memory-limit", "64MiB", "--no-calibrate",
+                 "--json"])
+    best = json.loads(capsys.readouterr().out)["best"]
+    toml = load_toml(tmp_path / "plan.toml")
+    assert code == 0 and toml["schedule"] == str(tmp_path / "plan.schedule.csv")
+    planned = Schedule.from_text(best["schedule_text"])
+    assert run_schedule(TrainConfig(**toml), 2).actions == planned.actions
+
+
 def test_a_limit_nothing_fits_exits_3_and_says_how(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan", "--preset", "tiny", "--nproc", "2", "--out", str(tmp_path),

@@ -28,7 +28,7 @@ from pipetrain.train.optim import (
     param_groups,
 )
 from pipetrain.train.precision import LossScale, autocast
-from pipetrain.train.setup import check_config
+from pipetrain.train.setup import check_config, run_schedule
 from pipetrain.train.source import hosted_layers
 from pipetrain.train.source import parse_balance as _balance
 from pipetrain.train.timing import measured_costs, predict
@@ -238,6 +238,24 @@ def test_check_config_lists_every_problem_at_once() -> None:
     with pytest.raises(ValueError, match="the world has 3 ranks"):
         check_config(TrainConfig(dp=2, pp=2), 3)
     check_config(TrainConfig(dp=2, batch_size=16, microbatches=8), 4)
+
+
+def test_a_schedule_file_runs_as_written_and_must_fit_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pipetrain.generators import Target
+
+    searched = pt.make_schedule("zb-auto", 2, 4, 1, Target(memory_limit=4.0))
+    path = tmp_path / "zb.csv"
+    searched.save(path)
+    cfg = TrainConfig(schedule=str(path), microbatches=4, batch_size=8)
+    got = run_schedule(cfg, 2)
+    assert got.actions == searched.actions != pt.make_schedule("zb-auto", 2, 4).actions
+    check_config(cfg, 2)
+    with pytest.raises(ValueError, match=r"has ranks \(--pp\) 2 where the run has 4, "
+                                         r"micro-batches \(--microbatches\) 4 where the run has 8"):
+        run_schedule(TrainConfig(schedule=str(path), microbatches=8), 4)
+    (tmp_path / "bad.csv").write_text("rank 0,rank 1\n0F0,1B0\n0B0,1F0\n")
+    with pytest.raises(ValueError, match="bad.csv: schedule .custom. out of order"):
+        run_schedule(TrainConfig(schedule=str(tmp_path / "bad.csv"), microbatches=1), 2)
 
 
 def test_balance_flag_reads_modes_even_and_layer_counts() -> None:

@@ -15,15 +15,14 @@ stage) and a recomputation policy. For each one the planner predicts
                 working memory of the rank's largest stage during its backward
 
 With ``recompute="always"`` a stage keeps only its input between F and its backward, and the
-backward first runs the forward again (its I, or B, costs one more F); what a split backward's
-I rebuilds stays alive until its W. Candidates that do not fit the memory limit are kept but
-ranked after those that do; the rest go fastest first.
-Everything here is pure: the measurements come in as :class:`Profiled` and :class:`Scale`.
+backward first runs the forward again (its I, or B, costs one more F); what it rebuilds is
+alive from the start of B until its end, or from the start of I until W ends. Candidates
+that do not fit the memory limit are kept but ranked after those that do; the rest go fastest
+first. Everything here is pure: the measurements come in as :class:`Profiled` and :class:`Scale`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,10 +88,15 @@ class Candidate:
     simulation: Simulation = field(compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; a searched schedule (zb-auto) adds its action lists as
+        ``schedule_text``, which ``pipetrain train --schedule FILE`` runs as they are."""
+        found = {"schedule_text": self.simulation.schedule.to_text()
+                 } if REGISTRY[self.schedule].search is not None else {}
         return {"schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
                 "microbatches": self.microbatches, "balance": list(self.balance),
                 "recompute": self.recompute, "predicted_step_s": self.predicted_step_s,
-                "predicted_peak_bytes": list(self.predicted_peak_bytes), "fits": self.fits}
+                "predicted_peak_bytes": list(self.predicted_peak_bytes), "fits": self.fits,
+                **found}
 
 
 def microbatch_choices(rows_per_replica: int, p: int, most: int = 4) -> list[int]:
@@ -141,9 +145,8 @@ def _layouts(prof: Profiled, name: str, p: int, m: int, policy: str, limit: floa
     out = []
     for mode in ("time", "memory"):
         balance = plan_balance(stand_ins, schedule, mode, layer_costs=layers).balance
-        run = schedule if name != "zb-auto" else _fitted_zb_auto(
-            prof, schedule, balance, policy, p, m, limit, scale)
-        out.append(evaluate(prof, run, balance, policy, limit, scale))
+        out.append(evaluate(prof, schedule, balance, policy, limit, scale) if name != "zb-auto"
+                   else _fitted_zb_auto(prof, balance, policy, p, m, limit, scale))
     return out
 
 
@@ -187,7 +190,7 @@ def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, i
     layers = prof.layers
     full = [sum(c.activation_bytes for c in layers[a:e]) for a, e in bounds]
     kept = full if policy == "never" else [prof.input_bytes[a] for a, _ in bounds]
-    replay = [0.0] * len(full) if policy == "never" else full  # rebuilt by I, kept until W
+    replay = [0.0] * len(full) if policy == "never" else full  # rebuilt by I or B
     held = [0.0] + [float(sum(c.i_held_bytes for c in layers[a:e])) for a, e in bounds[1:]]
     static = [sum(_state_bytes(c) for c in layers[a:e]) for a, e in bounds]
     peaks = []
@@ -203,20 +206,20 @@ def _state_bytes(c: LayerCost) -> float:
     return (c.param_bytes - c.frozen_bytes) * STATE_MULTIPLIER + c.frozen_bytes
 
 
-def _fitted_zb_auto(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy: str,
-                    p: int, m: int, limit: float, scale: Scale) -> Schedule:
-    """zb-auto searched under the activations the limit leaves on the tightest rank."""
-    bounds = stage_bounds(balance)
-    layers = prof.layers
-    per_stage = [max(1.0, float(sum(c.activation_bytes for c in layers[a:e])
-                                if policy == "never" else prof.input_bytes[a]))
-                 for a, e in bounds]
-    room = min((limit - sum(_state_bytes(c) for c in layers[a:e])) / per_stage[s]
-               for s, (a, e) in enumerate(bounds))
-    units = float(max(1, min(2 * p, math.floor(room)))) if math.isfinite(room) else None
-    target = Target(memory_limit=units, costs=_costs(prof, bounds, policy, scale),
-                    comm=scale.comm)
-    try:
-        return make_schedule("zb-auto", p, m, 1, target)
-    except ValueError:
-        return schedule
+def _fitted_zb_auto(prof: Profiled, balance: Sequence[int], policy: str, p: int, m: int,
+                    limit: float, scale: Scale) -> Candidate:
+    """zb-auto under the loosest activation limit, from 2p stage-activations down, whose
+    predicted peak bytes fit ``limit``; the tightest (1) when none does."""
+    costs = _costs(prof, stage_bounds(balance), policy, scale)
+    cand = None
+    for units in range(2 * p, 0, -1):
+        try:
+            schedule = make_schedule("zb-auto", p, m, 1, Target(float(units), costs, scale.comm))
+        except ValueError:
+            continue  # no schedule under so few units
+        cand = evaluate(prof, schedule, balance, policy, limit, scale)
+        if cand.fits:
+            break
+    if cand is None:
+        raise ValueError(f"zb-auto has no schedule for p={p}, m={m} under any limit")
+    return cand

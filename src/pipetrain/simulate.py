@@ -271,15 +271,17 @@ def peak_units(spans: Sequence[Span], w_share: float, held: Sequence[float],
     """The most activation units alive at once over ``spans`` (the module's memory model).
 
     ``size[stage]`` weighs one unit of that stage (bytes, say); None counts every unit as 1.
-    ``replay[stage]`` is what a recomputed stage's I rebuilds and keeps until its W: it is
-    allocated when I starts and freed when W ends (a fused B's replay is gone when B ends).
+    ``replay[stage]`` is what a recomputed stage's backward rebuilds before it runs: allocated
+    when I (or B) starts, freed when W (or B) ends.
     """
     events = [(t, order, units * (1.0 if size is None else size[stage]) + held[stage] * n_held)
               for t, order, stage, units, n_held in _events(spans, w_share)]
     if replay is not None:
-        events += [(s.start, 1, replay[s.action.stage]) if s.action.op is Op.I
-                   else (s.end, 0, -replay[s.action.stage])
-                   for s in spans if s.action.op in (Op.I, Op.W)]
+        for s in spans:
+            if s.action.op in (Op.I, Op.B):
+                events.append((s.start, 1, replay[s.action.stage]))
+            if s.action.op in (Op.W, Op.B):
+                events.append((s.end, 0, -replay[s.action.stage]))
     alive = peak = 0.0
     for _, _, delta in sorted(events):
         alive += delta

@@ -181,9 +181,9 @@ def check(cfg: TrainConfig) -> None:
                          "written by save_pretrained (config, safetensors, tokenizer)")
     if not cfg.hf and cfg.preset not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
-    if cfg.schedule not in REGISTRY:
+    if cfg.schedule not in REGISTRY and not Path(cfg.schedule).is_file():
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of "
-                         f"{sorted(REGISTRY)}")
+                         f"{sorted(REGISTRY)}, or give a schedule file")
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
     for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp"):

@@ -40,7 +40,7 @@ class TrainConfig:
     dp: int = 1
     """Data-parallel replicas of the whole pipeline."""
     schedule: str = "1f1b"
-    """Schedule name (``pipetrain schedules``)."""
+    """Schedule name (``pipetrain schedules``), or a schedule file run as written."""
     microbatches: int = 8
     """Micro-batches per step on each replica."""
     stages_per_rank: int | None = None

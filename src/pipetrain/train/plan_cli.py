@@ -276,8 +276,12 @@ def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
     from pipetrain.train.cli import config_toml
 
     out.mkdir(parents=True, exist_ok=True)
+    schedule = best.schedule
+    if "schedule_text" in best.to_dict():  # a searched schedule: train runs this very one
+        schedule = str(out / "plan.schedule.csv")
+        Path(schedule).write_text(best.to_dict()["schedule_text"])
     chosen = dataclasses.replace(
-        cfg, schedule=best.schedule, stages_per_rank=best.stages_per_rank,
+        cfg, schedule=schedule, stages_per_rank=best.stages_per_rank,
         microbatches=best.microbatches, balance=",".join(map(str, best.balance)),
         recompute=best.recompute, out="runs/pipetrain", progress=True,
         sample_tokens=TrainConfig.sample_tokens, eval_batches=TrainConfig.eval_batches)

@@ -11,21 +11,25 @@ batch per step, of which its replica takes rows ``[dp_rank * B/dp, (dp_rank + 1)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipetrain.data import Batches, Corpus
-from pipetrain.generators import make_schedule
+from pipetrain.errors import ScheduleError
+from pipetrain.generators import REGISTRY, _load_builtin, make_schedule
 from pipetrain.gpt import PRESETS
 from pipetrain.pipeline import Pipeline
+from pipetrain.schedule import Schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
 from pipetrain.train.nonfinite import NaNInjector
 from pipetrain.train.optim import build_optimizer, counted_parameters
 from pipetrain.train.precision import PRECISIONS, LossScale
 from pipetrain.train.source import Source, source_for
+from pipetrain.validate import validate
 
 __all__ = ["Trainer", "build", "check_config"]
 
@@ -84,6 +88,35 @@ class Trainer:
         return batch[0][lo:lo + n], batch[1][lo:lo + n]
 
 
+def run_schedule(cfg: TrainConfig, pp: int) -> Schedule:
+    """``cfg.schedule``: a generator's name, or a schedule file (``pipetrain validate``'s
+    formats; ``pipetrain plan`` writes one for a searched schedule) run exactly as written.
+
+    Raises:
+        ValueError: for integers outside the generator's constraints, or a file that is not a
+            valid schedule of ``pp`` ranks, ``cfg.microbatches`` micro-batches and
+            ``cfg.stages_per_rank`` stages per rank (when set).
+    """
+    _load_builtin()
+    if cfg.schedule in REGISTRY or not Path(cfg.schedule).is_file():
+        return make_schedule(cfg.schedule, pp, cfg.microbatches, cfg.stages_per_rank)
+    try:
+        schedule = Schedule.load(cfg.schedule)
+        validate(schedule)
+    except ScheduleError as e:
+        raise ValueError(f"--schedule {cfg.schedule}: {e}") from None
+    v = schedule.n_stages // schedule.n_ranks
+    wanted = {"ranks (--pp)": (schedule.n_ranks, pp),
+              "micro-batches (--microbatches)": (schedule.n_microbatches, cfg.microbatches),
+              "stages per rank (--stages-per-rank)": (v, cfg.stages_per_rank or v)}
+    wrong = [f"{k} {got} where the run has {want}" for k, (got, want) in wanted.items()
+             if got != want]
+    if wrong:
+        raise ValueError(f"--schedule {cfg.schedule} has " + ", ".join(wrong) + "; run it "
+                         "with the layout it was written for, or write it again")
+    return schedule
+
+
 def check_config(cfg: TrainConfig, world: int) -> None:
     """Every problem with ``cfg`` for a world of ``world`` ranks, raised at once.
 
@@ -93,7 +126,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     problems = []
     try:
         dp, pp = layout(world, cfg.dp, cfg.pp)
-        make_schedule(cfg.schedule, pp, cfg.microbatches, cfg.stages_per_rank)
+        run_schedule(cfg, pp)
     except ValueError as e:
         problems.append(str(e))
         dp = max(cfg.dp, 1)
@@ -125,7 +158,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
     mesh = build_mesh(cfg.dp, cfg.pp, cfg.device)
     source = source_for(cfg)
-    schedule = make_schedule(cfg.schedule, mesh.pp, cfg.microbatches, cfg.stages_per_rank)
+    schedule = run_schedule(cfg, mesh.pp)
     scale = LossScale(enabled=cfg.precision == "fp16")
     rows = cfg.batch_size // mesh.dp // cfg.microbatches
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
