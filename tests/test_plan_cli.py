@@ -114,3 +114,17 @@ def test_calibrated_plan_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixt
     scale = report["scale"]
     assert code == 0 and all(scale[op] > 0 for op in "fiwb") and scale["overhead"] >= 0
     assert report["best"]["fits"]
+
+
+def test_recomputation_cost_is_fitted_to_the_measured_step() -> None:
+    from pipetrain import make_schedule
+    from pipetrain.planner import Scale, evaluate
+    from pipetrain.train.plan_cli import _fitted_replay
+    from test_planner import _profile
+
+    prof, schedule = _profile(2), make_schedule("1f1b", 2, 4)
+    for truth in (0.4, 1.0, 1.7):
+        step = evaluate(prof, schedule, [3, 3], "always", 0.0, Scale(replay=truth, cores=1.5))
+        run = {"timelines": [step.simulation.timeline], "schedule": schedule, "balance": [3, 3]}
+        assert _fitted_replay(run, prof, Scale(cores=1.5)) == pytest.approx(truth, rel=1e-6)
+

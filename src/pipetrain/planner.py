@@ -68,6 +68,9 @@ class Scale:
     """Seconds from a message's send to its use on an idle rank (the calibrated hop)."""
     overhead: float = 0.0
     """Seconds of a step outside the schedule's actions (norm, optimizer, reductions)."""
+    replay: float = 1.0
+    """What recomputation adds to a backward, over the profiled F of the same layers (the
+    replay, and the saved-tensor hooks' cost in F)."""
     cores: float | None = None
     """The cores the ranks share when fewer than the ranks (CPU processes; the simulation
     then shares them, :mod:`pipetrain.sharing`); None: a device each."""
@@ -176,7 +179,8 @@ def _costs(prof: Profiled, bounds: Sequence[tuple[int, int]], policy: str,
         return float(sum(getattr(c, op) for c in prof.layers[a:e]))
 
     f = [total("f", a, e) * scale.f for a, e in bounds]
-    again = f if policy == "always" else [0.0] * len(f)
+    again = ([total("f", a, e) * scale.replay for a, e in bounds] if policy == "always"
+             else [0.0] * len(f))
     i = [total("i", a, e) * scale.i + x for (a, e), x in zip(bounds, again, strict=True)]
     w = [total("w", a, e) * scale.w for a, e in bounds]
     b = [(total("i", a, e) + total("w", a, e)) * scale.b + x

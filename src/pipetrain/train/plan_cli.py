@@ -6,9 +6,10 @@
 1. Profile every layer in this process on one micro-batch of each size the search tries
    (:func:`pipetrain.profile.profile_layers`): the GPT preset's blocks, or the decoder layers
    of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts).
-2. Calibrate: train 3 steps of zb-h1 and of 1f1b on the ranks (a local launch, as
-   ``pipetrain train``); the measured/profiled ratio of each op, the hop delay and the step's
-   time outside the schedule scale every prediction (:mod:`pipetrain.calibrate`).
+2. Calibrate: train 3 steps of zb-h1, of 1f1b, and of 1f1b recomputed on the ranks (a local
+   launch, as ``pipetrain train``); the measured/profiled ratio of each op, the hop delay, the
+   step's time outside the schedule and what recomputation adds scale every prediction
+   (:mod:`pipetrain.calibrate`).
 3. Search (:func:`pipetrain.planner.search`), print the best candidates, and write the best
    one's predicted timeline (``plan.png``) and a config that ``pipetrain train --config``
    runs as it is (``plan.toml``) under ``--out``.
@@ -218,11 +219,36 @@ def calibrate_on_ranks(cfg: TrainConfig, pp: int, rows: int, profiles: list[Any]
         measured = {name: _calibrated(launch_local(dataclasses.replace(base, schedule=name),
                                                    _calibration_run), cores)
                     for name in CALIBRATION_SCHEDULES}
+        again = launch_local(dataclasses.replace(base, schedule="1f1b", recompute="always"),
+                             _calibration_run)
     split, fused = measured["zb-h1"], measured["1f1b"]
     f, i, w, b = (_ratio(split, prof, "f", ("f",)), _ratio(split, prof, "i", ("i",)),
                   _ratio(split, prof, "w", ("w",)), _ratio(fused, prof, "b", ("i", "w")))
-    return Scale(f=f, i=i, w=w, b=b, comm=split["comm"],
-                 overhead=statistics.mean([split["overhead"], fused["overhead"]]), cores=cores)
+    scale = Scale(f=f, i=i, w=w, b=b, comm=split["comm"],
+                  overhead=statistics.mean([split["overhead"], fused["overhead"]]), cores=cores)
+    return dataclasses.replace(scale, replay=_fitted_replay(again, prof, scale))
+
+
+def _fitted_replay(run: dict[str, Any], prof: Any, scale: Any) -> float:
+    """The ``Scale.replay`` whose predicted step of the recomputed run is its measured one
+    (bisection: the prediction grows with it). Recomputation's cost is not all in the spans
+    (the replay runs before a backward waits for its gradient), so the step is fitted."""
+    from pipetrain.planner import evaluate
+
+    measured = statistics.median(t.makespan for t in run["timelines"])
+
+    def predicted(replay: float) -> float:
+        trial = dataclasses.replace(scale, replay=replay, overhead=0.0)
+        return evaluate(prof, run["schedule"], run["balance"], "always", 0.0,
+                        trial).predicted_step_s
+
+    lo, hi = 0.0, 8.0
+    if predicted(lo) >= measured or predicted(hi) <= measured:
+        return lo if predicted(lo) >= measured else hi
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < measured else (lo, mid)
+    return (lo + hi) / 2
 
 
 def _calibrated(run: dict[str, Any], cores: float | None) -> dict[str, Any]:
