@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -105,15 +105,15 @@ def _profile_one(layer: nn.Module, x: Any, head: LossFn | None, target: Any,
         with _saved_bytes(k == 0) as saved:  # the warm-up, untimed
             out, flat = _forward(layer, unflatten(leaves, spec), head, target)
         if k == 0:  # inputs are the previous layer's outputs; weights are no activations
-            held = _storages(params) | _storages(leaves)
-            act = sum(b for ptr, b in (saved | _storages(flat)).items() if ptr not in held)
+            held = storages(params) | storages(leaves)
+            act = sum(b for ptr, b in (saved | storages(flat)).items() if ptr not in held)
         t1 = _now(flat)
         grads = [torch.ones_like(t) if t.requires_grad else None for t in flat]
         _, work = backward_input(flat, grads, leaves, params)
         t2 = _now(leaves)
         if k == 0:  # what W will read: the gradients I saved at the cut, and W-only roots'
-            weights = _storages(params)
-            grads_kept = _storages([g for group in work.groups for g in group[1]])
+            weights = storages(params)
+            grads_kept = storages([g for group in work.groups for g in group[1]])
             kept = sum(b for ptr, b in grads_kept.items() if ptr not in weights)
         work.run()
         runs.append((t1 - t0, t2 - t1, _now(params) - t2))
@@ -131,22 +131,28 @@ def _forward(layer: nn.Module, x: Any, head: LossFn | None,
 
 
 @contextmanager
-def _saved_bytes(enabled: bool) -> Iterator[dict[int, int]]:
-    # The storage (address -> bytes) of every tensor autograd saves while the block runs.
-    seen: dict[int, int] = {}
+def _saved_bytes(enabled: bool) -> Iterator[dict[Storage, int]]:
+    # The storage (device and address -> bytes) of every tensor autograd saves in the block.
+    seen: dict[Storage, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        seen.update(_storages([t]))
+        seen.update(storages([t]))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if enabled else nullcontext():
         yield seen
 
 
-def _storages(tensors: Sequence[torch.Tensor]) -> dict[int, int]:
-    # Tensors without a plain storage (sparse, nested) are not counted.
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-            if t.layout == torch.strided and not t.is_nested}
+Storage = tuple[str, int]
+"""A storage's device and address: what distinct tensors (views, ties) share."""
+
+
+def storages(tensors: Iterable[torch.Tensor]) -> dict[Storage, int]:
+    """The bytes of each distinct storage behind ``tensors``; tensors without a plain storage
+    (sparse, nested, meta) are not counted."""
+    return {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
+            for t in tensors
+            if t.layout == torch.strided and not t.is_nested and t.device.type != "meta"}
 
 
 def param_bytes(params: Sequence[torch.Tensor]) -> int:

@@ -21,18 +21,14 @@ from typing import Any
 
 import torch
 
+from pipetrain.profile import storages
+
 __all__ = ["MemoryMeter", "tensor_bytes"]
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """The bytes of the distinct storages behind ``tensors`` (views and ties counted once)."""
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
+    return sum(storages(tensors).values())
 
 
 class MemoryMeter:
