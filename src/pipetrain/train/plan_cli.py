@@ -244,8 +244,10 @@ def _fitted_replay(run: dict[str, Any], prof: Any, scale: Any) -> float:
                         trial).predicted_step_s
 
     lo, hi = 0.0, 8.0
-    if predicted(lo) >= measured or predicted(hi) <= measured:
-        return lo if predicted(lo) >= measured else hi
+    if predicted(lo) >= measured:
+        return lo
+    if predicted(hi) <= measured:
+        return hi
     for _ in range(30):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if predicted(mid) < measured else (lo, mid)
