@@ -11,9 +11,11 @@ The autograd graph of one stage for one micro-batch is cut in two (the method of
   I: ``autograd.grad(y, x)`` runs only the X nodes, computing only the outputs that lead to x.
      A pre-hook on every X node that also has an edge into P-only territory (an "intermediate",
      such as the matmul whose other operand is a weight) saves the gradient arriving there.
-  W: for each intermediate N, ``autograd.grad(GradientEdge(N), its weights, saved grads)`` runs N
-     again computing only its weight outputs, plus the P-only nodes below it. Stage outputs that
-     do not lead to x at all (a first stage fed integer tokens) are W roots with their own grad.
+  W: for each intermediate N, ``autograd.backward(GradientEdge(N), saved grads, inputs=its
+     weights)`` runs N again computing only its weight outputs, plus the P-only nodes below it,
+     and accumulates each weight's gradient into ``.grad`` as it is made (one alive at a time,
+     not a group's). Stage outputs that do not lead to x at all (a first stage fed integer
+     tokens) are W roots with their own grad.
 
 A weight reachable from two intermediates (a weight used twice inside one stage) would be
 counted twice by W, so such micro-batches fall back to a full backward inside I and W is a no-op;
@@ -32,20 +34,6 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 __all__: list[str] = []
-
-
-def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    # The same arithmetic as autograd's AccumulateGrad: first grad is stored, later ones added.
-    # The first is stored as a copy in the weight's layout: autograd.grad may hand out one
-    # tensor for several weights, or the very tensor that is also an input gradient or the
-    # incoming gradient (``x + b`` passes it through), and a later ``+=`` would change them all.
-    for p, g in zip(params, grads):
-        if g is None:
-            continue
-        if p.grad is None:
-            p.grad = torch.empty_like(p).copy_(g)
-        else:
-            p.grad += g
 
 
 Root = torch.Tensor | GradientEdge  # a stage output to start the backward from
@@ -74,9 +62,10 @@ class WeightWork:
     def run(self) -> None:
         """W: compute the weight gradients and accumulate them into ``.grad``."""
         for edges, edge_grads, params in self.groups:  # one call each: an intermediate's input
-            # gradient leads on to the weights of the layers below, which their own group owns
-            got = torch.autograd.grad(edges, params, edge_grads, allow_unused=True)
-            _accumulate(params, got)
+            # gradient leads on to the weights of the layers below, which their own group owns.
+            # Accumulated as autograd makes them (AccumulateGrad, as B does), so one weight's
+            # gradient at a time is alive beside .grad, not the whole group's.
+            torch.autograd.backward(cast(Any, edges), edge_grads, inputs=params)
         self.groups.clear()
         self.done = True
 
