@@ -11,11 +11,13 @@ from pipetrain.profile import LayerCost
 MIB = 2**20
 
 
-def _profile(rows: int, n: int = 6) -> Profiled:
-    # Every layer: F 1 ms, I 1 ms, W 1 ms per row; 1 MiB of parameters; 1 MiB of activations
-    # per row, of which W needs a quarter after I; inputs of 1/8 MiB per row.
+def _profile(rows: int, n: int = 6, largest: int = MIB // 2) -> Profiled:
+    # Every layer: F 1 ms, I 1 ms, W 1 ms per row; 1 MiB of parameters, the largest weight
+    # half of it; 1 MiB of activations per row, of which W needs a quarter after I; inputs of
+    # 1/8 MiB per row.
     layer = LayerCost(f=1e-3 * rows, i=1e-3 * rows, w=1e-3 * rows, param_bytes=MIB,
-                      activation_bytes=MIB * rows, i_held_bytes=MIB * rows // 4)
+                      activation_bytes=MIB * rows, i_held_bytes=MIB * rows // 4,
+                      largest_grad_bytes=largest)
     return Profiled(rows, (layer,) * n, (MIB * rows // 8,) * n)
 
 
@@ -30,9 +32,10 @@ def test_one_f_one_b_prediction_is_the_simulated_makespan_plus_overhead() -> Non
     cand = evaluate(prof, make_schedule("1f1b", 2, 4), [3, 3], "never", 1e12, scale)
     # per stage and micro-batch: F 6 ms, B 12 ms; (m + p - 1) (F + B) = 5 x 18 ms
     assert cand.predicted_step_s == pytest.approx(0.090 + 0.5)
-    # rank 0: 3 layers x 4 bytes per parameter byte + 2 micro-batches x 6 MiB + 6 MiB working
-    assert cand.predicted_peak_bytes[0] == 12 * MIB + 12 * MIB + 6 * MIB
-    assert cand.predicted_peak_bytes[1] == 12 * MIB + 6 * MIB + 6 * MIB
+    # rank 0: 3 layers x 4 bytes per parameter byte + 2 micro-batches x (6 MiB + the 1/4 MiB
+    # input) + 6 MiB working + the largest weight's gradient (1/2 MiB) before it is added
+    assert cand.predicted_peak_bytes[0] == 12 * MIB + 2 * (6 * MIB + MIB // 4) + 6 * MIB + MIB // 2
+    assert cand.predicted_peak_bytes[1] == 12 * MIB + (6 * MIB + MIB // 4) + 6 * MIB + MIB // 2
     assert cand.fits and cand.to_dict()["balance"] == [3, 3]
 
 
@@ -41,8 +44,10 @@ def test_recompute_keeps_only_stage_inputs_and_pays_one_more_forward() -> None:
     never = evaluate(prof, make_schedule("1f1b", 2, 4), [3, 3], "never", 1e12, Scale())
     always = evaluate(prof, make_schedule("1f1b", 2, 4), [3, 3], "always", 1e12, Scale())
     assert always.predicted_step_s == pytest.approx(5 * (0.006 + 0.018))
-    # 2 micro-batches' inputs kept, one micro-batch rebuilt for its B, and B's working memory
-    assert always.predicted_peak_bytes[0] == 12 * MIB + 2 * (MIB // 4) + 6 * MIB + 6 * MIB
+    # 2 micro-batches' inputs kept, one micro-batch rebuilt for its B, B's working memory and
+    # the largest weight's gradient
+    assert always.predicted_peak_bytes[0] == (12 * MIB + 2 * (MIB // 4) + 6 * MIB + 6 * MIB
+                                              + MIB // 2)
     assert max(always.predicted_peak_bytes) < max(never.predicted_peak_bytes)
 
 
@@ -50,7 +55,29 @@ def test_a_recomputed_split_backward_keeps_what_its_i_rebuilt_until_w() -> None:
     cand = evaluate(_profile(2), make_schedule("zb-h1", 2, 4), [3, 3], "always", 1e12, Scale())
     # rank 1 runs 1I0 1F1 1I1 before 1W0: two replayed micro-batches (6 MiB each) with their
     # I-held gradients (1.5 MiB each) and the inputs F kept (1/4 MiB each), + 6 MiB working
-    assert cand.predicted_peak_bytes[1] == 12 * MIB + 2 * 6 * MIB + 3 * MIB + MIB // 2 + 6 * MIB
+    # and the largest weight's gradient
+    assert cand.predicted_peak_bytes[1] == (12 * MIB + 2 * 6 * MIB + 3 * MIB + MIB // 2
+                                            + 6 * MIB + MIB // 2)
+
+
+def test_the_optimizer_step_can_be_the_peak() -> None:
+    # one 1-row micro-batch of 1 MiB activations, but a weight of 8 MiB: per-tensor AdamW
+    # (CPU) makes two temporaries of its size once the activations are gone
+    prof = _profile(1, largest=8 * MIB)
+    cpu = evaluate(prof, make_schedule("1f1b", 2, 1), [3, 3], "never", 1e12, Scale())
+    assert cpu.predicted_peak_bytes[0] == 12 * MIB + 2 * 8 * MIB
+    # foreach AdamW (CUDA) makes one temporary the size of every weight it updates
+    prof = _profile(1, largest=MIB // 2)
+    cuda = evaluate(prof, make_schedule("1f1b", 2, 1), [3, 3], "never", 1e12,
+                    Scale(foreach=True))
+    backward = 12 * MIB + (3 * MIB + MIB // 8) + 3 * MIB + MIB // 2
+    assert cuda.predicted_peak_bytes[0] == backward  # 13.1 MiB of backward above 3 MiB
+    light = LayerCost(1e-3, 1e-3, 1e-3, param_bytes=4 * MIB, activation_bytes=MIB // 8,
+                      largest_grad_bytes=MIB)
+    light_prof = Profiled(1, (light,) * 6, (0,) * 6)
+    cuda = evaluate(light_prof, make_schedule("1f1b", 2, 1), [3, 3], "never", 1e12,
+                    Scale(foreach=True))
+    assert cuda.predicted_peak_bytes[0] == 48 * MIB + 12 * MIB  # 12 MiB of weights at once
 
 
 def test_split_backward_keeps_what_w_needs_until_w() -> None:

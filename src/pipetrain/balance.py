@@ -267,7 +267,9 @@ def _layer_costs(layers: Sequence[nn.Module], mode: str | LayerCostFn, sample_in
         raise ValueError(f"balance mode {mode!r} profiles the layers: pass sample_input "
                          "(one micro-batch) or layer_costs")
     return [LayerCost(0.0, 0.0, 0.0, param_bytes(ps), 0,
-                      param_bytes([p for p in ps if not p.requires_grad]))
+                      param_bytes([p for p in ps if not p.requires_grad]),
+                      largest_grad_bytes=max((param_bytes([p]) for p in ps if p.requires_grad),
+                                             default=0))
             for ps in param_owners(layers)]
 
 

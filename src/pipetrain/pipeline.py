@@ -394,10 +394,11 @@ class Pipeline:
 
 def _broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessGroup | None
                      ) -> list[LayerCost]:
-    table = torch.zeros(n, 7, dtype=torch.float64)
+    table = torch.zeros(n, 8, dtype=torch.float64)
     if costs is not None:
         table = torch.tensor([[c.f, c.i, c.w, c.param_bytes, c.activation_bytes, c.frozen_bytes,
-                               c.i_held_bytes] for c in costs], dtype=torch.float64)
+                               c.i_held_bytes, c.largest_grad_bytes] for c in costs],
+                             dtype=torch.float64)
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast(table, src=src, group=group)
     return [LayerCost(r[0], r[1], r[2], *(int(b) for b in r[3:])) for r in table.tolist()]

@@ -9,10 +9,16 @@ stage) and a recomputation policy. For each one the planner predicts
                 the schedule (gradient norm, optimizer); ranks that share fewer cores than
                 they are (CPU processes) share them in the simulation too
     peak bytes  per rank: the stages' parameters, gradients and AdamW moments (4 x their
-                trainable bytes, + frozen bytes), plus the most activation bytes alive at once
-                in the simulated timeline (F holds its stage's activations of one micro-batch;
-                I keeps the gradients W needs; W or B frees them), plus one micro-batch's
-                working memory of the rank's largest stage during its backward
+                trainable bytes, + frozen bytes), plus the larger of
+                - the backward's: the most activation bytes alive at once in the simulated
+                  timeline (F holds its stage's input and activations of one micro-batch; I
+                  keeps the gradients W needs; W or B frees them), plus one micro-batch's
+                  working memory of the rank's largest stage during its backward, plus the
+                  gradient of the rank's largest weight, made whole before it is added to
+                  ``.grad``;
+                - the optimizer step's: two temporaries the size of the largest weight
+                  (torch's per-tensor AdamW, its CPU default), or one the size of all trainable
+                  weights (its foreach kernels, the CUDA default)
 
 With ``recompute="always"`` a stage keeps only its input between F and its backward, and the
 backward first runs the forward again (its I, or B, costs one more F); what it rebuilds is
@@ -24,7 +30,7 @@ first. Everything here is pure: the measurements come in as :class:`Profiled` an
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -74,6 +80,9 @@ class Scale:
     cores: float | None = None
     """The cores the ranks share when fewer than the ranks (CPU processes; the simulation
     then shares them, :mod:`pipetrain.sharing`); None: a device each."""
+    foreach: bool = False
+    """AdamW steps with torch's foreach kernels (its default on CUDA), whose temporaries are
+    the size of all the weights they update at once, not two of the largest one's."""
 
 
 @dataclass(frozen=True)
@@ -157,8 +166,8 @@ def _with_policy(prof: Profiled, policy: str) -> tuple[LayerCost, ...]:
     """The layers' costs as the balance sees them: recomputation moves the F into I."""
     if policy == "never":
         return prof.layers
-    return tuple(LayerCost(c.f, c.i + c.f, c.w, c.param_bytes, prof.input_bytes[j],
-                           c.frozen_bytes, c.i_held_bytes) for j, c in enumerate(prof.layers))
+    return tuple(replace(c, i=c.i + c.f, activation_bytes=prof.input_bytes[j])
+                 for j, c in enumerate(prof.layers))
 
 
 def evaluate(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy: str,
@@ -167,7 +176,8 @@ def evaluate(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy:
     bounds = stage_bounds(balance)
     sim = simulate(schedule, _costs(prof, bounds, policy, scale), scale.comm,
                    cores=scale.cores)
-    peaks = tuple(round(x) for x in rank_peaks(prof, schedule, bounds, policy, sim))
+    peaks = tuple(round(x) for x in rank_peaks(prof, schedule, bounds, policy, sim,
+                                               scale.foreach))
     return Candidate(schedule.name, schedule.n_stages // schedule.n_ranks,
                      schedule.n_microbatches, tuple(balance), policy,
                      sim.makespan + scale.overhead, peaks, max(peaks) <= limit, sim)
@@ -189,20 +199,23 @@ def _costs(prof: Profiled, bounds: Sequence[tuple[int, int]], policy: str,
 
 
 def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, int]],
-               policy: str, sim: Simulation) -> list[float]:
-    """Per rank, the predicted peak bytes (the module docstring's three terms)."""
+               policy: str, sim: Simulation, foreach: bool = False) -> list[float]:
+    """Per rank, the predicted peak bytes (the terms of the module docstring)."""
     layers = prof.layers
     full = [sum(c.activation_bytes for c in layers[a:e]) for a, e in bounds]
-    kept = full if policy == "never" else [prof.input_bytes[a] for a, _ in bounds]
+    given = [prof.input_bytes[a] for a, _ in bounds]  # received (or fed), kept for backward
+    kept = [x + y for x, y in zip(full, given, strict=True)] if policy == "never" else given
     replay = [0.0] * len(full) if policy == "never" else full  # rebuilt by I or B
     held = [0.0] + [float(sum(c.i_held_bytes for c in layers[a:e])) for a, e in bounds[1:]]
-    static = [sum(_state_bytes(c) for c in layers[a:e]) for a, e in bounds]
     peaks = []
     for rank in range(schedule.n_ranks):
-        stages = schedule.stages_of(rank)
+        mine = [c for s in schedule.stages_of(rank) for c in layers[slice(*bounds[s])]]
+        largest = max((c.largest_grad_bytes for c in mine), default=0)
         alive = peak_units(sim.timeline.of_rank(rank), sim.w_share, held, kept, replay)
-        work = max(full[s] for s in stages)  # one micro-batch's backward of the largest stage
-        peaks.append(sum(static[s] for s in stages) + alive + work)
+        work = max(full[s] for s in schedule.stages_of(rank)) + largest
+        step = (sum(c.param_bytes - c.frozen_bytes for c in mine) if foreach
+                else 2 * largest)
+        peaks.append(sum(_state_bytes(c) for c in mine) + max(alive + work, step))
     return peaks
 
 

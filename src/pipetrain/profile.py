@@ -47,6 +47,10 @@ class LayerCost:
     weight paths, the layer's output gradient among them when a weight's op is the layer's
     last (so a ``Linear`` keeps its output gradient). 0 for a layer without trainable weights.
     Measured as in a later stage; a stage 0 fed data runs no I (see :mod:`pipetrain.balance`)."""
+    largest_grad_bytes: int = 0
+    """The largest trainable parameter first seen in this layer: a backward makes its gradient
+    whole before adding it to ``.grad``, and a per-tensor AdamW step (CPU) makes two
+    temporaries of its size."""
 
     @property
     def b(self) -> float:
@@ -88,8 +92,9 @@ def profile_layers(
             head = loss_fn if j == len(layers) - 1 else None
             times, (act, held), x = _profile_one(layer, x, head, sample_target, repeats)
             frozen = [p for p in owned[j] if not p.requires_grad]
+            trainable = [param_bytes([p]) for p in owned[j] if p.requires_grad]
             result.append(LayerCost(*times, param_bytes(owned[j]), act, param_bytes(frozen),
-                                    held))
+                                    held, max(trainable, default=0)))
     return result
 
 

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     cores = shared_cores(cfg)
     scale = (Scale(cores=cores) if args.no_calibrate
              else calibrate_on_ranks(cfg, pp, rows, profiles, cores))
+    scale = dataclasses.replace(scale, foreach=on_cuda(cfg))  # AdamW's kernels there
     ranked = search(profiles, pp, rows, limit, scale, schedules=schedules)
     if not ranked:
         raise ValueError("no layout is possible: the model has fewer layers than stages; "
@@ -196,12 +197,17 @@ def _input_bytes(layers: list[torch.nn.Module], x: torch.Tensor) -> tuple[int, .
 # -- 2. calibrate ----------------------------------------------------------------------------
 
 
+def on_cuda(cfg: TrainConfig) -> bool:
+    """The ranks compute on GPUs (NCCL)."""
+    from pipetrain.train.elastic import backend_for
+
+    return backend_for(cfg.device, cfg.nproc) == "nccl"
+
+
 def shared_cores(cfg: TrainConfig) -> float | None:
     """The cores this machine's ranks share (one thread each), when fewer than the ranks of a
     CPU run; None when each rank has its own device or core."""
-    from pipetrain.train.elastic import backend_for
-
-    if backend_for(cfg.device, cfg.nproc) != "gloo":
+    if on_cuda(cfg):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return float(cores) if cores and cores < cfg.nproc else None
