@@ -11,6 +11,7 @@ import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,6 +95,25 @@ def test_resume_continues_bitwise_like_an_uninterrupted_run(tmp_path: Path) -> N
     ck.set_rng_state(state)
     _train(model, opt, range(3, 6))
     assert _equal(_copy(ck.model_state(model.named_parameters())), want)
+
+
+def test_no_resume_refuses_an_out_with_checkpoints_before_any_step(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pipetrain.train.config import TrainConfig
+    from pipetrain.train.resume import restore
+
+    def trainer(resume: bool) -> Any:
+        return SimpleNamespace(cfg=TrainConfig(out=str(tmp_path), resume=resume),
+                               mesh=SimpleNamespace(rank=1))
+
+    assert restore(trainer(resume=False)) is None  # no checkpoints yet: a fresh start
+    model, opt = _model(0)
+    ck.save(tmp_path / "checkpoints", 3, _state(model, opt), {})
+    with pytest.raises(CheckpointError, match=r"\[rank 1\] --no-resume, but .*checkpoints holds "
+                       r"an earlier run's checkpoints \(newest: step_000003\); pass another "
+                       r"--out, or delete"):
+        restore(trainer(resume=False))
 
 
 def test_optimizer_state_by_name_and_back() -> None:

@@ -74,10 +74,14 @@ def restore(trainer: Trainer) -> Path | None:
 
     Raises:
         CheckpointError: when the checkpoint holds another model, the ranks see different
-            checkpoints, or loading fails (on every rank).
+            checkpoints, or loading fails (on every rank); with ``--no-resume``, when ``out``
+            already holds checkpoints (before any step, rather than at this run's first save).
     """
     root = checkpoint_root(trainer.cfg.out)
-    if root is None or not trainer.cfg.resume:
+    if root is None:
+        return None
+    if not trainer.cfg.resume:
+        _refuse_earlier_checkpoints(root, trainer.mesh.rank)
         return None
     path = _agreed_latest(root, trainer)
     if path is None:
@@ -87,8 +91,8 @@ def restore(trainer: Trainer) -> Path | None:
     if meta.get("model") != want:
         raise CheckpointError(
             f"[rank {trainer.mesh.rank}] the checkpoint {path} holds another model "
-            f"({meta.get('model')}) than this run ({want}); pass another --out, or --no-resume "
-            "to start afresh (that checkpoint directory is then ignored)")
+            f"({meta.get('model')}) than this run ({want}); pass another --out, or delete "
+            f"{root} to start afresh there")
     same = meta.get("layout") == trainer.layout()
     state = _state(trainer, rng=same)
     checkpoint.load(path, state)
@@ -101,6 +105,17 @@ def restore(trainer: Trainer) -> Path | None:
     trainer.step, trainer.skipped = step, int(meta.get("skipped", 0))
     trainer.scale.load_state_dict(meta["loss_scale"])
     return path
+
+
+def _refuse_earlier_checkpoints(root: Path, rank: int) -> None:
+    """A run that starts afresh must not save among an earlier run's checkpoints (a later
+    resume would pick whichever step is newest, of either run)."""
+    path = checkpoint.latest(root)
+    if path is not None:
+        raise CheckpointError(
+            f"[rank {rank}] --no-resume, but {root} holds an earlier run's checkpoints "
+            f"(newest: {path.name}); pass another --out, or delete {root} to start afresh "
+            "there")
 
 
 def _agreed_latest(root: Path, trainer: Trainer) -> Path | None:
