@@ -116,15 +116,22 @@ def test_calibrated_plan_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixt
     assert report["best"]["fits"]
 
 
-def test_recomputation_cost_is_fitted_to_the_measured_step() -> None:
+@pytest.mark.parametrize(("field", "truths", "policy"), [
+    ("replay", (0.4, 1.0, 1.7), "always"),  # what recomputation adds to a backward
+    ("gap", (0.0005, 0.002, 0.01), "never"),  # the runtime's seconds per action
+])
+def test_a_calibration_term_is_fitted_to_the_measured_steps(field: str, truths: tuple[float, ...],
+                                                            policy: str) -> None:
     from pipetrain import make_schedule
     from pipetrain.planner import Scale, evaluate
-    from pipetrain.train.plan_cli import _fitted_replay
+    from pipetrain.train.plan_cli import _fitted
     from test_planner import _profile
 
-    prof, schedule = _profile(2), make_schedule("1f1b", 2, 4)
-    for truth in (0.4, 1.0, 1.7):
-        step = evaluate(prof, schedule, [3, 3], "always", 0.0, Scale(replay=truth, cores=1.5))
-        run = {"timelines": [step.simulation.timeline], "schedule": schedule, "balance": [3, 3]}
-        assert _fitted_replay(run, prof, Scale(cores=1.5)) == pytest.approx(truth, rel=1e-6)
-
+    prof = _profile(2)
+    schedules = [make_schedule("1f1b", 2, 4), make_schedule("zb-h1", 2, 4)]
+    for truth in truths:
+        truly = Scale(cores=1.5, **{field: truth})
+        runs = [{"timelines": [evaluate(prof, s, [3, 3], policy, 0.0, truly).simulation.timeline],
+                 "schedule": s, "balance": [3, 3], "recompute": policy} for s in schedules]
+        assert _fitted(field, runs, prof, Scale(cores=1.5), 8.0) == pytest.approx(truth, rel=1e-4)
+    assert _fitted(field, runs, prof, Scale(cores=1.5), truths[0] / 2) == truths[0] / 2  # capped

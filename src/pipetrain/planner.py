@@ -5,9 +5,10 @@ stage) and a recomputation policy. For each one the planner predicts
 
     step time   simulate(schedule) with per-stage costs summed from the profiled layers of a
                 micro-batch of that size, times the measured/profiled ratio of each op in a
-                calibration run, plus the calibrated hop delay and the step's time outside
-                the schedule (gradient norm, optimizer); ranks that share fewer cores than
-                they are (CPU processes) share them in the simulation too
+                calibration run, plus a fitted cost per action (the runtime's own), plus the
+                calibrated hop delay and the step's time outside the schedule (gradient
+                norm, optimizer); ranks that share fewer cores than they are (CPU
+                processes) share them in the simulation too
     peak bytes  per rank: the stages' parameters, gradients and AdamW moments (4 x their
                 trainable bytes, + frozen bytes), plus the larger of
                 - the backward's: the most activation bytes alive at once in the simulated
@@ -74,6 +75,10 @@ class Scale:
     """Seconds from a message's send to its use on an idle rank (the calibrated hop)."""
     overhead: float = 0.0
     """Seconds of a step outside the schedule's actions (norm, optimizer, reductions)."""
+    gap: float = 0.0
+    """Seconds every action costs beyond its op's measured span: the runtime's dispatch and
+    message bookkeeping between actions, which grows with the actions per step (more
+    micro-batches, more stages per rank)."""
     replay: float = 1.0
     """What recomputation adds to a backward, over the profiled F of the same layers (the
     replay, and the saved-tensor hooks' cost in F)."""
@@ -188,12 +193,13 @@ def _costs(prof: Profiled, bounds: Sequence[tuple[int, int]], policy: str,
     def total(op: str, a: int, e: int) -> float:
         return float(sum(getattr(c, op) for c in prof.layers[a:e]))
 
-    f = [total("f", a, e) * scale.f for a, e in bounds]
+    gap = scale.gap
+    f = [total("f", a, e) * scale.f + gap for a, e in bounds]
     again = ([total("f", a, e) * scale.replay for a, e in bounds] if policy == "always"
              else [0.0] * len(f))
-    i = [total("i", a, e) * scale.i + x for (a, e), x in zip(bounds, again, strict=True)]
-    w = [total("w", a, e) * scale.w for a, e in bounds]
-    b = [(total("i", a, e) + total("w", a, e)) * scale.b + x
+    i = [total("i", a, e) * scale.i + gap + x for (a, e), x in zip(bounds, again, strict=True)]
+    w = [total("w", a, e) * scale.w + gap for a, e in bounds]
+    b = [(total("i", a, e) + total("w", a, e)) * scale.b + gap + x
          for (a, e), x in zip(bounds, again, strict=True)]
     return Costs(F=tuple(f), B=tuple(b), I=tuple(i), W=tuple(w))
 

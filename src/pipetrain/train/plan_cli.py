@@ -8,8 +8,8 @@
    of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts).
 2. Calibrate: train 3 steps of zb-h1, of 1f1b, and of 1f1b recomputed on the ranks (a local
    launch, as ``pipetrain train``); the measured/profiled ratio of each op, the hop delay, the
-   step's time outside the schedule and what recomputation adds scale every prediction
-   (:mod:`pipetrain.calibrate`).
+   step's time outside the schedule, the runtime's cost per action and what recomputation
+   adds scale every prediction (:mod:`pipetrain.calibrate`).
 3. Search (:func:`pipetrain.planner.search`), print the best candidates, and write the best
    one's predicted timeline (``plan.png``) and a config that ``pipetrain train --config``
    runs as it is (``plan.toml``) under ``--out``.
@@ -233,23 +233,28 @@ def calibrate_on_ranks(cfg: TrainConfig, pp: int, rows: int, profiles: list[Any]
                   _ratio(split, prof, "w", ("w",)), _ratio(fused, prof, "b", ("i", "w")))
     scale = Scale(f=f, i=i, w=w, b=b, comm=split["comm"],
                   overhead=statistics.mean([split["overhead"], fused["overhead"]]), cores=cores)
-    return dataclasses.replace(scale, replay=_fitted_replay(again, prof, scale))
+    scale = dataclasses.replace(scale, gap=_fitted("gap", [split, fused], prof, scale, 0.05))
+    return dataclasses.replace(scale, replay=_fitted("replay", [again], prof, scale, 8.0))
 
 
-def _fitted_replay(run: dict[str, Any], prof: Any, scale: Any) -> float:
-    """The ``Scale.replay`` whose predicted step of the recomputed run is its measured one
-    (bisection: the prediction grows with it). Recomputation's cost is not all in the spans
-    (the replay runs before a backward waits for its gradient), so the step is fitted."""
+def _fitted(field: str, runs: list[dict[str, Any]], prof: Any, scale: Any,
+            most: float) -> float:
+    """The value of ``Scale.<field>``, in [0, most], whose predicted steps of ``runs`` add up to
+    their measured ones (bisection: the prediction grows with it).
+
+    ``gap``: the spans miss the runtime's work between actions, which the steps include.
+    ``replay``: recomputation's cost is not all in the spans (the replay runs before a
+    backward waits for its gradient)."""
     from pipetrain.planner import evaluate
 
-    measured = statistics.median(t.makespan for t in run["timelines"])
+    measured = sum(statistics.median(t.makespan for t in run["timelines"]) for run in runs)
 
-    def predicted(replay: float) -> float:
-        trial = dataclasses.replace(scale, replay=replay, overhead=0.0)
-        return evaluate(prof, run["schedule"], run["balance"], "always", 0.0,
-                        trial).predicted_step_s
+    def predicted(value: float) -> float:
+        trial = dataclasses.replace(scale, **{field: value}, overhead=0.0)
+        return sum(evaluate(prof, run["schedule"], run["balance"], run["recompute"], 0.0,
+                            trial).predicted_step_s for run in runs)
 
-    lo, hi = 0.0, 8.0
+    lo, hi = 0.0, most
     if predicted(lo) >= measured:
         return lo
     if predicted(hi) <= measured:
@@ -300,7 +305,8 @@ def _calibration_run(cfg: TrainConfig, reporter: Any) -> dict[str, Any]:
     stats = [train_step(trainer, step) for step in range(cfg.steps)][1:]
     overhead = statistics.median(s.seconds - s.timeline.makespan for s in stats)
     return {"timelines": [s.timeline for s in stats], "schedule": trainer.pipe.schedule,
-            "overhead": max(0.0, overhead), "balance": list(trainer.pipe.balance)}
+            "overhead": max(0.0, overhead), "balance": list(trainer.pipe.balance),
+            "recompute": cfg.recompute}
 
 
 # -- 3. report ------------------------------------------------------------------------------
