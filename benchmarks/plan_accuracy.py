@@ -4,7 +4,8 @@ For each preset and memory limit: run `pipetrain plan`, then train its three bes
 candidates for a few steps each with `pipetrain train` on the same ranks, and print, per
 candidate, the predicted and measured step time and peak bytes per rank. The checks of the
 planner: the chosen layout's measured peak stays at or under the limit on every rank, its step
-runs within 15 % of the prediction, and it is the fastest measured of the three.
+runs within 15 % of the prediction, and it is the fastest measured of the three ("within the
+noise" when another measured faster by less than the larger half-range of the two's rounds).
 
 A shared machine's speed drifts from one launch to the next (on this 2-core VM the same run
 measures up to 15 % apart), so the three candidates are trained in turn, ``--rounds`` times,
@@ -132,10 +133,13 @@ def _line(r: Row) -> str:
             f"{'yes' if max(r.peaks) <= r.limit else 'NO':>4s}")
 
 
+def _half_range(rounds: list[float]) -> float:
+    """Half the rounds' range, over their median."""
+    return (max(rounds) - min(rounds)) / 2 / statistics.median(rounds)
+
+
 def _spread(rounds: list[float]) -> str:
-    """The rounds' range around their median, as a percentage."""
-    mid = statistics.median(rounds)
-    return f"±{(max(rounds) - min(rounds)) / 2 / mid:.0%}"
+    return f"±{_half_range(rounds):.0%}"
 
 
 def verdicts(rows: list[Row]) -> list[str]:
@@ -145,11 +149,18 @@ def verdicts(rows: list[Row]) -> list[str]:
         group = [r for r in rows if (r.preset, r.limit) == key]
         best = group[0]
         err = best.step_s / best.candidate["predicted_step_s"] - 1
-        fastest = min(group, key=lambda r: r.step_s) is best
+        fastest = min(group, key=lambda r: r.step_s)
+        behind = best.step_s / fastest.step_s - 1
+        noise = max(_half_range(best.rounds), _half_range(fastest.rounds))
+        verdict = ("yes" if fastest is best else
+                   f"{'within the noise' if behind <= noise else 'NO'} (candidate "
+                   f"{fastest.rank + 1} measured {fastest.step_s:.3f} s, the chosen one "
+                   f"{behind:.1%} slower; their rounds spread {_spread(best.rounds)} and "
+                   f"{_spread(fastest.rounds)})")
         out.append(f"{key[0]} {key[1] / MIB:.1f} MiB: fits measured "
                    f"{'yes' if max(best.peaks) <= key[1] else 'NO'}; step within 15 %: "
                    f"{'yes' if abs(err) <= TOLERANCE else 'NO'} ({err:+.1%}); fastest of the "
-                   f"top 3 measured: {'yes' if fastest else 'NO'}")
+                   f"top 3 measured: {verdict}")
     return out
 
 
