@@ -295,6 +295,26 @@ def test_profile_layers_times_and_bytes() -> None:
     assert torch.equal(torch.get_rng_state(), running)
 
 
+def test_profile_layers_reuses_the_costs_of_layers_that_do_the_same_work() -> None:
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    frozen = nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    # 2 and 5 repeat 1 (0 does not: its input needs no gradient); 3 shares 0's weights (owns
+    # none), 4 has frozen ones, 6 other sizes
+    layers: list[nn.Module] = [shared, nn.Linear(8, 8), nn.Linear(8, 8), shared, frozen,
+                               nn.Linear(8, 8), nn.Linear(8, 4)]
+    x = torch.randn(4, 8)
+    costs = profile_layers(layers, x, repeats=1, reuse=True)
+    assert costs[2] is costs[1] and costs[5] is costs[1]
+    assert len({id(c) for c in costs}) == 5 and costs[3].param_bytes == 0
+    assert costs[4].frozen_bytes == 72 * 4 and costs[6].param_bytes == 36 * 4
+    plain = profile_layers(layers, x, repeats=1)
+    assert len({id(c) for c in plain}) == len(layers)
+    assert [(c.param_bytes, c.activation_bytes, c.frozen_bytes) for c in costs] == [
+        (c.param_bytes, c.activation_bytes, c.frozen_bytes) for c in plain]
+
+
 def test_profile_layers_charges_the_loss_to_the_last_layer() -> None:
     layers: list[nn.Module] = [nn.Embedding(50, 16), nn.Linear(16, 50)]
     tokens = torch.randint(0, 50, (4, 6))

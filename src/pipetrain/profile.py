@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +24,7 @@ from torch import nn
 from pipetrain.backward import backward_input
 from pipetrain.payload import flatten, unflatten
 
-__all__ = ["LayerCost", "profile_layers"]
+__all__ = ["LayerCost", "profile_layers", "same_work"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -62,14 +62,16 @@ class LayerCost:
 
 def profile_layers(
     layers: Sequence[nn.Module], sample_input: Any, *, loss_fn: LossFn | None = None,
-    sample_target: Any = None, repeats: int = 3,
+    sample_target: Any = None, repeats: int = 3, reuse: bool = False,
 ) -> list[LayerCost]:
     """Measure each layer, run in sequence like ``nn.Sequential`` on one sample micro-batch.
 
     Each layer's F, I (:func:`pipetrain.backward.backward_input`) and W (``WeightWork.run``)
     run separately with an all-ones output gradient; times are the median of ``repeats`` runs
     after one warm-up. With ``loss_fn``, the last layer's F and backward include the loss.
-    Gradients, buffers and the CPU random state are restored afterwards.
+    Gradients, buffers and the CPU random state are restored afterwards. With ``reuse``, a
+    layer that does the same work as an earlier one (:func:`same_work`: a transformer's
+    identical blocks) takes that one's costs and only runs its forward, for the next input.
 
     Raises:
         ValueError: for ``repeats < 1``, no layers, or ``loss_fn`` without ``sample_target``.
@@ -87,22 +89,40 @@ def profile_layers(
         raise ValueError("loss_fn is given but sample_target is None; pass both or neither")
     owned = param_owners(layers)
     result, x = [], sample_input
+    measured: dict[Hashable, LayerCost] = {}
     with torch.random.fork_rng(devices=[]), _restored(layers):
         for j, layer in enumerate(layers):
             head = loss_fn if j == len(layers) - 1 else None
+            key = same_work(layer, owned[j], x, head is not None) if reuse else j
+            if key in measured:
+                result.append(measured[key])
+                x = _forward(layer, unflatten(*_leaves(x)), None, None)[0]
+                continue
             times, (act, held), x = _profile_one(layer, x, head, sample_target, repeats)
             frozen = [p for p in owned[j] if not p.requires_grad]
             trainable = [param_bytes([p]) for p in owned[j] if p.requires_grad]
-            result.append(LayerCost(*times, param_bytes(owned[j]), act, param_bytes(frozen),
-                                    held, max(trainable, default=0)))
+            measured[key] = LayerCost(*times, param_bytes(owned[j]), act, param_bytes(frozen),
+                                      held, max(trainable, default=0))
+            result.append(measured[key])
     return result
+
+
+def same_work(layer: nn.Module, owned: Sequence[nn.Parameter], x: Any,
+              head: bool) -> Hashable:
+    """What decides a layer's costs: its class and printed structure (a GraphModule's code
+    too), the shapes, dtypes and ``requires_grad`` of the parameters it owns and of all its
+    parameters and buffers, its input's, and whether the loss follows it."""
+    def shapes(tensors: Iterable[torch.Tensor]) -> tuple[Hashable, ...]:
+        return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+
+    code = layer.code if isinstance(layer, torch.fx.GraphModule) else ""
+    return (type(layer), repr(layer), code, shapes(owned), shapes(layer.parameters()),
+            shapes(layer.buffers()), shapes(flatten(x)[0]), head)
 
 
 def _profile_one(layer: nn.Module, x: Any, head: LossFn | None, target: Any,
                  repeats: int) -> tuple[tuple[float, float, float], tuple[int, int], Any]:
-    tensors, spec = flatten(x)
-    leaves = [t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
-              for t in tensors]
+    leaves, spec = _leaves(x)
     params = list(layer.parameters())
     runs, out, act, kept = [], None, 0, 0
     for k in range(repeats + 1):
@@ -124,6 +144,13 @@ def _profile_one(layer: nn.Module, x: Any, head: LossFn | None, target: Any,
         runs.append((t1 - t0, t2 - t1, _now(params) - t2))
     f, i, w = (statistics.median(r[n] for r in runs[1:]) for n in range(3))
     return (f, i, w), (act, kept), out
+
+
+def _leaves(x: Any) -> tuple[list[torch.Tensor], Any]:
+    """``x``'s tensors detached, floating ones needing grad as they did, and its structure."""
+    tensors, spec = flatten(x)
+    return [t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+            for t in tensors], spec
 
 
 def _forward(layer: nn.Module, x: Any, head: LossFn | None,

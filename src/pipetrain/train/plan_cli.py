@@ -6,10 +6,10 @@
 1. Profile every layer in this process on one micro-batch of each size the search tries
    (:func:`pipetrain.profile.profile_layers`): the GPT preset's blocks, or the decoder layers
    of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts).
-2. Calibrate: train 3 steps of zb-h1, of 1f1b, and of 1f1b recomputed on the ranks (a local
-   launch, as ``pipetrain train``); the measured/profiled ratio of each op, the hop delay, the
-   step's time outside the schedule, the runtime's cost per action and what recomputation
-   adds scale every prediction (:mod:`pipetrain.calibrate`).
+2. Calibrate: train 3 steps of zb-h1, of 1f1b, and of 1f1b recomputed on the ranks (one
+   local launch, as ``pipetrain train``); the measured/profiled ratio of each op, the hop
+   delay, the step's time outside the schedule, the runtime's cost per action and what
+   recomputation adds scale every prediction (:mod:`pipetrain.calibrate`).
 3. Search (:func:`pipetrain.planner.search`), print the best candidates, and write the best
    one's predicted timeline (``plan.png``) and a config that ``pipetrain train --config``
    runs as it is (``plan.toml``) under ``--out``.
@@ -175,7 +175,7 @@ def profile_model(cfg: TrainConfig, pp: int, rows: int) -> list[Any]:
             ids = torch.zeros(rows // m, cfg.seq_len, dtype=torch.long)
             x = units.feed(ids)
             costs = profile_layers(units.layers, x, loss_fn=units.loss, sample_target=ids,
-                                   repeats=5)
+                                   repeats=5, reuse=True)
             out.append(Profiled(rows // m, tuple(costs), _input_bytes(units.layers, x)))
     finally:
         torch.set_num_threads(threads)
@@ -215,20 +215,19 @@ def shared_cores(cfg: TrainConfig) -> float | None:
 
 def calibrate_on_ranks(cfg: TrainConfig, pp: int, rows: int, profiles: list[Any],
                        cores: float | None = None) -> Any:
-    """Measured/profiled ratios from 3 steps of each calibration schedule on the ranks."""
+    """Measured/profiled ratios from 3 steps of each calibration schedule on the ranks, each
+    step p micro-batches of the middle profile's size (fewer than the run's: the ratios and
+    the per-action cost do not depend on how many, and the steps are shorter)."""
     from pipetrain.planner import Scale
     from pipetrain.train.elastic import launch_local
 
     prof = profiles[len(profiles) // 2]
-    m = rows // prof.rows
-    base = dataclasses.replace(cfg, microbatches=m, steps=3, balance="params")
+    m = min(rows // prof.rows, pp)  # p micro-batches of the profiled size: a shorter step
+    base = dataclasses.replace(cfg, microbatches=m, batch_size=prof.rows * m * cfg.dp,
+                               steps=3, balance="params")
     with _stdout_to_stderr():  # the ranks print their config; stdout stays the plan's
-        measured = {name: _calibrated(launch_local(dataclasses.replace(base, schedule=name),
-                                                   _calibration_run), cores)
-                    for name in CALIBRATION_SCHEDULES}
-        again = launch_local(dataclasses.replace(base, schedule="1f1b", recompute="always"),
-                             _calibration_run)
-    split, fused = measured["zb-h1"], measured["1f1b"]
+        runs = launch_local(base, _calibration_runs)["runs"]
+    split, fused, again = (_calibrated(run, cores) for run in runs)
     f, i, w, b = (_ratio(split, prof, "f", ("f",)), _ratio(split, prof, "i", ("i",)),
                   _ratio(split, prof, "w", ("w",)), _ratio(fused, prof, "b", ("i", "w")))
     scale = Scale(f=f, i=i, w=w, b=b, comm=split["comm"],
@@ -296,8 +295,16 @@ def _ratio(result: dict[str, Any], prof: Any, op: str, profiled: tuple[str, ...]
     return got / want if want > 0 else 1.0
 
 
-def _calibration_run(cfg: TrainConfig, reporter: Any) -> dict[str, Any]:
-    """On every rank: train ``cfg.steps`` steps; the timelines of those after the first."""
+def _calibration_runs(cfg: TrainConfig, reporter: Any) -> dict[str, Any]:
+    """On every rank, in one launch: :func:`_calibration_run` of ``cfg`` under zb-h1, 1f1b,
+    and 1f1b recomputed."""
+    variants = [dataclasses.replace(cfg, schedule=name) for name in CALIBRATION_SCHEDULES]
+    variants.append(dataclasses.replace(cfg, schedule="1f1b", recompute="always"))
+    return {"runs": [_calibration_run(variant) for variant in variants]}
+
+
+def _calibration_run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train ``cfg.steps`` steps; the timelines of those after the first."""
     from pipetrain.train.loop import train_step
     from pipetrain.train.setup import build
 
