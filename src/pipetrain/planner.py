@@ -25,7 +25,8 @@ With ``recompute="always"`` a stage keeps only its input between F and its backw
 backward first runs the forward again (its I, or B, costs one more F); what it rebuilds is
 alive from the start of B until its end, or from the start of I until W ends. Candidates
 that do not fit the memory limit are kept but ranked after those that do; the rest go fastest
-first. Everything here is pure: the measurements come in as :class:`Profiled` and :class:`Scale`.
+first, except that among those predicted within :data:`MARGIN` of the fastest, the one with
+the fewest actions per rank goes first. Everything here is pure: the measurements come in as :class:`Profiled` and :class:`Scale`.
 """
 
 from __future__ import annotations
@@ -43,12 +44,16 @@ from pipetrain.profile import LayerCost
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, Simulation, peak_units, simulate
 
-__all__ = ["Profiled", "Scale", "Candidate", "SCHEDULES", "RECOMPUTE", "search",
-           "microbatch_choices"]
+__all__ = ["Profiled", "Scale", "Candidate", "SCHEDULES", "RECOMPUTE", "MARGIN", "search",
+           "microbatch_choices", "actions_per_rank"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2",
              "interleaved-zb", "zbv", "v-half", "v-min", "dualpipev", "zb-auto")
 RECOMPUTE = ("never", "always")
+MARGIN = 0.03
+"""Predicted steps this close are a tie: the predictions' error on the machine that measured
+them (``benchmarks/plan_accuracy.py``) is a few percent, and grows with the actions per step,
+whose runtime cost is the least certain term; a tie goes to the layout with fewer actions."""
 STATE_MULTIPLIER = 4.0  # fp32 weights, gradients and AdamW's two moments
 
 
@@ -144,8 +149,26 @@ def search(profiles: Sequence[Profiled], p: int, rows_per_replica: int, memory_l
                 for cand in _layouts(prof, name, p, m, policy, memory_limit, scale):
                     key = (cand.schedule, cand.microbatches, cand.balance, cand.recompute)
                     found.setdefault(key, cand)
-    return sorted(found.values(), key=lambda c: (not c.fits, c.predicted_step_s,
-                                                 max(c.predicted_peak_bytes)))
+    ranked = sorted(found.values(), key=lambda c: (not c.fits, c.predicted_step_s,
+                                                   max(c.predicted_peak_bytes)))
+    return _fewest_actions_first(ranked)
+
+
+def _fewest_actions_first(ranked: list[Candidate]) -> list[Candidate]:
+    """Move to the front, among fitting layouts predicted within :data:`MARGIN` of the
+    fastest, the one with the fewest actions per rank (then the fastest of those)."""
+    if not ranked or not ranked[0].fits:
+        return ranked
+    bound = ranked[0].predicted_step_s * (1 + MARGIN)
+    near = [c for c in ranked if c.fits and c.predicted_step_s <= bound]
+    best = min(near, key=lambda c: (actions_per_rank(c.simulation.schedule),
+                                    c.predicted_step_s))
+    return [best, *(c for c in ranked if c is not best)]
+
+
+def actions_per_rank(schedule: Schedule) -> int:
+    """The most actions any rank runs in a step."""
+    return max(len(actions) for actions in schedule.actions)
 
 
 def _layouts(prof: Profiled, name: str, p: int, m: int, policy: str, limit: float,
