@@ -296,19 +296,26 @@ def test_profile_layers_times_and_bytes() -> None:
 
 
 def test_profile_layers_reuses_the_costs_of_layers_that_do_the_same_work() -> None:
+    import statistics
+
+    from pipetrain.profile import REUSE_SAMPLES
+
     torch.manual_seed(0)
     shared = nn.Linear(8, 8)
     frozen = nn.Linear(8, 8)
     frozen.requires_grad_(False)
-    # 2 and 5 repeat 1 (0 does not: its input needs no gradient); 3 shares 0's weights (owns
-    # none), 4 has frozen ones, 6 other sizes
-    layers: list[nn.Module] = [shared, nn.Linear(8, 8), nn.Linear(8, 8), shared, frozen,
-                               nn.Linear(8, 8), nn.Linear(8, 4)]
+    # 1 to 5 do the same work (0 does not: its input needs no gradient); 6 shares 0's weights
+    # (owns none), 7 has frozen ones, 8 other sizes
+    layers: list[nn.Module] = [shared, *[nn.Linear(8, 8) for _ in range(5)], shared, frozen,
+                               nn.Linear(8, 4)]
     x = torch.randn(4, 8)
     costs = profile_layers(layers, x, repeats=1, reuse=True)
-    assert costs[2] is costs[1] and costs[5] is costs[1]
-    assert len({id(c) for c in costs}) == 5 and costs[3].param_bytes == 0
-    assert costs[4].frozen_bytes == 72 * 4 and costs[6].param_bytes == 36 * 4
+    assert REUSE_SAMPLES == 3 and costs[4] is costs[5]  # 1, 2, 3 measured; 4, 5 their median
+    for op in ("f", "i", "w"):
+        assert getattr(costs[4], op) == statistics.median(getattr(c, op) for c in costs[1:4])
+    assert len({id(c) for c in costs}) == len(layers) - 1
+    assert costs[6].param_bytes == 0 and costs[7].frozen_bytes == 72 * 4
+    assert costs[8].param_bytes == 36 * 4
     plain = profile_layers(layers, x, repeats=1)
     assert len({id(c) for c in plain}) == len(layers)
     assert [(c.param_bytes, c.activation_bytes, c.frozen_bytes) for c in costs] == [

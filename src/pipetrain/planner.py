@@ -26,7 +26,8 @@ backward first runs the forward again (its I, or B, costs one more F); what it r
 alive from the start of B until its end, or from the start of I until W ends. Candidates
 that do not fit the memory limit are kept but ranked after those that do; the rest go fastest
 first, except that among those predicted within :data:`MARGIN` of the fastest, the one with
-the fewest actions per rank goes first. Everything here is pure: the measurements come in as :class:`Profiled` and :class:`Scale`.
+the fewest actions per rank goes first. Everything here is pure: the measurements come in as
+:class:`Profiled` and :class:`Scale`.
 """
 
 from __future__ import annotations

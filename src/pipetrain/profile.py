@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,6 +27,9 @@ from pipetrain.payload import flatten, unflatten
 __all__ = ["LayerCost", "profile_layers", "same_work"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+REUSE_SAMPLES = 3
+"""With ``reuse``: how many of the layers that do the same work are measured (one layer's
+times swing by up to a quarter between runs on a shared CPU; the median of three, less)."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,10 @@ def profile_layers(
     Each layer's F, I (:func:`pipetrain.backward.backward_input`) and W (``WeightWork.run``)
     run separately with an all-ones output gradient; times are the median of ``repeats`` runs
     after one warm-up. With ``loss_fn``, the last layer's F and backward include the loss.
-    Gradients, buffers and the CPU random state are restored afterwards. With ``reuse``, a
-    layer that does the same work as an earlier one (:func:`same_work`: a transformer's
-    identical blocks) takes that one's costs and only runs its forward, for the next input.
+    Gradients, buffers and the CPU random state are restored afterwards. With ``reuse``, the
+    layers that do the same work (:func:`same_work`: a transformer's identical blocks) are
+    measured only :data:`REUSE_SAMPLES` times; the others take those measurements' median
+    times, and only run their forward, for the next input.
 
     Raises:
         ValueError: for ``repeats < 1``, no layers, or ``loss_fn`` without ``sample_target``.
@@ -89,22 +93,29 @@ def profile_layers(
         raise ValueError("loss_fn is given but sample_target is None; pass both or neither")
     owned = param_owners(layers)
     result, x = [], sample_input
-    measured: dict[Hashable, LayerCost] = {}
+    samples: dict[Hashable, list[LayerCost]] = {}
     with torch.random.fork_rng(devices=[]), _restored(layers):
         for j, layer in enumerate(layers):
             head = loss_fn if j == len(layers) - 1 else None
             key = same_work(layer, owned[j], x, head is not None) if reuse else j
-            if key in measured:
-                result.append(measured[key])
+            if len(samples.setdefault(key, [])) >= REUSE_SAMPLES:
+                result.append(key)
                 x = _forward(layer, unflatten(*_leaves(x)), None, None)[0]
                 continue
             times, (act, held), x = _profile_one(layer, x, head, sample_target, repeats)
             frozen = [p for p in owned[j] if not p.requires_grad]
             trainable = [param_bytes([p]) for p in owned[j] if p.requires_grad]
-            measured[key] = LayerCost(*times, param_bytes(owned[j]), act, param_bytes(frozen),
-                                      held, max(trainable, default=0))
-            result.append(measured[key])
-    return result
+            samples[key].append(LayerCost(*times, param_bytes(owned[j]), act,
+                                          param_bytes(frozen), held, max(trainable, default=0)))
+            result.append(samples[key][-1])
+    typical = {key: _median(costs) for key, costs in samples.items() if costs}
+    return [typical[c] if not isinstance(c, LayerCost) else c for c in result]
+
+
+def _median(costs: list[LayerCost]) -> LayerCost:
+    """The first of ``costs`` with the median of their times (a layer's bytes do not vary)."""
+    return replace(costs[0], **{op: statistics.median(getattr(c, op) for c in costs)
+                                for op in ("f", "i", "w")})
 
 
 def same_work(layer: nn.Module, owned: Sequence[nn.Parameter], x: Any,

@@ -175,7 +175,7 @@ def profile_model(cfg: TrainConfig, pp: int, rows: int) -> list[Any]:
             ids = torch.zeros(rows // m, cfg.seq_len, dtype=torch.long)
             x = units.feed(ids)
             costs = profile_layers(units.layers, x, loss_fn=units.loss, sample_target=ids,
-                                   repeats=5, reuse=True)
+                                   repeats=2, reuse=True)
             out.append(Profiled(rows // m, tuple(costs), _input_bytes(units.layers, x)))
     finally:
         torch.set_num_threads(threads)
