@@ -106,6 +106,10 @@ class Pipeline:
             layers, and of the by-name initialisation of a traced ``meta`` model, whose
             parameters then equal ``NamedInit(model, init_seed).materialize(model)`` (see
             :mod:`pipetrain.lazy`); real modules are used as given.
+        parallelize: ``fn(stage, layers)``, called once for each stage this rank holds, after
+            the split and before the first step, to wrap the stage's layers in place: FSDP2's
+            ``fully_shard`` (:class:`pipetrain.sharded.ShardedStages` does it), tensor
+            parallelism, or the user's own. Parameters keep their names in the model.
 
     Raises:
         ValueError: for an unknown schedule or integers outside its constraints.
@@ -122,6 +126,7 @@ class Pipeline:
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
         recompute: Policy = "never", init_seed: int = 0,
         split_points: Sequence[str] | str | None = None, example_inputs: Any = None,
+        parallelize: Callable[[int, list[nn.Module]], None] | None = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -157,6 +162,8 @@ class Pipeline:
         self._build_stages(layers, layer_flags(recompute, self.balance), source)
         self._canonical = source.names(layers)
         self._buffer_names, self._source = source.buffer_names(self._hosted_layers()), source
+        if parallelize is not None:
+            self._parallelize(parallelize)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         self._tied_grads = None if self.transport is None else TiedGrads(
@@ -208,6 +215,28 @@ class Pipeline:
                                    loss_fn=self.loss_fn, device=self.device,
                                    recompute=replay[lo:hi], split_dim=self.split_dim,
                                    ports=self.routes.ports[s] if self.routes.keyed else None)
+
+    def _parallelize(self, fn: Callable[[int, list[nn.Module]], None]) -> None:
+        """``fn`` on each hosted stage's layers; each parameter it replaces keeps the name of
+        the one in its place (wrappers such as FSDP2 register new Parameter objects)."""
+        if self.tied:
+            raise PartitionError(
+                f"parallelize= with weights tied across stages ({self.tied[0].name} and "
+                f"{len(self.tied) - 1} more) is not supported yet: untie them, or pass no "
+                "parallelize")
+        before = {s: [[self._canonical.get(id(p), _join(name, pname))
+                       for pname, p in layer.named_parameters()] for name, layer in chunk]
+                  for s, chunk in self._stage_layers.items()}
+        for s in sorted(self.stages):
+            fn(s, [m for _, m in self._stage_layers[s]])
+            for (name, layer), names in zip(self._stage_layers[s], before[s], strict=True):
+                now = list(layer.named_parameters())
+                if len(now) != len(names):
+                    raise PipelineError(
+                        f"parallelize changed the parameters of stage {s}'s layer {name!r} "
+                        f"({len(names)} before, {len(now)} after); it may wrap or shard them, "
+                        "not add or remove any")
+                self._canonical.update((id(p), n) for (_, p), n in zip(now, names, strict=True))
 
     @staticmethod
     def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:

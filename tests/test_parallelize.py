@@ -1,0 +1,56 @@
+"""Pipeline(parallelize=fn): the hook wraps each stage's layers; names and gradients follow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipetrain as pt
+from models import batch
+from pipetrain.errors import PartitionError, PipelineError
+from pipetrain.testing import grad_mismatches, reference_step
+
+LOSS = nn.MSELoss()
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+
+
+def _replace_weights(stage: int, layers: list[nn.Module]) -> None:
+    """What a wrapper does: new Parameter objects (same values) under the same names."""
+    for layer in layers:
+        for module in layer.modules():
+            for pname, p in list(module.named_parameters(recurse=False)):
+                setattr(module, pname, nn.Parameter(p.detach().clone()))
+
+
+def test_parallelize_sees_every_stage_and_names_follow_the_new_parameters() -> None:
+    seen: list[tuple[int, int]] = []
+
+    def hook(stage: int, layers: list[nn.Module]) -> None:
+        seen.append((stage, len(layers)))
+        _replace_weights(stage, layers)
+
+    ref = _model()
+    pipe = pt.Pipeline(_model(), "zb-h1", 4, LOSS, local_ranks=2, parallelize=hook)
+    assert seen == [(0, 2), (1, 2)]
+    ids = {id(p) for layer in pipe.stages[0].module for p in layer.parameters()}
+    assert ids <= {id(p) for p in pipe.parameters()}  # the replaced ones are the pipeline's
+    x, y = batch(8)
+    assert torch.equal(pipe.step(x, y).loss, reference_step(ref, x, y, LOSS, 4))
+    assert grad_mismatches(pipe.named_parameters(), ref) == []
+
+
+def test_parallelize_may_not_add_parameters_or_meet_tied_weights() -> None:
+    def adds(stage: int, layers: list[nn.Module]) -> None:
+        layers[0].register_parameter("extra", nn.Parameter(torch.zeros(1)))
+
+    with pytest.raises(PipelineError, match=r"stage 0's layer '0' \(2 before, 3 after\)"):
+        pt.Pipeline(_model(), "1f1b", 4, LOSS, local_ranks=2, parallelize=adds)
+    shared = nn.Linear(8, 8)
+    tied = nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8), shared)
+    with pytest.raises(PartitionError, match="tied across stages"):
+        pt.Pipeline(tied, "1f1b", 4, LOSS, local_ranks=2, parallelize=_replace_weights)

@@ -1,0 +1,89 @@
+"""FSDP2 stages: pp 2 x 2 shards on 4 gloo processes equal one device on the whole batch."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import pipetrain as pt
+from pipetrain.testing import reference_step
+
+LOSS = nn.MSELoss()
+SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b")
+STEPS, MICROBATCHES = 2, 4
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+                           for _ in range(4)])
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each shard's batch of the step: [shard, rows, width]."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g)
+
+
+def _reference(name: str) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """Per step each shard's loss, and the weights after AdamW on the shards' mean gradient."""
+    ref = _model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    losses = []
+    for step in range(STEPS):
+        x, y = _data(step)
+        mean = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+        losses.append([])
+        for shard in range(2):
+            ref.zero_grad()
+            losses[-1].append(float(reference_step(ref, x[shard], y[shard], LOSS, MICROBATCHES)))
+            for n, p in ref.named_parameters():
+                mean[n] += p.grad / 2
+        for n, p in ref.named_parameters():
+            p.grad = mean[n]
+        opt.step()
+    return losses, {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def _sharded(ctx: pt.RankContext) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from pipetrain.sharded import ShardedStages
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "pp"))
+    shard = mesh["dp_shard"].get_local_rank()
+    problems = []
+    for name in SCHEDULES:
+        want_losses, want = _reference(name)
+        sharded = ShardedStages(mesh["dp_shard"])
+        pipe = pt.Pipeline(copy.deepcopy(_model()), name, MICROBATCHES, LOSS, timeout=30,
+                           group=mesh["pp"].get_group(), parallelize=sharded)
+        params = dict(pipe.named_parameters())
+        full = sum(want[n].numel() for n in params)
+        local = sum(p.to_local().numel() for p in params.values() if isinstance(p, DTensor))
+        if local * 2 != full:  # each shard holds half of this rank's weights
+            problems.append(f"{name}: {local} of {full} elements held locally")
+        opt = torch.optim.AdamW(params.values(), lr=0.01)
+        for step in range(STEPS):
+            x, y = _data(step)
+            got = pipe.step(x[shard], y[shard], on_grads_ready=sharded.reduce)
+            sharded.finish()
+            opt.step()
+            opt.zero_grad()
+            if got.loss is not None and float(got.loss) != want_losses[step][shard]:
+                problems.append(f"{name} step {step}: loss {float(got.loss)} != "
+                                f"{want_losses[step][shard]}")
+        for n, p in pipe.named_parameters():
+            value = p.full_tensor() if isinstance(p, DTensor) else p
+            if not torch.allclose(value.detach(), want[n], rtol=1e-5, atol=1e-6):
+                problems.append(f"{name}: {n} differs by "
+                                f"{(value.detach() - want[n]).abs().max():.3g}")
+    return problems
+
+
+def test_pp2_by_two_shards_trains_like_one_device_on_the_whole_batch() -> None:
+    results = pt.launch(_sharded, 4, timeout=240)
+    assert [p for r in results for p in r] == []
