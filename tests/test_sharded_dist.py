@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 import pipetrain as pt
+from pipetrain.sharded import ShardedStages
 from pipetrain.testing import reference_step
 
 LOSS = nn.MSELoss()
@@ -51,8 +54,6 @@ def _sharded(ctx: pt.RankContext) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from pipetrain.sharded import ShardedStages
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "pp"))
     shard = mesh["dp_shard"].get_local_rank()
     problems = []
@@ -84,6 +85,61 @@ def _sharded(ctx: pt.RankContext) -> list[str]:
     return problems
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _state(pipe: pt.Pipeline, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    from pipetrain import checkpoint as ck
+
+    named = list(pipe.named_parameters())
+    return {**ck.model_state(named), **ck.optimizer_state(opt, named)}
+
+
+def _pipelines(mesh: DeviceMesh, sharded: bool
+               ) -> tuple[pt.Pipeline, torch.optim.Optimizer, ShardedStages | None]:
+    stages = ShardedStages(mesh["dp_shard"]) if sharded else None
+    pipe = pt.Pipeline(_model(), "zb-h1", MICROBATCHES, LOSS, timeout=30,
+                       group=mesh["pp"].get_group(), parallelize=stages)
+    return pipe, torch.optim.AdamW(pipe.parameters(), lr=0.01), stages
+
+
+def _checkpoints(ctx: pt.RankContext, root: str) -> list[str]:
+    """A sharded run's checkpoint loads into replicated stages and back, value for value."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipetrain import checkpoint as ck
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "pp"))
+    shard = mesh["dp_shard"].get_local_rank()
+    pipe, opt, stages = _pipelines(mesh, sharded=True)
+    assert stages is not None
+    x, y = _data(0)
+    pipe.step(x[shard], y[shard], on_grads_ready=stages.reduce)
+    stages.finish()
+    opt.step()
+    saved = _state(pipe, opt)
+    path = ck.save(root, 1, saved, {})
+    want = {k: _full(v) for k, v in saved.items()}
+    problems = []
+    for sharded in (False, True):  # into replicated stages, then into sharded ones again
+        other, other_opt, _ = _pipelines(mesh, sharded)
+        state = _state(other, other_opt)
+        ck.load(path, state)
+        ck.load_optimizer_state(other_opt, other.named_parameters(), state)
+        got = _state(other, other_opt)
+        problems += [f"sharded={sharded}: {k} differs" for k in want
+                     if not torch.equal(_full(got[k]), want[k])]
+    return problems
+
+
 def test_pp2_by_two_shards_trains_like_one_device_on_the_whole_batch() -> None:
     results = pt.launch(_sharded, 4, timeout=240)
+    assert [p for r in results for p in r] == []
+
+
+def test_a_sharded_checkpoint_loads_into_replicated_stages_and_back(tmp_path: Path) -> None:
+    results = pt.launch(_checkpoints, 4, str(tmp_path), timeout=240)
     assert [p for r in results for p in r] == []
