@@ -14,14 +14,18 @@ from pipetrain.sharded import ShardedStages
 from pipetrain.testing import reference_step
 
 LOSS = nn.MSELoss()
-SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b")
+CASES = (("1f1b", False), ("zb-h1", False), ("interleaved-1f1b", False), ("1f1b", True))
 STEPS, MICROBATCHES = 2, 4
 
 
-def _model() -> nn.Sequential:
+def _model(tied: bool = False) -> nn.Sequential:
+    """Four blocks; ``tied``: the last block's first Linear is the first block's (an
+    embedding and head style tie, across the two pipeline ranks under 1F1B)."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
-                           for _ in range(4)])
+    blocks = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(4)]
+    if tied:
+        blocks[3][0] = blocks[0][0]
+    return nn.Sequential(*blocks)
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,9 +34,9 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g)
 
 
-def _reference(name: str) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def _reference(tied: bool) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """Per step each shard's loss, and the weights after AdamW on the shards' mean gradient."""
-    ref = _model()
+    ref = _model(tied)
     opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     losses = []
     for step in range(STEPS):
@@ -57,11 +61,12 @@ def _sharded(ctx: pt.RankContext) -> list[str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "pp"))
     shard = mesh["dp_shard"].get_local_rank()
     problems = []
-    for name in SCHEDULES:
-        want_losses, want = _reference(name)
+    for name, tied in CASES:
+        want_losses, want = _reference(tied)
         sharded = ShardedStages(mesh["dp_shard"])
-        pipe = pt.Pipeline(copy.deepcopy(_model()), name, MICROBATCHES, LOSS, timeout=30,
+        pipe = pt.Pipeline(copy.deepcopy(_model(tied)), name, MICROBATCHES, LOSS, timeout=30,
                            group=mesh["pp"].get_group(), parallelize=sharded)
+        name += " tied" if tied else ""
         params = dict(pipe.named_parameters())
         full = sum(want[n].numel() for n in params)
         local = sum(p.to_local().numel() for p in params.values() if isinstance(p, DTensor))

@@ -167,8 +167,8 @@ class Pipeline:
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         self._tied_grads = None if self.transport is None else TiedGrads(
-            self.tied, self.rank, group, dict(self.named_parameters()),
-            self.transport.spare_tag, timeout)
+            self.tied, self.rank, group, self._held_parameter(), self.transport.spare_tag,
+            timeout)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  *grad_links(self.tied, self.local), routes=self.routes)
         self.watchdog = None if self.transport is None else Watchdog.of(
@@ -216,14 +216,33 @@ class Pipeline:
                                    recompute=replay[lo:hi], split_dim=self.split_dim,
                                    ports=self.routes.ports[s] if self.routes.keyed else None)
 
+    def _held_parameter(self) -> Callable[[str], nn.Parameter]:
+        """Name -> the parameter its module holds at the moment of the call (a wrapper such
+        as FSDP2 swaps a sharded one for the gathered one while a step runs)."""
+        where: dict[str, tuple[nn.Module, str]] = {}
+        for s in sorted(self._stage_layers):
+            for name, layer in self._stage_layers[s]:
+                for path, module in layer.named_modules():
+                    for attr, p in module.named_parameters(recurse=False):
+                        full = _join(_join(name, path), attr) if path else _join(name, attr)
+                        where.setdefault(self._canonical.get(id(p), full), (module, attr))
+
+        def held(name: str) -> nn.Parameter:
+            module, attr = where[name]
+            p: nn.Parameter = getattr(module, attr)
+            return p
+        return held
+
     def _parallelize(self, fn: Callable[[int, list[nn.Module]], None]) -> None:
         """``fn`` on each hosted stage's layers; each parameter it replaces keeps the name of
         the one in its place (wrappers such as FSDP2 register new Parameter objects)."""
-        if self.tied:
+        shared = [t for t in self.tied if sum(s in self.stages for s in t.stages) > 1]
+        if shared:
             raise PartitionError(
-                f"parallelize= with weights tied across stages ({self.tied[0].name} and "
-                f"{len(self.tied) - 1} more) is not supported yet: untie them, or pass no "
-                "parallelize")
+                f"parallelize= with a weight shared by two stages this process holds "
+                f"({shared[0].name}, stages {list(shared[0].stages)}) is not supported yet: "
+                "place them on different ranks (not a V schedule, not local_ranks), or pass "
+                "no parallelize")
         before = {s: [[self._canonical.get(id(p), _join(name, pname))
                        for pname, p in layer.named_parameters()] for name, layer in chunk]
                   for s, chunk in self._stage_layers.items()}

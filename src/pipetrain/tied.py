@@ -14,7 +14,7 @@ single-device ones to rounding, not bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -66,17 +66,20 @@ class TiedGrads:
     """
 
     def __init__(self, tied: Sequence[TiedParam], rank: int, group: dist.ProcessGroup | None,
-                 params: dict[str, nn.Parameter], tag: int, timeout: float) -> None:
+                 params: Callable[[str], nn.Parameter], tag: int, timeout: float) -> None:
         self.rank, self.group, self.tag, self.timeout = rank, group, tag, timeout
-        self.members = [(t.name, params[t.name], t.ranks) for t in tied
-                        if len(t.ranks) > 1 and rank in t.ranks]
+        self.params = params
+        """The parameter of a name as the layer holds it now (a wrapper such as FSDP2 swaps
+        a sharded one for the gathered one the step's gradients go to)."""
+        self.members = [(t.name, t.ranks) for t in tied if len(t.ranks) > 1 and rank in t.ranks]
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def all_reduce(self) -> None:
         """Sum the gradients of every tied parameter across the ranks that hold it."""
-        for name, p, ranks in self.members:
+        for name, ranks in self.members:
+            p = self.params(name)
             if not p.requires_grad:
                 continue
             if p.grad is None:
