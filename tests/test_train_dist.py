@@ -339,6 +339,40 @@ def _resume_at_pp2(ctx: pt.RankContext, tmp: str) -> list[str]:
     return problems
 
 
+def _fsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """pp=2 x fsdp=2 trains with the losses of pp=2 x dp=2 (10 steps, fp32, to rounding) at a
+    lower peak per rank, and each run resumes from the other's checkpoint. In fresh processes:
+    the fsdp mesh (init_device_mesh) must come before any other group."""
+    common = dict(pp=2, steps=10, sample_tokens=0, eval_every=0)
+    sharded, summary = _losses(_cfg(tmp, "fsdp", fsdp=2, **common))
+    replicated, plain = _losses(_cfg(tmp, "dp", dp=2, **common))
+    problems = []
+    if not max(summary["peak_memory_bytes"]) < max(plain["peak_memory_bytes"]):
+        problems.append(f"peaks {summary['peak_memory_bytes']} !< {plain['peak_memory_bytes']}")
+    if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(sharded, replicated, strict=True)):
+        problems.append(f"fsdp=2 losses {sharded} != dp=2 {replicated}")
+    if summary["layout"].get("fsdp") != 2:
+        problems.append(f"layout {summary['layout']}")
+    for out, other in (("fsdp", {"dp": 2}), ("dp", {"fsdp": 2})):  # resume at the other one
+        more, _ = _losses(_cfg(tmp, out, **{**common, "steps": 12, **other}))
+        if len(more) != 2:
+            problems.append(f"{out} resumed with {other}: ran {len(more)} steps, not 2")
+        elif out == "dp":
+            first = more
+        else:
+            second = more
+    if not problems and not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(first, second)):
+        problems.append(f"resumed curves differ: {first} vs {second}")
+    return problems
+
+
+def test_fsdp_trains_like_dp_and_resumes_across_them(tmp_path: Path) -> None:
+    sources = [Path(textwrap.__file__), Path(argparse.__file__)]
+    (tmp_path / "corpus.txt").write_bytes(b"".join(p.read_bytes() for p in sources))
+    results = pt.launch(_fsdp, 4, str(tmp_path), timeout=300)
+    assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
+
+
 # -- tests ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:

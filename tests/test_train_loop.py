@@ -224,6 +224,9 @@ def test_layout_fills_pp_and_rejects_a_world_that_is_not_dp_x_pp() -> None:
         layout(8, 2, 3)
     with pytest.raises(ValueError, match="dp=3 does not divide"):
         layout(8, 3, None)
+    assert layout(8, 1, None, fsdp=2) == (1, 4) and layout(8, 2, 2, fsdp=2) == (2, 2)
+    with pytest.raises(ValueError, match=r"dp=2 x fsdp=2 x pp=3 = 12; .* change --dp/--fsdp"):
+        layout(8, 2, 3, fsdp=2)
 
 
 def test_check_config_lists_every_problem_at_once() -> None:

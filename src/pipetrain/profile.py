@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipetrain.backward import backward_input
 from pipetrain.payload import flatten, unflatten
@@ -191,10 +192,11 @@ Storage = tuple[str, int]
 
 
 def storages(tensors: Iterable[torch.Tensor]) -> dict[Storage, int]:
-    """The bytes of each distinct storage behind ``tensors``; tensors without a plain storage
-    (sparse, nested, meta) are not counted."""
+    """The bytes of each distinct storage behind ``tensors`` (a sharded DTensor's: its local
+    shard's); tensors without a plain storage (sparse, nested, meta) are not counted."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
     return {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
-            for t in tensors
+            for t in local
             if t.layout == torch.strided and not t.is_nested and t.device.type != "meta"}
 
 

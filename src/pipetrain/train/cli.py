@@ -186,7 +186,13 @@ def check(cfg: TrainConfig) -> None:
                          f"{sorted(REGISTRY)}, or give a schedule file")
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
-    for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp"):
+    if cfg.fsdp > 1 and cfg.dp > 1:
+        raise ValueError(f"--dp {cfg.dp} with --fsdp {cfg.fsdp} (replicas of sharded stages, "
+                         "HSDP) is not supported yet; use one of them")
+    if cfg.fsdp > 1 and cfg.hf:
+        raise ValueError("--fsdp with --hf is not supported yet (OUT/hf is written from whole "
+                         "weights); use --dp for data parallelism with --hf")
+    for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp", "fsdp"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
     if cfg.pp is not None and cfg.pp < 1:

@@ -12,7 +12,8 @@ class TrainConfig:
     """One training run. Each field is a ``--flag`` of ``pipetrain train`` and a TOML key.
 
     Sizes are global: ``batch_size`` sequences per step over all data-parallel replicas
-    (each replica takes ``batch_size // dp`` and splits it into ``microbatches``).
+    (each replica takes ``batch_size // dp``, each of its shards ``// fsdp`` of that, and splits
+    it into ``microbatches``).
     """
 
     # model and data
@@ -36,9 +37,12 @@ class TrainConfig:
     nproc: int = 2
     """Processes a local launch starts (ignored under torchrun, which sets the world)."""
     pp: int | None = None
-    """Pipeline ranks; None: world size // dp."""
+    """Pipeline ranks; None: world size // (dp x fsdp)."""
     dp: int = 1
     """Data-parallel replicas of the whole pipeline."""
+    fsdp: int = 1
+    """Shards of each replica: this many ranks hold the same stages, each a slice of every
+    weight, gradient and optimizer state (FSDP2), each its own rows of the batch."""
     schedule: str = "1f1b"
     """Schedule name (``pipetrain schedules``), or a schedule file run as written."""
     microbatches: int = 8

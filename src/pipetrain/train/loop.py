@@ -8,10 +8,12 @@ every rank in the same sequence, because every branch depends only on values all
     [2] pipe.step under autocast         F/B/I/W of this replica's rows, as scheduled
     [3] dp all-reduce of gradients       mean over the replicas (sum, then / dp); a stage's
                                          starts when the step reports its gradients final,
-                                         overlapping the cool-down
+                                         overlapping the cool-down (with --fsdp: FSDP2's
+                                         reduce-scatter, pipetrain.sharded)
     [4] unscale (fp16)                   gradients of the true loss
     [5] verdict over the world           OK / overflow / non-finite: all go, skip or stop
     [6] global norm over the pp group    clip every rank's gradients by the same factor
+                                         (and over the shards' slices, with --fsdp)
     [7] AdamW step at lr_at(step)        then zero the gradients
 
 Eval losses, checkpoints and the one timeline picture come between steps; generated text and
@@ -211,10 +213,10 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     try:
         with autocast(cfg.precision, mesh.device), faults.wrong_shape(pipe, fault == "shape"):
             result = pipe.step(trainer.feed(inputs), targets, step=step,  # [2] errors name it
-                               on_grads_ready=trainer.reducer.hook)  # [3]
+                               on_grads_ready=trainer.on_grads_ready)  # [3]
     finally:
         trainer.injector.armed = False
-    trainer.reducer.finish()  # [3]
+    trainer.finish_grads()  # [3]
     trainer.scale.unscale_(trainer.params)  # [4]
     loss = trainer.scale.unscale_loss(float(result.loss if result.loss is not None else "nan"))
     square_sum = grad_square_sum(trainer.counted, mesh.comm_device)
@@ -226,7 +228,7 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
             raise verdict.error(mesh.rank, step)
         trainer.skipped += 1
     else:
-        norm = mesh.pp_sum_(square_sum).sqrt()  # [6]
+        norm = mesh.pp_sum_(mesh.shard_sum_(square_sum)).sqrt()  # [6]
         grad_norm = float(norm)
         clip_grads_(trainer.params, norm, cfg.grad_clip)
         trainer.optimizer.step()  # [7]

@@ -1,4 +1,4 @@
-"""Mesh: the dp x pp layout of a training job and the data-parallel gradient all-reduce.
+"""Mesh: the dp x fsdp x pp layout of a training job and the data-parallel gradient all-reduce.
 
 The world is a ``(dp, pp)`` grid of ranks, row-major: global rank ``r`` is pipeline rank
 ``r % pp`` of data-parallel replica ``r // pp``. Each replica is a whole pipeline (its own
@@ -12,6 +12,14 @@ After each pipeline step every replica holds the gradient of its own part of the
 :class:`GradReducer` sums them over the dp group and then divides by ``dp`` (sum, then scale:
 for a power-of-two ``dp`` the division is exact, so a replica's averaged gradient is bitwise
 what one pipeline computes on the concatenated batch when the micro-batch sums line up).
+
+With ``fsdp`` shards each replica's ranks are split further: the ``fsdp`` ranks of a shard
+group hold the same stages, each a slice of every weight, its gradient and its optimizer state
+(FSDP2, :mod:`pipetrain.sharded`), and each trains on its own rows. Data-parallel ranks are
+then ``dp x fsdp``, global rank ``(replica * fsdp + shard) * pp + pipeline rank``, and the
+ranks come from one ``init_device_mesh`` with dimensions ``(dp_replicate, dp_shard, pp)``;
+FSDP2 averages the gradients over the shards, not the reducer (replicas of sharded stages,
+HSDP, are refused for now by ``pipetrain train``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipetrain import news
 
@@ -37,11 +46,12 @@ class Mesh:
     """This rank's place in the dp x pp grid and the groups it communicates over."""
 
     dp: int
+    """Data-parallel ranks that hold the same stages (replicas x shards)."""
     pp: int
     rank: int
     """Global rank."""
     dp_rank: int
-    """Which replica (0 .. dp-1)."""
+    """Which data-parallel rank (0 .. dp-1): ``replica * fsdp + shard``."""
     pp_rank: int
     """Which pipeline rank inside the replica (0 .. pp-1)."""
     pp_group: dist.ProcessGroup
@@ -50,12 +60,25 @@ class Mesh:
     """Where this rank computes."""
     comm_device: torch.device
     """Where small tensors for collectives live (the device under NCCL, else CPU)."""
+    fsdp: int = 1
+    """Shards of each weight (1: every data-parallel rank holds them whole)."""
+    shard_mesh: DeviceMesh | None = None
+    """With ``fsdp > 1``: the mesh FSDP2 shards over (``dp_shard``)."""
+    shard_group: dist.ProcessGroup | None = None
+    """With ``fsdp > 1``: the ranks whose slices make up this rank's weights."""
 
     def global_rank(self, dp_rank: int, pp_rank: int) -> int:
         return dp_rank * self.pp + pp_rank
 
     def describe(self) -> dict[str, int]:
-        return {"world": self.dp * self.pp, "dp": self.dp, "pp": self.pp}
+        shards = {"fsdp": self.fsdp} if self.fsdp > 1 else {}
+        return {"world": self.dp * self.pp, "dp": self.dp // self.fsdp, **shards, "pp": self.pp}
+
+    def shard_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over this rank's shard group (a sharded weight's slices)."""
+        if self.shard_group is not None:
+            news.all_reduce(tensor, "the sum over shards", group=self.shard_group)
+        return tensor
 
     def dp_mean(self, value: float) -> float:
         """The mean of ``value`` over this rank's dp group (call on every rank at once)."""
@@ -79,48 +102,62 @@ class Mesh:
 
 
 
-def layout(world: int, dp: int, pp: int | None) -> tuple[int, int]:
-    """``(dp, pp)`` for a world of ``world`` ranks; ``pp=None`` takes ``world // dp``.
+def layout(world: int, dp: int, pp: int | None, fsdp: int = 1) -> tuple[int, int]:
+    """``(dp, pp)`` for a world of ``world`` ranks; ``pp=None`` takes ``world // (dp x fsdp)``.
 
     Raises:
-        ValueError: when ``dp x pp`` is not the world size.
+        ValueError: when ``dp x fsdp x pp`` is not the world size.
     """
-    if dp < 1 or (pp is not None and pp < 1):
-        raise ValueError(f"dp and pp must be >= 1, got dp={dp}, pp={pp}")
+    if dp < 1 or fsdp < 1 or (pp is not None and pp < 1):
+        raise ValueError(f"dp, fsdp and pp must be >= 1, got dp={dp}, fsdp={fsdp}, pp={pp}")
+    data = dp * fsdp
+    named = f"dp={dp}" if fsdp == 1 else f"dp={dp} x fsdp={fsdp}"
+    flags = "--dp" if fsdp == 1 else "--dp/--fsdp"
     if pp is None:
-        if world % dp:
-            raise ValueError(f"the world has {world} ranks, which dp={dp} does not divide; "
-                             f"start a multiple of {dp} processes or change --dp")
-        pp = world // dp
-    if dp * pp != world:
-        raise ValueError(f"the world has {world} ranks but dp={dp} x pp={pp} = {dp * pp}; "
-                         f"start {dp * pp} processes (--nproc) or change --dp/--pp")
+        if world % data:
+            raise ValueError(f"the world has {world} ranks, which {named} does not divide; "
+                             f"start a multiple of {data} processes or change {flags}")
+        pp = world // data
+    if data * pp != world:
+        raise ValueError(f"the world has {world} ranks but {named} x pp={pp} = {data * pp}; "
+                         f"start {data * pp} processes (--nproc) or change {flags}/--pp")
     return dp, pp
 
 
-def build_mesh(dp: int, pp: int | None, device: str = "auto") -> Mesh:
+def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1) -> Mesh:
     """The mesh of the current ``torch.distributed`` job (call on every rank at once).
 
     Args:
         dp: data-parallel replicas.
-        pp: pipeline ranks per replica; None: world size // dp.
+        pp: pipeline ranks per replica; None: world size // (dp x fsdp).
         device: ``auto`` (CUDA under NCCL, else CPU), ``cpu`` or ``cuda``.
+        fsdp: shards of each weight within a replica (FSDP2).
 
     Raises:
-        ValueError: when the world is not ``dp x pp`` ranks, or CUDA is asked for but absent.
+        ValueError: when the world is not ``dp x fsdp x pp`` ranks, or CUDA is asked for but
+            absent.
         RuntimeError: when torch.distributed is not initialised.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: start the job with "
                            "`pipetrain train` (or torchrun), or pt.launch in tests")
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp, pp = layout(world, dp, pp)
+    dp, pp = layout(world, dp, pp, fsdp)
     nccl = dist.get_backend() == "nccl"
     where = _device(device, nccl, rank)
-    pp_group = _my_group([[d * pp + p for p in range(pp)] for d in range(dp)], rank)
-    dp_group = _my_group([[d * pp + p for d in range(dp)] for p in range(pp)], rank)
-    return Mesh(dp, pp, rank, rank // pp, rank % pp, pp_group, dp_group, where,
-                where if nccl else torch.device("cpu"))
+    shard_mesh, shard_group = None, None
+    if fsdp > 1:  # before any other group: see _my_group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(where.type, (dp, fsdp, pp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
+        shard_mesh = mesh["dp_shard"]  # replicas of sharded stages (HSDP): not yet
+        shard_group = mesh["dp_shard"].get_group()
+    data = dp * fsdp
+    pp_group = _my_group([[d * pp + p for p in range(pp)] for d in range(data)], rank)
+    dp_group = _my_group([[d * pp + p for d in range(data)] for p in range(pp)], rank)
+    return Mesh(data, pp, rank, rank // pp, rank % pp, pp_group, dp_group, where,
+                where if nccl else torch.device("cpu"), fsdp, shard_mesh, shard_group)
 
 
 def _my_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup:

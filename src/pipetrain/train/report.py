@@ -320,7 +320,8 @@ def describe_layout(layout: dict[str, Any]) -> str:
     """``2 ranks (dp 1 x pp 2), zbv, 8 micro-batches, 4 stages (2 per rank), ...``."""
     parts = []
     if {"world", "dp", "pp"} <= layout.keys():
-        parts.append(f"{layout['world']} ranks (dp {layout['dp']} x pp {layout['pp']})")
+        shards = f" x fsdp {layout['fsdp']}" if "fsdp" in layout else ""
+        parts.append(f"{layout['world']} ranks (dp {layout['dp']}{shards} x pp {layout['pp']})")
     if "schedule" in layout:
         parts.append(str(layout["schedule"]))
     if "microbatches" in layout:

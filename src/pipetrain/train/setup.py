@@ -23,6 +23,7 @@ from pipetrain.generators import REGISTRY, _load_builtin, make_schedule
 from pipetrain.gpt import PRESETS
 from pipetrain.pipeline import Pipeline
 from pipetrain.schedule import Schedule
+from pipetrain.sharded import ShardedStages
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
 from pipetrain.train.nonfinite import NaNInjector
@@ -65,6 +66,21 @@ class Trainer:
     """The model's source (built-in GPT or ``--hf``): input, logits and text."""
     loaded: dict[str, Any] = field(default_factory=dict)
     """What this rank read of stored weights (``--hf``), and its peak memory after."""
+    sharded: ShardedStages | None = None
+    """With ``--fsdp``: FSDP2 on the stages, which averages the gradients over the
+    data-parallel ranks instead of :attr:`reducer`."""
+
+    @property
+    def on_grads_ready(self) -> Any:
+        """The pipeline's hook when a stage's gradients are final: start their reduction."""
+        return self.reducer.hook if self.sharded is None else self.sharded.reduce
+
+    def finish_grads(self) -> None:
+        """Finish the reduction: every rank holds the mean gradient (its shard of it)."""
+        if self.sharded is None:
+            self.reducer.finish()
+        else:
+            self.sharded.finish()
 
     def layout(self) -> dict[str, Any]:
         """How the run is laid out: a resumed run with the same layout restores RNG streams."""
@@ -125,11 +141,12 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     """
     problems = []
     try:
-        dp, pp = layout(world, cfg.dp, cfg.pp)
+        dp, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp)
         run_schedule(cfg, pp)
+        dp *= cfg.fsdp  # data-parallel ranks
     except ValueError as e:
         problems.append(str(e))
-        dp = max(cfg.dp, 1)
+        dp = max(cfg.dp, 1) * max(cfg.fsdp, 1)
     if not cfg.hf and cfg.preset not in PRESETS:
         problems.append(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
     if cfg.precision not in PRECISIONS:
@@ -137,7 +154,8 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.nonfinite not in ("skip", "abort"):
         problems.append(f"nonfinite must be 'skip' or 'abort', got {cfg.nonfinite!r}")
     if cfg.batch_size % dp or cfg.batch_size // dp < cfg.microbatches:
-        problems.append(f"batch_size={cfg.batch_size} must split into dp={dp} equal replica "
+        ranks = f"dp={dp}" if cfg.fsdp == 1 else f"dp x fsdp = {dp}"
+        problems.append(f"batch_size={cfg.batch_size} must split into {ranks} equal "
                         f"batches of at least microbatches={cfg.microbatches} sequences; use a "
                         f"multiple of {dp} that is >= {dp * cfg.microbatches}")
     if cfg.steps < 1 or cfg.seq_len < 1 or cfg.warmup < 0 or cfg.eval_batches < 1:
@@ -156,13 +174,14 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     import torch.distributed as dist
 
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device)
+    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp)
     source = source_for(cfg)
     schedule = run_schedule(cfg, mesh.pp)
     scale = LossScale(enabled=cfg.precision == "fp16")
     rows = cfg.batch_size // mesh.dp // cfg.microbatches
+    sharded = None if mesh.shard_mesh is None else ShardedStages(mesh.shard_mesh)
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
-                           device=mesh.device, timeout=cfg.timeout)
+                           device=mesh.device, timeout=cfg.timeout, parallelize=sharded)
     loaded = source.loaded(pipe)
     corpus = source.corpus(cfg, progress=progress and mesh.rank == 0)
     batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
@@ -172,9 +191,9 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
         build_optimizer(pipe.named_parameters(), source.no_decay, lr=cfg.lr,
                         weight_decay=cfg.weight_decay),
         scale, GradReducer({s: st.parameters() for s, st in pipe.stages.items()}, mesh.dp_group,
-                           mesh.dp), batches, [],
+                           mesh.dp if sharded is None else 1), batches, [],
         NaNInjector.for_pipeline(pipe),
-        params, counted_parameters(pipe), source=source, loaded=loaded)
+        params, counted_parameters(pipe), source=source, loaded=loaded, sharded=sharded)
     trainer.eval_set = [trainer.rows(b) for b in _eval_batches(corpus, cfg)]
     return trainer
 

@@ -50,7 +50,7 @@ class Source(ABC):
     def pipeline(self, cfg: TrainConfig, schedule: Schedule, rows: int, pp_rank: int,
                  wrap: LossWrap, **where: Any) -> Pipeline:
         """This rank's stages of the model, ``rows`` sequences per micro-batch; ``where``
-        holds the pipeline's ``group``, ``device`` and ``timeout``."""
+        holds the pipeline's ``group``, ``device``, ``timeout`` and ``parallelize``."""
 
     @abstractmethod
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus:
