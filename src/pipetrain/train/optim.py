@@ -18,11 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from pipetrain import news
 from pipetrain.gpt import Embedding
 from pipetrain.pipeline import Pipeline
+from pipetrain.profile import local_shard
 
 __all__ = ["lr_at", "no_decay_names", "param_groups", "build_optimizer", "set_lr",
            "counted_parameters", "grad_square_sum", "global_grad_norm", "clip_grads_"]
@@ -104,7 +104,7 @@ def counted_parameters(pipe: Pipeline) -> list[nn.Parameter]:
 
 def grad_square_sum(counted: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
     """The sum of squares of the gradients of ``counted`` on this rank (float32 scalar)."""
-    grads = [_local(p.grad) for p in counted if p.grad is not None]
+    grads = [local_shard(p.grad) for p in counted if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch._foreach_norm(grads, 2.0)
@@ -132,12 +132,8 @@ def clip_grads_(params: Iterable[nn.Parameter], norm: torch.Tensor, max_norm: fl
     if max_norm <= 0:
         return 1.0
     factor = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)  # float32, as torch computes it
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_shard(p.grad) for p in params if p.grad is not None]
     if grads and float(factor) < 1.0:
         torch._foreach_mul_(grads, factor.to(grads[0].device))
     return float(factor)
 
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a sharded (DTensor) gradient, or the gradient itself."""
-    return grad.to_local() if isinstance(grad, DTensor) else grad
