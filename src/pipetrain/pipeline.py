@@ -29,6 +29,7 @@ from pipetrain.finish import StepTimes, done_key, exchange, total_loss
 from pipetrain.generators import make_schedule
 from pipetrain.layers import Layers, packed, profiling_sample, trace_stages
 from pipetrain.lazy import LayerSpec
+from pipetrain.parallelize import held_parameter, join, parallelize_stages
 from pipetrain.partition import check_balance, even_balance, stage_bounds
 from pipetrain.recompute import Policy, layer_flags
 from pipetrain.routes import chain
@@ -163,12 +164,12 @@ class Pipeline:
         self._canonical = source.names(layers)
         self._buffer_names, self._source = source.buffer_names(self._hosted_layers()), source
         if parallelize is not None:
-            self._parallelize(parallelize)
+            parallelize_stages(parallelize, self._stage_layers, self.tied, self._canonical)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         self._tied_grads = None if self.transport is None else TiedGrads(
-            self.tied, self.rank, group, self._held_parameter(), self.transport.spare_tag,
-            timeout)
+            self.tied, self.rank, group, held_parameter(self._stage_layers, self._canonical),
+            self.transport.spare_tag, timeout)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  *grad_links(self.tied, self.local), routes=self.routes)
         self.watchdog = None if self.transport is None else Watchdog.of(
@@ -216,47 +217,6 @@ class Pipeline:
                                    recompute=replay[lo:hi], split_dim=self.split_dim,
                                    ports=self.routes.ports[s] if self.routes.keyed else None)
 
-    def _held_parameter(self) -> Callable[[str], nn.Parameter]:
-        """Name -> the parameter its module holds at the moment of the call (a wrapper such
-        as FSDP2 swaps a sharded one for the gathered one while a step runs)."""
-        where: dict[str, tuple[nn.Module, str]] = {}
-        for s in sorted(self._stage_layers):
-            for name, layer in self._stage_layers[s]:
-                for path, module in layer.named_modules():
-                    for attr, p in module.named_parameters(recurse=False):
-                        full = _join(_join(name, path), attr) if path else _join(name, attr)
-                        where.setdefault(self._canonical.get(id(p), full), (module, attr))
-
-        def held(name: str) -> nn.Parameter:
-            module, attr = where[name]
-            p: nn.Parameter = getattr(module, attr)
-            return p
-        return held
-
-    def _parallelize(self, fn: Callable[[int, list[nn.Module]], None]) -> None:
-        """``fn`` on each hosted stage's layers; each parameter it replaces keeps the name of
-        the one in its place (wrappers such as FSDP2 register new Parameter objects)."""
-        shared = [t for t in self.tied if sum(s in self.stages for s in t.stages) > 1]
-        if shared:
-            raise PartitionError(
-                f"parallelize= with a weight shared by two stages this process holds "
-                f"({shared[0].name}, stages {list(shared[0].stages)}) is not supported yet: "
-                "place them on different ranks (not a V schedule, not local_ranks), or pass "
-                "no parallelize")
-        before = {s: [[self._canonical.get(id(p), _join(name, pname))
-                       for pname, p in layer.named_parameters()] for name, layer in chunk]
-                  for s, chunk in self._stage_layers.items()}
-        for s in sorted(self.stages):
-            fn(s, [m for _, m in self._stage_layers[s]])
-            for (name, layer), names in zip(self._stage_layers[s], before[s], strict=True):
-                now = list(layer.named_parameters())
-                if len(now) != len(names):
-                    raise PipelineError(
-                        f"parallelize changed the parameters of stage {s}'s layer {name!r} "
-                        f"({len(names)} before, {len(now)} after); it may wrap or shard them, "
-                        "not add or remove any")
-                self._canonical.update((id(p), n) for (_, p), n in zip(now, names, strict=True))
-
     @staticmethod
     def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
         if local_ranks is not None:
@@ -280,7 +240,7 @@ class Pipeline:
                 for pname, p in layer.named_parameters():
                     if id(p) not in seen:
                         seen.add(id(p))
-                        yield self._canonical.get(id(p), _join(name, pname)), p
+                        yield self._canonical.get(id(p), join(name, pname)), p
 
     def named_buffers(self, stage: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's buffers under their names in the original model (BatchNorm's running
@@ -450,10 +410,6 @@ def _broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessG
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast(table, src=src, group=group)
     return [LayerCost(r[0], r[1], r[2], *(int(b) for b in r[3:])) for r in table.tolist()]
-
-
-def _join(layer_name: str, param_name: str) -> str:
-    return f"{layer_name}.{param_name}" if layer_name else param_name
 
 
 def _resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,

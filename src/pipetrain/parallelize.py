@@ -1,0 +1,74 @@
+"""Parallelize: the user's wrapping of each stage's layers, and names that follow the weights.
+
+``Pipeline(..., parallelize=fn)`` calls ``fn(stage, layers)`` once for each stage the process
+holds, after the split. Wrappers such as FSDP2 register new Parameter objects in the layers,
+so the pipeline's names (the model's own, found by Parameter identity) are carried over by
+place: the k-th parameter of a layer keeps the k-th name. A weight tied across ranks is read
+from its module each time its gradient is summed, since FSDP2 swaps the sharded parameter for
+the gathered one while a step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import nn
+
+from pipetrain.errors import PartitionError, PipelineError
+from pipetrain.tied import TiedParam
+
+__all__ = ["StageLayers", "join", "parallelize_stages", "held_parameter"]
+
+StageLayers = dict[int, list[tuple[str, nn.Module]]]
+"""Per stage this process holds: its layers, with their names in the model."""
+
+
+def join(layer_name: str, param_name: str) -> str:
+    """A parameter's name under its layer's."""
+    return f"{layer_name}.{param_name}" if layer_name else param_name
+
+
+def parallelize_stages(fn: Callable[[int, list[nn.Module]], None], stages: StageLayers,
+                       tied: Sequence[TiedParam], names: dict[int, str]) -> None:
+    """``fn`` on each stage's layers; ``names`` (``id`` -> name) learns the new parameters.
+
+    Raises:
+        PartitionError: when a weight is shared by two stages this process holds.
+        PipelineError: when ``fn`` adds or removes a layer's parameters.
+    """
+    shared = [t for t in tied if sum(s in stages for s in t.stages) > 1]
+    if shared:
+        raise PartitionError(
+            f"parallelize= with a weight shared by two stages this process holds "
+            f"({shared[0].name}, stages {list(shared[0].stages)}) is not supported yet: "
+            "place them on different ranks (not a V schedule, not local_ranks), or pass "
+            "no parallelize")
+    before = {s: [[names.get(id(p), join(name, pname)) for pname, p in layer.named_parameters()]
+                  for name, layer in chunk] for s, chunk in stages.items()}
+    for s in sorted(stages):
+        fn(s, [m for _, m in stages[s]])
+        for (name, layer), old in zip(stages[s], before[s], strict=True):
+            now = list(layer.named_parameters())
+            if len(now) != len(old):
+                raise PipelineError(
+                    f"parallelize changed the parameters of stage {s}'s layer {name!r} "
+                    f"({len(old)} before, {len(now)} after); it may wrap or shard them, "
+                    "not add or remove any")
+            names.update((id(p), n) for (_, p), n in zip(now, old, strict=True))
+
+
+def held_parameter(stages: StageLayers, names: dict[int, str]) -> Callable[[str], nn.Parameter]:
+    """Name -> the parameter its module holds at the moment of the call."""
+    where: dict[str, tuple[nn.Module, str]] = {}
+    for s in sorted(stages):
+        for name, layer in stages[s]:
+            for path, module in layer.named_modules():
+                for attr, p in module.named_parameters(recurse=False):
+                    where.setdefault(names.get(id(p), join(join(name, path), attr)),
+                                     (module, attr))
+
+    def held(name: str) -> nn.Parameter:
+        module, attr = where[name]
+        p: nn.Parameter = getattr(module, attr)
+        return p
+    return held
