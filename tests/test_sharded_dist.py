@@ -14,7 +14,8 @@ from pipetrain.sharded import ShardedStages
 from pipetrain.testing import reference_step
 
 LOSS = nn.MSELoss()
-CASES = (("1f1b", False), ("zb-h1", False), ("interleaved-1f1b", False), ("1f1b", True))
+CASES = (("1f1b", False, "step"), ("zb-h1", False, "part"), ("zb-h1", False, "layer"),
+         ("zb-h1", False, "step"), ("interleaved-1f1b", False, "layer"), ("1f1b", True, "part"))
 STEPS, MICROBATCHES = 2, 4
 
 
@@ -61,12 +62,12 @@ def _sharded(ctx: pt.RankContext) -> list[str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "pp"))
     shard = mesh["dp_shard"].get_local_rank()
     problems = []
-    for name, tied in CASES:
+    for name, tied, reshard in CASES:
         want_losses, want = _reference(tied)
-        sharded = ShardedStages(mesh["dp_shard"])
+        sharded = ShardedStages(mesh["dp_shard"], reshard)
         pipe = pt.Pipeline(copy.deepcopy(_model(tied)), name, MICROBATCHES, LOSS, timeout=30,
                            group=mesh["pp"].get_group(), parallelize=sharded)
-        name += " tied" if tied else ""
+        name += (" tied" if tied else "") + f" reshard={reshard}"
         params = dict(pipe.named_parameters())
         full = sum(want[n].numel() for n in params)
         local = sum(p.to_local().numel() for p in params.values() if isinstance(p, DTensor))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipetrain.train.memory import MemoryMeter, tensor_bytes
+from pipetrain.train.memory import MemoryMeter, _peak, tensor_bytes
 
 MIB = 2**20
 
@@ -48,3 +48,11 @@ def test_a_one_step_run_measures_its_only_step() -> None:
     with meter.step(list):
         _step(4)
     assert meter.peak_bytes is not None and 8 * MIB <= meter.peak_bytes < 9 * MIB
+
+
+def test_an_address_handed_out_again_was_freed_unseen() -> None:
+    # (time, size, address): a free is a negative size
+    events = [(0, 100, 1), (1, 50, 2), (2, -50, 2), (3, 30, 1), (4, 10, 3)]
+    assert _peak(events) == 150  # address 1's 100 bytes were freed before its 30 came
+    assert _peak([(0, 100, 1), (1, -40, 9), (2, 20, 2)]) == 100  # 9: made before the block
+    assert _peak([(0, 100, 1), (1, 100, 2), (2, -100, 1), (3, -100, 2)]) == 200

@@ -33,6 +33,8 @@ from typing import Any, cast
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from pipetrain.parallelize import Gathering
+
 __all__: list[str] = []
 
 
@@ -59,26 +61,35 @@ class WeightWork:
     )  # (output edges, their grads, weights reached)
     done: bool = False
 
-    def run(self) -> None:
-        """W: compute the weight gradients and accumulate them into ``.grad``."""
+    def run(self, gathering: Gathering | None = None) -> None:
+        """W: compute the weight gradients and accumulate them into ``.grad`` (``gathering``
+        gathers each group's weights first, should they have been resharded since I)."""
         for edges, edge_grads, params in self.groups:  # one call each: an intermediate's input
             # gradient leads on to the weights of the layers below, which their own group owns.
             # Accumulated as autograd makes them (AccumulateGrad, as B does), so one weight's
             # gradient at a time is alive beside .grad, not the whole group's.
+            if gathering is not None:
+                gathering.gather(params)
             torch.autograd.backward(cast(Any, edges), edge_grads, inputs=params)
+        if gathering is not None:
+            gathering.release()
         self.groups.clear()
         self.done = True
 
 
 def backward_input(
     outputs: Sequence[Root | None], grads: Sequence[torch.Tensor | None],
-    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightWork]:
-    """I: gradients w.r.t. ``inputs`` only; returns them and the deferred :class:`WeightWork`."""
+    """I: gradients w.r.t. ``inputs`` only; returns them and the deferred :class:`WeightWork`.
+
+    The weights are the graph's leaves other than ``inputs``: the tensors the forward used,
+    which need not be the module's parameters of the moment (FSDP2 swaps a resharded layer's
+    gathered weights for its shards between the forward and this backward).
+    """
     roots, root_grads = _roots(outputs, grads)
     diff_inputs = [x for x in inputs if x.requires_grad]
-    trainable = [p for p in params if p.requires_grad]
-    graph = _Graph(roots, diff_inputs, trainable)
+    graph = _Graph(roots, diff_inputs)
     weight_as_output = any(n in graph.param_of for n in graph.root_nodes)  # W would not see it
     if graph.shared_weights or weight_as_output:
         return backward_full(outputs, grads, inputs), WeightWork(done=True)
@@ -157,10 +168,8 @@ def _roots(
 class _Graph:
     """Reachability over one stage's autograd graph: X (leads to inputs), P (leads to weights)."""
 
-    def __init__(self, roots: list[Root], inputs: list[torch.Tensor],
-                 params: list[torch.Tensor]) -> None:
+    def __init__(self, roots: list[Root], inputs: list[torch.Tensor]) -> None:
         self._inputs = {id(x) for x in inputs}
-        self._params = {id(p): p for p in params}
         self.param_of: dict[Node, torch.Tensor] = {}  # filled as the walk meets weights
         self.children: dict[Node, list[Node]] = {}
         self.reach_x: dict[Node, bool] = {}
@@ -170,8 +179,9 @@ class _Graph:
         for node in self.root_nodes:
             self._visit(node)
         self.x_nodes = {n for n, v in self.reach_x.items() if v}
-        self.intermediates = [n for n in self.x_nodes if any(self._p_only(c)
-                                                             for c in self.children[n])]
+        # in the walk's order, the same in every process (W's gathers are collectives)
+        self.intermediates = [n for n, v in self.reach_x.items()
+                              if v and any(self._p_only(c) for c in self.children[n])]
         self.w_roots = [n for n in self.root_nodes if n not in self.x_nodes]
         self.shared_weights = self._weights_shared(self.w_roots)
 
@@ -192,12 +202,12 @@ class _Graph:
                     stack.extend(unseen)
                     continue
             stack.pop()
-            if type(node) is _ACCUMULATE:  # a leaf: recognised by the tensor it accumulates into
-                leaf = id(cast(Any, node).variable)
-                reach_x[node] = leaf in self._inputs
-                reach_p[node] = leaf in self._params
+            if type(node) is _ACCUMULATE:  # a leaf: an input, or else a weight
+                leaf = cast(Any, node).variable
+                reach_x[node] = id(leaf) in self._inputs
+                reach_p[node] = not reach_x[node]
                 if reach_p[node]:
-                    self.param_of[node] = self._params[leaf]
+                    self.param_of[node] = leaf
             else:  # a loop, not any(): this runs for every node of every I
                 to_x = to_p = False
                 for k in kids:

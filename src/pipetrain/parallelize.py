@@ -11,16 +11,34 @@ the gathered one while a step runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
+import torch
 from torch import nn
 
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.tied import TiedParam
 
-__all__ = ["StageLayers", "join", "parallelize_stages", "held_parameter"]
+__all__ = ["Gathering", "StageLayers", "join", "parallelize_stages", "held_parameter"]
 
 StageLayers = dict[int, list[tuple[str, nn.Module]]]
 """Per stage this process holds: its layers, with their names in the model."""
+
+
+@runtime_checkable
+class Gathering(Protocol):
+    """A ``parallelize`` that keeps layers' weights sharded between uses (FSDP2 resharding
+    after each forward and backward) tells the pipeline where a step's gradients go and
+    gathers the weights a deferred W reads."""
+
+    def gathered(self, param: nn.Parameter) -> nn.Parameter:
+        """The tensor ``param``'s gradients accumulate in during a step (itself if none)."""
+
+    def gather(self, weights: Sequence[torch.Tensor]) -> None:
+        """Make ``weights`` (graph leaves, gathered tensors) hold their values for W."""
+
+    def release(self) -> None:
+        """Reshard what :meth:`gather` gathered (after a W)."""
 
 
 def join(layer_name: str, param_name: str) -> str:
@@ -57,8 +75,10 @@ def parallelize_stages(fn: Callable[[int, list[nn.Module]], None], stages: Stage
             names.update((id(p), n) for (_, p), n in zip(now, old, strict=True))
 
 
-def held_parameter(stages: StageLayers, names: dict[int, str]) -> Callable[[str], nn.Parameter]:
-    """Name -> the parameter its module holds at the moment of the call."""
+def held_parameter(stages: StageLayers, names: dict[int, str],
+                   gathering: Gathering | None = None) -> Callable[[str], nn.Parameter]:
+    """Name -> the parameter its module holds at the moment of the call (``gathering``: the
+    one a step's gradients accumulate in)."""
     where: dict[str, tuple[nn.Module, str]] = {}
     for s in sorted(stages):
         for name, layer in stages[s]:
@@ -70,5 +90,5 @@ def held_parameter(stages: StageLayers, names: dict[int, str]) -> Callable[[str]
     def held(name: str) -> nn.Parameter:
         module, attr = where[name]
         p: nn.Parameter = getattr(module, attr)
-        return p
+        return p if gathering is None else gathering.gathered(p)
     return held

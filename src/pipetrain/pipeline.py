@@ -29,7 +29,7 @@ from pipetrain.finish import StepTimes, done_key, exchange, total_loss
 from pipetrain.generators import make_schedule
 from pipetrain.layers import Layers, packed, profiling_sample, trace_stages
 from pipetrain.lazy import LayerSpec
-from pipetrain.parallelize import held_parameter, join, parallelize_stages
+from pipetrain.parallelize import Gathering, held_parameter, join, parallelize_stages
 from pipetrain.partition import check_balance, even_balance, stage_bounds
 from pipetrain.recompute import Policy, layer_flags
 from pipetrain.routes import chain
@@ -163,12 +163,15 @@ class Pipeline:
         self._build_stages(layers, layer_flags(recompute, self.balance), source)
         self._canonical = source.names(layers)
         self._buffer_names, self._source = source.buffer_names(self._hosted_layers()), source
+        gathering = parallelize if isinstance(parallelize, Gathering) else None
         if parallelize is not None:
             parallelize_stages(parallelize, self._stage_layers, self.tied, self._canonical)
+            for stage in self.stages.values():
+                stage.gathering = gathering
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         self._tied_grads = None if self.transport is None else TiedGrads(
-            self.tied, self.rank, group, held_parameter(self._stage_layers, self._canonical),
+            self.tied, self.rank, group, held_parameter(self._stage_layers, self._canonical, gathering),
             self.transport.spare_tag, timeout)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  *grad_links(self.tied, self.local), routes=self.routes)

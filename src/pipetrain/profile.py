@@ -146,7 +146,7 @@ def _profile_one(layer: nn.Module, x: Any, head: LossFn | None, target: Any,
             act = sum(b for ptr, b in (saved | storages(flat)).items() if ptr not in held)
         t1 = _now(flat)
         grads = [torch.ones_like(t) if t.requires_grad else None for t in flat]
-        _, work = backward_input(flat, grads, leaves, params)
+        _, work = backward_input(flat, grads, leaves)
         t2 = _now(leaves)
         if k == 0:  # what W will read: the gradients I saved at the cut, and W-only roots'
             weights = storages(params)

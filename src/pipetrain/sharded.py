@@ -1,13 +1,18 @@
 """Sharded stages: FSDP2 over a pipeline's layers, their gradients reduce-scattered once a step.
 
-Each layer with parameters of each stage this rank holds is ``fully_shard``-ed over a 1-D
-device mesh (the ranks that hold the same stages in different data shards). Within a step the
-layers stay unsharded: FSDP2 gathers a layer's parameters at its first forward and, told not
-to, neither reshards nor reduces after a forward or a backward, so every micro-batch's F, B, I
-and W work on the gathered parameters and accumulate whole gradients, and a split backward's
-W finds the very parameters the graph used. When a stage's gradients are final (the
-pipeline's ``on_grads_ready``, after its last W or B) its layers' gradients are
-reduce-scattered to their shards (the mean over the mesh) and the layers resharded::
+Each layer with parameters of each stage this rank holds (and, by default, each large part of
+it) is ``fully_shard``-ed over a 1-D device mesh (the ranks that hold the same stages in
+different data shards). Gradients are never reduced per micro-batch: told not to, FSDP2
+accumulates every micro-batch's whole gradients on the gathered parameters, and when a stage's
+gradients are final (the pipeline's ``on_grads_ready``, after its last W or B) its layers'
+gradients are reduce-scattered to their shards (the mean over the mesh), once a step.
+
+The weights are gathered for each use and resharded after it (``reshard``, default): FSDP2's
+own hooks gather a layer for each F and for each I or B, and a split backward's W, deferred
+past other micro-batches' work, has its layers gathered again by :meth:`ShardedStages.gather`
+(the pipeline calls it, see :class:`pipetrain.parallelize.Gathering`). So a rank holds its
+weights' shards, one layer (or part) gathered at a time, the step's whole gradients and the
+optimizer state's shards::
 
     mesh = init_device_mesh("cpu", (shards, pp), mesh_dim_names=("dp_shard", "pp"))
     sharded = ShardedStages(mesh["dp_shard"])
@@ -19,20 +24,26 @@ reduce-scattered to their shards (the mean over the mesh) and the layers reshard
 
 This is what torch.distributed.pipelining's stages do for FSDP2 (no gradient sync during the
 schedule, a reduction after the last backward); FSDP2 has no public call for "reduce now",
-so :func:`_reduce` reaches into its state, and only there.
+so :func:`_reduce` reaches into its state, and only there. On CPU nothing overlaps a
+collective, so FSDP2's backward prefetch (one more layer gathered early) is turned off there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pipetrain.errors import PipelineError
 
-__all__ = ["ShardedStages"]
+__all__ = ["RESHARD", "ShardedStages"]
+
+RESHARD = ("step", "layer", "part")
+"""How long gathered weights live (see :class:`ShardedStages`), most memory first."""
 
 
 class ShardedStages:
@@ -40,33 +51,91 @@ class ShardedStages:
 
     Args:
         mesh: the 1-D mesh of the ranks that shard each layer among themselves.
+        reshard: how long gathered weights live, trading memory for all-gathers:
+            ``"step"``: from a layer's first forward to its stage's reduction (ZeRO-2: the
+            stage's whole weights held, the fewest collectives); ``"layer"``: only while a
+            layer computes, each F, I, B and W of each micro-batch gathering it again (ZeRO-3);
+            ``"part"`` (default): the same per part of a layer, each submodule holding at
+            least 1/16 of the layer's weights itself (a block's projections) gathered on its
+            own, so the largest transient is a part, not a layer (the most collectives).
     """
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, reshard: str = "part") -> None:
         if mesh.ndim != 1:
             raise ValueError(f"ShardedStages needs a 1-D mesh (the shard dimension), got "
                              f"{mesh.ndim} dimensions {mesh.mesh_dim_names}; pass mesh[name]")
+        if reshard not in RESHARD:
+            raise ValueError(f"reshard must be one of {', '.join(RESHARD)}, got {reshard!r}")
         self.mesh = mesh
-        self.modules: dict[int, list[FSDPModule]] = {}
+        self.reshard = reshard != "step"
+        self.split = reshard == "part"
+        self.modules: dict[int, list[Any]] = {}  # per stage its sharded layers
+        self._units: dict[int, list[FSDPModule]] = {}  # and every unit in them
         self._reduced: set[int] = set()
+        self._sharded: dict[int, Any] = {}  # id(sharded parameter) -> its FSDPParam
+        self._owner: dict[int, FSDPModule] = {}  # id(gathered parameter) -> its layer
+        self._gathered: list[FSDPModule] = []  # what gather() gathered for the running W
 
     def __call__(self, stage: int, layers: list[nn.Module]) -> None:
         """Shard ``stage``'s layers that have parameters (the ``parallelize`` hook)."""
-        wrapped = []
+        roots, units = [], []
         for layer in layers:
-            if any(True for _ in layer.parameters()):
-                module: Any = fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
-                _hold(module, True)
-                wrapped.append(module)
-        self.modules[stage] = wrapped
+            if not any(True for _ in layer.parameters()):
+                continue
+            inner = _big_parts(layer) if self.split else []
+            for part in inner + [layer]:
+                unit: Any = fully_shard(part, mesh=self.mesh, reshard_after_forward=self.reshard)
+                if self.mesh.device_type == "cpu":  # no overlap to win: prefetch nothing
+                    unit.set_modules_to_backward_prefetch([unit])
+                units.append(unit)
+                for param in _fsdp_params(unit):
+                    self._sharded[id(param.sharded_param)] = param
+            self._hold(units[-1], True)  # the layer, and so its parts
+            roots.append(units[-1])
+        self.modules[stage], self._units[stage] = roots, units
+
+    def gathered(self, param: nn.Parameter) -> nn.Parameter:
+        """The gathered parameter a step's gradients of sharded ``param`` accumulate in."""
+        owner = self._sharded.get(id(param))
+        if owner is None or not hasattr(owner, "_unsharded_param"):
+            return param  # not sharded, gathered already, or never gathered yet
+        gathered: nn.Parameter = owner._unsharded_param
+        return gathered
+
+    def gather(self, weights: Sequence[torch.Tensor]) -> None:
+        """Gather the layers of ``weights`` for a W, resharding the ones gathered before."""
+        if not self.reshard:
+            return
+        if any(id(w) not in self._owner for w in weights):
+            self._learn_owners()
+        wanted = list({id(m): m for w in weights if (m := self._owner.get(id(w)))}.values())
+        for module in self._gathered:
+            if module not in wanted:
+                module.reshard()
+        for module in wanted:
+            module.unshard()
+        self._gathered = wanted
+
+    def release(self) -> None:
+        """Reshard the layers :meth:`gather` gathered."""
+        for module in self._gathered:
+            module.reshard()
+        self._gathered = []
+
+    def _learn_owners(self) -> None:
+        for units in self._units.values():
+            for module in units:
+                for param in _fsdp_params(module):
+                    if hasattr(param, "_unsharded_param"):
+                        self._owner[id(param._unsharded_param)] = module
 
     def reduce(self, stage: int) -> None:
         """Reduce-scatter ``stage``'s gradients and reshard its layers (``on_grads_ready``)."""
         if stage in self._reduced:
             return
         self._reduced.add(stage)
-        for module in self.modules.get(stage, []):
-            _hold(module, False)
+        for module in self._units.get(stage, []):
+            self._hold(module, False)
             _reduce(module)
 
     def finish(self) -> None:
@@ -78,16 +147,28 @@ class ShardedStages:
             for module in modules:
                 state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
                 state._root_post_backward_final_callback()
-                _hold(module, True)
+                self._hold(module, True)
         self._reduced.clear()
 
+    def _hold(self, module: FSDPModule, hold: bool) -> None:
+        """Keep ``module``'s gradients unreduced (``hold``; and its weights gathered unless
+        resharding), or let FSDP2 reduce and reshard at its next post-backward."""
+        module.set_requires_gradient_sync(not hold)
+        module.set_reshard_after_backward(not hold or self.reshard)
+        module.set_is_last_backward(not hold)
 
-def _hold(module: FSDPModule, hold: bool) -> None:
-    """Keep ``module`` gathered, gradients unreduced (``hold``), or let FSDP2 reduce and
-    reshard at its next post-backward."""
-    module.set_requires_gradient_sync(not hold)
-    module.set_reshard_after_backward(not hold)
-    module.set_is_last_backward(not hold)
+
+def _big_parts(layer: nn.Module) -> list[nn.Module]:
+    """The submodules of ``layer`` that hold at least 1/16 of its parameters themselves."""
+    total = sum(p.numel() for p in layer.parameters())
+    return [m for m in layer.modules() if m is not layer
+            and 16 * sum(p.numel() for p in m.parameters(recurse=False)) >= total]
+
+
+def _fsdp_params(module: FSDPModule) -> list[Any]:
+    """FSDP2's records of ``module``'s parameters (sharded and gathered tensors)."""
+    state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
+    return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
 
 
 def _reduce(module: FSDPModule) -> None:

@@ -30,6 +30,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from pipetrain.backward import Root, WeightWork, backward_full, backward_input
 from pipetrain.microbatch import batch_size
+from pipetrain.parallelize import Gathering
 from pipetrain.payload import flatten, unflatten
 from pipetrain.recompute import Replay, segments
 from pipetrain.routes import Ports
@@ -73,6 +74,7 @@ class Stage:
         self.recompute = any(flags)
         self._edges_only = bool(flags) and flags[-1]  # outputs made by a recomputed layer
         self._flight: dict[int, _InFlight] = {}
+        self.gathering: Gathering | None = None  # set by a resharding ``parallelize``
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
@@ -166,7 +168,7 @@ class Stage:
                                  f"arrived for {len(state.outputs)} outputs")
             roots = [y if g is not None else None for y, g in zip(state.outputs, out_grads)]
         if split:
-            got, state.weight = backward_input(roots, out_grads, state.inputs, self.parameters())
+            got, state.weight = backward_input(roots, out_grads, state.inputs)
         else:
             _last_use(state.replays)
             got = backward_full(roots, out_grads, state.inputs)
@@ -186,7 +188,7 @@ class Stage:
         state = self._flight.pop(mb)
         if state.weight is not None:
             _last_use(state.replays)
-            state.weight.run()
+            state.weight.run(self.gathering)
 
     def clear(self) -> None:
         self._flight.clear()

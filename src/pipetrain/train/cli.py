@@ -189,6 +189,11 @@ def check(cfg: TrainConfig) -> None:
     if cfg.fsdp > 1 and cfg.dp > 1:
         raise ValueError(f"--dp {cfg.dp} with --fsdp {cfg.fsdp} (replicas of sharded stages, "
                          "HSDP) is not supported yet; use one of them")
+    from pipetrain.sharded import RESHARD
+
+    if cfg.fsdp_reshard not in RESHARD:
+        raise ValueError(f"--fsdp-reshard must be one of {', '.join(RESHARD)}, "
+                         f"got {cfg.fsdp_reshard!r}")
     if cfg.fsdp > 1 and cfg.hf:
         raise ValueError("--fsdp with --hf is not supported yet (OUT/hf is written from whole "
                          "weights); use --dp for data parallelism with --hf")

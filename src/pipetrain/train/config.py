@@ -43,6 +43,10 @@ class TrainConfig:
     fsdp: int = 1
     """Shards of each replica: this many ranks hold the same stages, each a slice of every
     weight, gradient and optimizer state (FSDP2), each its own rows of the batch."""
+    fsdp_reshard: str = "part"
+    """With --fsdp: how long gathered weights live: step (from a layer's first use to the
+    step's reduction: most memory, fewest all-gathers), layer (while a layer computes), part
+    (while each large part of a layer computes: least memory, most all-gathers)."""
     schedule: str = "1f1b"
     """Schedule name (``pipetrain schedules``), or a schedule file run as written."""
     microbatches: int = 8

@@ -85,15 +85,32 @@ def _peak_allocated(prof: Any) -> int | None:
         roots = list(prof.profiler.kineto_results.experimental_event_tree())
     except (ImportError, AttributeError):
         return None
-    allocations: list[tuple[int, int]] = []
+    allocations: list[tuple[int, int, int]] = []
     stack = roots
     while stack:
         event = stack.pop()
         stack.extend(event.children)
         if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
-    live = peak = 0
-    for _, size in sorted(allocations):  # a free is a negative size
-        live += size
-        peak = max(peak, live)
+            fields = event.extra_fields
+            allocations.append((event.start_time_ns, fields.alloc_size, fields.ptr))
+    return _peak(sorted(allocations))
+
+
+def _peak(allocations: Iterable[tuple[int, int, int]]) -> int:
+    """The most bytes live at once, from (time, size, address) events in time order (a free
+    is a negative size).
+
+    A free made on a thread the profiler does not watch (a collective's buffer released by
+    the communication library's own thread) has no event; the allocator handing the same
+    address out again proves it happened, so that is when it is counted.
+    """
+    live: dict[int, int] = {}
+    held = peak = 0
+    for _, size, ptr in allocations:
+        if size > 0:
+            held += size - live.pop(ptr, 0)
+            live[ptr] = size
+        else:  # a tensor of this block's, or one made before it (then not in ``live``)
+            held -= live.pop(ptr, -size)
+        peak = max(peak, held)
     return peak

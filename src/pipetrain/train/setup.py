@@ -179,7 +179,8 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     schedule = run_schedule(cfg, mesh.pp)
     scale = LossScale(enabled=cfg.precision == "fp16")
     rows = cfg.batch_size // mesh.dp // cfg.microbatches
-    sharded = None if mesh.shard_mesh is None else ShardedStages(mesh.shard_mesh)
+    sharded = (None if mesh.shard_mesh is None
+               else ShardedStages(mesh.shard_mesh, cfg.fsdp_reshard))
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
                            device=mesh.device, timeout=cfg.timeout, parallelize=sharded)
     loaded = source.loaded(pipe)
