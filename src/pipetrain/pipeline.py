@@ -170,9 +170,9 @@ class Pipeline:
                 stage.gathering = gathering
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
+        held = held_parameter(self._stage_layers, self._canonical, gathering)
         self._tied_grads = None if self.transport is None else TiedGrads(
-            self.tied, self.rank, group, held_parameter(self._stage_layers, self._canonical, gathering),
-            self.transport.spare_tag, timeout)
+            self.tied, self.rank, group, held, self.transport.spare_tag, timeout)
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  *grad_links(self.tied, self.local), routes=self.routes)
         self.watchdog = None if self.transport is None else Watchdog.of(
