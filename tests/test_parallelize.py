@@ -55,3 +55,13 @@ def test_parallelize_may_not_add_parameters_or_meet_tied_weights() -> None:
     with pytest.raises(PartitionError, match=r"shared by two stages this process holds "
                        r"\(0.weight, stages \[0, 1\]\)"):
         pt.Pipeline(tied, "1f1b", 4, LOSS, local_ranks=2, parallelize=_replace_weights)
+
+
+def test_sharded_stages_refuse_a_weight_two_layers_of_one_stage_share() -> None:
+    from pipetrain.sharded import _refuse_sharing
+
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    with pytest.raises(PartitionError, match=r"stage 3: its layers 0 and 2 share a weight"):
+        _refuse_sharing(3, [a, nn.ReLU(), b])
+    _refuse_sharing(3, [a, nn.Linear(4, 4)])  # nothing shared: no error

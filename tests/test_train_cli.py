@@ -78,7 +78,6 @@ def test_bad_toml_is_exit_2_naming_the_key(tmp_path: Path, text: str, message: s
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--nproc", "0"], "--nproc must be at least 1, got 0"),
     (["--fsdp", "0"], "--fsdp must be at least 1, got 0"),
-    (["--fsdp", "2", "--dp", "2"], "(replicas of sharded stages, HSDP) is not supported yet"),
     (["--max-restarts", "-1"], "--max-restarts must be 0 or more"),
     (["--timeout", "0"], "--timeout must be a positive number"),
     (["--steps", "many"], "invalid int value: 'many'"),

@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from pipetrain.errors import PipelineError
+from pipetrain.errors import PartitionError, PipelineError
 
 __all__ = ["RESHARD", "ShardedStages"]
 
@@ -50,7 +50,9 @@ class ShardedStages:
     """FSDP2 on a pipeline's stages (see the module docstring); pass it as ``parallelize``.
 
     Args:
-        mesh: the 1-D mesh of the ranks that shard each layer among themselves.
+        mesh: the 1-D mesh of the ranks that shard each layer among themselves, or a 2-D
+            ``(replicate, shard)`` mesh: replicas of the sharded layers (HSDP), whose
+            reduction all-reduces the shards' gradients over the replicas too.
         reshard: how long gathered weights live, trading memory for all-gathers:
             ``"step"``: from a layer's first forward to its stage's reduction (ZeRO-2: the
             stage's whole weights held, the fewest collectives); ``"layer"``: only while a
@@ -61,9 +63,10 @@ class ShardedStages:
     """
 
     def __init__(self, mesh: DeviceMesh, reshard: str = "part") -> None:
-        if mesh.ndim != 1:
-            raise ValueError(f"ShardedStages needs a 1-D mesh (the shard dimension), got "
-                             f"{mesh.ndim} dimensions {mesh.mesh_dim_names}; pass mesh[name]")
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"ShardedStages needs a 1-D mesh (the shard dimension) or a 2-D "
+                             f"one (replicate, shard: HSDP), got {mesh.ndim} dimensions "
+                             f"{mesh.mesh_dim_names}; pass mesh[name] or mesh[name, name]")
         if reshard not in RESHARD:
             raise ValueError(f"reshard must be one of {', '.join(RESHARD)}, got {reshard!r}")
         self.mesh = mesh
@@ -77,22 +80,33 @@ class ShardedStages:
         self._gathered: list[FSDPModule] = []  # what gather() gathered for the running W
 
     def __call__(self, stage: int, layers: list[nn.Module]) -> None:
-        """Shard ``stage``'s layers that have parameters (the ``parallelize`` hook)."""
+        """Shard ``stage``'s layers that have parameters (the ``parallelize`` hook).
+
+        Raises:
+            PartitionError: when two of the layers share a weight (an embedding and its tied
+                head in one stage): FSDP2 would shard it twice, untying it.
+        """
+        _refuse_sharing(stage, layers)
         roots, units = [], []
         for layer in layers:
             if not any(True for _ in layer.parameters()):
                 continue
-            inner = _big_parts(layer) if self.split else []
-            for part in inner + [layer]:
-                unit: Any = fully_shard(part, mesh=self.mesh, reshard_after_forward=self.reshard)
-                if self.mesh.device_type == "cpu":  # no overlap to win: prefetch nothing
-                    unit.set_modules_to_backward_prefetch([unit])
-                units.append(unit)
-                for param in _fsdp_params(unit):
-                    self._sharded[id(param.sharded_param)] = param
-            self._hold(units[-1], True)  # the layer, and so its parts
-            roots.append(units[-1])
+            for part in _big_parts(layer) if self.split else []:
+                units.append(self._shard(part))
+            root = self._shard(layer)
+            self._hold(root, True)  # the layer, and so its parts
+            units.append(root)
+            roots.append(root)
         self.modules[stage], self._units[stage] = roots, units
+
+    def _shard(self, module: nn.Module) -> Any:
+        """``fully_shard`` one unit."""
+        unit: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard)
+        if self.mesh.device_type == "cpu":  # no overlap to win: prefetch nothing
+            unit.set_modules_to_backward_prefetch([unit])
+        for param in _fsdp_params(unit):
+            self._sharded[id(param.sharded_param)] = param
+        return unit
 
     def gathered(self, param: nn.Parameter) -> nn.Parameter:
         """The gathered parameter a step's gradients of sharded ``param`` accumulate in."""
@@ -156,6 +170,18 @@ class ShardedStages:
         module.set_requires_gradient_sync(not hold)
         module.set_reshard_after_backward(not hold or self.reshard)
         module.set_is_last_backward(not hold)
+
+
+def _refuse_sharing(stage: int, layers: list[nn.Module]) -> None:
+    owner: dict[int, int] = {}
+    for k, layer in enumerate(layers):
+        for p in layer.parameters():
+            first = owner.setdefault(id(p), k)
+            if first != k:
+                raise PartitionError(
+                    f"stage {stage}: its layers {first} and {k} share a weight (of shape "
+                    f"{tuple(p.shape)}), which sharding each layer would untie; place them in "
+                    "different stages (more pipeline ranks, or another balance), or untie it")
 
 
 def _big_parts(layer: nn.Module) -> list[nn.Module]:

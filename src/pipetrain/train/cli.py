@@ -186,9 +186,6 @@ def check(cfg: TrainConfig) -> None:
                          f"{sorted(REGISTRY)}, or give a schedule file")
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
-    if cfg.fsdp > 1 and cfg.dp > 1:
-        raise ValueError(f"--dp {cfg.dp} with --fsdp {cfg.fsdp} (replicas of sharded stages, "
-                         "HSDP) is not supported yet; use one of them")
     from pipetrain.sharded import RESHARD
 
     if cfg.fsdp_reshard not in RESHARD:

@@ -18,8 +18,8 @@ group hold the same stages, each a slice of every weight, its gradient and its o
 (FSDP2, :mod:`pipetrain.sharded`), and each trains on its own rows. Data-parallel ranks are
 then ``dp x fsdp``, global rank ``(replica * fsdp + shard) * pp + pipeline rank``, and the
 ranks come from one ``init_device_mesh`` with dimensions ``(dp_replicate, dp_shard, pp)``;
-FSDP2 averages the gradients over the shards, not the reducer (replicas of sharded stages,
-HSDP, are refused for now by ``pipetrain train``).
+FSDP2 averages the gradients over the shards, not the reducer, and with ``dp > 1`` too (HSDP)
+over the replicas: it reduce-scatters over ``dp_shard`` and all-reduces over ``dp_replicate``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Mesh:
     fsdp: int = 1
     """Shards of each weight (1: every data-parallel rank holds them whole)."""
     shard_mesh: DeviceMesh | None = None
-    """With ``fsdp > 1``: the mesh FSDP2 shards over (``dp_shard``)."""
+    """With ``fsdp > 1``: the mesh FSDP2 shards over (``dp_shard``), with ``dp_replicate``
+    first when there are replicas too (HSDP)."""
     shard_group: dist.ProcessGroup | None = None
     """With ``fsdp > 1``: the ranks whose slices make up this rank's weights."""
 
@@ -151,7 +152,9 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1) -> 
 
         mesh = init_device_mesh(where.type, (dp, fsdp, pp),
                                 mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
-        shard_mesh = mesh["dp_shard"]  # replicas of sharded stages (HSDP): not yet
+        # replicas of sharded stages (HSDP): FSDP2 shards over dp_shard, all-reduces over
+        # dp_replicate
+        shard_mesh = mesh["dp_replicate", "dp_shard"] if dp > 1 else mesh["dp_shard"]
         shard_group = mesh["dp_shard"].get_group()
     data = dp * fsdp
     pp_group = _my_group([[d * pp + p for p in range(pp)] for d in range(data)], rank)
