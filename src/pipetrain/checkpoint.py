@@ -15,7 +15,8 @@ What a checkpoint holds is a flat dict of tensors named by the caller, plus JSON
 Tensors are stored with ``torch.distributed.checkpoint`` (DCP) under those keys: each rank
 writes only the keys it holds, a key held by several ranks (tied weights, data-parallel
 replicas) is written once, and each rank loads only the keys it asks for, so a run saved at
-pp=4 resumes at pp=2, or with another dp. Plain values that are the same on every rank (LR
+pp=4 resumes at pp=2, or with another dp. DTensors (FSDP2 shards, tensor-parallel slices) are
+saved by their global shape, so they load into any other split or into whole tensors. Plain values that are the same on every rank (LR
 schedule, loss scale, model config, layout) go into ``meta`` as JSON. The data position is the
 ``step`` (optimizer steps done); :mod:`pipetrain.data` batches depend only on (seed, step).
 
@@ -38,10 +39,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -217,7 +219,8 @@ def _check_save(step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
 def _write_data(tmp: Path, state: dict[str, torch.Tensor], group: Group) -> None:
     """Every rank writes its tensors into ``tmp``; DCP writes its index from the first rank."""
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-    plain = {k: v.detach() for k, v in state.items()}
+    plain = {k: (cast(Any, v).full_tensor() if _strided(v) else v).detach()
+             for k, v in state.items()}
     try:
         with _quiet():
             dcp_save(plain, storage_writer=writer, process_group=group,
@@ -285,13 +288,34 @@ def load(path: str | os.PathLike[str], state: dict[str, torch.Tensor], *, group:
     wanted, problem = _match_keys(opened.metadata, state, strict, group)
     _agree(problem, group, f"matching keys with checkpoint {path}")
     reader = _IndexedReader(path, opened.metadata)
+    whole = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in wanted.items() if _strided(v)}
     try:
         with _quiet():
-            dcp_load(wanted, storage_reader=reader, process_group=group,
+            dcp_load({**wanted, **whole}, storage_reader=reader, process_group=group,
                      no_dist=not _distributed())
     except Exception as e:  # noqa: BLE001  (DCP raises the same error on every rank)
         raise CheckpointError(f"reading checkpoint {path} failed: {e}") from e
+    for key, value in whole.items():
+        _scatter_into(wanted[key], value)
     return opened.meta
+
+
+def _strided(t: torch.Tensor) -> bool:
+    """A DTensor split in strides (tensor parallelism's fused q, k, v): each rank holds several
+    pieces of it, which DCP cannot describe, so it is saved and loaded whole."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before
+    return (dtensor is not None and isinstance(t, dtensor.DTensor)
+            and any(type(p).__name__ == "_StridedShard" for p in t.placements))
+
+
+def _scatter_into(dest: Any, whole: torch.Tensor) -> None:
+    """Copy this rank's pieces of ``whole`` into the strided DTensor ``dest`` (no messages:
+    every rank of its mesh read the whole tensor)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mine = distribute_tensor(whole.to(dest.device), dest.device_mesh, dest.placements,
+                             src_data_rank=None)
+    dest.to_local().copy_(mine.to_local())
 
 
 def _match_keys(metadata: Metadata, state: dict[str, torch.Tensor], strict: bool,

@@ -155,11 +155,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
-                   for t in self.qkv(x).split(C, dim=2))
+        head = C // self.n_heads
+        # chunk, not split(C): under tensor parallelism qkv yields this rank's heads only
+        q, k, v = (t.reshape(B, T, -1, head).transpose(1, 2) for t in self.qkv(x).chunk(3, 2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(B, T, C))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return out
 
 

@@ -1,0 +1,120 @@
+"""Tensor parallel stages: pp 2 x tp 2 on 4 gloo processes equal one device (pipetrain's GPT)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import pipetrain as pt
+from pipetrain.gpt import GPTConfig, gpt_layers, lm_loss
+from pipetrain.tensor_parallel import TensorParallel
+from pipetrain.testing import reference_step
+
+CONFIG = GPTConfig(seq_len=16, d_model=32, n_heads=4, n_layers=4)
+SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b")
+MICROBATCHES = 4
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*gpt_layers(CONFIG))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, CONFIG.vocab_size, (8, CONFIG.seq_len + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _mesh() -> object:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+
+
+def _split(ctx: pt.RankContext) -> list[str]:
+    """Loss and every gradient of one step equal one device's (to rounding), per schedule;
+    the split matrices hold half their elements on each rank."""
+    from torch.distributed.tensor import DTensor
+
+    mesh: object = _mesh()
+    problems = []
+    ref = _model()
+    x, y = _data(0)
+    want = float(reference_step(ref, x, y, lm_loss, MICROBATCHES))
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for name in SCHEDULES:
+        tp = TensorParallel(mesh["tp"])  # type: ignore[index]
+        pipe = pt.Pipeline(copy.deepcopy(_model()), name, MICROBATCHES, lm_loss, timeout=30,
+                           group=mesh["pp"].get_group(), parallelize=tp)  # type: ignore[index]
+        got = pipe.step(x, y)
+        if got.loss is not None and abs(float(got.loss) - want) > 1e-5:
+            problems.append(f"{name}: loss {float(got.loss)} != {want}")
+        for n, p in pipe.named_parameters():
+            split = isinstance(p, DTensor) and not p.placements[0].is_replicate()
+            if split and p.to_local().numel() * 2 != p.numel():
+                problems.append(f"{name}: {n} holds {p.to_local().numel()} of {p.numel()}")
+            if not torch.allclose(_full(p.grad), grads[n], rtol=1e-4, atol=1e-6):
+                problems.append(f"{name}: {n}'s gradient differs by "
+                                f"{(_full(p.grad) - grads[n]).abs().max():.3g}")
+        if tp.split_layers != CONFIG.n_layers // 2:  # each rank holds half of the blocks
+            problems.append(f"{name}: {tp.split_layers} layers split on this rank")
+    return problems
+
+
+def test_pp2_by_tp2_gives_one_devices_loss_and_gradients() -> None:
+    results = pt.launch(_split, 4, timeout=240)
+    assert [p for r in results for p in r] == []
+
+
+def _state(pipe: pt.Pipeline, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    from pipetrain import checkpoint as ck
+
+    named = list(pipe.named_parameters())
+    return {**ck.model_state(named), **ck.optimizer_state(opt, named)}
+
+
+def _checkpoints(ctx: pt.RankContext, root: str) -> list[str]:
+    """A tensor-parallel run's checkpoint loads into whole stages and back, value for value."""
+    from pipetrain import checkpoint as ck
+
+    mesh: object = _mesh()
+    group = mesh["pp"].get_group()  # type: ignore[index]
+
+    def build(split: bool) -> tuple[pt.Pipeline, torch.optim.Optimizer]:
+        tp = TensorParallel(mesh["tp"]) if split else None  # type: ignore[index]
+        pipe = pt.Pipeline(_model(), "1f1b", MICROBATCHES, lm_loss, timeout=30, group=group,
+                           parallelize=tp)
+        return pipe, torch.optim.AdamW(pipe.parameters(), lr=0.01)
+
+    pipe, opt = build(True)
+    x, y = _data(0)
+    pipe.step(x, y)
+    opt.step()
+    saved = _state(pipe, opt)
+    path = ck.save(root, 1, saved, {})
+    want = {k: _full(v).clone() for k, v in saved.items()}
+    problems = []
+    for split in (False, True):
+        other, other_opt = build(split)
+        state = _state(other, other_opt)
+        ck.load(path, state)
+        ck.load_optimizer_state(other_opt, other.named_parameters(), state)
+        got = _state(other, other_opt)
+        problems += [f"split={split}: {k} differs" for k in want
+                     if not torch.equal(_full(got[k]), want[k])]
+    return problems
+
+
+def test_a_tensor_parallel_checkpoint_loads_into_whole_stages_and_back(tmp_path: Path) -> None:
+    results = pt.launch(_checkpoints, 4, str(tmp_path), timeout=240)
+    assert [p for r in results for p in r] == []
