@@ -111,7 +111,6 @@ def stage_units(setup: Setup, schedule: pt.Schedule, rank: int) -> dict[int, dic
 
 def _measure_stage(module: nn.Module, x: torch.Tensor, grad: bool,
                    target: torch.Tensor | None) -> dict[str, int]:
-    params = list(module.parameters())
     _forward_backward(module, x, grad, target)  # gradients exist from here on
     leaf = x.detach().requires_grad_(grad)
     with memprobe.Probe() as f:
@@ -121,7 +120,7 @@ def _measure_stage(module: nn.Module, x: torch.Tensor, grad: bool,
     leaf = x.detach().requires_grad_(grad)
     y = _forward(module, leaf, target)
     with memprobe.Probe() as i:
-        got, work = backward_input([y], [torch.ones_like(y)], [leaf], params)
+        got, work = backward_input([y], [torch.ones_like(y)], [leaf])
     sent = sum(g.numel() * g.element_size() for g in got if g is not None)
     with memprobe.Probe() as w:
         work.run()

@@ -31,7 +31,6 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     block = Block(GPTConfig(d_model=args.d_model, n_heads=args.heads, n_layers=1,
                             seq_len=args.seq))
-    params = list(block.parameters())
     x = torch.randn(args.batch, args.seq, args.d_model)
     grad = torch.randn_like(x)
     times: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": [], "I0": []}
@@ -45,7 +44,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         leaf = x.detach().requires_grad_()
         y = block(leaf)
         t3 = time.perf_counter()
-        _, work = backward_input([y], [grad], [leaf], params)
+        _, work = backward_input([y], [grad], [leaf])
         t4 = time.perf_counter()
         work.run()
         t5 = time.perf_counter()

@@ -16,8 +16,9 @@ Tensors are stored with ``torch.distributed.checkpoint`` (DCP) under those keys:
 writes only the keys it holds, a key held by several ranks (tied weights, data-parallel
 replicas) is written once, and each rank loads only the keys it asks for, so a run saved at
 pp=4 resumes at pp=2, or with another dp. DTensors (FSDP2 shards, tensor-parallel slices) are
-saved by their global shape, so they load into any other split or into whole tensors. Plain values that are the same on every rank (LR
-schedule, loss scale, model config, layout) go into ``meta`` as JSON. The data position is the
+saved by their global shape, so they load into any other split or into whole tensors. Plain
+values that are the same on every rank (LR schedule, loss scale, model config, layout) go into
+``meta`` as JSON. The data position is the
 ``step`` (optimizer steps done); :mod:`pipetrain.data` batches depend only on (seed, step).
 
 RNG state is per rank (``rng/rank<r>/...``): at the same layout each rank gets its own stream
