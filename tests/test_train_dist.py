@@ -373,6 +373,34 @@ def test_fsdp_trains_like_dp_and_resumes_across_them(tmp_path: Path) -> None:
     assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
 
 
+def _tp(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """pp=2 x tp=2 trains with the losses of pp=2 x fsdp=2 (10 steps, fp32, to rounding; that
+    one's equal dp=2's, see _fsdp), and each resumes from
+    the other's checkpoint (fresh processes, as for _fsdp)."""
+    common = dict(pp=2, steps=10, sample_tokens=0, eval_every=0)
+    split, summary = _losses(_cfg(tmp, "tp", tp=2, **common))
+    sharded, other = _losses(_cfg(tmp, "fsdp", fsdp=2, **common))
+    problems = []
+    if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(split, sharded, strict=True)):
+        problems.append(f"tp=2 losses {split} != fsdp=2 {sharded}")
+    if summary["layout"].get("tp") != 2:
+        problems.append(f"layout {summary['layout']}")
+    more = {out: _losses(_cfg(tmp, out, **{**common, "steps": 12, **layout}))[0]
+            for out, layout in (("tp", {"fsdp": 2}), ("fsdp", {"tp": 2}))}
+    if [len(m) for m in more.values()] != [2, 2]:
+        problems.append(f"resumed across tp and fsdp ran {[len(m) for m in more.values()]}")
+    elif not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(*more.values())):
+        problems.append(f"resumed curves differ: {more}")
+    return problems
+
+
+def test_tp_trains_like_fsdp_and_resumes_across_them(tmp_path: Path) -> None:
+    sources = [Path(textwrap.__file__), Path(argparse.__file__)]
+    (tmp_path / "corpus.txt").write_bytes(b"".join(p.read_bytes() for p in sources))
+    results = pt.launch(_tp, 4, str(tmp_path), timeout=300)
+    assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
+
+
 def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     """dp=2 replicas of fsdp=2 shards (HSDP) of pp=2 train with the losses of dp=4, and both
     resume at pp=4 x fsdp=2 alike (8 fresh processes, as for _fsdp)."""

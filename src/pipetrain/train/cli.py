@@ -191,10 +191,17 @@ def check(cfg: TrainConfig) -> None:
     if cfg.fsdp_reshard not in RESHARD:
         raise ValueError(f"--fsdp-reshard must be one of {', '.join(RESHARD)}, "
                          f"got {cfg.fsdp_reshard!r}")
+    if cfg.tp > 1 and cfg.fsdp > 1:
+        raise ValueError(f"--tp {cfg.tp} with --fsdp {cfg.fsdp} (sharded slices, 2-D "
+                         "parallelism) is not supported yet; use one of them")
+    if cfg.tp > 1 and cfg.hf:
+        raise ValueError("--tp with --hf is not supported yet (a model's own tensor-parallel "
+                         "plan is not read yet); use --pp, --dp or --fsdp with --hf")
     if cfg.fsdp > 1 and cfg.hf:
         raise ValueError("--fsdp with --hf is not supported yet (OUT/hf is written from whole "
                          "weights); use --dp for data parallelism with --hf")
-    for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp", "fsdp"):
+    for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp", "fsdp",
+                 "tp"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
     if cfg.pp is not None and cfg.pp < 1:

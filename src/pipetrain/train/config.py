@@ -37,12 +37,15 @@ class TrainConfig:
     nproc: int = 2
     """Processes a local launch starts (ignored under torchrun, which sets the world)."""
     pp: int | None = None
-    """Pipeline ranks; None: world size // (dp x fsdp)."""
+    """Pipeline ranks; None: world size // (dp x fsdp x tp)."""
     dp: int = 1
     """Data-parallel replicas of the whole pipeline."""
     fsdp: int = 1
     """Shards of each replica: this many ranks hold the same stages, each a slice of every
     weight, gradient and optimizer state (FSDP2), each its own rows of the batch."""
+    tp: int = 1
+    """Tensor-parallel ranks per pipeline rank: they split each block's attention heads and
+    MLP (Megatron style), see the same rows, and each hold a slice of those weights."""
     fsdp_reshard: str = "part"
     """With --fsdp: how long gathered weights live: step (from a layer's first use to the
     step's reduction: most memory, fewest all-gathers), layer (while a layer computes), part

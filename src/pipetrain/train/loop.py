@@ -219,9 +219,10 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     trainer.finish_grads()  # [3]
     trainer.scale.unscale_(trainer.params)  # [4]
     loss = trainer.scale.unscale_loss(float(result.loss if result.loss is not None else "nan"))
-    square_sum = grad_square_sum(trainer.counted, mesh.comm_device)
+    square_sum = grad_square_sum(trainer.counted, mesh.comm_device) + mesh.tp_sum_(
+        grad_square_sum(trainer.split, mesh.comm_device))
     verdict = decide(finding(loss, float(square_sum), trainer.scale.enabled),  # [5]
-                     mesh.rank, mesh.dp * mesh.pp, mesh.comm_device)
+                     mesh.rank, mesh.world, mesh.comm_device)
     grad_norm = math.nan
     if verdict.skip:
         if verdict.level == NONFINITE and cfg.nonfinite == "abort":

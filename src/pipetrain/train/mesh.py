@@ -1,4 +1,4 @@
-"""Mesh: the dp x fsdp x pp layout of a training job and the data-parallel gradient all-reduce.
+"""Mesh: the dp x fsdp x pp x tp layout of a training job and the data-parallel all-reduce.
 
 The world is a ``(dp, pp)`` grid of ranks, row-major: global rank ``r`` is pipeline rank
 ``r % pp`` of data-parallel replica ``r // pp``. Each replica is a whole pipeline (its own
@@ -16,10 +16,14 @@ what one pipeline computes on the concatenated batch when the micro-batch sums l
 With ``fsdp`` shards each replica's ranks are split further: the ``fsdp`` ranks of a shard
 group hold the same stages, each a slice of every weight, its gradient and its optimizer state
 (FSDP2, :mod:`pipetrain.sharded`), and each trains on its own rows. Data-parallel ranks are
-then ``dp x fsdp``, global rank ``(replica * fsdp + shard) * pp + pipeline rank``, and the
-ranks come from one ``init_device_mesh`` with dimensions ``(dp_replicate, dp_shard, pp)``;
-FSDP2 averages the gradients over the shards, not the reducer, and with ``dp > 1`` too (HSDP)
-over the replicas: it reduce-scatters over ``dp_shard`` and all-reduces over ``dp_replicate``.
+then ``dp x fsdp``; FSDP2 averages the gradients over the shards, not the reducer, and with
+``dp > 1`` too (HSDP) over the replicas: it reduce-scatters over ``dp_shard`` and all-reduces
+over ``dp_replicate``. With ``tp`` each pipeline rank is ``tp`` ranks that split its layers
+(:mod:`pipetrain.tensor_parallel`) and see the same rows; each runs its own copy of the
+pipeline's point-to-point traffic with the same tensor-parallel rank of the next stage. Global
+rank ``((replica * fsdp + shard) * pp + pipeline rank) * tp + tensor-parallel rank`` (tp
+innermost, as it talks most), from one ``init_device_mesh`` with dimensions
+``(dp_replicate, dp_shard, pp, tp)`` whenever ``fsdp`` or ``tp`` is more than 1.
 """
 
 from __future__ import annotations
@@ -67,13 +71,32 @@ class Mesh:
     first when there are replicas too (HSDP)."""
     shard_group: dist.ProcessGroup | None = None
     """With ``fsdp > 1``: the ranks whose slices make up this rank's weights."""
+    tp: int = 1
+    """Ranks that split each layer (tensor parallel; 1: none)."""
+    tp_rank: int = 0
+    tp_mesh: DeviceMesh | None = None
+    """With ``tp > 1``: the mesh the layers are split over (``tp``)."""
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.tp
 
     def global_rank(self, dp_rank: int, pp_rank: int) -> int:
-        return dp_rank * self.pp + pp_rank
+        """The rank at (dp_rank, pp_rank) with this rank's tensor-parallel rank."""
+        return (dp_rank * self.pp + pp_rank) * self.tp + self.tp_rank
 
     def describe(self) -> dict[str, int]:
         shards = {"fsdp": self.fsdp} if self.fsdp > 1 else {}
-        return {"world": self.dp * self.pp, "dp": self.dp // self.fsdp, **shards, "pp": self.pp}
+        split = {"tp": self.tp} if self.tp > 1 else {}
+        return {"world": self.world, "dp": self.dp // self.fsdp, **shards, "pp": self.pp,
+                **split}
+
+    def tp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over this rank's tensor-parallel group (split slices)."""
+        if self.tp_mesh is not None:
+            news.all_reduce(tensor, "the sum over tensor-parallel ranks",
+                            group=self.tp_mesh.get_group())
+        return tensor
 
     def shard_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's shard group (a sharded weight's slices)."""
@@ -103,17 +126,21 @@ class Mesh:
 
 
 
-def layout(world: int, dp: int, pp: int | None, fsdp: int = 1) -> tuple[int, int]:
-    """``(dp, pp)`` for a world of ``world`` ranks; ``pp=None`` takes ``world // (dp x fsdp)``.
+def layout(world: int, dp: int, pp: int | None, fsdp: int = 1, tp: int = 1) -> tuple[int, int]:
+    """``(dp, pp)`` for a world of ``world`` ranks; ``pp=None`` takes
+    ``world // (dp x fsdp x tp)``.
 
     Raises:
-        ValueError: when ``dp x fsdp x pp`` is not the world size.
+        ValueError: when ``dp x fsdp x pp x tp`` is not the world size.
     """
-    if dp < 1 or fsdp < 1 or (pp is not None and pp < 1):
-        raise ValueError(f"dp, fsdp and pp must be >= 1, got dp={dp}, fsdp={fsdp}, pp={pp}")
-    data = dp * fsdp
-    named = f"dp={dp}" if fsdp == 1 else f"dp={dp} x fsdp={fsdp}"
-    flags = "--dp" if fsdp == 1 else "--dp/--fsdp"
+    if dp < 1 or fsdp < 1 or tp < 1 or (pp is not None and pp < 1):
+        raise ValueError(f"dp, fsdp, tp and pp must be >= 1, got dp={dp}, fsdp={fsdp}, "
+                         f"tp={tp}, pp={pp}")
+    data = dp * fsdp * tp
+    named = " x ".join(f"{k}={v}" for k, v in (("dp", dp), ("fsdp", fsdp), ("tp", tp))
+                       if v > 1 or k == "dp")
+    flags = "/".join(f"--{k}" for k, v in (("dp", dp), ("fsdp", fsdp), ("tp", tp))
+                     if v > 1 or k == "dp")
     if pp is None:
         if world % data:
             raise ValueError(f"the world has {world} ranks, which {named} does not divide; "
@@ -125,7 +152,8 @@ def layout(world: int, dp: int, pp: int | None, fsdp: int = 1) -> tuple[int, int
     return dp, pp
 
 
-def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1) -> Mesh:
+def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
+               tp: int = 1) -> Mesh:
     """The mesh of the current ``torch.distributed`` job (call on every rank at once).
 
     Args:
@@ -133,6 +161,7 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1) -> 
         pp: pipeline ranks per replica; None: world size // (dp x fsdp).
         device: ``auto`` (CUDA under NCCL, else CPU), ``cpu`` or ``cuda``.
         fsdp: shards of each weight within a replica (FSDP2).
+        tp: ranks that split each layer (tensor parallel), the innermost dimension.
 
     Raises:
         ValueError: when the world is not ``dp x fsdp x pp`` ranks, or CUDA is asked for but
@@ -143,24 +172,30 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1) -> 
         raise RuntimeError("torch.distributed is not initialised: start the job with "
                            "`pipetrain train` (or torchrun), or pt.launch in tests")
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp, pp = layout(world, dp, pp, fsdp)
+    dp, pp = layout(world, dp, pp, fsdp, tp)
     nccl = dist.get_backend() == "nccl"
     where = _device(device, nccl, rank)
-    shard_mesh, shard_group = None, None
-    if fsdp > 1:  # before any other group: see _my_group
+    shard_mesh, shard_group, tp_mesh = None, None, None
+    if fsdp > 1 or tp > 1:  # before any other group: see _my_group
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(where.type, (dp, fsdp, pp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "pp"))
+        mesh = init_device_mesh(where.type, (dp, fsdp, pp, tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
         # replicas of sharded stages (HSDP): FSDP2 shards over dp_shard, all-reduces over
         # dp_replicate
-        shard_mesh = mesh["dp_replicate", "dp_shard"] if dp > 1 else mesh["dp_shard"]
-        shard_group = mesh["dp_shard"].get_group()
+        if fsdp > 1:
+            shard_mesh = mesh["dp_replicate", "dp_shard"] if dp > 1 else mesh["dp_shard"]
+            shard_group = mesh["dp_shard"].get_group()
+        tp_mesh = mesh["tp"] if tp > 1 else None
     data = dp * fsdp
-    pp_group = _my_group([[d * pp + p for p in range(pp)] for d in range(data)], rank)
-    dp_group = _my_group([[d * pp + p for d in range(data)] for p in range(pp)], rank)
-    return Mesh(data, pp, rank, rank // pp, rank % pp, pp_group, dp_group, where,
-                where if nccl else torch.device("cpu"), fsdp, shard_mesh, shard_group)
+    cell = rank // tp  # the (data, pipeline) cell; tensor-parallel ranks share it
+    pp_group = _my_group([[(d * pp + p) * tp + t for p in range(pp)]
+                          for d in range(data) for t in range(tp)], rank)
+    dp_group = _my_group([[(d * pp + p) * tp + t for d in range(data)]
+                          for p in range(pp) for t in range(tp)], rank)
+    return Mesh(data, pp, rank, cell // pp, cell % pp, pp_group, dp_group, where,
+                where if nccl else torch.device("cpu"), fsdp, shard_mesh, shard_group,
+                tp, rank % tp, tp_mesh)
 
 
 def _my_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup:

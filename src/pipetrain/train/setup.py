@@ -24,6 +24,7 @@ from pipetrain.gpt import PRESETS
 from pipetrain.pipeline import Pipeline
 from pipetrain.schedule import Schedule
 from pipetrain.sharded import ShardedStages
+from pipetrain.tensor_parallel import TensorParallel
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
 from pipetrain.train.nonfinite import NaNInjector
@@ -57,7 +58,9 @@ class Trainer:
     params: list[nn.Parameter] = field(default_factory=list)
     """This rank's trainable parameters."""
     counted: list[nn.Parameter] = field(default_factory=list)
-    """The ones this rank counts towards the global gradient norm."""
+    """The ones this rank counts towards the global gradient norm, whole (or FSDP2 shards)."""
+    split: list[nn.Parameter] = field(default_factory=list)
+    """Counted ones split across the tensor-parallel ranks (summed over them)."""
     step: int = 0
     """The next step to run (= steps done, skipped ones included)."""
     skipped: int = 0
@@ -141,7 +144,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     """
     problems = []
     try:
-        dp, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp)
+        dp, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp, cfg.tp)
         run_schedule(cfg, pp)
         dp *= cfg.fsdp  # data-parallel ranks
     except ValueError as e:
@@ -149,6 +152,11 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         dp = max(cfg.dp, 1) * max(cfg.fsdp, 1)
     if not cfg.hf and cfg.preset not in PRESETS:
         problems.append(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
+    elif not cfg.hf and cfg.tp > 1:
+        c = PRESETS[cfg.preset]
+        if c.n_heads % cfg.tp or c.mlp_ratio * c.d_model % cfg.tp:
+            problems.append(f"tp={cfg.tp} must divide the preset's {c.n_heads} heads and "
+                            f"{c.mlp_ratio * c.d_model} MLP units; use a divisor of both")
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.nonfinite not in ("skip", "abort"):
@@ -174,15 +182,17 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     import torch.distributed as dist
 
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp)
+    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp, cfg.tp)
     source = source_for(cfg)
     schedule = run_schedule(cfg, mesh.pp)
     scale = LossScale(enabled=cfg.precision == "fp16")
     rows = cfg.batch_size // mesh.dp // cfg.microbatches
     sharded = (None if mesh.shard_mesh is None
                else ShardedStages(mesh.shard_mesh, cfg.fsdp_reshard))
+    split = None if mesh.tp_mesh is None else TensorParallel(mesh.tp_mesh)
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
-                           device=mesh.device, timeout=cfg.timeout, parallelize=sharded)
+                           device=mesh.device, timeout=cfg.timeout,
+                           parallelize=sharded if split is None else split)
     loaded = source.loaded(pipe)
     corpus = source.corpus(cfg, progress=progress and mesh.rank == 0)
     batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
@@ -194,7 +204,8 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
         scale, GradReducer({s: st.parameters() for s, st in pipe.stages.items()}, mesh.dp_group,
                            mesh.dp if sharded is None else 1), batches, [],
         NaNInjector.for_pipeline(pipe),
-        params, counted_parameters(pipe), source=source, loaded=loaded, sharded=sharded)
+        params, *_tp_split(counted_parameters(pipe), split is not None), source=source,
+        loaded=loaded, sharded=sharded)
     trainer.eval_set = [trainer.rows(b) for b in _eval_batches(corpus, cfg)]
     return trainer
 
@@ -206,3 +217,16 @@ def _eval_batches(corpus: Corpus, cfg: TrainConfig) -> list[Batch]:
         raise ValueError(f"the held-out part of {corpus.source} is too short for an eval "
                          f"batch ({e})") from None
     return held_out.eval_batches(cfg.eval_batches)
+
+
+def _tp_split(counted: list[nn.Parameter], tp: bool) -> tuple[list[nn.Parameter],
+                                                              list[nn.Parameter]]:
+    """(whole, split): the tensor-parallel slices apart (each rank holds one slice), the
+    replicated weights, which every tensor-parallel rank holds alike, on their own."""
+    if not tp:
+        return counted, []
+    from torch.distributed.tensor import DTensor
+
+    def is_split(p: nn.Parameter) -> bool:
+        return isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
+    return [p for p in counted if not is_split(p)], [p for p in counted if is_split(p)]
