@@ -236,3 +236,25 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: P
              for run in ("plain", "killed")]
     assert steps[0] == steps[1] and len(steps[0]) == 8
     assert [s for s, (_, skipped) in steps[0].items() if skipped] == [2]
+
+
+def test_two_torchrun_agents_rendezvous_and_train_pp_by_fsdp_to_the_end(tmp_path: Path) -> None:
+    """Two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1), two ranks each,
+    train pp=2 x fsdp=2 to the end: the multi-node launch, on one machine."""
+    from pipetrain.launch import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
+    out = tmp_path / "out"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             f"127.0.0.1:{free_port()}", "--rdzv-id", "two-agents", "--max-restarts", "0",
+             "-m", "pipetrain", "train", *TINY[2:], "--pp", "2", "--fsdp", "2", "--steps", "3",
+             "--out", str(out)]
+    agents = [subprocess.Popen(agent, env=env, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE) for _ in range(2)]
+    ends = [a.communicate(timeout=240) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], [e[1][-2000:] for e in ends]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["layout"]["world"] == 4
+    assert (summary["layout"]["pp"], summary["layout"]["fsdp"]) == (2, 2)
+    assert len(summary["peak_memory_bytes"]) == 4
