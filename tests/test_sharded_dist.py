@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -148,4 +150,56 @@ def test_pp2_by_two_shards_trains_like_one_device_on_the_whole_batch() -> None:
 
 def test_a_sharded_checkpoint_loads_into_replicated_stages_and_back(tmp_path: Path) -> None:
     results = pt.launch(_checkpoints, 4, str(tmp_path), timeout=240)
+    assert [p for r in results for p in r] == []
+
+
+def _foreign(ctx: pt.RankContext) -> list[str]:
+    """Models we did not write (HF GPT-2 with its tied head across ranks, HF Llama, a
+    BatchNorm ResNet), split by tracing, pp 2 x 2 shards under 1F1B and ZB-H1, resharding per
+    layer and per part (the parts the traced graphs call): each shard's
+    loss is one device's on its rows, and the reduced gradients are the shards' mean."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf import LOSSES, MODELS, batch, points
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "pp"))
+    shard = mesh["dp_shard"].get_local_rank()
+    problems = []
+    for name, schedule, reshard in (("gpt2", "1f1b", "part"), ("llama", "zb-h1", "layer"),
+                                    ("resnet", "zb-h1", "part"), ("llama", "1f1b", "part")):
+        torch.manual_seed(0)
+        model = MODELS[name]().double()
+        ref = copy.deepcopy(model)
+        data = [batch(name, rows=8, seq=10, seed=s) for s in range(2)]
+        data = [({k: v.double() if v.is_floating_point() else v for k, v in x.items()}, y)
+                for x, y in data]
+        mean: dict[str, torch.Tensor] = {}
+        losses = []
+        for x, y in data:
+            ref.zero_grad()
+            losses.append(float(reference_step(lambda kw, ref=ref: ref(**kw), x, y, LOSSES[name],
+                                               MICROBATCHES)))
+            for n, p in ref.named_parameters():
+                mean[n] = mean.get(n, 0) + p.grad / 2
+        sharded = ShardedStages(mesh["dp_shard"], reshard)
+        x, y = data[shard]
+        pipe = pt.Pipeline(model, schedule, MICROBATCHES, LOSSES[name], timeout=60,
+                           split_points=points(name, 2), example_inputs=x,
+                           group=mesh["pp"].get_group(), parallelize=sharded)
+        got = pipe.step(pipe.pack(**x), y, on_grads_ready=sharded.reduce)
+        sharded.finish()
+        want = losses[shard]
+        if got.loss is not None and not math.isclose(float(got.loss), want, rel_tol=1e-12):
+            problems.append(f"{name}: loss {float(got.loss)} != {want}")
+        for n, p in pipe.named_parameters():
+            g = _full(p.grad)
+            if not torch.allclose(g, mean[n], rtol=1e-9, atol=1e-12):
+                problems.append(f"{name}: gradient of {n} differs by {(g - mean[n]).abs().max()}")
+    return problems
+
+
+def test_models_we_did_not_write_shard_like_one_device() -> None:
+    pytest.importorskip("transformers")
+    results = pt.launch(_foreign, 4, timeout=300)
     assert [p for r in results for p in r] == []

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -53,16 +53,19 @@ class ShardedStages:
         mesh: the 1-D mesh of the ranks that shard each layer among themselves, or a 2-D
             ``(replicate, shard)`` mesh: replicas of the sharded layers (HSDP), whose
             reduction all-reduces the shards' gradients over the replicas too.
-        reshard: how long gathered weights live, trading memory for all-gathers:
+        reshard: how long gathered weights live, trading memory for all-gathers.
             ``"step"``: from a layer's first forward to its stage's reduction (ZeRO-2: the
-            stage's whole weights held, the fewest collectives); ``"layer"``: only while a
-            layer computes, each F, I, B and W of each micro-batch gathering it again (ZeRO-3);
-            ``"part"`` (default): the same per part of a layer, each submodule holding at
+            stage's whole weights held, the fewest collectives). ``"layer"`` (default): only
+            while a layer computes, each F, I, B and W of each micro-batch gathering it again
+            (ZeRO-3). ``"part"``: the same per part of a layer, each submodule holding at
             least 1/16 of the layer's weights itself (a block's projections) gathered on its
-            own, so the largest transient is a part, not a layer (the most collectives).
+            own, so the largest transient is a part, not a layer (the most collectives). Only
+            for layers whose parts run as modules: one that reads a part's weight directly
+            (``F.linear(x, self.proj.weight)``) would meet it sharded (in a traced layer only
+            the parts its graph calls are taken).
     """
 
-    def __init__(self, mesh: DeviceMesh, reshard: str = "part") -> None:
+    def __init__(self, mesh: DeviceMesh, reshard: str = "layer") -> None:
         if mesh.ndim not in (1, 2):
             raise ValueError(f"ShardedStages needs a 1-D mesh (the shard dimension) or a 2-D "
                              f"one (replicate, shard: HSDP), got {mesh.ndim} dimensions "
@@ -185,10 +188,31 @@ def _refuse_sharing(stage: int, layers: list[nn.Module]) -> None:
 
 
 def _big_parts(layer: nn.Module) -> list[nn.Module]:
-    """The submodules of ``layer`` that hold at least 1/16 of its parameters themselves."""
+    """The submodules of ``layer`` that hold at least 1/16 of its parameters themselves, and
+    whose forward runs (in a traced layer, those its graph calls: it may read a weight of
+    another submodule directly, which FSDP2 would never gather)."""
     total = sum(p.numel() for p in layer.parameters())
-    return [m for m in layer.modules() if m is not layer
+    called = _called(layer)
+    return [m for m in layer.modules() if m is not layer and (called is None or m in called)
             and 16 * sum(p.numel() for p in m.parameters(recurse=False)) >= total]
+
+
+def _called(layer: nn.Module) -> set[nn.Module] | None:
+    """The submodules a traced (fx) layer's graphs call, all the way down; None for any
+    other module (its parts are taken to run as modules)."""
+    if not isinstance(layer, fx.GraphModule):
+        return None
+    found: set[nn.Module] = set()
+    todo = [layer]
+    while todo:
+        graph_module = todo.pop()
+        for node in graph_module.graph.nodes:
+            if node.op == "call_module":
+                module = graph_module.get_submodule(str(node.target))
+                found.add(module)
+                if isinstance(module, fx.GraphModule):
+                    todo.append(module)
+    return found
 
 
 def _fsdp_params(module: FSDPModule) -> list[Any]:
