@@ -402,26 +402,29 @@ def test_tp_trains_like_fsdp_and_resumes_across_them(tmp_path: Path) -> None:
 
 
 def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
-    """dp=2 replicas of fsdp=2 shards (HSDP) of pp=2 train with the losses of dp=4, and both
-    resume at pp=4 x fsdp=2 alike (8 fresh processes, as for _fsdp)."""
+    """On 8 fresh processes (as for _fsdp), pp=2 with dp=2 replicas of fsdp=2 shards (HSDP)
+    and with fsdp=2 shards of tp=2 slices (2-D) train with the losses of dp=4, and all three
+    resume at pp=4 x fsdp=2 alike."""
     common = dict(pp=2, steps=6, sample_tokens=0, eval_every=0, batch_size=16)
-    hybrid, summary = _losses(_cfg(tmp, "hsdp", dp=2, fsdp=2, **common))
     plain, _ = _losses(_cfg(tmp, "dp4", dp=4, **common))
     problems = []
-    if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(hybrid, plain, strict=True)):
-        problems.append(f"dp=2 x fsdp=2 losses {hybrid} != dp=4 {plain}")
-    if (summary["layout"].get("dp"), summary["layout"].get("fsdp")) != (2, 2):
-        problems.append(f"layout {summary['layout']}")
+    for out, layout in (("hsdp", {"dp": 2, "fsdp": 2}), ("2d", {"fsdp": 2, "tp": 2})):
+        got, summary = _losses(_cfg(tmp, out, **layout, **common))
+        if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, plain, strict=True)):
+            problems.append(f"{layout} losses {got} != dp=4 {plain}")
+        if any(summary["layout"].get(k) != v for k, v in layout.items()):
+            problems.append(f"layout {summary['layout']}")
     resumed = [_losses(_cfg(tmp, out, **{**common, "pp": 4, "fsdp": 2, "steps": 8}))[0]
-               for out in ("hsdp", "dp4")]
-    if [len(r) for r in resumed] != [2, 2]:
+               for out in ("hsdp", "dp4", "2d")]
+    if [len(r) for r in resumed] != [2, 2, 2]:
         problems.append(f"resumed at pp=4 x fsdp=2 ran {[len(r) for r in resumed]} steps")
-    elif not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(*resumed)):
+    elif not all(math.isclose(a, b, rel_tol=1e-5) and math.isclose(a, c, rel_tol=1e-5)
+                 for a, b, c in zip(*resumed)):
         problems.append(f"resumed curves differ: {resumed}")
     return problems
 
 
-def test_hsdp_trains_like_dp_and_resumes_sharded(tmp_path: Path) -> None:
+def test_hsdp_and_fsdp_by_tp_train_like_dp_and_resume_sharded(tmp_path: Path) -> None:
     sources = [Path(textwrap.__file__), Path(argparse.__file__)]
     (tmp_path / "corpus.txt").write_bytes(b"".join(p.read_bytes() for p in sources))
     results = pt.launch(_hsdp, 8, str(tmp_path), timeout=300)

@@ -11,7 +11,7 @@ the gathered one while a step runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -19,7 +19,8 @@ from torch import nn
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.tied import TiedParam
 
-__all__ = ["Gathering", "StageLayers", "join", "parallelize_stages", "held_parameter"]
+__all__ = ["Composed", "Gathering", "StageLayers", "join", "parallelize_stages",
+           "held_parameter"]
 
 StageLayers = dict[int, list[tuple[str, nn.Module]]]
 """Per stage this process holds: its layers, with their names in the model."""
@@ -39,6 +40,31 @@ class Gathering(Protocol):
 
     def release(self) -> None:
         """Reshard what :meth:`gather` gathered (after a W)."""
+
+
+class Composed:
+    """Several ``parallelize`` hooks applied in order (tensor parallel, then FSDP2: the way
+    torchtitan composes them); it gathers through the first of them that gathers."""
+
+    def __init__(self, *hooks: Callable[[int, list[nn.Module]], None]) -> None:
+        self.hooks = hooks
+        gathering = [cast(Gathering, h) for h in hooks if isinstance(h, Gathering)]
+        self._gathering: Gathering | None = gathering[0] if gathering else None
+
+    def __call__(self, stage: int, layers: list[nn.Module]) -> None:
+        for hook in self.hooks:
+            hook(stage, layers)
+
+    def gathered(self, param: nn.Parameter) -> nn.Parameter:
+        return param if self._gathering is None else self._gathering.gathered(param)
+
+    def gather(self, weights: Sequence[torch.Tensor]) -> None:
+        if self._gathering is not None:
+            self._gathering.gather(weights)
+
+    def release(self) -> None:
+        if self._gathering is not None:
+            self._gathering.release()
 
 
 def join(layer_name: str, param_name: str) -> str:

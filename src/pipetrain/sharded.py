@@ -104,7 +104,8 @@ class ShardedStages:
 
     def _shard(self, module: nn.Module) -> Any:
         """``fully_shard`` one unit."""
-        unit: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard)
+        unit: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard,
+                                shard_placement_fn=_placement)
         if self.mesh.device_type == "cpu":  # no overlap to win: prefetch nothing
             unit.set_modules_to_backward_prefetch([unit])
         for param in _fsdp_params(unit):
@@ -213,6 +214,19 @@ def _called(layer: nn.Module) -> set[nn.Module] | None:
                 if isinstance(module, fx.GraphModule):
                     todo.append(module)
     return found
+
+
+def _placement(param: nn.Parameter) -> Any:
+    """FSDP2's shard dimension of ``param``: dim 1 for a matrix that tensor parallelism split
+    in strides along dim 0 (a fused q, k, v), whose halves of slices DTensor cannot describe
+    (its whole value would come out wrong); FSDP2's own choice (dim 0) otherwise."""
+    placements = getattr(param, "placements", ())
+    if param.ndim >= 2 and any(type(p).__name__ == "_StridedShard" and getattr(p, "dim", -1) == 0
+                               for p in placements):
+        from torch.distributed.tensor import Shard
+
+        return Shard(1)
+    return None
 
 
 def _fsdp_params(module: FSDPModule) -> list[Any]:

@@ -16,10 +16,12 @@ for pipetrain's GPT:
 so a block costs two all-reduces forward and two backward, and its matrices, their gradients
 and optimizer state are split ``tp`` ways. The fused ``qkv`` matrix stacks q, k and v, so it
 is split as three (``_StridedShard``, each rank taking its slice of each): a plain row split
-would hand one rank all of q. Everything else (embeddings, layer norms, the head) is
-replicated: every rank of the mesh computes it on the same input and so holds the same
-gradient. Between layers activations are whole (no sequence parallelism yet), so each rank of
-a stage sends its own copy to the same tensor-parallel rank of the next stage.
+would hand one rank all of q; its bias stays whole (DTensor takes each rank's slices of it in
+the addition, and sums its gradient back), so FSDP2 can shard it further. Everything else
+(embeddings, layer norms, the head) is replicated: every rank of the mesh computes it on the
+same input and so holds the same gradient. Between layers activations are whole (no sequence
+parallelism yet), so each rank of a stage sends its own copy to the same tensor-parallel rank
+of the next stage.
 
 Tensors split this way are DTensors: the optimizer steps their local slices, and
 :mod:`pipetrain.checkpoint` saves them as whole tensors, so a checkpoint resumes at any
@@ -59,7 +61,9 @@ class FusedColwise(ParallelStyle):
         if not isinstance(module, nn.Linear):
             raise TypeError(f"FusedColwise splits an nn.Linear, got {type(module).__name__}")
         for pname, param in list(module.named_parameters(recurse=False)):
-            split = distribute_tensor(param, mesh, [_StridedShard(0, split_factor=self.parts)])
+            placement = (_StridedShard(0, split_factor=self.parts) if param.ndim > 1
+                         else Replicate())  # a bias: whole (DTensor slices it in the add)
+            split = distribute_tensor(param, mesh, [placement])
             module.register_parameter(pname, nn.Parameter(split, param.requires_grad))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -191,9 +191,6 @@ def check(cfg: TrainConfig) -> None:
     if cfg.fsdp_reshard not in RESHARD:
         raise ValueError(f"--fsdp-reshard must be one of {', '.join(RESHARD)}, "
                          f"got {cfg.fsdp_reshard!r}")
-    if cfg.tp > 1 and cfg.fsdp > 1:
-        raise ValueError(f"--tp {cfg.tp} with --fsdp {cfg.fsdp} (sharded slices, 2-D "
-                         "parallelism) is not supported yet; use one of them")
     if cfg.tp > 1 and cfg.hf:
         raise ValueError("--tp with --hf is not supported yet (a model's own tensor-parallel "
                          "plan is not read yet); use --pp, --dp or --fsdp with --hf")

@@ -21,6 +21,7 @@ from pipetrain.data import Batches, Corpus
 from pipetrain.errors import ScheduleError
 from pipetrain.generators import REGISTRY, _load_builtin, make_schedule
 from pipetrain.gpt import PRESETS
+from pipetrain.parallelize import Composed
 from pipetrain.pipeline import Pipeline
 from pipetrain.schedule import Schedule
 from pipetrain.sharded import ShardedStages
@@ -190,9 +191,11 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     sharded = (None if mesh.shard_mesh is None
                else ShardedStages(mesh.shard_mesh, cfg.fsdp_reshard))
     split = None if mesh.tp_mesh is None else TensorParallel(mesh.tp_mesh)
+    hooks = [h for h in (split, sharded) if h is not None]  # tensor parallel, then FSDP2
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
                            device=mesh.device, timeout=cfg.timeout,
-                           parallelize=sharded if split is None else split)
+                           parallelize=Composed(*hooks) if len(hooks) > 1 else
+                           (hooks[0] if hooks else None))
     loaded = source.loaded(pipe)
     corpus = source.corpus(cfg, progress=progress and mesh.rank == 0)
     batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
@@ -222,11 +225,14 @@ def _eval_batches(corpus: Corpus, cfg: TrainConfig) -> list[Batch]:
 def _tp_split(counted: list[nn.Parameter], tp: bool) -> tuple[list[nn.Parameter],
                                                               list[nn.Parameter]]:
     """(whole, split): the tensor-parallel slices apart (each rank holds one slice), the
-    replicated weights, which every tensor-parallel rank holds alike, on their own."""
+    weights every tensor-parallel rank holds alike (perhaps FSDP2-sharded) on their own."""
     if not tp:
         return counted, []
     from torch.distributed.tensor import DTensor
 
     def is_split(p: nn.Parameter) -> bool:
-        return isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements)
+        if not isinstance(p, DTensor) or "tp" not in (p.device_mesh.mesh_dim_names or ()):
+            return False
+        names = list(p.device_mesh.mesh_dim_names or ())
+        return not p.placements[names.index("tp")].is_replicate()
     return [p for p in counted if not is_split(p)], [p for p in counted if is_split(p)]
