@@ -146,3 +146,20 @@ def test_every_feature_at_once_then_a_torchrun_resume_at_another_layout(place: P
     assert len(list(exported.glob("model-*.safetensors"))) > 1
     a, b = _hf_model(exported).state_dict(), _hf_model(out / "hf").state_dict()
     assert [n for n in a if not torch.equal(a[n], b[n])] == []
+
+
+def test_fsdp_trains_a_stored_llama_like_dp_and_writes_it_whole(place: Path) -> None:
+    """pp=2 x fsdp=2 on 4 processes loads the stored weights into its shards, trains with the
+    losses of pp=2 x dp=2, and writes OUT/hf whole, equal to that run's (to rounding)."""
+    sharded = _train(place, "llama", "llama-fsdp", "--nproc", "4", "--pp", "2", "--fsdp", "2")
+    plain = _train(place, "llama", "llama-dp", "--nproc", "4", "--pp", "2", "--dp", "2")
+    assert sharded["layout"]["fsdp"] == 2
+    losses = [[r["loss"] for r in _records(place / out, "step")] for out in ("llama-fsdp",
+                                                                          "llama-dp")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    a, b = (_hf_model(place / out / "hf").state_dict() for out in ("llama-fsdp", "llama-dp"))
+    start = _hf_model(place / "llama").state_dict()
+    assert a.keys() == b.keys()
+    for n in a:
+        moved = (b[n] - start[n]).abs().max()
+        assert (a[n] - b[n]).abs().max() <= 1e-3 * moved + 1e-7, n

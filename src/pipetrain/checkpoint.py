@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipetrain import checkpoint_store as store
 from pipetrain.checkpoint_state import (
+    copy_whole_,
     load_optimizer_state,
     model_state,
     optimizer_state,
@@ -297,7 +298,7 @@ def load(path: str | os.PathLike[str], state: dict[str, torch.Tensor], *, group:
     except Exception as e:  # noqa: BLE001  (DCP raises the same error on every rank)
         raise CheckpointError(f"reading checkpoint {path} failed: {e}") from e
     for key, value in whole.items():
-        _scatter_into(wanted[key], value)
+        copy_whole_(wanted[key], value)
     return opened.meta
 
 
@@ -309,14 +310,7 @@ def _strided(t: torch.Tensor) -> bool:
             and any(type(p).__name__ == "_StridedShard" for p in t.placements))
 
 
-def _scatter_into(dest: Any, whole: torch.Tensor) -> None:
-    """Copy this rank's pieces of ``whole`` into the strided DTensor ``dest`` (no messages:
-    every rank of its mesh read the whole tensor)."""
-    from torch.distributed.tensor import distribute_tensor
 
-    mine = distribute_tensor(whole.to(dest.device), dest.device_mesh, dest.placements,
-                             src_data_rank=None)
-    dest.to_local().copy_(mine.to_local())
 
 
 def _match_keys(metadata: Metadata, state: dict[str, torch.Tensor], strict: bool,
@@ -374,4 +368,3 @@ class _IndexedReader(FileSystemReader):
         if self._index.storage_meta is not None:
             self._index.storage_meta.load_id = self.load_id
         return self._index
-

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pipetrain.autosplit import units
+from pipetrain.checkpoint_state import copy_whole_
 
 __all__ = ["HFModel", "LoadReport", "load_weights", "open_model", "split_points"]
 
@@ -241,7 +242,7 @@ def load_weights(hf: HFModel, state: Mapping[str, torch.Tensor]) -> LoadReport:
                             raise ValueError(f"{file}: {stored} has shape "
                                              f"{tuple(value.shape)}, the model's {name} "
                                              f"{tuple(target.shape)}")
-                        target.copy_(value)
+                        copy_whole_(target, value)  # a FSDP2 shard takes its slice
                         read, n_bytes = read + 1, n_bytes + value.numel() * value.element_size()
     return LoadReport(read, n_bytes, len(by_file))
 

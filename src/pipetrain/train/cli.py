@@ -194,9 +194,6 @@ def check(cfg: TrainConfig) -> None:
     if cfg.tp > 1 and cfg.hf:
         raise ValueError("--tp with --hf is not supported yet (a model's own tensor-parallel "
                          "plan is not read yet); use --pp, --dp or --fsdp with --hf")
-    if cfg.fsdp > 1 and cfg.hf:
-        raise ValueError("--fsdp with --hf is not supported yet (OUT/hf is written from whole "
-                         "weights); use --dp for data parallelism with --hf")
     for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp", "fsdp",
                  "tp"):
         if getattr(cfg, name) < 1:

@@ -125,10 +125,11 @@ class HFSource(Source):
         text: str = self.tokenizer.decode(list(ids))
         return text
 
-    def save(self, out: Path, pipe: Pipeline, group: Any) -> Path:
-        """Write ``out`` as a ``save_pretrained`` directory (collective over one pipeline)."""
-        return save_pretrained(out, pipe.state_dict(), self.saved_config(), self.tokenizer,
-                               self.root, group=group)
+    def save(self, out: Path, state: dict[str, torch.Tensor], group: Any) -> Path:
+        """Write ``out`` as a ``save_pretrained`` directory from this rank's whole ``state``
+        (collective over one pipeline)."""
+        return save_pretrained(out, state, self.saved_config(), self.tokenizer, self.root,
+                               group=group)
 
     def saved_config(self) -> Any:
         """The config to save: the source's, float32, with its own ``use_cache``."""

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.checkpoint_state import whole
 from pipetrain.data import decode, encode
 from pipetrain.timeline import Timeline
 from pipetrain.train import faults
@@ -192,11 +193,14 @@ def _checkpoint(trainer: Trainer, reporter: Reporter) -> Path | None:
 
 def _save_hf(trainer: Trainer, reporter: Reporter) -> None:
     """Write ``<out>/hf`` (``--hf`` runs with an ``out``): the first replica's ranks, each its
-    own shard."""
-    source = trainer.source
-    if source is None or not trainer.cfg.out or trainer.mesh.dp_rank != 0:
+    own shard (FSDP2 shards first gather their weights whole, the first of them writes)."""
+    source, mesh = trainer.source, trainer.mesh
+    if source is None or not trainer.cfg.out or mesh.dp_rank >= mesh.fsdp:
         return
-    path = source.save(Path(trainer.cfg.out) / "hf", trainer.pipe, trainer.mesh.pp_group)
+    state = {k: whole(v) for k, v in trainer.pipe.state_dict().items()}  # over the shards
+    if mesh.dp_rank != 0:
+        return
+    path = source.save(Path(trainer.cfg.out) / "hf", state, mesh.pp_group)
     if path is not None:
         reporter.record("hf", {"step": trainer.step, "path": str(path)})
 

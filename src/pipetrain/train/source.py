@@ -76,9 +76,10 @@ class Source(ABC):
         """Give the built stages their stored values, if the source has any; what was read."""
         return {}
 
-    def save(self, out: Path, pipe: Pipeline, group: Any) -> Path | None:
-        """Write the model back in its own format at ``out`` (collective over one pipeline);
-        None when it has none (the built-in GPT lives in pipetrain's checkpoints only)."""
+    def save(self, out: Path, state: dict[str, torch.Tensor], group: Any) -> Path | None:
+        """Write the model back in its own format at ``out`` from this rank's whole ``state``
+        (collective over one pipeline); None when it has none (the built-in GPT lives in
+        pipetrain's checkpoints only)."""
         return None
 
 
