@@ -153,7 +153,7 @@ def test_fsdp_trains_a_stored_llama_like_dp_and_writes_it_whole(place: Path) -> 
     losses of pp=2 x dp=2, and writes OUT/hf whole, equal to that run's (to rounding)."""
     sharded = _train(place, "llama", "llama-fsdp", "--nproc", "4", "--pp", "2", "--fsdp", "2")
     plain = _train(place, "llama", "llama-dp", "--nproc", "4", "--pp", "2", "--dp", "2")
-    assert sharded["layout"]["fsdp"] == 2
+    assert sharded["layout"]["fsdp"] == 2 and plain["layout"]["dp"] == 2
     losses = [[r["loss"] for r in _records(place / out, "step")] for out in ("llama-fsdp",
                                                                           "llama-dp")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
