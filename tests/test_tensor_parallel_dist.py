@@ -14,7 +14,8 @@ from pipetrain.tensor_parallel import TensorParallel
 from pipetrain.testing import reference_step
 
 CONFIG = GPTConfig(seq_len=16, d_model=32, n_heads=4, n_layers=4)
-SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b")
+CASES = (("1f1b", False), ("zb-h1", False), ("interleaved-1f1b", False), ("1f1b", True),
+         ("zb-h1", True), ("interleaved-1f1b", True))  # (schedule, sequence parallel)
 MICROBATCHES = 4
 
 
@@ -42,8 +43,9 @@ def _mesh() -> object:
 
 
 def _split(ctx: pt.RankContext) -> list[str]:
-    """Loss and every gradient of one step equal one device's (to rounding), per schedule;
-    the split matrices hold half their elements on each rank."""
+    """Loss and every gradient of one step equal one device's (to rounding), per schedule,
+    with and without sequence parallelism; the split matrices hold half their elements on
+    each rank."""
     from torch.distributed.tensor import DTensor
 
     mesh: object = _mesh()
@@ -52,18 +54,22 @@ def _split(ctx: pt.RankContext) -> list[str]:
     x, y = _data(0)
     want = float(reference_step(ref, x, y, lm_loss, MICROBATCHES))
     grads = {n: p.grad for n, p in ref.named_parameters()}
-    for name in SCHEDULES:
-        tp = TensorParallel(mesh["tp"])  # type: ignore[index]
-        pipe = pt.Pipeline(copy.deepcopy(_model()), name, MICROBATCHES, lm_loss, timeout=30,
+    for schedule, sequence in CASES:
+        tp = TensorParallel(mesh["tp"], sequence_parallel=sequence)  # type: ignore[index]
+        name = schedule + (" sp" if sequence else "")
+        pipe = pt.Pipeline(copy.deepcopy(_model()), schedule, MICROBATCHES, lm_loss, timeout=30,
                            group=mesh["pp"].get_group(), parallelize=tp)  # type: ignore[index]
         got = pipe.step(x, y)
+        tp.finish()
         if got.loss is not None and abs(float(got.loss) - want) > 1e-5:
             problems.append(f"{name}: loss {float(got.loss)} != {want}")
         for n, p in pipe.named_parameters():
+            if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                problems.append(f"{name}: {n}'s gradient is {p.grad.placements}")
             split = isinstance(p, DTensor) and not p.placements[0].is_replicate()
             if split and p.to_local().numel() * 2 != p.numel():
                 problems.append(f"{name}: {n} holds {p.to_local().numel()} of {p.numel()}")
-            if not torch.allclose(_full(p.grad), grads[n], rtol=1e-4, atol=1e-6):
+            if not torch.allclose(_full(p.grad), grads[n], rtol=1e-4, atol=1e-6):  # placed
                 problems.append(f"{name}: {n}'s gradient differs by "
                                 f"{(_full(p.grad) - grads[n]).abs().max():.3g}")
         if tp.split_layers != CONFIG.n_layers // 2:  # each rank holds half of the blocks

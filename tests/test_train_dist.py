@@ -70,6 +70,14 @@ def _losses(cfg: TrainConfig) -> tuple[list[float], dict[str, Any]]:
     return [s["loss"] for s in reporter.steps], summary
 
 
+def _curves(cfg: TrainConfig) -> tuple[list[float], dict[str, Any]]:
+    """Losses and gradient norms, alternating (a wrong gradient can hide from AdamW's losses
+    for a while: it normalises each element's step; the norm shows it at once)."""
+    reporter = Steps()
+    summary = run(cfg, reporter)
+    return [v for s in reporter.steps for v in (s["loss"], s["grad_norm"])], summary
+
+
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.pipe.named_parameters()}
 
@@ -344,8 +352,8 @@ def _fsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     lower peak per rank, and each run resumes from the other's checkpoint. In fresh processes:
     the fsdp mesh (init_device_mesh) must come before any other group."""
     common = dict(pp=2, steps=10, sample_tokens=0, eval_every=0)
-    sharded, summary = _losses(_cfg(tmp, "fsdp", fsdp=2, **common))
-    replicated, plain = _losses(_cfg(tmp, "dp", dp=2, **common))
+    sharded, summary = _curves(_cfg(tmp, "fsdp", fsdp=2, **common))
+    replicated, plain = _curves(_cfg(tmp, "dp", dp=2, **common))
     problems = []
     if not max(summary["peak_memory_bytes"]) < max(plain["peak_memory_bytes"]):
         problems.append(f"peaks {summary['peak_memory_bytes']} !< {plain['peak_memory_bytes']}")
@@ -354,8 +362,8 @@ def _fsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     if summary["layout"].get("fsdp") != 2:
         problems.append(f"layout {summary['layout']}")
     for out, other in (("fsdp", {"dp": 2}), ("dp", {"fsdp": 2})):  # resume at the other one
-        more, _ = _losses(_cfg(tmp, out, **{**common, "steps": 12, **other}))
-        if len(more) != 2:
+        more, _ = _curves(_cfg(tmp, out, **{**common, "steps": 12, **other}))
+        if len(more) != 4:  # 2 steps: losses and norms
             problems.append(f"{out} resumed with {other}: ran {len(more)} steps, not 2")
         elif out == "dp":
             first = more
@@ -378,16 +386,16 @@ def _tp(ctx: pt.RankContext, tmp: str) -> list[str]:
     one's equal dp=2's, see _fsdp), and each resumes from
     the other's checkpoint (fresh processes, as for _fsdp)."""
     common = dict(pp=2, steps=10, sample_tokens=0, eval_every=0)
-    split, summary = _losses(_cfg(tmp, "tp", tp=2, **common))
-    sharded, other = _losses(_cfg(tmp, "fsdp", fsdp=2, **common))
+    split, summary = _curves(_cfg(tmp, "tp", tp=2, **common))
+    sharded, other = _curves(_cfg(tmp, "fsdp", fsdp=2, **common))
     problems = []
     if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(split, sharded, strict=True)):
         problems.append(f"tp=2 losses {split} != fsdp=2 {sharded}")
     if summary["layout"].get("tp") != 2:
         problems.append(f"layout {summary['layout']}")
-    more = {out: _losses(_cfg(tmp, out, **{**common, "steps": 12, **layout}))[0]
+    more = {out: _curves(_cfg(tmp, out, **{**common, "steps": 12, **layout}))[0]
             for out, layout in (("tp", {"fsdp": 2}), ("fsdp", {"tp": 2}))}
-    if [len(m) for m in more.values()] != [2, 2]:
+    if [len(m) for m in more.values()] != [4, 4]:  # 2 steps: losses and norms
         problems.append(f"resumed across tp and fsdp ran {[len(m) for m in more.values()]}")
     elif not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(*more.values())):
         problems.append(f"resumed curves differ: {more}")
@@ -402,21 +410,23 @@ def test_tp_trains_like_fsdp_and_resumes_across_them(tmp_path: Path) -> None:
 
 
 def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
-    """On 8 fresh processes (as for _fsdp), pp=2 with dp=2 replicas of fsdp=2 shards (HSDP)
-    and with fsdp=2 shards of tp=2 slices (2-D) train with the losses of dp=4, and all three
-    resume at pp=4 x fsdp=2 alike."""
+    """On 8 fresh processes (as for _fsdp), pp=2 with dp=2 replicas of fsdp=2 shards (HSDP),
+    with fsdp=2 shards of tp=2 slices (2-D) and with dp=2 replicas of tp=2 slices train with
+    the losses and gradient norms of dp=4, and the first two resume at pp=4 x fsdp=2 as dp=4
+    does."""
     common = dict(pp=2, steps=6, sample_tokens=0, eval_every=0, batch_size=16)
-    plain, _ = _losses(_cfg(tmp, "dp4", dp=4, **common))
+    plain, _ = _curves(_cfg(tmp, "dp4", dp=4, **common))
     problems = []
-    for out, layout in (("hsdp", {"dp": 2, "fsdp": 2}), ("2d", {"fsdp": 2, "tp": 2})):
-        got, summary = _losses(_cfg(tmp, out, **layout, **common))
+    for out, layout in (("hsdp", {"dp": 2, "fsdp": 2}), ("2d", {"fsdp": 2, "tp": 2}),
+                        ("dp-tp", {"dp": 2, "tp": 2})):
+        got, summary = _curves(_cfg(tmp, out, **layout, **common))
         if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, plain, strict=True)):
             problems.append(f"{layout} losses {got} != dp=4 {plain}")
         if any(summary["layout"].get(k) != v for k, v in layout.items()):
             problems.append(f"layout {summary['layout']}")
-    resumed = [_losses(_cfg(tmp, out, **{**common, "pp": 4, "fsdp": 2, "steps": 8}))[0]
+    resumed = [_curves(_cfg(tmp, out, **{**common, "pp": 4, "fsdp": 2, "steps": 8}))[0]
                for out in ("hsdp", "dp4", "2d")]
-    if [len(r) for r in resumed] != [2, 2, 2]:
+    if [len(r) for r in resumed] != [4, 4, 4]:  # 2 steps: losses and norms
         problems.append(f"resumed at pp=4 x fsdp=2 ran {[len(r) for r in resumed]} steps")
     elif not all(math.isclose(a, b, rel_tol=1e-5) and math.isclose(a, c, rel_tol=1e-5)
                  for a, b, c in zip(*resumed)):

@@ -17,11 +17,15 @@ so a block costs two all-reduces forward and two backward, and its matrices, the
 and optimizer state are split ``tp`` ways. The fused ``qkv`` matrix stacks q, k and v, so it
 is split as three (``_StridedShard``, each rank taking its slice of each): a plain row split
 would hand one rank all of q; its bias stays whole (DTensor takes each rank's slices of it in
-the addition, and sums its gradient back), so FSDP2 can shard it further. Everything else
-(embeddings, layer norms, the head) is replicated: every rank of the mesh computes it on the
-same input and so holds the same gradient. Between layers activations are whole (no sequence
-parallelism yet), so each rank of a stage sends its own copy to the same tensor-parallel rank
-of the next stage.
+the addition), so FSDP2 can shard it further. Everything else (embeddings, layer norms, the
+head) is replicated: every rank of the mesh computes it on the same input and so holds the
+same gradient. Between layers activations are whole, so each rank of a stage sends its own
+copy to the same tensor-parallel rank of the next stage; with ``sequence_parallel`` they are
+split along the sequence instead (:func:`gpt_plan`), and each rank sends its slice.
+
+A whole weight used in slices (the fused bias; the layer norms under sequence parallelism)
+gets a partial sum of its gradient on each rank: :meth:`TensorParallel.finish`, once a step
+before the optimizer, adds them up.
 
 Tensors split this way are DTensors: the optimizer steps their local slices, and
 :mod:`pipetrain.checkpoint` saves them as whole tensors, so a checkpoint resumes at any
@@ -30,7 +34,7 @@ layout.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -40,22 +44,27 @@ from torch.distributed.tensor import DTensor, distribute_module, distribute_tens
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import Replicate, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
-__all__ = ["FusedColwise", "GPT_PLAN", "TensorParallel"]
+__all__ = ["FusedColwise", "GPT_PLAN", "Plan", "TensorParallel", "gpt_plan"]
 
 
 class FusedColwise(ParallelStyle):
     """Column-wise split of a Linear whose output stacks ``parts`` equal matrices (a fused
     q, k, v projection): each rank gets its slice of each part, and returns its local output
-    (its slices side by side, ``parts`` of them)."""
+    (its slices side by side, ``parts`` of them). ``input_layout``: how a plain input is
+    split (``Shard(1)``: the sequence, under sequence parallelism), gathered first."""
 
-    def __init__(self, parts: int) -> None:
+    def __init__(self, parts: int, input_layout: Placement | None = None) -> None:
         super().__init__()
         self.parts = parts
+        self.input_layout = input_layout or Replicate()
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if not isinstance(module, nn.Linear):
@@ -67,7 +76,8 @@ class FusedColwise(ParallelStyle):
             module.register_parameter(pname, nn.Parameter(split, param.requires_grad))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        prepare = partial(ColwiseParallel._prepare_input_fn, (Replicate(),), (Replicate(),))
+        prepare = partial(ColwiseParallel._prepare_input_fn, (self.input_layout,),
+                          (Replicate(),))
         out: nn.Module = distribute_module(module, device_mesh, self._partition, prepare,
                                            _local_output)
         return out
@@ -85,29 +95,85 @@ GPT_PLAN: Mapping[str, ParallelStyle] = {
 }
 """The plan for :mod:`pipetrain.gpt`'s blocks (module paths inside a ``Block``)."""
 
+Plan = Mapping[str, ParallelStyle] | Callable[[nn.Module], Mapping[str, ParallelStyle]]
+"""Module paths inside a layer -> styles, or a function of the layer giving them (``""``: the
+layer itself)."""
+
+
+def gpt_plan(sequence_parallel: bool) -> Callable[[nn.Module], Mapping[str, ParallelStyle]]:
+    """The plan of each layer of :mod:`pipetrain.gpt`; ``sequence_parallel``: between the
+    split matrices activations are split along the sequence too (Korthikanti et al., "Reducing
+    Activation Recomputation in Large Transformer Models", 2022): each block's layer norms
+    and residual additions run on a slice of the positions, gathered before the column-wise
+    matrices and reduce-scattered after the row-wise ones (an all-gather and a
+    reduce-scatter where an all-reduce was), the embedding hands on its slice and the head
+    gathers the positions back."""
+    from pipetrain.gpt import Block, Embedding, Head
+
+    seq = Shard(1)
+    blocks: Mapping[str, ParallelStyle] = GPT_PLAN if not sequence_parallel else {
+        "ln1": SequenceParallel(), "attn.qkv": FusedColwise(3, seq),
+        "attn.proj": RowwiseParallel(output_layouts=seq), "ln2": SequenceParallel(),
+        "mlp.0": ColwiseParallel(input_layouts=seq), "mlp.2": RowwiseParallel(output_layouts=seq)}
+
+    def plan(layer: nn.Module) -> Mapping[str, ParallelStyle]:
+        if isinstance(layer, Block):
+            return blocks
+        if sequence_parallel and isinstance(layer, Embedding):
+            return {"": PrepareModuleOutput(output_layouts=Replicate(),
+                                            desired_output_layouts=seq)}
+        if sequence_parallel and isinstance(layer, Head):
+            return {"": PrepareModuleInput(input_layouts=seq, desired_input_layouts=Replicate(),
+                                           use_local_output=True)}
+        return {}
+    return plan
+
 
 class TensorParallel:
     """``parallelize_module`` on every layer of every stage (see the module docstring).
 
     Args:
         mesh: the 1-D mesh of the ranks that split each layer among themselves.
-        plan: module path inside a layer -> parallel style; a layer holding none of the
-            paths is left replicated. Default :data:`GPT_PLAN`.
+        plan: module path inside a layer -> parallel style (a layer holding none of the paths
+            is left replicated), or a function of the layer giving its plan. Default: the
+            plan of pipetrain's GPT (:func:`gpt_plan`).
+        sequence_parallel: with the default plan, split the activations between layers along
+            the sequence (the sequence length must divide by the mesh's size).
     """
 
-    def __init__(self, mesh: DeviceMesh, plan: Mapping[str, ParallelStyle] | None = None) -> None:
+    def __init__(self, mesh: DeviceMesh, plan: Plan | None = None, *,
+                 sequence_parallel: bool = False) -> None:
         if mesh.ndim != 1:
             raise ValueError(f"TensorParallel needs a 1-D mesh, got {mesh.ndim} dimensions "
                              f"{mesh.mesh_dim_names}; pass mesh[name]")
+        if plan is not None and sequence_parallel:
+            raise ValueError("sequence_parallel applies to the default plan; put "
+                             "SequenceParallel styles into your own plan instead")
         self.mesh = mesh
-        self.plan = dict(GPT_PLAN if plan is None else plan)
+        self.plan: Plan = gpt_plan(sequence_parallel) if plan is None else dict(plan) \
+            if not callable(plan) else plan
         self.split_layers = 0
+        self.params: list[nn.Parameter] = []  # the DTensor parameters the plan made
 
     def __call__(self, stage: int, layers: list[nn.Module]) -> None:
         """Split ``stage``'s layers by the plan (the ``parallelize`` hook)."""
         for layer in layers:
+            plan = self.plan(layer) if callable(self.plan) else self.plan
             paths = {name for name, _ in layer.named_modules()}
-            mine = {path: style for path, style in self.plan.items() if path in paths}
+            mine = {path: style for path, style in plan.items() if path in paths and path}
+            if "" in plan:
+                parallelize_module(layer, self.mesh, plan[""])
             if mine:
                 parallelize_module(layer, self.mesh, mine)
                 self.split_layers += 1
+            self.params += [p for p in layer.parameters() if isinstance(p, DTensor)]
+
+    def finish(self) -> None:
+        """Give each gradient its parameter's placements (call once a step, after the
+        data-parallel reduction): a whole weight used in slices (the fused bias, the layer
+        norms under sequence parallelism) gets partial sums per rank, added up here."""
+        for p in self.params:
+            grad = p.grad
+            if isinstance(grad, DTensor) and isinstance(p, DTensor) \
+                    and grad.placements != p.placements:
+                p.grad = grad.redistribute(p.device_mesh, p.placements)

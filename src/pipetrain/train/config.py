@@ -46,6 +46,9 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel ranks per pipeline rank: they split each block's attention heads and
     MLP (Megatron style), see the same rows, and each hold a slice of those weights."""
+    sequence_parallel: bool = True
+    """With --tp: split the activations between the split matrices along the sequence too
+    (layer norms, residuals and the messages between stages; seq_len must divide by tp)."""
     fsdp_reshard: str = "part"
     """With --fsdp: how long gathered weights live: step (from a layer's first use to the
     step's reduction: most memory, fewest all-gathers), layer (while a layer computes), part

@@ -51,7 +51,8 @@ def pick(logits: torch.Tensor, top_k: int, generator: torch.Generator) -> int:
 def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *,
              context: int, top_k: int = 0, seed: int = 0, step: int | None = None,
              feed: Callable[[torch.Tensor], Any] | None = None,
-             logits: Callable[[Any], torch.Tensor] | None = None) -> list[int]:
+             logits: Callable[[Any], torch.Tensor] | None = None,
+             multiple: int = 1) -> list[int]:
     """``n_tokens`` new tokens after ``prompt``, the same list on every rank of the replica.
 
     Args:
@@ -65,6 +66,9 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
         step: the number of its eval steps (the training step they follow; errors name it).
         feed: token ids -> the pipeline's input (default: the ids themselves).
         logits: the pipeline's outputs -> (B, T, vocab) logits (default: the outputs).
+        multiple: windows are padded at the end to a multiple of this many positions (a
+            sequence-parallel model splits positions evenly); a causal model's next-token
+            logits do not see the padding.
 
     Raises:
         ValueError: for an empty prompt.
@@ -78,12 +82,15 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
     rows = pipe.schedule.n_microbatches
     ids = list(prompt)
     for _ in range(n_tokens):
-        window = torch.tensor(ids[-context:], dtype=torch.long).repeat(rows, 1)
-        outputs = pipe.eval_step(window if feed is None else feed(window), step=step).outputs
+        window = ids[-context:]
+        last = len(window) - 1
+        window = window + window[-1:] * (-len(window) % multiple)  # after it: causal, unseen
+        batch = torch.tensor(window, dtype=torch.long).repeat(rows, 1)
+        outputs = pipe.eval_step(batch if feed is None else feed(batch), step=step).outputs
         token = torch.zeros(1, dtype=torch.long, device=mesh.comm_device)
         if pipe.rank == holder:
             scores = outputs if logits is None else logits(outputs)
-            token[0] = pick(scores[0, -1], top_k, generator)
+            token[0] = pick(scores[0, last], top_k, generator)
         dist.broadcast(token, src=src, group=mesh.pp_group)
         ids.append(int(token))
     return ids[len(prompt):]

@@ -266,7 +266,8 @@ def sample(trainer: Trainer) -> str | None:
         ids = generate(trainer.pipe, trainer.mesh, prompt, cfg.sample_tokens,
                        context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
                        step=_last(trainer), feed=trainer.feed,
-                       logits=source.logits if source is not None else None)
+                       logits=source.logits if source is not None else None,
+                       multiple=trainer.mesh.tp if cfg.sequence_parallel else 1)
     return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipetrain import news
+from pipetrain.profile import local_shard
 
 __all__ = ["Mesh", "build_mesh", "GradReducer"]
 
@@ -288,9 +289,10 @@ class GradReducer:
             news.wait(work, f"[rank {dist.get_rank()}] the gradient all-reduce over replicas",
                       poll=flat.device.type == "cpu")
             flat.div_(self.size)
-            for p, part in zip(bucket, torch.split(flat, [p.numel() for p in bucket]),
-                               strict=True):
-                _grad(p).copy_(part.view_as(p))
+            grads = [_grad(p) for p in bucket]
+            for grad, part in zip(grads, torch.split(flat, [g.numel() for g in grads]),
+                                  strict=True):
+                grad.copy_(part.view_as(grad))
         self._pending.clear()
         self._started.clear()
 
@@ -310,6 +312,7 @@ def _buckets(params: Sequence[nn.Parameter], limit: int) -> list[list[nn.Paramet
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
+    """``p``'s gradient (zeros if none), this rank's slice of it for a DTensor."""
     if p.grad is None:
         p.grad = torch.zeros_like(p)
-    return p.grad
+    return local_shard(p.grad)

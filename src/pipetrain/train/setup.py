@@ -73,6 +73,8 @@ class Trainer:
     sharded: ShardedStages | None = None
     """With ``--fsdp``: FSDP2 on the stages, which averages the gradients over the
     data-parallel ranks instead of :attr:`reducer`."""
+    tensor_parallel: TensorParallel | None = None
+    """With ``--tp``: the split of the layers, which settles partial gradient sums."""
 
     @property
     def on_grads_ready(self) -> Any:
@@ -85,6 +87,8 @@ class Trainer:
             self.reducer.finish()
         else:
             self.sharded.finish()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.finish()
 
     def layout(self) -> dict[str, Any]:
         """How the run is laid out: a resumed run with the same layout restores RNG streams."""
@@ -158,6 +162,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if c.n_heads % cfg.tp or c.mlp_ratio * c.d_model % cfg.tp:
             problems.append(f"tp={cfg.tp} must divide the preset's {c.n_heads} heads and "
                             f"{c.mlp_ratio * c.d_model} MLP units; use a divisor of both")
+        if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
+            problems.append(f"seq_len={cfg.seq_len} must divide by tp={cfg.tp} under sequence "
+                            "parallelism; change --seq-len, or pass --no-sequence-parallel")
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.nonfinite not in ("skip", "abort"):
@@ -190,7 +197,8 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     rows = cfg.batch_size // mesh.dp // cfg.microbatches
     sharded = (None if mesh.shard_mesh is None
                else ShardedStages(mesh.shard_mesh, cfg.fsdp_reshard))
-    split = None if mesh.tp_mesh is None else TensorParallel(mesh.tp_mesh)
+    split = None if mesh.tp_mesh is None else TensorParallel(
+        mesh.tp_mesh, sequence_parallel=cfg.sequence_parallel)
     hooks = [h for h in (split, sharded) if h is not None]  # tensor parallel, then FSDP2
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
                            device=mesh.device, timeout=cfg.timeout,
@@ -208,7 +216,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
                            mesh.dp if sharded is None else 1), batches, [],
         NaNInjector.for_pipeline(pipe),
         params, *_tp_split(counted_parameters(pipe), split is not None), source=source,
-        loaded=loaded, sharded=sharded)
+        loaded=loaded, sharded=sharded, tensor_parallel=split)
     trainer.eval_set = [trainer.rows(b) for b in _eval_batches(corpus, cfg)]
     return trainer
 
