@@ -65,3 +65,23 @@ def test_sharded_stages_refuse_a_weight_two_layers_of_one_stage_share() -> None:
     with pytest.raises(PartitionError, match=r"stage 3: its layers 0 and 2 share a weight"):
         _refuse_sharing(3, [a, nn.ReLU(), b])
     _refuse_sharing(3, [a, nn.Linear(4, 4)])  # nothing shared: no error
+
+
+def test_tensor_parallel_plans_and_their_misuse() -> None:
+    from types import SimpleNamespace
+
+    from pipetrain.gpt import Block, Embedding, GPTConfig, Head
+    from pipetrain.tensor_parallel import TensorParallel, gpt_plan
+
+    config = GPTConfig(seq_len=8, d_model=16, n_heads=2, n_layers=1)
+    plain, sequence = gpt_plan(False), gpt_plan(True)
+    assert set(plain(Block(config))) == {"attn.qkv", "attn.proj", "mlp.0", "mlp.2"}
+    assert set(sequence(Block(config))) == {"ln1", "attn.qkv", "attn.proj", "ln2", "mlp.0",
+                                            "mlp.2"}
+    assert plain(Embedding(config)) == {} and set(sequence(Embedding(config))) == {""}
+    assert set(sequence(Head(config))) == {""} and sequence(nn.Linear(2, 2)) == {}
+    one = SimpleNamespace(ndim=1, mesh_dim_names=("tp",))
+    with pytest.raises(ValueError, match="sequence_parallel applies to the default plan"):
+        TensorParallel(one, {"mlp.0": None}, sequence_parallel=True)  # type: ignore[arg-type, dict-item]
+    with pytest.raises(ValueError, match="needs a 1-D mesh"):
+        TensorParallel(SimpleNamespace(ndim=2, mesh_dim_names=("a", "b")))  # type: ignore[arg-type]

@@ -227,6 +227,18 @@ def test_layout_fills_pp_and_rejects_a_world_that_is_not_dp_x_pp() -> None:
     assert layout(8, 1, None, fsdp=2) == (1, 4) and layout(8, 2, 2, fsdp=2) == (2, 2)
     with pytest.raises(ValueError, match=r"dp=2 x fsdp=2 x pp=3 = 12; .* change --dp/--fsdp"):
         layout(8, 2, 3, fsdp=2)
+    assert layout(8, 1, None, fsdp=2, tp=2) == (1, 2)
+    with pytest.raises(ValueError, match=r"dp=1 x tp=2 x pp=3 = 6; .* change --dp/--tp/--pp"):
+        layout(8, 1, 3, tp=2)
+
+
+def test_check_config_names_a_tensor_parallel_size_the_model_cannot_split() -> None:
+    with pytest.raises(ValueError, match=r"tp=3 must divide the preset's 4 heads and 256 MLP"):
+        check_config(TrainConfig(preset="tiny", tp=3, pp=1), 3)
+    with pytest.raises(ValueError, match=r"seq_len=63 must divide by tp=2 .* "
+                                         r"--no-sequence-parallel"):
+        check_config(TrainConfig(preset="tiny", tp=2, pp=1, seq_len=63), 2)
+    check_config(TrainConfig(preset="tiny", tp=2, pp=1, seq_len=63, sequence_parallel=False), 2)
 
 
 def test_check_config_lists_every_problem_at_once() -> None:
