@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import pipetrain as pt
 from pipetrain.sharded import ShardedStages
-from pipetrain.testing import reference_step
+from pipetrain.testing import reference_step, reload_mismatches
 
 LOSS = nn.MSELoss()
 CASES = (("1f1b", False, "step"), ("zb-h1", False, "part"), ("zb-h1", False, "layer"),
@@ -131,16 +131,9 @@ def _checkpoints(ctx: pt.RankContext, root: str) -> list[str]:
     saved = _state(pipe, opt)
     path = ck.save(root, 1, saved, {})
     want = {k: _full(v) for k, v in saved.items()}
-    problems = []
-    for sharded in (False, True):  # into replicated stages, then into sharded ones again
-        other, other_opt, _ = _pipelines(mesh, sharded)
-        state = _state(other, other_opt)
-        ck.load(path, state)
-        ck.load_optimizer_state(other_opt, other.named_parameters(), state)
-        got = _state(other, other_opt)
-        problems += [f"sharded={sharded}: {k} differs" for k in want
-                     if not torch.equal(_full(got[k]), want[k])]
-    return problems
+    # into replicated stages, then into sharded ones again
+    return reload_mismatches(path, want, [(f"sharded={sharded}", *_pipelines(mesh, sharded)[:2])
+                                          for sharded in (False, True)])
 
 
 def test_pp2_by_two_shards_trains_like_one_device_on_the_whole_batch() -> None:

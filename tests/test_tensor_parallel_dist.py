@@ -11,7 +11,7 @@ from torch import nn
 import pipetrain as pt
 from pipetrain.gpt import GPTConfig, gpt_layers, lm_loss
 from pipetrain.tensor_parallel import TensorParallel
-from pipetrain.testing import reference_step
+from pipetrain.testing import reference_step, reload_mismatches
 
 CONFIG = GPTConfig(seq_len=16, d_model=32, n_heads=4, n_layers=4)
 CASES = (("1f1b", False), ("zb-h1", False), ("interleaved-1f1b", False), ("1f1b", True),
@@ -109,16 +109,8 @@ def _checkpoints(ctx: pt.RankContext, root: str) -> list[str]:
     saved = _state(pipe, opt)
     path = ck.save(root, 1, saved, {})
     want = {k: _full(v).clone() for k, v in saved.items()}
-    problems = []
-    for split in (False, True):
-        other, other_opt = build(split)
-        state = _state(other, other_opt)
-        ck.load(path, state)
-        ck.load_optimizer_state(other_opt, other.named_parameters(), state)
-        got = _state(other, other_opt)
-        problems += [f"split={split}: {k} differs" for k in want
-                     if not torch.equal(_full(got[k]), want[k])]
-    return problems
+    return reload_mismatches(path, want, [(f"split={split}", *build(split))
+                                          for split in (False, True)])
 
 
 def test_a_tensor_parallel_checkpoint_loads_into_whole_stages_and_back(tmp_path: Path) -> None:

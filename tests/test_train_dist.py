@@ -347,6 +347,14 @@ def _resume_at_pp2(ctx: pt.RankContext, tmp: str) -> list[str]:
     return problems
 
 
+def _corpus_and_launch(fn: Any, nprocs: int, tmp_path: Path) -> list[str]:
+    """Write the corpus, run ``fn`` on ``nprocs`` fresh processes; every rank's problems."""
+    sources = [Path(textwrap.__file__), Path(argparse.__file__)]
+    (tmp_path / "corpus.txt").write_bytes(b"".join(p.read_bytes() for p in sources))
+    results = pt.launch(fn, nprocs, str(tmp_path), timeout=300)
+    return [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs]
+
+
 def _fsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     """pp=2 x fsdp=2 trains with the losses of pp=2 x dp=2 (10 steps, fp32, to rounding) at a
     lower peak per rank, and each run resumes from the other's checkpoint. In fresh processes:
@@ -375,10 +383,7 @@ def _fsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
 
 
 def test_fsdp_trains_like_dp_and_resumes_across_them(tmp_path: Path) -> None:
-    sources = [Path(textwrap.__file__), Path(argparse.__file__)]
-    (tmp_path / "corpus.txt").write_bytes(b"".join(p.read_bytes() for p in sources))
-    results = pt.launch(_fsdp, 4, str(tmp_path), timeout=300)
-    assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
+    assert _corpus_and_launch(_fsdp, 4, tmp_path) == []
 
 
 def _tp(ctx: pt.RankContext, tmp: str) -> list[str]:
@@ -405,10 +410,7 @@ def _tp(ctx: pt.RankContext, tmp: str) -> list[str]:
 
 
 def test_tp_trains_like_fsdp_and_resumes_across_them(tmp_path: Path) -> None:
-    sources = [Path(textwrap.__file__), Path(argparse.__file__)]
-    (tmp_path / "corpus.txt").write_bytes(b"".join(p.read_bytes() for p in sources))
-    results = pt.launch(_tp, 4, str(tmp_path), timeout=300)
-    assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
+    assert _corpus_and_launch(_tp, 4, tmp_path) == []
 
 
 def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
@@ -437,10 +439,7 @@ def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
 
 
 def test_hsdp_and_fsdp_by_tp_train_like_dp_and_resume_sharded(tmp_path: Path) -> None:
-    sources = [Path(textwrap.__file__), Path(argparse.__file__)]
-    (tmp_path / "corpus.txt").write_bytes(b"".join(p.read_bytes() for p in sources))
-    results = pt.launch(_hsdp, 8, str(tmp_path), timeout=300)
-    assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
+    assert _corpus_and_launch(_hsdp, 8, tmp_path) == []
 
 
 # -- tests ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from torch import nn
 
 from pipetrain import microbatch
 
-__all__ = ["reference_step", "grad_mismatches"]
+__all__ = ["reference_step", "grad_mismatches", "reload_mismatches"]
 
 
 def reference_step(
@@ -52,3 +52,27 @@ def grad_mismatches(
             diff = (p.grad.cpu() - q.grad).abs().max().item()
             bad.append(f"{name}: max abs difference {diff:.3g}")
     return bad
+
+
+def reload_mismatches(path: Any, want: dict[str, torch.Tensor],
+                      pipelines: Iterable[tuple[str, Any, torch.optim.Optimizer]]) -> list[str]:
+    """Load the checkpoint at ``path`` into each ``(label, pipeline, optimizer)`` (its model
+    and optimizer state); the keys whose whole values then differ from ``want`` (whole
+    tensors by key, as :func:`pipetrain.checkpoint.model_state` and ``optimizer_state`` name
+    them), labelled."""
+    from pipetrain import checkpoint as ck
+    from pipetrain.checkpoint_state import whole
+
+    def state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        named = list(pipe.named_parameters())
+        return {**ck.model_state(named), **ck.optimizer_state(opt, named)}
+
+    problems = []
+    for label, pipe, opt in pipelines:
+        into = state(pipe, opt)
+        ck.load(path, into)
+        ck.load_optimizer_state(opt, pipe.named_parameters(), into)
+        got = state(pipe, opt)
+        problems += [f"{label}: {k} differs" for k in want
+                     if not torch.equal(whole(got[k]).detach(), want[k])]
+    return problems
