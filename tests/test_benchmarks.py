@@ -117,3 +117,16 @@ def test_hf_load_memory_tiny_reports_every_rank(tmp_path: Path) -> None:
     assert [r["rank"] for r in rows] == [0, 1]
     for r in rows:  # each rank read exactly its share, a part of the model
         assert r["bytes_read"] == r["share_bytes"] < r["model_bytes"]
+
+
+def test_parallel_memory_tiny_prints_each_layout_against_dp(tmp_path: Path) -> None:
+    out = tmp_path / "parallel.json"
+    stdout = _run("parallel_memory", "--tiny", "--steps", "2", "--json", str(out))
+    assert "vs dp2" in stdout
+    rows = json.loads(out.read_text())
+    assert [r["layout"] for r in rows] == ["dp2", "tp2 sp"]
+    assert rows[0]["vs_dp2"] == [1.0, 1.0]
+    for row in rows[1:]:  # sharding and splitting hold no more than replicas (tiny: its
+        # last stage's logits outweigh its weights), and less on the first pipeline rank
+        assert len(row["peak_mib"]) == 2 and all(0 < r <= 1.01 for r in row["vs_dp2"]), row
+        assert row["vs_dp2"][0] < 1, row

@@ -1,0 +1,86 @@
+"""Parallel memory: the peak bytes per rank and the step time of each way to split the state.
+
+``pipetrain train --pp 2`` on the small preset with each layout: plain data parallelism
+(``--dp 2``), FSDP2 (``--fsdp 2`` in each ``--fsdp-reshard`` mode), tensor parallelism
+(``--tp 2``, with and without sequence parallelism) and both (``--fsdp 2 --tp 2``, 8 ranks).
+Each run's ``summary.json`` gives ``peak_memory_bytes`` (one figure per rank, see
+:mod:`pipetrain.train.memory` for how it is measured on CPU) and ``step_s``; the table shows,
+per pipeline rank, the largest peak of the ranks holding it and its ratio to ``--dp 2``'s.
+
+    python benchmarks/parallel_memory.py                 # README figures (about 5 minutes)
+    python benchmarks/parallel_memory.py --tiny --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+LAYOUTS: dict[str, list[str]] = {
+    "dp2": ["--dp", "2"],
+    "fsdp2 step": ["--fsdp", "2", "--fsdp-reshard", "step"],
+    "fsdp2 layer": ["--fsdp", "2", "--fsdp-reshard", "layer"],
+    "fsdp2 part": ["--fsdp", "2", "--fsdp-reshard", "part"],
+    "tp2 sp": ["--tp", "2"],
+    "tp2": ["--tp", "2", "--no-sequence-parallel"],
+    "fsdp2 x tp2": ["--fsdp", "2", "--tp", "2", "--nproc", "8"],
+}
+TINY = ("dp2", "tp2 sp")
+
+
+def run(layout: str, preset: str, steps: int, work: Path) -> dict[str, Any]:
+    """One run of ``layout``; its per-pipeline-rank peaks (MiB) and seconds per step."""
+    out = work / layout.replace(" ", "_")
+    args = LAYOUTS[layout]
+    nproc = [] if "--nproc" in args else ["--nproc", "4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
+    command = [sys.executable, "-m", "pipetrain", "train", "--pp", "2", *nproc, *args,
+               "--preset", preset, "--steps", str(steps), "--sample-tokens", "0",
+               "--eval-every", "0", "--no-progress", "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise SystemExit(f"{layout}: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    shape = summary["layout"]
+    tp, pp = shape.get("tp", 1), shape["pp"]
+    peaks: dict[int, float] = {}
+    for rank, peak in enumerate(summary["peak_memory_bytes"]):
+        stage_rank = (rank // tp) % pp
+        peaks[stage_rank] = max(peaks.get(stage_rank, 0.0), peak / MIB)
+    return {"layout": layout, "args": args, "ranks": shape["world"],
+            "peak_mib": [peaks[r] for r in range(pp)], "step_s": summary["step_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="two layouts on the tiny preset")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    names = TINY if args.tiny else tuple(LAYOUTS)
+    preset = "tiny" if args.tiny else "small"
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [run(name, preset, args.steps, Path(tmp)) for name in names]
+    base = rows[0]["peak_mib"]
+    print(f"pipetrain train --pp 2 --preset {preset} --steps {args.steps}: peak per rank "
+          "(largest of each pipeline rank's holders)")
+    print(f"{'layout':<14} {'ranks':>5}  {'pp rank 0':>10} {'pp rank 1':>10}  "
+          f"{'vs dp2':>12}  {'s/step':>7}")
+    for row in rows:
+        ratio = " ".join(f"{p / b:.2f}" for p, b in zip(row["peak_mib"], base, strict=True))
+        row["vs_dp2"] = [p / b for p, b in zip(row["peak_mib"], base, strict=True)]
+        print(f"{row['layout']:<14} {row['ranks']:>5}  {row['peak_mib'][0]:>8.1f} M "
+              f"{row['peak_mib'][1]:>8.1f} M  {ratio:>12}  {row['step_s']:>7.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
