@@ -50,11 +50,32 @@ def test_parallelize_may_not_add_parameters_or_meet_tied_weights() -> None:
 
     with pytest.raises(PipelineError, match=r"stage 0's layer '0' \(2 before, 3 after\)"):
         pt.Pipeline(_model(), "1f1b", 4, LOSS, local_ranks=2, parallelize=adds)
-    shared = nn.Linear(8, 8)
-    tied = nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8), shared)
-    with pytest.raises(PartitionError, match=r"shared by two stages this process holds "
-                       r"\(0.weight, stages \[0, 1\]\)"):
+    head = nn.Linear(8, 8)
+    tied = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), head)
+    head.weight = tied[0].weight  # one weight in two modules, as an embedding and its head
+    with pytest.raises(PartitionError, match=r"replaced the weight 0.weight, which stages "
+                       r"\[0, 1\] of this process share"):
         pt.Pipeline(tied, "1f1b", 4, LOSS, local_ranks=2, parallelize=_replace_weights)
+
+
+def test_parallelize_that_keeps_a_shared_weight_trains_like_one_device() -> None:
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 8))
+        model[3].weight = model[0].weight
+        return model
+
+    ref, model = make(), make()
+
+    def wraps_the_others(stage: int, layers: list[nn.Module]) -> None:  # not the shared one
+        _replace_weights(stage, [layer for layer in layers if layer is model[2]])
+
+    pipe = pt.Pipeline(model, "1f1b", 4, LOSS, local_ranks=2, parallelize=wraps_the_others)
+    x, y = batch(8)
+    assert torch.equal(pipe.step(x, y).loss, reference_step(ref, x, y, LOSS, 4))
+    named = dict(pipe.named_parameters())  # the tied weight's two parts add in another order
+    assert grad_mismatches([(n, p) for n, p in named.items() if n != "0.weight"], ref) == []
+    assert torch.allclose(named["0.weight"].grad, ref[0].weight.grad, rtol=1e-6, atol=1e-7)
 
 
 def test_sharded_stages_refuse_a_weight_two_layers_of_one_stage_share() -> None:

@@ -77,16 +77,11 @@ def parallelize_stages(fn: Callable[[int, list[nn.Module]], None], stages: Stage
     """``fn`` on each stage's layers; ``names`` (``id`` -> name) learns the new parameters.
 
     Raises:
-        PartitionError: when a weight is shared by two stages this process holds.
+        PartitionError: when ``fn`` unties a weight that two stages this process holds share.
         PipelineError: when ``fn`` adds or removes a layer's parameters.
     """
-    shared = [t for t in tied if sum(s in stages for s in t.stages) > 1]
-    if shared:
-        raise PartitionError(
-            f"parallelize= with a weight shared by two stages this process holds "
-            f"({shared[0].name}, stages {list(shared[0].stages)}) is not supported yet: "
-            "place them on different ranks (not a V schedule, not local_ranks), or pass "
-            "no parallelize")
+    shared = {t.name: _places(stages, names, t.name) for t in tied
+              if sum(s in stages for s in t.stages) > 1}
     before = {s: [[names.get(id(p), join(name, pname)) for pname, p in layer.named_parameters()]
                   for name, layer in chunk] for s, chunk in stages.items()}
     for s in sorted(stages):
@@ -99,6 +94,23 @@ def parallelize_stages(fn: Callable[[int, list[nn.Module]], None], stages: Stage
                     f"({len(old)} before, {len(now)} after); it may wrap or shard them, "
                     "not add or remove any")
             names.update((id(p), n) for (_, p), n in zip(now, old, strict=True))
+    for name, places in shared.items():  # a V schedule's embedding and tied head, say
+        if len({id(getattr(module, attr)) for module, attr in places}) > 1:
+            owners = sorted({s for s in stages for t in tied if t.name == name
+                             for s in t.stages if s in stages})
+            raise PartitionError(
+                f"parallelize replaced the weight {name}, which stages {owners} of this "
+                "process share, with separate tensors (a wrapper such as FSDP2 shards each "
+                "stage's copy apart), untying it: place those stages on different ranks (not "
+                "a V schedule, not local_ranks), or leave that weight unwrapped")
+
+
+def _places(stages: StageLayers, names: dict[int, str], name: str) -> list[tuple[nn.Module, str]]:
+    """Every (module, attribute) of this process's stages that holds the weight ``name``."""
+    return [(module, attr) for s in sorted(stages) for layer_name, layer in stages[s]
+            for path, module in layer.named_modules()
+            for attr, p in module.named_parameters(recurse=False)
+            if names.get(id(p), join(join(layer_name, path), attr)) == name]
 
 
 def held_parameter(stages: StageLayers, names: dict[int, str],
