@@ -328,3 +328,11 @@ def test_each_rank_builds_the_layers_pipeline_gives_it(schedule: str, ranks: int
 def test_profiling_balances_build_every_layer_on_every_rank() -> None:
     cfg = GPTConfig(vocab_size=256, d_model=16, n_heads=2, n_layers=2, seq_len=8)
     assert hosted_layers(cfg, pt.make_schedule("1f1b", 2, 4), "time", 1) is None
+
+
+def test_the_layout_line_names_every_parallel_dimension() -> None:
+    from pipetrain.train.report import describe_layout
+
+    assert describe_layout({"world": 8, "dp": 1, "fsdp": 2, "pp": 2, "tp": 2}) == \
+        "8 ranks (dp 1 x fsdp 2 x pp 2 x tp 2)"
+    assert describe_layout({"world": 4, "dp": 2, "pp": 2}) == "4 ranks (dp 2 x pp 2)"

@@ -159,14 +159,14 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
 
     Args:
         dp: data-parallel replicas.
-        pp: pipeline ranks per replica; None: world size // (dp x fsdp).
+        pp: pipeline ranks per replica; None: world size // (dp x fsdp x tp).
         device: ``auto`` (CUDA under NCCL, else CPU), ``cpu`` or ``cuda``.
         fsdp: shards of each weight within a replica (FSDP2).
         tp: ranks that split each layer (tensor parallel), the innermost dimension.
 
     Raises:
-        ValueError: when the world is not ``dp x fsdp x pp`` ranks, or CUDA is asked for but
-            absent.
+        ValueError: when the world is not ``dp x fsdp x pp x tp`` ranks, or CUDA is asked for
+            but absent.
         RuntimeError: when torch.distributed is not initialised.
     """
     if not dist.is_initialized():

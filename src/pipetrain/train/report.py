@@ -321,7 +321,9 @@ def describe_layout(layout: dict[str, Any]) -> str:
     parts = []
     if {"world", "dp", "pp"} <= layout.keys():
         shards = f" x fsdp {layout['fsdp']}" if "fsdp" in layout else ""
-        parts.append(f"{layout['world']} ranks (dp {layout['dp']}{shards} x pp {layout['pp']})")
+        split = f" x tp {layout['tp']}" if "tp" in layout else ""
+        parts.append(f"{layout['world']} ranks (dp {layout['dp']}{shards} x pp {layout['pp']}"
+                     f"{split})")
     if "schedule" in layout:
         parts.append(str(layout["schedule"]))
     if "microbatches" in layout:
