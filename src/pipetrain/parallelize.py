@@ -80,8 +80,8 @@ def parallelize_stages(fn: Callable[[int, list[nn.Module]], None], stages: Stage
         PartitionError: when ``fn`` unties a weight that two stages this process holds share.
         PipelineError: when ``fn`` adds or removes a layer's parameters.
     """
-    shared = {t.name: _places(stages, names, t.name) for t in tied
-              if sum(s in stages for s in t.stages) > 1}
+    holders = _places(stages, names)
+    shared = {t.name: holders[t.name] for t in tied if sum(s in stages for s in t.stages) > 1}
     before = {s: [[names.get(id(p), join(name, pname)) for pname, p in layer.named_parameters()]
                   for name, layer in chunk] for s, chunk in stages.items()}
     for s in sorted(stages):
@@ -105,25 +105,23 @@ def parallelize_stages(fn: Callable[[int, list[nn.Module]], None], stages: Stage
                 "a V schedule, not local_ranks), or leave that weight unwrapped")
 
 
-def _places(stages: StageLayers, names: dict[int, str], name: str) -> list[tuple[nn.Module, str]]:
-    """Every (module, attribute) of this process's stages that holds the weight ``name``."""
-    return [(module, attr) for s in sorted(stages) for layer_name, layer in stages[s]
-            for path, module in layer.named_modules()
-            for attr, p in module.named_parameters(recurse=False)
-            if names.get(id(p), join(join(layer_name, path), attr)) == name]
+def _places(stages: StageLayers, names: dict[int, str]) -> dict[str, list[tuple[nn.Module, str]]]:
+    """Name -> every (module, attribute) of this process's stages that holds that weight."""
+    found: dict[str, list[tuple[nn.Module, str]]] = {}
+    for s in sorted(stages):
+        for layer_name, layer in stages[s]:
+            for path, module in layer.named_modules():
+                for attr, p in module.named_parameters(recurse=False):
+                    name = names.get(id(p), join(join(layer_name, path), attr))
+                    found.setdefault(name, []).append((module, attr))
+    return found
 
 
 def held_parameter(stages: StageLayers, names: dict[int, str],
                    gathering: Gathering | None = None) -> Callable[[str], nn.Parameter]:
     """Name -> the parameter its module holds at the moment of the call (``gathering``: the
     one a step's gradients accumulate in)."""
-    where: dict[str, tuple[nn.Module, str]] = {}
-    for s in sorted(stages):
-        for name, layer in stages[s]:
-            for path, module in layer.named_modules():
-                for attr, p in module.named_parameters(recurse=False):
-                    where.setdefault(names.get(id(p), join(join(name, path), attr)),
-                                     (module, attr))
+    where = {name: found[0] for name, found in _places(stages, names).items()}
 
     def held(name: str) -> nn.Parameter:
         module, attr = where[name]

@@ -231,17 +231,21 @@ def _placement(param: nn.Parameter) -> Any:
 
 def _fsdp_params(module: FSDPModule) -> list[Any]:
     """FSDP2's records of ``module``'s parameters (sharded and gathered tensors)."""
-    state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
-    return [p for group in state._fsdp_param_groups for p in group.fsdp_params]
+    return [p for group in _param_groups(module) for p in group.fsdp_params]
 
 
 def _reduce(module: FSDPModule) -> None:
     """Run FSDP2's post-backward of ``module``'s parameter groups now."""
+    for group in _param_groups(module):
+        group.post_backward()
+
+
+def _param_groups(module: FSDPModule) -> list[Any]:
+    """FSDP2's parameter groups of ``module`` (its private state: see the module docstring)."""
     try:
         state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
-        groups = state._fsdp_param_groups
+        groups: list[Any] = state._fsdp_param_groups
     except AttributeError as e:
         raise PipelineError(f"this torch's FSDP2 has no per-module parameter groups ({e}); "
                             "ShardedStages is written against torch 2.13") from None
-    for group in groups:
-        group.post_backward()
+    return groups
