@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,7 +54,6 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipetrain import checkpoint_store as store
 from pipetrain.checkpoint_state import (
-    copy_whole_,
     load_optimizer_state,
     model_state,
     optimizer_state,
@@ -63,6 +61,7 @@ from pipetrain.checkpoint_state import (
     set_rng_state,
 )
 from pipetrain.checkpoint_store import clean, latest
+from pipetrain.dtensors import copy_whole_, is_strided
 from pipetrain.errors import CheckpointError
 
 __all__ = ["save", "load", "latest", "clean", "read_meta", "model_state", "optimizer_state",
@@ -221,7 +220,7 @@ def _check_save(step: int, state: dict[str, torch.Tensor], meta: dict[str, Any],
 def _write_data(tmp: Path, state: dict[str, torch.Tensor], group: Group) -> None:
     """Every rank writes its tensors into ``tmp``; DCP writes its index from the first rank."""
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-    plain = {k: (cast(Any, v).full_tensor() if _strided(v) else v).detach()
+    plain = {k: (cast(Any, v).full_tensor() if is_strided(v) else v).detach()
              for k, v in state.items()}
     try:
         with _quiet():
@@ -290,7 +289,7 @@ def load(path: str | os.PathLike[str], state: dict[str, torch.Tensor], *, group:
     wanted, problem = _match_keys(opened.metadata, state, strict, group)
     _agree(problem, group, f"matching keys with checkpoint {path}")
     reader = _IndexedReader(path, opened.metadata)
-    whole = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in wanted.items() if _strided(v)}
+    whole = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in wanted.items() if is_strided(v)}
     try:
         with _quiet():
             dcp_load({**wanted, **whole}, storage_reader=reader, process_group=group,
@@ -300,14 +299,6 @@ def load(path: str | os.PathLike[str], state: dict[str, torch.Tensor], *, group:
     for key, value in whole.items():
         copy_whole_(wanted[key], value)
     return opened.meta
-
-
-def _strided(t: torch.Tensor) -> bool:
-    """A DTensor split in strides (tensor parallelism's fused q, k, v): each rank holds several
-    pieces of it, which DCP cannot describe, so it is saved and loaded whole."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before
-    return (dtensor is not None and isinstance(t, dtensor.DTensor)
-            and any(type(p).__name__ == "_StridedShard" for p in t.placements))
 
 
 

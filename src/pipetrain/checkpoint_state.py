@@ -6,7 +6,6 @@ every pipeline layout: ``model/<name>``, ``optim/<name>/<field>`` and ``rng/rank
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 
 import torch
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["model_state", "optimizer_state", "load_optimizer_state", "rng_state",
-           "set_rng_state", "copy_whole_", "whole"]
+           "set_rng_state"]
 
 
 def model_state(named_params: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -106,28 +105,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer,
                 slots[field] = type(old)(value.item())
             else:
                 slots[field] = value.clone()
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """The full value of ``t``: itself, or a DTensor's gathered (collective over its mesh)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        full: torch.Tensor = t.full_tensor()
-        return full
-    return t
-
-
-def copy_whole_(dest: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copy ``whole`` (the full value) into ``dest``: a plain tensor, or this rank's pieces of
-    a DTensor (a FSDP2 shard, a tensor-parallel slice). No messages: every rank holding a piece
-    of ``dest`` passes the whole value."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before
-    if dtensor is None or not isinstance(dest, dtensor.DTensor):
-        dest.copy_(whole)
-        return
-    mine = dtensor.distribute_tensor(whole.to(dest.device), dest.device_mesh, dest.placements,
-                                     src_data_rank=None)
-    dest.to_local().copy_(mine.to_local())
 
 
 def rng_state(rank: int | None = None) -> dict[str, torch.Tensor]:

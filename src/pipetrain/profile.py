@@ -12,7 +12,6 @@ run). Gradients, buffers and the RNG are restored after.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -23,9 +22,10 @@ import torch
 from torch import nn
 
 from pipetrain.backward import backward_input
+from pipetrain.dtensors import local_shard
 from pipetrain.payload import flatten, unflatten
 
-__all__ = ["LayerCost", "profile_layers", "same_work", "local_shard"]
+__all__ = ["LayerCost", "profile_layers", "same_work"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 REUSE_SAMPLES = 3
@@ -197,17 +197,6 @@ def storages(tensors: Iterable[torch.Tensor]) -> dict[Storage, int]:
     return {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
             for t in map(local_shard, tensors)
             if t.layout == torch.strided and not t.is_nested and t.device.type != "meta"}
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded DTensor (FSDP2, tensor parallel), or ``t`` itself. Only
-    looked up once torch.distributed.tensor is imported (a DTensor cannot exist before), so
-    importing pipetrain does not import it (half a second)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        local: torch.Tensor = t.to_local()
-        return local
-    return t
 
 
 def param_bytes(params: Sequence[torch.Tensor]) -> int:

@@ -38,6 +38,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from pipetrain.dtensors import strided_on
 from pipetrain.errors import PartitionError, PipelineError
 
 __all__ = ["RESHARD", "ShardedStages"]
@@ -221,8 +222,7 @@ def _placement(param: nn.Parameter) -> Any:
     in strides along dim 0 (a fused q, k, v), whose halves of slices DTensor cannot describe
     (its whole value would come out wrong); FSDP2's own choice (dim 0) otherwise."""
     placements = getattr(param, "placements", ())
-    if param.ndim >= 2 and any(type(p).__name__ == "_StridedShard" and getattr(p, "dim", -1) == 0
-                               for p in placements):
+    if param.ndim >= 2 and any(strided_on(p) == 0 for p in placements):
         from torch.distributed.tensor import Shard
 
         return Shard(1)

@@ -61,7 +61,7 @@ def reload_mismatches(path: Any, want: dict[str, torch.Tensor],
     tensors by key, as :func:`pipetrain.checkpoint.model_state` and ``optimizer_state`` name
     them), labelled."""
     from pipetrain import checkpoint as ck
-    from pipetrain.checkpoint_state import whole
+    from pipetrain.dtensors import whole
 
     def state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         named = list(pipe.named_parameters())

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pipetrain.autosplit import units
-from pipetrain.checkpoint_state import copy_whole_
+from pipetrain.dtensors import copy_whole_
 
 __all__ = ["HFModel", "LoadReport", "load_weights", "open_model", "split_points"]
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from pipetrain.checkpoint_state import whole
 from pipetrain.data import decode, encode
+from pipetrain.dtensors import whole
 from pipetrain.timeline import Timeline
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig

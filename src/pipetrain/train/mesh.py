@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipetrain import news
-from pipetrain.profile import local_shard
+from pipetrain.dtensors import local_shard
 
 __all__ = ["Mesh", "build_mesh", "GradReducer"]
 
