@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import main
+from pipetrain.planner import MARGIN
 from pipetrain.train.cli import load_toml
 
 FEW = "1f1b,zb-h1,zbv"
@@ -31,7 +32,9 @@ def test_profile_only_plan_writes_a_config_train_runs(tmp_path: Path,
     assert len(best["predicted_peak_bytes"]) == 2 and best["schedule"] in FEW.split(",")
     assert report["candidates"][0] == best and len(report["candidates"]) > 10
     steps = [c["predicted_step_s"] for c in report["candidates"] if c["fits"]]
-    assert steps == sorted(steps)
+    # fastest first, except that a near tie (within MARGIN) may bring one with fewer actions
+    # to the front: the rest stay in order
+    assert steps[1:] == sorted(steps[1:]) and steps[0] <= min(steps) * (1 + MARGIN)
     toml = load_toml(Path(report["config"]))
     assert toml["schedule"] == best["schedule"] and toml["microbatches"] == best["microbatches"]
     assert toml["balance"] == ",".join(map(str, best["balance"]))
