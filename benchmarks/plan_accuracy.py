@@ -14,6 +14,12 @@ and each one's step time is the median of its rounds; the spread of the rounds i
     python benchmarks/plan_accuracy.py                 # small and medium at 4 processes
     python benchmarks/plan_accuracy.py --tiny          # seconds: the tiny preset, 2 processes
     python benchmarks/plan_accuracy.py --json out.json
+    python benchmarks/plan_accuracy.py --layouts       # per pp x dp x fsdp x tp layout
+
+``--layouts`` checks the planner's model of sharding instead: one plan of small at 4
+processes under a loose limit, and for each layout it searched (pp4; pp2 with dp2, fsdp2 under
+each reshard, tp2) its best candidate trained, predicted and measured step time and peak bytes
+side by side per pipeline rank (a pipeline rank's measured peak: the most of its processes).
 
 Medium runs at a shorter sequence and batch than its preset's (a CPU runs its full size at
 minutes per step); the layer shapes are the preset's. Limits are set from the model: the
@@ -86,6 +92,8 @@ def measure(preset: str, seq: int, batch: int, nproc: int, steps: int, cand: dic
             "--nproc", str(nproc), "--schedule", schedule, "--stages-per-rank",
             str(cand["stages_per_rank"]), "--microbatches", str(cand["microbatches"]),
             "--balance", ",".join(map(str, cand["balance"])), "--recompute", cand["recompute"],
+            "--pp", str(cand["pp"]), "--dp", str(cand["dp"]), "--fsdp", str(cand["fsdp"]),
+            "--tp", str(cand["tp"]), "--fsdp-reshard", cand["fsdp_reshard"],
             "--steps", str(steps), "--out", str(out), "--no-resume", "--no-progress",
             "--sample-tokens", "0", "--eval-batches", "1"]
     code, _ = _cli(argv)
@@ -164,6 +172,36 @@ def verdicts(rows: list[Row]) -> list[str]:
     return out
 
 
+def by_layout(preset: str, seq: int, batch: int, nproc: int, steps: int, work: Path,
+              rounds: int) -> list[str]:
+    """Per layout of one loose plan, its best candidate's predicted and measured figures."""
+    report = plan(preset, seq, batch, nproc, 1 << 40, work / "plan")
+    best: dict[str, dict[str, Any]] = {}
+    for c in report["candidates"]:
+        best.setdefault(_layout_name(c), c)
+    lines = []
+    for name, c in best.items():
+        runs = [measure(preset, seq, batch, nproc, steps, c, work / f"{name}-{k}".replace(" ", "_"))
+                for k in range(rounds)]
+        step_s = statistics.median(r[0] for r in runs)
+        pred = c["predicted_peak_bytes"]
+        peaks = [max(r[1][g] for r in runs for g in range(nproc)
+                     if g // c["tp"] % c["pp"] == k) for k in range(c["pp"])]
+        errs = " ".join(f"{m / p - 1:+.0%}" for p, m in zip(pred, peaks))
+        lines.append(f"{name:18s} {c['schedule']:>16s} m{c['microbatches']:<3d} "
+                     f"{c['predicted_step_s']:7.3f} {step_s:7.3f} "
+                     f"{step_s / c['predicted_step_s'] - 1:+7.1%}  "
+                     f"{' '.join(f'{b / MIB:.1f}' for b in pred):>18s} "
+                     f"{' '.join(f'{b / MIB:.1f}' for b in peaks):>18s}  {errs}")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def _layout_name(c: dict[str, Any]) -> str:
+    words = [f"pp{c['pp']}"] + [f"{k}{c[k]}" for k in ("dp", "fsdp", "tp") if c[k] > 1]
+    return " ".join(words + ([c["fsdp_reshard"]] if c["fsdp"] > 1 else []))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny preset only (seconds)")
@@ -172,11 +210,22 @@ def main() -> int:
                         help="comma-separated presets among small, medium (default: both)")
     parser.add_argument("--rounds", type=int, default=3, metavar="N",
                         help="times each candidate is trained, in turn (default: %(default)s)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="per sharding layout: predicted and measured peaks (small, 4 ranks)")
     args = parser.parse_args()
+    print(f"# torch {torch.__version__}, {platform.platform()}, {torch.get_num_threads()} threads")
+    if args.layouts:
+        seq, batch, nproc, steps = SETUPS["small"]
+        print(f"small, seq {seq}, batch {batch}, {nproc} processes, {steps} steps, "
+              f"{args.rounds} rounds (medians; peaks: the most of the rounds)")
+        print(f"{'layout':18s} {'schedule':>16s} {'m':4s} {'pred s':>7s} {'meas s':>7s} "
+              f"{'error':>7s}  {'pred MiB per rank':>18s} {'meas MiB per rank':>18s}  error")
+        with tempfile.TemporaryDirectory(prefix="plan-layouts-") as tmp:
+            by_layout("small", seq, batch, nproc, steps, Path(tmp), args.rounds)
+        return 0
     header = (f"{'preset':7s} {'limit':>8s} {'rank':>4s}  {'layout':36s} {'pred s':>8s} "
               f"{'meas s':>8s} {'spread':>6s} {'error':>7s}  {'pred MiB':>8s} {'meas MiB':>8s}  "
               f"{'fits':>4s}")
-    print(f"# torch {torch.__version__}, {platform.platform()}, {torch.get_num_threads()} threads")
     print(header)
     with tempfile.TemporaryDirectory(prefix="plan-accuracy-") as tmp:
         setups = TINY if args.tiny else {

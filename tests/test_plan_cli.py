@@ -127,7 +127,7 @@ def test_a_calibration_term_is_fitted_to_the_measured_steps(field: str, truths: 
                                                             policy: str) -> None:
     from pipetrain import make_schedule
     from pipetrain.planner import Scale, evaluate
-    from pipetrain.train.plan_cli import _fitted
+    from pipetrain.train.plan_calibrate import _fitted
     from test_planner import _profile
 
     prof = _profile(2)

@@ -11,10 +11,10 @@ from pipetrain.planner import (
     MARGIN,
     Profiled,
     Scale,
-    _fewest_actions_first,
     actions_per_rank,
     evaluate,
     microbatch_choices,
+    ranked as rank_candidates,
     search,
 )
 from pipetrain.profile import LayerCost
@@ -121,7 +121,7 @@ def test_a_near_tie_goes_to_the_layout_with_fewer_actions() -> None:
 
     def ranked(*slower: float) -> list[int]:  # m = 8, 4, 2 at 1 + slower[k] of the fastest
         cands = [replace(by_m[m], predicted_step_s=1.0 + x) for m, x in zip((8, 4, 2), slower)]
-        return [c.microbatches for c in _fewest_actions_first(cands)]
+        return [c.microbatches for c in rank_candidates(cands)]
 
     assert ranked(0.0, MARGIN / 2, MARGIN) == [2, 8, 4]  # all three tie: the fewest actions
     assert ranked(0.0, MARGIN / 2, 1.5 * MARGIN) == [4, 8, 2]

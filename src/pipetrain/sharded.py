@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from pipetrain.dtensors import strided_on
 from pipetrain.errors import PartitionError, PipelineError
 
-__all__ = ["RESHARD", "ShardedStages"]
+__all__ = ["RESHARD", "ShardedStages", "unit_bytes"]
 
 RESHARD = ("step", "layer", "part")
 """How long gathered weights live (see :class:`ShardedStages`), most memory first."""
@@ -187,6 +187,16 @@ def _refuse_sharing(stage: int, layers: list[nn.Module]) -> None:
                     f"stage {stage}: its layers {first} and {k} share a weight (of shape "
                     f"{tuple(p.shape)}), which sharding each layer would untie; place them in "
                     "different stages (more pipeline ranks, or another balance), or untie it")
+
+
+def unit_bytes(layer: nn.Module) -> tuple[int, ...]:
+    """The parameter bytes of ``layer``'s FSDP2 units under reshard "part": each large part
+    (gathered on its own), then the rest of the layer (gathered with the layer's root)."""
+    parts = _big_parts(layer)
+    inside = {id(p) for m in parts for p in m.parameters()}
+    rest = sum(p.numel() * p.element_size() for p in layer.parameters() if id(p) not in inside)
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in parts]
+    return (*sizes, rest)
 
 
 def _big_parts(layer: nn.Module) -> list[nn.Module]:

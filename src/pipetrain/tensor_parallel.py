@@ -34,6 +34,7 @@ layout.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -52,7 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
-__all__ = ["FusedColwise", "GPT_PLAN", "Plan", "TensorParallel", "gpt_plan"]
+__all__ = ["FusedColwise", "GPT_PLAN", "Plan", "TensorParallel", "gpt_plan", "local_layer",
+           "traffic"]
 
 
 class FusedColwise(ParallelStyle):
@@ -177,3 +179,79 @@ class TensorParallel:
             if isinstance(grad, DTensor) and isinstance(p, DTensor) \
                     and grad.placements != p.placements:
                 p.grad = grad.redistribute(p.device_mesh, p.placements)
+
+
+# -- one rank's share, for profiling in one process ----------------------------------------
+
+
+def local_layer(layer: nn.Module, plan: Plan, ranks: int) -> nn.Module:
+    """``layer`` as one of ``ranks`` tensor-parallel ranks computes it, as a plain module (no
+    mesh; the layer itself when the plan splits none of it, else a copy): each column-wise
+    ``nn.Linear`` of the plan keeps 1/ranks of its output rows (of each part of a fused one),
+    each row-wise one 1/ranks of its input columns. Its times, activations and parameter
+    bytes are a rank's; sequence parallelism and the collectives are left out (see
+    :mod:`pipetrain.shardcost`)."""
+    linears = _split_linears(layer, plan)
+    if not linears or ranks == 1:
+        return layer
+    local = copy.deepcopy(layer)
+    for path, style in linears.items():
+        module = local.get_submodule(path)
+        if isinstance(style, RowwiseParallel):
+            _keep(module, "weight", 1, 1, ranks)
+        else:
+            parts = style.parts if isinstance(style, FusedColwise) else 1
+            _keep(module, "weight", 0, parts, ranks)
+            if module.bias is not None:
+                _keep(module, "bias", 0, parts, ranks)
+    return local
+
+
+def traffic(layer: nn.Module, plan: Plan, x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Bytes a tensor-parallel rank of ``layer`` all-reduces on input ``x`` (one forward of
+    ``layer``, no gradients): in F each row-wise matrix's output, in I each column-wise
+    matrix's input gradient (the size of its input)."""
+    import torch
+
+    linears = _split_linears(layer, plan)
+    sizes: dict[str, list[int]] = {"F": [], "I": []}
+
+    def hook(style: ParallelStyle, module: nn.Module, args: Any, out: Any) -> None:
+        seen = out if isinstance(style, RowwiseParallel) else args[0]
+        sizes["F" if isinstance(style, RowwiseParallel) else "I"].append(
+            seen.numel() * seen.element_size())
+    handles = [layer.get_submodule(path).register_forward_hook(partial(hook, style))
+               for path, style in linears.items()]
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(sizes["F"]), tuple(sizes["I"])
+
+
+def _split_linears(layer: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
+    """The plan's ``nn.Linear`` s of ``layer`` split column- or row-wise, by path."""
+    styles = plan(layer) if callable(plan) else plan
+    paths = dict(layer.named_modules())
+    return {path: style for path, style in styles.items()
+            if path and isinstance(paths.get(path), nn.Linear)
+            and isinstance(style, ColwiseParallel | RowwiseParallel | FusedColwise)}
+
+
+def _keep(module: nn.Module, name: str, dim: int, parts: int, ranks: int) -> None:
+    """Replace ``module.<name>`` with the first 1/ranks of each of ``parts`` along ``dim``."""
+    whole = getattr(module, name)
+    size = whole.shape[dim]
+    if size % (parts * ranks):
+        raise ValueError(f"{type(module).__name__}.{name} of {size} along dim {dim} does not "
+                         f"split into {parts} x {ranks} equal slices; use a tp that divides it")
+    step = size // parts
+    kept = [whole.narrow(dim, k * step, step // ranks) for k in range(parts)]
+    import torch
+
+    local = torch.cat(kept, dim).detach().clone()
+    setattr(module, name, nn.Parameter(local, requires_grad=whole.requires_grad))
+    if name == "weight" and isinstance(module, nn.Linear):
+        module.out_features, module.in_features = local.shape[0], local.shape[1]

@@ -3,14 +3,21 @@
     $ pipetrain plan --preset small --nproc 4 --memory-limit 64MiB
     $ pipetrain plan --hf llama-local --data notes.txt --nproc 4 --memory-limit 16GiB
 
+0. Layouts: every ``pp x dp x fsdp x tp = nproc`` (pp at least 2; FSDP under each reshard)
+   that the flags given pin and ``pipetrain train`` accepts (:func:`candidate_layouts`).
 1. Profile every layer in this process on one micro-batch of each size the search tries
    (:func:`pipetrain.profile.profile_layers`): the GPT preset's blocks, or the decoder layers
-   of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts).
+   of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts);
+   under tensor parallelism one rank's share of each
+   (:func:`pipetrain.tensor_parallel.local_layer`), with the bytes it all-reduces.
 2. Calibrate: train 3 steps of zb-h1, of 1f1b, and of 1f1b recomputed on the ranks (one
-   local launch, as ``pipetrain train``); the measured/profiled ratio of each op, the hop
-   delay, the step's time outside the schedule, the runtime's cost per action and what
-   recomputation adds scale every prediction (:mod:`pipetrain.calibrate`).
-3. Search (:func:`pipetrain.planner.search`), print the best candidates, and write the best
+   local launch, as ``pipetrain train``, at the fewest pipeline ranks searched, the rest
+   replicas); the measured/profiled ratio of each op, the hop delay, the step's time outside
+   the schedule, the runtime's cost per action and what recomputation adds scale every
+   prediction (:mod:`pipetrain.calibrate`); then time all-reduce, all-gather and
+   reduce-scatter over groups of each size the layouts use (:mod:`pipetrain.shardcost`).
+3. Search (:func:`pipetrain.planner.search`) each layout, print the best candidates, and
+   write the best
    one's predicted timeline (``plan.png``) and a config that ``pipetrain train --config``
    runs as it is (``plan.toml``) under ``--out``.
 """
@@ -18,25 +25,24 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import itertools
 import json
-import os
-import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipetrain.sharded import RESHARD
 from pipetrain.train.config import TrainConfig
 
 __all__ = ["HELP", "configure", "run"]
 
-HELP = "choose the fastest layout (schedule, micro-batches, balance, recompute) that fits memory"
+HELP = ("choose the fastest layout (pp x dp x fsdp x tp, schedule, micro-batches, balance, "
+        "recompute) that fits memory")
 EXIT_OK, EXIT_NONE_FITS = 0, 3
-CALIBRATION_SCHEDULES = ("zb-h1", "1f1b")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +60,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N",
                         help="sequences per step over all replicas (default: %(default)s)")
     parser.add_argument("--nproc", type=int, default=d.nproc, metavar="N")
-    parser.add_argument("--pp", type=int, metavar="N", help="pipeline ranks (default: nproc/dp)")
-    parser.add_argument("--dp", type=int, default=d.dp, metavar="N")
+    parser.add_argument("--pp", type=int, metavar="N",
+                        help="pipeline ranks (default: search, at least 2)")
+    parser.add_argument("--dp", type=int, metavar="N", help="data-parallel replicas "
+                        "(default: search, with --fsdp and --tp, what nproc/pp leaves)")
+    parser.add_argument("--fsdp", type=int, metavar="N", help="FSDP shards (default: search)")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="tensor-parallel ranks (default: search; not with --hf)")
+    parser.add_argument("--fsdp-reshard", choices=RESHARD, metavar="WHEN",
+                        help="FSDP's reshard: step, layer or part (default: search)")
     parser.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     parser.add_argument("--schedules", metavar="NAMES",
                         help="comma-separated schedules to consider (default: all)")
@@ -70,46 +83,93 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan; exit 3 when no candidate fits the limit (the fastest is still written)."""
-    from pipetrain.planner import SCHEDULES, Scale, search
+    from pipetrain.planner import SCHEDULES, Scale, ranked, search
+    from pipetrain.shardcost import Collectives
     from pipetrain.train.cli import check
     from pipetrain.train.export_cli import size_bytes
-    from pipetrain.train.mesh import layout
+    from pipetrain.train.plan_calibrate import calibrate_on_ranks, on_cuda, shared_cores
 
     limit = size_bytes(args.memory_limit, "--memory-limit")
-    dp, pp = layout(args.nproc, args.dp, args.pp)
     cfg = TrainConfig(preset=args.preset, hf=args.hf, data=args.data,
                       token_cache=args.token_cache, seq_len=args.seq_len,
-                      batch_size=args.batch_size, nproc=args.nproc, pp=args.pp, dp=dp,
-                      device=args.device, out="", progress=False, sample_tokens=0,
-                      eval_batches=1)
+                      batch_size=args.batch_size, nproc=args.nproc, device=args.device, out="",
+                      progress=False, sample_tokens=0, eval_batches=1)
     check(cfg)
-    rows = _rows_per_replica(cfg, dp)
+    layouts = candidate_layouts(cfg, args.pp, args.dp, args.fsdp, args.tp, args.fsdp_reshard)
     schedules = _schedules(args.schedules, SCHEDULES)
-    profiles = profile_model(cfg, pp, rows)
+    calib = _calibration_layout(layouts)
+    profiles, shared_ends = profile_layouts(cfg, [*layouts, calib])
     cores = shared_cores(cfg)
-    scale = (Scale(cores=cores) if args.no_calibrate
-             else calibrate_on_ranks(cfg, pp, rows, profiles, cores))
+    scale, collectives = ((Scale(cores=cores), Collectives.default()) if args.no_calibrate
+                          else calibrate_on_ranks(cfg, calib, profiles, cores, layouts))
     scale = dataclasses.replace(scale, foreach=on_cuda(cfg))  # AdamW's kernels there
-    ranked = search(profiles, pp, rows, limit, scale, schedules=schedules)
-    if not ranked:
+    found = []
+    for pp, sharding in layouts:
+        found += search(profiles[pp, sharding.tp], pp, cfg.batch_size // sharding.data, limit,
+                        scale, schedules=schedules, sharding=sharding,
+                        collectives=collectives, shared_ends=shared_ends)
+    candidates = ranked(found)
+    if not candidates:
         raise ValueError("no layout is possible: the model has fewer layers than stages; "
                          "use fewer pipeline ranks (--pp)")
-    best = ranked[0]
+    best = candidates[0]
     toml_path, png_path = _write(args.out, cfg, best)
-    report = {"best": best.to_dict(), "candidates": [c.to_dict() for c in ranked],
+    report = {"best": best.to_dict(), "candidates": [c.to_dict() for c in candidates],
               "config": str(toml_path), "png": str(png_path), "memory_limit": limit,
-              "scale": dataclasses.asdict(scale)}
+              "scale": dataclasses.asdict(scale), "collectives": collectives.fitted}
     if args.json:
         print(json.dumps(report))
     else:
-        _print(ranked[:args.top], limit, cfg, toml_path, png_path)
+        _print(candidates[:args.top], limit, cfg, toml_path, png_path)
     return EXIT_OK if best.fits else EXIT_NONE_FITS
 
 
-def _rows_per_replica(cfg: TrainConfig, dp: int) -> int:
-    if cfg.batch_size % dp:
-        raise ValueError(f"batch_size={cfg.batch_size} must split into dp={dp} equal replicas")
-    return cfg.batch_size // dp
+Layout = tuple[int, Any]
+"""(pipeline ranks, :class:`pipetrain.shardcost.Sharding` of each)."""
+
+
+def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: int | None,
+                      tp: int | None, reshard: str | None) -> list[Layout]:
+    """Every ``pp x dp x fsdp x tp = nproc`` the flags given allow and ``pipetrain train``
+    accepts for ``cfg`` (pp at least 2 unless given; tp only for the GPT presets).
+
+    Raises:
+        ValueError: when none does, saying why (the first of them's reason).
+    """
+    from pipetrain.shardcost import Sharding
+    from pipetrain.train.mesh import layout
+    from pipetrain.train.setup import check_config
+
+    n, out, why = cfg.nproc, [], None
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    for p, d, s, t in itertools.product(divisors, repeat=4):
+        if p * d * s * t != n or (pp is None and p < 2 and n > 1) or any(
+                given is not None and given != v for given, v in
+                ((pp, p), (dp, d), (fsdp, s), (tp, t))):
+            continue
+        trial = dataclasses.replace(cfg, pp=p, dp=d, fsdp=s, tp=t, microbatches=1,
+                                    sequence_parallel=bool(cfg.seq_len % t == 0))
+        try:
+            check_config(trial, n)
+        except ValueError as e:
+            why = why or e
+            continue
+        for when in (RESHARD if s > 1 and reshard is None else (reshard or "part",)):
+            out.append((p, Sharding(d, s, t, when)))
+    if not out:
+        if why is None:
+            layout(n, dp or 1, pp, fsdp or 1, tp or 1)  # raises, naming the mismatch
+        raise ValueError(f"no layout of {n} processes is possible with these flags: {why}")
+    return out
+
+
+def _calibration_layout(layouts: list[Layout]) -> Layout:
+    """What the calibration trains: the fewest pipeline ranks searched, replicated."""
+    from pipetrain.shardcost import Sharding
+
+    pp = min(p for p, _ in layouts)
+    replicas = layouts[0][1].replicas * layouts[0][0] // pp
+    return pp, Sharding(dp=replicas)
 
 
 def _schedules(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
@@ -161,162 +221,72 @@ def model_units(cfg: TrainConfig, pp: int) -> Units:
                  causal_lm_loss)
 
 
-def profile_model(cfg: TrainConfig, pp: int, rows: int) -> list[Any]:
-    """The layers profiled on one micro-batch of every size the search tries."""
-    from pipetrain.planner import Profiled, microbatch_choices
-    from pipetrain.profile import profile_layers
+def profile_layouts(cfg: TrainConfig, layouts: list[Layout]
+                    ) -> tuple[dict[tuple[int, int], list[Any]], bool]:
+    """Per (pp, tp) of ``layouts``, the layers (a tensor-parallel rank's share of each)
+    profiled on one micro-batch of every size the search tries there; and whether the first
+    and last layer share a weight (a tied embedding and head)."""
+    from pipetrain.planner import microbatch_choices
 
-    units = model_units(cfg, pp)
+    rows: dict[tuple[int, int], set[int]] = {}
+    for pp, sharding in layouts:
+        per_replica = cfg.batch_size // sharding.data
+        rows.setdefault((pp, sharding.tp), set()).update(
+            per_replica // m for m in microbatch_choices(per_replica, pp))
+    profiles, shared_ends = {}, False
+    for (pp, tp), sizes in sorted(rows.items()):
+        units = model_units(cfg, pp)
+        ends = [{id(p) for p in units.layers[k].parameters()} for k in (0, -1)]
+        shared_ends = shared_ends or bool(ends[0] & ends[1])
+        profiles[pp, tp] = profile_model(cfg, units, tp, sorted(sizes))
+    return profiles, shared_ends
+
+
+def profile_model(cfg: TrainConfig, units: Units, tp: int, sizes: list[int]) -> list[Any]:
+    """``units``' layers, one of ``tp`` ranks' share of each, profiled on one micro-batch of
+    each of ``sizes`` rows."""
+    from pipetrain.planner import Profiled
+    from pipetrain.profile import profile_layers
+    from pipetrain.tensor_parallel import gpt_plan, local_layer
+
+    plan = gpt_plan(False)
+    layers = [local_layer(layer, plan, tp) for layer in units.layers]
     out = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of a CPU run computes
     try:
-        for m in microbatch_choices(rows, pp):
-            ids = torch.zeros(rows // m, cfg.seq_len, dtype=torch.long)
+        for size in sizes:
+            ids = torch.zeros(size, cfg.seq_len, dtype=torch.long)
             x = units.feed(ids)
-            costs = profile_layers(units.layers, x, loss_fn=units.loss, sample_target=ids,
+            costs = profile_layers(layers, x, loss_fn=units.loss, sample_target=ids,
                                    repeats=2, reuse=True)
-            out.append(Profiled(rows // m, tuple(costs), _input_bytes(units.layers, x)))
+            inputs, comm = _walk(layers, x, plan, tp)
+            out.append(Profiled(size, tuple(costs), inputs, comm, tp))
     finally:
         torch.set_num_threads(threads)
     return out
 
 
-def _input_bytes(layers: list[torch.nn.Module], x: torch.Tensor) -> tuple[int, ...]:
+def _walk(layers: list[torch.nn.Module], x: torch.Tensor, plan: Any, tp: int
+          ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """Per layer, the bytes of its input and its traffic (:class:`LayerComm`)."""
     from pipetrain.payload import flatten
+    from pipetrain.shardcost import LayerComm
+    from pipetrain.sharded import unit_bytes
+    from pipetrain.tensor_parallel import traffic
     from pipetrain.train.memory import tensor_bytes
 
-    sizes = []
+    sizes, comm = [], []
     with torch.no_grad():
         for layer in layers:
             sizes.append(tensor_bytes(flatten(x)[0]))
+            f, i = traffic(layer, plan, x) if tp > 1 else ((), ())
+            comm.append(LayerComm(unit_bytes(layer), f, i))
             x = layer(x)
-    return tuple(sizes)
+    return tuple(sizes), tuple(comm)
 
 
-# -- 2. calibrate ----------------------------------------------------------------------------
-
-
-def on_cuda(cfg: TrainConfig) -> bool:
-    """The ranks compute on GPUs (NCCL)."""
-    from pipetrain.train.elastic import backend_for
-
-    return backend_for(cfg.device, cfg.nproc) == "nccl"
-
-
-def shared_cores(cfg: TrainConfig) -> float | None:
-    """The cores this machine's ranks share (one thread each), when fewer than the ranks of a
-    CPU run; None when each rank has its own device or core."""
-    if on_cuda(cfg):
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return float(cores) if cores and cores < cfg.nproc else None
-
-
-def calibrate_on_ranks(cfg: TrainConfig, pp: int, rows: int, profiles: list[Any],
-                       cores: float | None = None) -> Any:
-    """Measured/profiled ratios from 3 steps of each calibration schedule on the ranks, each
-    step p micro-batches of the middle profile's size (fewer than the run's: the ratios and
-    the per-action cost do not depend on how many, and the steps are shorter)."""
-    from pipetrain.planner import Scale
-    from pipetrain.train.elastic import launch_local
-
-    prof = profiles[len(profiles) // 2]
-    m = min(rows // prof.rows, pp)  # p micro-batches of the profiled size: a shorter step
-    base = dataclasses.replace(cfg, microbatches=m, batch_size=prof.rows * m * cfg.dp,
-                               steps=3, balance="params")
-    with _stdout_to_stderr():  # the ranks print their config; stdout stays the plan's
-        runs = launch_local(base, _calibration_runs)["runs"]
-    split, fused, again = (_calibrated(run, cores) for run in runs)
-    f, i, w, b = (_ratio(split, prof, "f", ("f",)), _ratio(split, prof, "i", ("i",)),
-                  _ratio(split, prof, "w", ("w",)), _ratio(fused, prof, "b", ("i", "w")))
-    scale = Scale(f=f, i=i, w=w, b=b, comm=split["comm"],
-                  overhead=statistics.mean([split["overhead"], fused["overhead"]]), cores=cores)
-    scale = dataclasses.replace(scale, gap=_fitted("gap", [split, fused], prof, scale, 0.05))
-    return dataclasses.replace(scale, replay=_fitted("replay", [again], prof, scale, 8.0))
-
-
-def _fitted(field: str, runs: list[dict[str, Any]], prof: Any, scale: Any,
-            most: float) -> float:
-    """The value of ``Scale.<field>``, in [0, most], whose predicted steps of ``runs`` add up to
-    their measured ones (bisection: the prediction grows with it).
-
-    ``gap``: the spans miss the runtime's work between actions, which the steps include.
-    ``replay``: recomputation's cost is not all in the spans (the replay runs before a
-    backward waits for its gradient)."""
-    from pipetrain.planner import evaluate
-
-    measured = sum(statistics.median(t.makespan for t in run["timelines"]) for run in runs)
-
-    def predicted(value: float) -> float:
-        trial = dataclasses.replace(scale, **{field: value}, overhead=0.0)
-        return sum(evaluate(prof, run["schedule"], run["balance"], run["recompute"], 0.0,
-                            trial).predicted_step_s for run in runs)
-
-    lo, hi = 0.0, most
-    if predicted(lo) >= measured:
-        return lo
-    if predicted(hi) <= measured:
-        return hi
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < measured else (lo, mid)
-    return (lo + hi) / 2
-
-
-def _calibrated(run: dict[str, Any], cores: float | None) -> dict[str, Any]:
-    """A calibration run's costs (work at full speed when the ranks shared ``cores``) and hop."""
-    from pipetrain.calibrate import calibrate
-
-    calib = calibrate(run["timelines"], run["schedule"], cores=cores)
-    return {**run, "costs": calib.costs.to_dict(), "comm": calib.comm}
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _ratio(result: dict[str, Any], prof: Any, op: str, profiled: tuple[str, ...]) -> float:
-    """Measured seconds of ``op`` over all stages, over the profiled seconds of the same layers."""
-    from pipetrain.partition import stage_bounds
-
-    bounds = stage_bounds(result["balance"])
-    want = sum(getattr(c, o) for a, e in bounds for c in prof.layers[a:e] for o in profiled)
-    got = sum(result["costs"][op.upper()])
-    return got / want if want > 0 else 1.0
-
-
-def _calibration_runs(cfg: TrainConfig, reporter: Any) -> dict[str, Any]:
-    """On every rank, in one launch: :func:`_calibration_run` of ``cfg`` under zb-h1, 1f1b,
-    and 1f1b recomputed."""
-    variants = [dataclasses.replace(cfg, schedule=name) for name in CALIBRATION_SCHEDULES]
-    variants.append(dataclasses.replace(cfg, schedule="1f1b", recompute="always"))
-    return {"runs": [_calibration_run(variant) for variant in variants]}
-
-
-def _calibration_run(cfg: TrainConfig) -> dict[str, Any]:
-    """Train ``cfg.steps`` steps; the timelines of those after the first."""
-    from pipetrain.train.loop import train_step
-    from pipetrain.train.setup import build
-
-    trainer = build(cfg)
-    stats = [train_step(trainer, step) for step in range(cfg.steps)][1:]
-    overhead = statistics.median(s.seconds - s.timeline.makespan for s in stats)
-    return {"timelines": [s.timeline for s in stats], "schedule": trainer.pipe.schedule,
-            "overhead": max(0.0, overhead), "balance": list(trainer.pipe.balance),
-            "recompute": cfg.recompute}
-
-
-# -- 3. report ------------------------------------------------------------------------------
+# -- 2. report ------------------------------------------------------------------------------
 
 
 def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
@@ -332,11 +302,14 @@ def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
         cfg, schedule=schedule, stages_per_rank=best.stages_per_rank,
         microbatches=best.microbatches, balance=",".join(map(str, best.balance)),
         recompute=best.recompute, out="runs/pipetrain", progress=True,
-        sample_tokens=TrainConfig.sample_tokens, eval_batches=TrainConfig.eval_batches)
+        sample_tokens=TrainConfig.sample_tokens, eval_batches=TrainConfig.eval_batches,
+        pp=best.simulation.schedule.n_ranks, dp=best.sharding.dp, fsdp=best.sharding.fsdp,
+        tp=best.sharding.tp, fsdp_reshard=best.sharding.reshard,
+        sequence_parallel=cfg.seq_len % best.sharding.tp == 0)
     toml_path, png_path = out / "plan.toml", out / "plan.png"
     toml_path.write_text(config_toml(chosen))
     draw.save_png(best.simulation.timeline, png_path,
-                  title=f"plan: {best.schedule} m={best.microbatches} balance "
+                  title=f"plan: {_layout(best)}, {best.schedule} m={best.microbatches} balance "
                         f"{list(best.balance)} recompute {best.recompute} (predicted)")
     return toml_path, png_path
 
@@ -349,12 +322,12 @@ def _print(shown: list[Any], limit: int, cfg: TrainConfig, toml_path: Path,
     tokens = cfg.batch_size * cfg.seq_len
     table = Table(title=f"pipetrain plan: {cfg.preset}, memory limit {_mib(limit)} per rank",
                   title_justify="left")
-    for name in ("schedule", "v", "m", "balance", "recompute", "step s", "tokens/s",
+    for name in ("layout", "schedule", "v", "m", "balance", "recompute", "step s", "tokens/s",
                  "peak per rank (MiB)", "fits"):
         table.add_column(name, justify="right" if name in ("v", "m", "step s", "tokens/s")
                          else "left")
     for c in shown:
-        table.add_row(c.schedule, str(c.stages_per_rank), str(c.microbatches),
+        table.add_row(_layout(c), c.schedule, str(c.stages_per_rank), str(c.microbatches),
                       ",".join(map(str, c.balance)), c.recompute, f"{c.predicted_step_s:.3f}",
                       f"{tokens / c.predicted_step_s:,.0f}",
                       " ".join(f"{b / 2**20:.1f}" for b in c.predicted_peak_bytes),
@@ -365,6 +338,12 @@ def _print(shown: list[Any], limit: int, cfg: TrainConfig, toml_path: Path,
     if not shown[0].fits:
         print("no layout fits: raise --memory-limit, add ranks (--nproc), or shorten "
               "--seq-len / --batch-size", file=sys.stderr)
+
+
+def _layout(c: Any) -> str:
+    """``pp2``, ``pp2 fsdp2 part``, ``pp2 tp2``."""
+    sharded = c.sharding.label()
+    return f"pp{c.simulation.schedule.n_ranks}" + ("" if sharded == "-" else f" {sharded}")
 
 
 def _mib(n: float) -> str:
