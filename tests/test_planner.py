@@ -14,8 +14,10 @@ from pipetrain.planner import (
     actions_per_rank,
     evaluate,
     microbatch_choices,
-    ranked as rank_candidates,
     search,
+)
+from pipetrain.planner import (
+    ranked as rank_candidates,
 )
 from pipetrain.profile import LayerCost
 
