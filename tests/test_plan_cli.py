@@ -107,34 +107,83 @@ def test_plan_of_a_missing_checkpoint_exits_2(tmp_path: Path,
     assert "no config.json there" in capsys.readouterr().err
 
 
-def test_calibrated_plan_on_two_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def _layouts(report: dict) -> set[tuple]:
+    return {(c["pp"], c["dp"], c["fsdp"], c["tp"], c["fsdp_reshard"] if c["fsdp"] > 1 else "")
+            for c in report["candidates"]}
+
+
+def test_four_processes_search_pp_dp_fsdp_and_tp(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from pipetrain.train.config import TrainConfig
+    from pipetrain.train.setup import check_config
+
+    args = ("--nproc", "4", "--memory-limit", "64MiB", "--no-calibrate")
+    code, report = _plan(tmp_path, capsys, *args)
+    assert code == 0 and _layouts(report) == {
+        (4, 1, 1, 1, ""), (2, 2, 1, 1, ""), (2, 1, 1, 2, ""),
+        *((2, 1, 2, 1, when) for when in ("step", "layer", "part"))}
+    # the tiny GPT ties its head to its embedding: no V (both on rank 0) under FSDP
+    assert not [c for c in report["candidates"] if c["fsdp"] > 1 and c["schedule"] == "zbv"]
+    assert [c for c in report["candidates"] if c["fsdp"] == 1 and c["schedule"] == "zbv"]
+    code, report = _plan(tmp_path / "fsdp", capsys, *args, "--fsdp", "2",
+                         "--fsdp-reshard", "layer")
+    assert code == 0 and _layouts(report) == {(2, 1, 2, 1, "layer")}
+    toml = load_toml(Path(report["config"]))
+    assert (toml["pp"], toml["dp"], toml["fsdp"], toml["tp"], toml["fsdp_reshard"]) == \
+        (2, 1, 2, 1, "layer")
+    check_config(TrainConfig(**toml), 4)  # train --config takes it as it is
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--nproc", "4", "--tp", "3"], "world has 4 ranks"),
+    (["--nproc", "4", "--tp", "4"], "tp=4 must divide|no layout of 4 processes"),
+])
+def test_layout_flags_no_layout_satisfies_exit_2(argv: list[str], match: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--preset", "tiny", "--out", str(tmp_path), "--memory-limit", "1GiB",
+                 "--no-calibrate", *argv]) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_calibrated_plan_of_sharded_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    code, report = _plan(tmp_path / "plan", capsys, "--memory-limit", "64MiB")
+    code, report = _plan(tmp_path / "plan", capsys, "--memory-limit", "64MiB", "--nproc", "4",
+                         "--pp", "2", "--schedules", "1f1b,zb-h1")
     assert list(cwd.iterdir()) == []  # the calibration runs write no files (out="")
     scale = report["scale"]
     assert code == 0 and all(scale[op] > 0 for op in "fiwb") and scale["overhead"] >= 0
-    assert report["best"]["fits"]
+    assert report["best"]["fits"] and scale["overhead_bytes"] > 0
+    # tp's and FSDP's collectives were timed and their cost around them fitted
+    assert set(report["collectives"]) == {f"{k}/2" for k in ("all_reduce", "all_gather",
+                                                             "reduce_scatter")}
+    assert scale["tp_talk"] != 1.0 and scale["fsdp_talk"] != 1.0
+    assert {c["tp"] for c in report["candidates"]} == {1, 2}
 
 
-@pytest.mark.parametrize(("field", "truths", "policy"), [
-    ("replay", (0.4, 1.0, 1.7), "always"),  # what recomputation adds to a backward
-    ("gap", (0.0005, 0.002, 0.01), "never"),  # the runtime's seconds per action
+@pytest.mark.parametrize(("field", "truths", "policy", "fsdp"), [
+    ("replay", (0.4, 1.0, 1.7), "always", 1),  # what recomputation adds to a backward
+    ("gap", (0.0005, 0.002, 0.01), "never", 1),  # the runtime's seconds per action
+    ("fsdp_talk", (0.5, 2.0, 6.0), "never", 2),  # FSDP2's cost around its all-gathers
 ])
 def test_a_calibration_term_is_fitted_to_the_measured_steps(field: str, truths: tuple[float, ...],
-                                                            policy: str) -> None:
+                                                            policy: str, fsdp: int) -> None:
     from pipetrain import make_schedule
     from pipetrain.planner import Scale, evaluate
+    from pipetrain.shardcost import Sharding
     from pipetrain.train.plan_calibrate import _fitted
     from test_planner import _profile
 
-    prof = _profile(2)
+    prof, sharding = _profile(2), Sharding(fsdp=fsdp, reshard="layer")
     schedules = [make_schedule("1f1b", 2, 4), make_schedule("zb-h1", 2, 4)]
     for truth in truths:
         truly = Scale(cores=1.5, **{field: truth})
-        runs = [{"timelines": [evaluate(prof, s, [3, 3], policy, 0.0, truly).simulation.timeline],
+        runs = [{"timelines": [evaluate(prof, s, [3, 3], policy, 0.0, truly, sharding)
+                               .simulation.timeline],
                  "schedule": s, "balance": [3, 3], "recompute": policy} for s in schedules]
-        assert _fitted(field, runs, prof, Scale(cores=1.5), 8.0) == pytest.approx(truth, rel=1e-4)
-    assert _fitted(field, runs, prof, Scale(cores=1.5), truths[0] / 2) == truths[0] / 2  # capped
+        assert _fitted(field, runs, prof, Scale(cores=1.5), 8.0, sharding) == pytest.approx(
+            truth, rel=1e-4)
+    assert _fitted(field, runs, prof, Scale(cores=1.5), truths[0] / 2,
+                   sharding) == truths[0] / 2  # capped

@@ -133,3 +133,45 @@ def test_a_near_tie_goes_to_the_layout_with_fewer_actions() -> None:
 def test_a_profile_must_split_the_rows() -> None:
     with pytest.raises(ValueError, match="does not split 8 rows"):
         search([_profile(3)], 2, 8, 1e12, Scale())
+
+
+def test_fsdp_shards_the_state_and_pays_for_its_gathers() -> None:
+    from pipetrain.shardcost import Sharding
+
+    prof, schedule = _profile(2), make_schedule("1f1b", 2, 4)
+    whole = evaluate(prof, schedule, [3, 3], "never", 1e12, Scale(), Sharding(dp=2))
+    part = evaluate(prof, schedule, [3, 3], "never", 1e12, Scale(), Sharding(fsdp=2))
+    # 3 MiB trainable per rank: 12 MiB replicated; under FSDP 3 x 3 / 2 of shards, 3 of whole
+    # gradients and one layer gathered (1 MiB, a layer being one unit here); the optimizer's
+    # temporaries and everything else alike
+    assert [w - p for w, p in zip(whole.predicted_peak_bytes, part.predicted_peak_bytes)] == \
+        [12 * MIB - (9 * MIB // 2 + 3 * MIB + MIB)] * 2
+    assert part.predicted_step_s > whole.predicted_step_s - 1e-3  # the gathers cost
+    assert part.to_dict()["fsdp"] == 2 and whole.to_dict()["dp"] == 2
+
+
+def test_under_fsdp_a_v_placing_a_tied_pair_on_one_rank_is_left_out() -> None:
+    from pipetrain.planner import shares_ends
+    from pipetrain.shardcost import Sharding
+
+    assert shares_ends(make_schedule("zbv", 2, 4)) and not shares_ends(make_schedule("1f1b", 2, 4))
+    assert not shares_ends(make_schedule("interleaved-1f1b", 2, 4))
+    profiles = [_profile(2)]
+    names = ("zbv", "1f1b")
+    tied = search(profiles, 2, 8, 1e12, Scale(), schedules=names, sharding=Sharding(fsdp=2),
+                  shared_ends=True)
+    untied = search(profiles, 2, 8, 1e12, Scale(), schedules=names, sharding=Sharding(fsdp=2))
+    kept = search(profiles, 2, 8, 1e12, Scale(), schedules=names, shared_ends=True)
+    assert {c.schedule for c in tied} == {"1f1b"}
+    assert {c.schedule for c in untied} == {c.schedule for c in kept} == set(names)
+
+
+def test_processes_per_pipeline_rank_share_the_cores() -> None:
+    from pipetrain.shardcost import Sharding
+
+    prof, schedule = _profile(2), make_schedule("1f1b", 2, 4)
+    alone = evaluate(prof, schedule, [3, 3], "never", 1e12, Scale(cores=2.0))
+    shared = evaluate(prof, schedule, [3, 3], "never", 1e12, Scale(cores=2.0),
+                      Sharding(dp=2))
+    # two pipelines on two cores: each runs on one, its two ranks sharing it
+    assert shared.simulation.makespan > 1.3 * alone.simulation.makespan
