@@ -44,18 +44,41 @@ def test_parallelize_sees_every_stage_and_names_follow_the_new_parameters() -> N
     assert grad_mismatches(pipe.named_parameters(), ref) == []
 
 
-def test_parallelize_may_not_add_parameters_or_meet_tied_weights() -> None:
+def test_parallelize_may_not_add_parameters() -> None:
     def adds(stage: int, layers: list[nn.Module]) -> None:
         layers[0].register_parameter("extra", nn.Parameter(torch.zeros(1)))
 
     with pytest.raises(PipelineError, match=r"stage 0's layer '0' \(2 before, 3 after\)"):
         pt.Pipeline(_model(), "1f1b", 4, LOSS, local_ranks=2, parallelize=adds)
-    head = nn.Linear(8, 8)
-    tied = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), head)
-    head.weight = tied[0].weight  # one weight in two modules, as an embedding and its head
-    with pytest.raises(PartitionError, match=r"replaced the weight 0.weight, which stages "
-                       r"\[0, 1\] of this process share"):
-        pt.Pipeline(tied, "1f1b", 4, LOSS, local_ranks=2, parallelize=_replace_weights)
+
+
+def test_a_tied_weight_a_hook_copies_per_stage_stays_one_weight() -> None:
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 8))
+        model[3].weight = model[0].weight  # one weight in two stages, an embedding and head
+        return model
+
+    ref, model = make(), make()
+    pipe = pt.Pipeline(model, "1f1b", 4, LOSS, local_ranks=2, parallelize=_replace_weights)
+    assert model[3].weight is not model[0].weight  # the hook cut the tie: two copies
+    names = [n for n, _ in pipe.named_parameters()]
+    assert names.count("0.weight") == 1 and "3.weight" not in names  # the first copy only
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(3):
+        x, y = batch(8, seed=k)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pipe.step(x, y).loss
+        assert torch.allclose(loss, reference_step(ref, x, y, LOSS, 4), rtol=1e-6)
+        # the copy's gradient went into the first's: the tied weight's whole gradient
+        assert model[3].weight.grad is None
+        assert torch.allclose(model[0].weight.grad, ref[0].weight.grad, rtol=1e-5, atol=1e-7)
+        opt.step()
+        ref_opt.step()
+    pipe.step(*batch(8), )  # the next step's start hands the first copy's values on
+    assert torch.equal(model[3].weight, model[0].weight)
 
 
 def test_parallelize_that_keeps_a_shared_weight_trains_like_one_device() -> None:
@@ -86,6 +109,16 @@ def test_sharded_stages_refuse_a_weight_two_layers_of_one_stage_share() -> None:
     with pytest.raises(PartitionError, match=r"stage 3: its layers 0 and 2 share a weight"):
         _refuse_sharing(3, [a, nn.ReLU(), b])
     _refuse_sharing(3, [a, nn.Linear(4, 4)])  # nothing shared: no error
+
+
+def test_sharded_stages_refuse_a_module_another_local_stage_sharded() -> None:
+    from pipetrain.sharded import _refuse_sharded
+
+    shared = nn.Linear(4, 4)
+    with pytest.raises(PartitionError, match=r"stage 3: its layer 1 holds '0.weight'.*share "
+                       r"a module.*Tie the weight, not the module"):
+        _refuse_sharded(3, [nn.ReLU(), nn.Sequential(shared)], {id(shared.weight): object()})
+    _refuse_sharded(3, [shared], {})
 
 
 def test_tensor_parallel_plans_and_their_misuse() -> None:

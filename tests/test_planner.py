@@ -150,22 +150,6 @@ def test_fsdp_shards_the_state_and_pays_for_its_gathers() -> None:
     assert part.to_dict()["fsdp"] == 2 and whole.to_dict()["dp"] == 2
 
 
-def test_under_fsdp_a_v_placing_a_tied_pair_on_one_rank_is_left_out() -> None:
-    from pipetrain.planner import shares_ends
-    from pipetrain.shardcost import Sharding
-
-    assert shares_ends(make_schedule("zbv", 2, 4)) and not shares_ends(make_schedule("1f1b", 2, 4))
-    assert not shares_ends(make_schedule("interleaved-1f1b", 2, 4))
-    profiles = [_profile(2)]
-    names = ("zbv", "1f1b")
-    tied = search(profiles, 2, 8, 1e12, Scale(), schedules=names, sharding=Sharding(fsdp=2),
-                  shared_ends=True)
-    untied = search(profiles, 2, 8, 1e12, Scale(), schedules=names, sharding=Sharding(fsdp=2))
-    kept = search(profiles, 2, 8, 1e12, Scale(), schedules=names, shared_ends=True)
-    assert {c.schedule for c in tied} == {"1f1b"}
-    assert {c.schedule for c in untied} == {c.schedule for c in kept} == set(names)
-
-
 def test_processes_per_pipeline_rank_share_the_cores() -> None:
     from pipetrain.shardcost import Sharding
 

@@ -16,18 +16,22 @@ from pipetrain.sharded import ShardedStages
 from pipetrain.testing import reference_step, reload_mismatches
 
 LOSS = nn.MSELoss()
-CASES = (("1f1b", False, "step"), ("zb-h1", False, "part"), ("zb-h1", False, "layer"),
-         ("zb-h1", False, "step"), ("interleaved-1f1b", False, "layer"), ("1f1b", True, "part"))
+CASES = (("1f1b", "", "step"), ("zb-h1", "", "part"), ("zb-h1", "", "layer"),
+         ("zb-h1", "", "step"), ("interleaved-1f1b", "", "layer"), ("1f1b", "module", "part"),
+         ("zbv", "weight", "layer"))  # zbv: both holders of the tied weight on rank 0
 STEPS, MICROBATCHES = 2, 4
 
 
-def _model(tied: bool = False) -> nn.Sequential:
-    """Four blocks; ``tied``: the last block's first Linear is the first block's (an
-    embedding and head style tie, across the two pipeline ranks under 1F1B)."""
+def _model(tied: str = "") -> nn.Sequential:
+    """Four blocks; ``tied="module"``: the last block's first Linear is the first block's (an
+    embedding and head style tie, across the two pipeline ranks under 1F1B); ``"weight"``:
+    its weight is."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(4)]
-    if tied:
+    if tied == "module":
         blocks[3][0] = blocks[0][0]
+    elif tied == "weight":
+        blocks[3][0].weight = blocks[0][0].weight
     return nn.Sequential(*blocks)
 
 
@@ -37,7 +41,7 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g)
 
 
-def _reference(tied: bool) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def _reference(tied: str) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """Per step each shard's loss, and the weights after AdamW on the shards' mean gradient."""
     ref = _model(tied)
     opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
@@ -69,7 +73,7 @@ def _sharded(ctx: pt.RankContext) -> list[str]:
         sharded = ShardedStages(mesh["dp_shard"], reshard)
         pipe = pt.Pipeline(copy.deepcopy(_model(tied)), name, MICROBATCHES, LOSS, timeout=30,
                            group=mesh["pp"].get_group(), parallelize=sharded)
-        name += (" tied" if tied else "") + f" reshard={reshard}"
+        name += (f" tied {tied}" if tied else "") + f" reshard={reshard}"
         params = dict(pipe.named_parameters())
         full = sum(want[n].numel() for n in params)
         local = sum(p.to_local().numel() for p in params.values() if isinstance(p, DTensor))
@@ -147,7 +151,8 @@ def test_a_sharded_checkpoint_loads_into_replicated_stages_and_back(tmp_path: Pa
 
 
 def _foreign(ctx: pt.RankContext) -> list[str]:
-    """Models we did not write (HF GPT-2 with its tied head across ranks, HF Llama, a
+    """Models we did not write (HF GPT-2 with its tied head across ranks, and on rank 0 with
+    its embedding under zbv, HF Llama, a
     BatchNorm ResNet), split by tracing, pp 2 x 2 shards under 1F1B and ZB-H1, resharding per
     layer and per part (the parts the traced graphs call): each shard's
     loss is one device's on its rows, and the reduced gradients are the shards' mean."""
@@ -160,7 +165,8 @@ def _foreign(ctx: pt.RankContext) -> list[str]:
     shard = mesh["dp_shard"].get_local_rank()
     problems = []
     for name, schedule, reshard in (("gpt2", "1f1b", "part"), ("llama", "zb-h1", "layer"),
-                                    ("resnet", "zb-h1", "part"), ("llama", "1f1b", "part")):
+                                    ("resnet", "zb-h1", "part"), ("llama", "1f1b", "part"),
+                                    ("gpt2", "zbv", "part")):  # its tied head on rank 0
         torch.manual_seed(0)
         model = MODELS[name]().double()
         ref = copy.deepcopy(model)
@@ -178,7 +184,8 @@ def _foreign(ctx: pt.RankContext) -> list[str]:
         sharded = ShardedStages(mesh["dp_shard"], reshard)
         x, y = data[shard]
         pipe = pt.Pipeline(model, schedule, MICROBATCHES, LOSSES[name], timeout=60,
-                           split_points=points(name, 2), example_inputs=x,
+                           split_points=points(name, 4 if schedule == "zbv" else 2),
+                           example_inputs=x,
                            group=mesh["pp"].get_group(), parallelize=sharded)
         got = pipe.step(pipe.pack(**x), y, on_grads_ready=sharded.reduce)
         sharded.finish()

@@ -16,7 +16,7 @@ from typing import Protocol, cast, runtime_checkable
 import torch
 from torch import nn
 
-from pipetrain.errors import PartitionError, PipelineError
+from pipetrain.errors import PipelineError
 from pipetrain.tied import TiedParam
 
 __all__ = ["Composed", "Gathering", "StageLayers", "join", "parallelize_stages",
@@ -73,11 +73,14 @@ def join(layer_name: str, param_name: str) -> str:
 
 
 def parallelize_stages(fn: Callable[[int, list[nn.Module]], None], stages: StageLayers,
-                       tied: Sequence[TiedParam], names: dict[int, str]) -> None:
+                       tied: Sequence[TiedParam], names: dict[int, str]
+                       ) -> dict[str, list[tuple[nn.Module, str]]]:
     """``fn`` on each stage's layers; ``names`` (``id`` -> name) learns the new parameters.
+    Returns the tied weights ``fn`` untied, several stages of this process sharing each
+    (FSDP2 shards each stage's copy apart): name -> every (module, attribute) holding a copy,
+    the first stage's first (:class:`pipetrain.tied.LocalCopies` keeps them one weight).
 
     Raises:
-        PartitionError: when ``fn`` unties a weight that two stages this process holds share.
         PipelineError: when ``fn`` adds or removes a layer's parameters.
     """
     holders = _places(stages, names)
@@ -94,15 +97,8 @@ def parallelize_stages(fn: Callable[[int, list[nn.Module]], None], stages: Stage
                     f"({len(old)} before, {len(now)} after); it may wrap or shard them, "
                     "not add or remove any")
             names.update((id(p), n) for (_, p), n in zip(now, old, strict=True))
-    for name, places in shared.items():  # a V schedule's embedding and tied head, say
-        if len({id(getattr(module, attr)) for module, attr in places}) > 1:
-            owners = sorted({s for s in stages for t in tied if t.name == name
-                             for s in t.stages if s in stages})
-            raise PartitionError(
-                f"parallelize replaced the weight {name}, which stages {owners} of this "
-                "process share, with separate tensors (a wrapper such as FSDP2 shards each "
-                "stage's copy apart), untying it: place those stages on different ranks (not "
-                "a V schedule, not local_ranks), or leave that weight unwrapped")
+    return {name: places for name, places in shared.items()  # a V's embedding and head
+            if len({id(getattr(module, attr)) for module, attr in places}) > 1}
 
 
 def _places(stages: StageLayers, names: dict[int, str]) -> dict[str, list[tuple[nn.Module, str]]]:

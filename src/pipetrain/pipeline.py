@@ -36,7 +36,7 @@ from pipetrain.routes import chain
 from pipetrain.runtime import Executor, GradsReady, StepData, grad_links, message_plans
 from pipetrain.schedule import Schedule
 from pipetrain.stage import Stage
-from pipetrain.tied import TiedGrads, find_tied
+from pipetrain.tied import LocalCopies, TiedGrads, find_tied
 from pipetrain.timeline import Timeline
 from pipetrain.trace import TracedSplit
 from pipetrain.watchdog import Watchdog, diagnosed
@@ -164,17 +164,20 @@ class Pipeline:
         self._canonical = source.names(layers)
         self._buffer_names, self._source = source.buffer_names(self._hosted_layers()), source
         gathering = parallelize if isinstance(parallelize, Gathering) else None
-        if parallelize is not None:
-            parallelize_stages(parallelize, self._stage_layers, self.tied, self._canonical)
-            for stage in self.stages.values():
-                stage.gathering = gathering
+        untied = {} if parallelize is None else parallelize_stages(
+            parallelize, self._stage_layers, self.tied, self._canonical)
+        for stage in self.stages.values():
+            stage.gathering = gathering
+        self._copies = LocalCopies(untied, gathering.gathered if gathering else lambda p: p)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         held = held_parameter(self._stage_layers, self._canonical, gathering)
         self._tied_grads = None if self.transport is None else TiedGrads(
             self.tied, self.rank, group, held, self.transport.spare_tag, timeout)
+        linked, deferred = grad_links(self.tied, self.local)
+        deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
-                                 *grad_links(self.tied, self.local), routes=self.routes)
+                                 linked, deferred, routes=self.routes)
         self.watchdog = None if self.transport is None else Watchdog.of(
             self.transport, self.executor.activity)
         self._plans: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}
@@ -237,7 +240,7 @@ class Pipeline:
     def named_parameters(self, stage: int | None = None) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under their names in the original model (``"3.weight"``);
         only those of ``stage`` when it is given (a weight tied between two stages is in both)."""
-        seen: set[int] = set()
+        seen: set[int] = self._copies.skipped()  # a tied weight's copies: its first only
         for s in sorted(self._stage_layers) if stage is None else [stage]:
             for name, layer in self._stage_layers.get(s, []):
                 for pname, p in layer.named_parameters():
@@ -335,6 +338,7 @@ class Pipeline:
                                       {p: done_key(step, p) for p in self._plans[train]},
                                       self._proofs[train])
         try:
+            self._copies.refresh()
             self._prepare(data, inputs, targets)
             self.executor.run(data)
             loss, times = self._finish(data)
@@ -381,6 +385,8 @@ class Pipeline:
                 r for r in range(self.schedule.n_ranks) if r != self.rank), data.step)
             loss, times = exchange(self.transport, self.schedule, self.rank, data, own)
             self.executor.activity.idle()
+        if data.train:
+            self._copies.merge_grads()
         if data.train and self._tied_grads is not None:
             self._tied_grads.all_reduce()
         if data.train and self.executor.deferred:

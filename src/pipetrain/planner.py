@@ -62,7 +62,7 @@ from pipetrain.shardcost import (
 from pipetrain.simulate import Costs, Simulation, peak_units, simulate
 
 __all__ = ["Profiled", "Scale", "Candidate", "SCHEDULES", "RECOMPUTE", "MARGIN", "search",
-           "ranked", "microbatch_choices", "actions_per_rank", "shares_ends"]
+           "ranked", "microbatch_choices", "actions_per_rank"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2",
              "interleaved-zb", "zbv", "v-half", "v-min", "dualpipev", "zb-auto")
@@ -167,8 +167,7 @@ def microbatch_choices(rows_per_replica: int, p: int, most: int = 4) -> list[int
 def search(profiles: Sequence[Profiled], p: int, rows_per_replica: int, memory_limit: float,
            scale: Scale, *, schedules: Iterable[str] = SCHEDULES,
            recompute: Iterable[str] = RECOMPUTE, sharding: Sharding = ONE,
-           collectives: Collectives | None = None, shared_ends: bool = False
-           ) -> list[Candidate]:
+           collectives: Collectives | None = None) -> list[Candidate]:
     """Every layout over ``profiles`` (one per micro-batch size) on ``p`` pipeline ranks, each
     ``sharding``'s processes, ranked (:func:`ranked`). ``rows_per_replica``: the rows each
     data-parallel rank trains on per step. ``shared_ends``: the first and last layer share a
@@ -181,8 +180,7 @@ def search(profiles: Sequence[Profiled], p: int, rows_per_replica: int, memory_l
     _load_builtin()
     by_rows = {prof.rows: prof for prof in profiles}
     found: dict[tuple[Any, ...], Candidate] = {}
-    context = _Context(scale, sharding, collectives or Collectives.default(),
-                       shared_ends and sharding.fsdp > 1)
+    context = _Context(scale, sharding, collectives or Collectives.default())
     for prof in by_rows.values():
         if rows_per_replica % prof.rows:
             raise ValueError(f"a profile of {prof.rows} rows does not split "
@@ -216,12 +214,6 @@ def actions_per_rank(schedule: Schedule) -> int:
     return max(len(actions) for actions in schedule.actions)
 
 
-def shares_ends(schedule: Schedule) -> bool:
-    """The first and last stage live on one rank (a V-shaped placement)."""
-    return any(0 in (mine := schedule.stages_of(r)) and schedule.n_stages - 1 in mine
-               for r in range(schedule.n_ranks))
-
-
 @dataclass(frozen=True)
 class _Context:
     """What every layout of one search shares."""
@@ -229,7 +221,6 @@ class _Context:
     scale: Scale
     sharding: Sharding = ONE
     collectives: Collectives = Collectives()
-    no_shared_ends: bool = False
 
 
 def _layouts(prof: Profiled, name: str, p: int, m: int, policy: str, limit: float,
@@ -241,8 +232,6 @@ def _layouts(prof: Profiled, name: str, p: int, m: int, policy: str, limit: floa
         schedule = make_schedule(name, p, m, v)
     except ValueError:
         return []  # the schedule's constraints exclude (p, m)
-    if ctx.no_shared_ends and shares_ends(schedule):
-        return []
     layers = _with_policy(prof, policy)
     stand_ins = [nn.Identity() for _ in layers]  # measured costs given: nothing is profiled
     out = []

@@ -91,6 +91,7 @@ class ShardedStages:
                 head in one stage): FSDP2 would shard it twice, untying it.
         """
         _refuse_sharing(stage, layers)
+        _refuse_sharded(stage, layers, self._sharded)
         roots, units = [], []
         for layer in layers:
             if not any(True for _ in layer.parameters()):
@@ -187,6 +188,19 @@ def _refuse_sharing(stage: int, layers: list[nn.Module]) -> None:
                     f"stage {stage}: its layers {first} and {k} share a weight (of shape "
                     f"{tuple(p.shape)}), which sharding each layer would untie; place them in "
                     "different stages (more pipeline ranks, or another balance), or untie it")
+
+
+def _refuse_sharded(stage: int, layers: list[nn.Module], sharded: dict[int, Any]) -> None:
+    """Refuse layers holding a weight sharded already: a module that another stage of this
+    process shares (FSDP2 cannot shard one module twice)."""
+    for k, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if id(p) in sharded:
+                raise PartitionError(
+                    f"stage {stage}: its layer {k} holds {name!r} (of shape {tuple(p.shape)}), "
+                    "which another stage of this process sharded already: the two stages share "
+                    "a module, which FSDP2 cannot shard twice. Tie the weight, not the module "
+                    "(head.weight = embedding.weight), or place the stages on different ranks")
 
 
 def unit_bytes(layer: nn.Module) -> tuple[int, ...]:

@@ -106,3 +106,58 @@ class TiedGrads:
             other = f"from rank {peer}" if peer >= 0 else "to its other holders"
             raise CommError(f"rank {self.rank}: summing the gradient of tied parameter {name!r} "
                             f"failed waiting {other}: {str(e).splitlines()[0][:200]}") from None
+
+
+Place = tuple[nn.Module, str]
+"""A module and the attribute it holds a parameter under."""
+
+
+class LocalCopies:
+    """Tied weights that a ``parallelize`` hook gave each stage of this process its own copy
+    of (FSDP2 shards each stage's layers apart, so a V schedule's embedding and tied head, both
+    on rank 0, end up with two sharded tensors of the same value).
+
+    The first copy is the weight: the optimizer, the gradient norm and checkpoints see it
+    alone (:meth:`skipped` names the others). At the start of each step the other copies take
+    its values (:meth:`refresh`: local shards, laid out alike); at its end their gradients are
+    added into its (:meth:`merge_grads`, on the tensors a step's gradients accumulate in,
+    before any reduction), so its gradient is the tied weight's whole gradient, as if the tie
+    had never been cut. The copies cost this rank one more shard of the weight.
+    """
+
+    def __init__(self, places: dict[str, list[Place]],
+                 gathered: Callable[[nn.Parameter], nn.Parameter]) -> None:
+        self.places = places
+        self.gathered = gathered
+        """A parameter -> the tensor its step's gradients accumulate in."""
+
+    def __bool__(self) -> bool:
+        return bool(self.places)
+
+    def skipped(self) -> set[int]:
+        """``id`` of every copy but the first, as the modules hold them now."""
+        return {id(getattr(m, a)) for found in self.places.values() for m, a in found[1:]}
+
+    def refresh(self) -> None:
+        """Give every other copy the first one's values."""
+        from pipetrain.dtensors import local_shard
+
+        with torch.no_grad():
+            for found in self.places.values():
+                source = local_shard(getattr(*found[0]))
+                for module, attr in found[1:]:
+                    local_shard(getattr(module, attr)).copy_(source)
+
+    def merge_grads(self) -> None:
+        """Add every other copy's gradient into the first's, and clear theirs."""
+        for found in self.places.values():
+            first = self.gathered(getattr(*found[0]))
+            for module, attr in found[1:]:
+                other = self.gathered(getattr(module, attr))
+                if other.grad is None:
+                    continue
+                if first.grad is None:
+                    first.grad = other.grad.clone()
+                else:
+                    first.grad.add_(other.grad)
+                other.grad = None

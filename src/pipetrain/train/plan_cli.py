@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     layouts = candidate_layouts(cfg, args.pp, args.dp, args.fsdp, args.tp, args.fsdp_reshard)
     schedules = _schedules(args.schedules, SCHEDULES)
     calib = _calibration_layout(layouts)
-    profiles, shared_ends = profile_layouts(cfg, [*layouts, calib])
+    profiles = profile_layouts(cfg, [*layouts, calib])
     cores = shared_cores(cfg)
     scale, collectives = ((Scale(cores=cores), Collectives.default()) if args.no_calibrate
                           else calibrate_on_ranks(cfg, calib, profiles, cores, layouts))
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     for pp, sharding in layouts:
         found += search(profiles[pp, sharding.tp], pp, cfg.batch_size // sharding.data, limit,
                         scale, schedules=schedules, sharding=sharding,
-                        collectives=collectives, shared_ends=shared_ends)
+                        collectives=collectives)
     candidates = ranked(found)
     if not candidates:
         raise ValueError("no layout is possible: the model has fewer layers than stages; "
@@ -221,11 +221,9 @@ def model_units(cfg: TrainConfig, pp: int) -> Units:
                  causal_lm_loss)
 
 
-def profile_layouts(cfg: TrainConfig, layouts: list[Layout]
-                    ) -> tuple[dict[tuple[int, int], list[Any]], bool]:
+def profile_layouts(cfg: TrainConfig, layouts: list[Layout]) -> dict[tuple[int, int], list[Any]]:
     """Per (pp, tp) of ``layouts``, the layers (a tensor-parallel rank's share of each)
-    profiled on one micro-batch of every size the search tries there; and whether the first
-    and last layer share a weight (a tied embedding and head)."""
+    profiled on one micro-batch of every size the search tries there."""
     from pipetrain.planner import microbatch_choices
 
     rows: dict[tuple[int, int], set[int]] = {}
@@ -233,13 +231,8 @@ def profile_layouts(cfg: TrainConfig, layouts: list[Layout]
         per_replica = cfg.batch_size // sharding.data
         rows.setdefault((pp, sharding.tp), set()).update(
             per_replica // m for m in microbatch_choices(per_replica, pp))
-    profiles, shared_ends = {}, False
-    for (pp, tp), sizes in sorted(rows.items()):
-        units = model_units(cfg, pp)
-        ends = [{id(p) for p in units.layers[k].parameters()} for k in (0, -1)]
-        shared_ends = shared_ends or bool(ends[0] & ends[1])
-        profiles[pp, tp] = profile_model(cfg, units, tp, sorted(sizes))
-    return profiles, shared_ends
+    return {(pp, tp): profile_model(cfg, model_units(cfg, pp), tp, sorted(sizes))
+            for (pp, tp), sizes in sorted(rows.items())}
 
 
 def profile_model(cfg: TrainConfig, units: Units, tp: int, sizes: list[int]) -> list[Any]:
