@@ -165,3 +165,50 @@ def test_fsdp_trains_a_stored_llama_like_dp_and_writes_it_whole(place: Path) -> 
     for n in a:
         moved = (b[n] - start[n]).abs().max()
         assert (a[n] - b[n]).abs().max() <= 1e-3 * moved + 1e-7, n
+
+
+def test_tp_splits_a_stored_llama_by_its_own_plan_and_resumes_across_layouts(
+        place: Path) -> None:
+    """pp=2 x tp=2 (Llama's base_model_tp_plan: q, k, v, gate and up column-wise, o and down
+    row-wise; 2 of its 4 heads and 1 of its 2 key/value heads per rank) trains with the
+    losses and gradient norms of the pp=2 run, writes OUT/hf whole and equal to that run's,
+    and each resumes from the other's checkpoint with the same next step."""
+    import shutil
+
+    if not (place / "llama-pp2" / "summary.json").exists():  # run alone
+        _train(place, "llama", "llama-pp2", "--nproc", "2", "--schedule", "zbv")
+    split = _train(place, "llama", "llama-tp", "--nproc", "4", "--pp", "2", "--tp", "2")
+    assert split["layout"]["tp"] == 2 and split["sample"].startswith("def ")
+    curves = [[r[k] for r in _records(place / out, "step") for k in ("loss", "grad_norm")]
+              for out in ("llama-tp", "llama-pp2")]
+    assert curves[0] == pytest.approx(curves[1], rel=1e-5)
+    a, b = (_hf_model(place / out / "hf").state_dict() for out in ("llama-tp", "llama-pp2"))
+    start = _hf_model(place / "llama").state_dict()
+    for n in a:  # whole: transformers loads it as it is
+        moved = (b[n] - start[n]).abs().max()
+        assert (a[n] - b[n]).abs().max() <= 1e-3 * moved + 1e-7, n
+    shutil.copytree(place / "llama-pp2", place / "llama-pp2-on")
+    _train(place, "llama", "llama-tp", "--nproc", "2", "--steps", "4")
+    _train(place, "llama", "llama-pp2-on", "--nproc", "4", "--pp", "2", "--tp", "2",
+           "--steps", "4")
+    nexts = [_records(place / out, "step")[-1] for out in ("llama-tp", "llama-pp2-on")]
+    assert [r["step"] for r in nexts] == [3, 3]
+    assert nexts[0]["loss"] == pytest.approx(nexts[1]["loss"], rel=1e-5)
+    assert nexts[0]["grad_norm"] == pytest.approx(nexts[1]["grad_norm"], rel=1e-5)
+
+
+def test_tp_refuses_a_model_without_a_plan_or_weights(place: Path, tmp_path: Path) -> None:
+    from pipetrain.hf.model import open_model
+    from pipetrain.hf.tensor_parallel import shrink
+
+    with pytest.raises(ValueError, match="GPT2LMHeadModel declares no tensor-parallel plan"):
+        shrink(open_model(place / "gpt2").model, 2)
+    with pytest.raises(ValueError, match="tp=3 must divide the model's num_attention_heads=4"):
+        shrink(open_model(place / "llama").model, 3)
+    from pipetrain.train.config import TrainConfig
+    from pipetrain.train.hf_source import HFSource
+
+    bare = save_dir("llama", tmp_path / "bare", (place / "data.py").read_text(), weights=False)
+    cfg = TrainConfig(hf=str(bare), tp=2)
+    with pytest.raises(ValueError, match="--tp with --hf needs the checkpoint's weights"):
+        HFSource(cfg).tensor_parallel(cfg, None)  # refused before any mesh is used

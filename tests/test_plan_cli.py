@@ -98,6 +98,13 @@ def test_plan_of_a_hugging_face_llama_cuts_its_decoder_layers(
     assert toml["hf"] == str(llama) and toml["seq_len"] == 32
     # the profile saw the layers' sizes: the last stage holds the head, the first the table
     assert all(b > 0 for c in report["candidates"] for b in c["predicted_peak_bytes"])
+    # 4 processes at pp 2: Llama's own tensor-parallel plan is searched too
+    code = main(["plan", "--hf", str(llama), "--seq-len", "32", "--batch-size", "8",
+                 "--nproc", "4", "--pp", "2", "--out", str(tmp_path / "plan4"), "--schedules",
+                 "1f1b", "--memory-limit", "1GiB", "--no-calibrate", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and {(c["dp"], c["fsdp"], c["tp"]) for c in report["candidates"]} == {
+        (2, 1, 1), (1, 2, 1), (1, 1, 2)}
 
 
 def test_plan_of_a_missing_checkpoint_exits_2(tmp_path: Path,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -115,4 +116,57 @@ def _checkpoints(ctx: pt.RankContext, root: str) -> list[str]:
 
 def test_a_tensor_parallel_checkpoint_loads_into_whole_stages_and_back(tmp_path: Path) -> None:
     results = pt.launch(_checkpoints, 4, str(tmp_path), timeout=240)
+    assert [p for r in results for p in r] == []
+
+
+def _foreign(ctx: pt.RankContext) -> list[str]:
+    """Hugging Face models split by their own plan (pipetrain.hf.tensor_parallel), traced,
+    pp 2 x tp 2: Llama (grouped-query attention: 1 of 2 key/value heads per rank) under ZB-H1
+    and Qwen2 (biased q, k, v, split with their rows) under 1F1B and zbv; the loss and every
+    gradient equal one device's (float64)."""
+    import transformers as tf
+
+    from hf import LOSSES, MODELS, batch, points
+    from pipetrain.hf.tensor_parallel import TracedTensorParallel, shrink
+
+    tf.logging.set_verbosity_error()
+    mesh: Any = _mesh()
+    torch.set_num_threads(1)
+    qwen = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, vocab_size=64,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                use_cache=False)
+    builders = {"llama": MODELS["llama"],
+                "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**qwen))}
+    problems = []
+    for name, schedule in (("llama", "zb-h1"), ("qwen2", "1f1b"), ("qwen2", "zbv")):
+        torch.manual_seed(0)
+        model = builders[name]().double()
+        ref = copy.deepcopy(model)
+        x, y = batch("llama", rows=8, seq=10, seed=1)
+        want = float(reference_step(lambda kw, ref=ref: ref(**kw), x, y, LOSSES["llama"],
+                                    MICROBATCHES))
+        splits = shrink(model, 2, mesh["tp"].get_local_rank())
+        tp = TracedTensorParallel(mesh["tp"], splits)
+        pipe = pt.Pipeline(model, schedule, MICROBATCHES, LOSSES["llama"], timeout=60,
+                           split_points=points("llama", 4 if schedule == "zbv" else 2),
+                           example_inputs=x, group=mesh["pp"].get_group(), parallelize=tp)
+        got = pipe.step(pipe.pack(**x), y)
+        if got.loss is not None and abs(float(got.loss) - want) > 1e-10 * abs(want):
+            problems.append(f"{name} {schedule}: loss {float(got.loss)} != {want}")
+        grads = dict(ref.named_parameters())
+        for n, p in pipe.named_parameters():
+            g = _full(p.grad)
+            if not torch.allclose(g, grads[n].grad, rtol=1e-8, atol=1e-12):
+                problems.append(f"{name} {schedule}: {n}'s gradient differs by "
+                                f"{(g - grads[n].grad).abs().max():.3g}")
+        if not tp.split_layers or len(tp.params) != len(splits) // 2:  # this rank's half
+            problems.append(f"{name} {schedule}: {len(tp.params)} of {len(splits)} split")
+    return problems
+
+
+def test_hugging_face_models_split_by_their_own_plan_give_one_devices_gradients() -> None:
+    import pytest
+
+    pytest.importorskip("transformers")
+    results = pt.launch(_foreign, 4, timeout=300)
     assert [p for r in results for p in r] == []

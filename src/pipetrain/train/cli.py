@@ -191,9 +191,6 @@ def check(cfg: TrainConfig) -> None:
     if cfg.fsdp_reshard not in RESHARD:
         raise ValueError(f"--fsdp-reshard must be one of {', '.join(RESHARD)}, "
                          f"got {cfg.fsdp_reshard!r}")
-    if cfg.tp > 1 and cfg.hf:
-        raise ValueError("--tp with --hf is not supported yet (a model's own tensor-parallel "
-                         "plan is not read yet); use --pp, --dp or --fsdp with --hf")
     for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp", "fsdp",
                  "tp"):
         if getattr(cfg, name) < 1:

@@ -107,6 +107,24 @@ class HFSource(Source):
                 "share_bytes": share_bytes(state), "model_bytes": 4 * self.n_params,
                 "rss_before_bytes": self.rss_before, "peak_rss_bytes": peak_rss_bytes()}
 
+    def tensor_parallel(self, cfg: TrainConfig, mesh: Any) -> Any:
+        """The model's own plan (:mod:`pipetrain.hf.tensor_parallel`): its meta model takes
+        one tp rank's shapes here, before :meth:`pipeline` captures it.
+
+        Raises:
+            ValueError: when the model declares no plan, its heads do not split, or it has
+                no stored weights (seeded values would repeat across the ranks' slices).
+        """
+        from pipetrain.hf.tensor_parallel import TracedTensorParallel, shrink
+
+        if not self.hf.weights:
+            raise ValueError(f"--tp with --hf needs the checkpoint's weights, and {self.root} "
+                             "has no safetensors: initialised from --seed, every rank would "
+                             "draw the same slice; save the model with its weights first, "
+                             "or train without --tp")
+        return TracedTensorParallel(mesh, shrink(self.hf.model, mesh.size(),
+                                                 mesh.get_local_rank()))
+
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus:
         return token_corpus(self.tokenizer, self.root, cfg.data, cfg.token_cache,
                             progress=progress)

@@ -193,12 +193,13 @@ def _checkpoint(trainer: Trainer, reporter: Reporter) -> Path | None:
 
 def _save_hf(trainer: Trainer, reporter: Reporter) -> None:
     """Write ``<out>/hf`` (``--hf`` runs with an ``out``): the first replica's ranks, each its
-    own shard (FSDP2 shards first gather their weights whole, the first of them writes)."""
+    own shard (FSDP2 shards and tensor-parallel ranks first gather their weights whole, the
+    first of them writes)."""
     source, mesh = trainer.source, trainer.mesh
     if source is None or not trainer.cfg.out or mesh.dp_rank >= mesh.fsdp:
         return
     state = {k: whole(v) for k, v in trainer.pipe.state_dict().items()}  # over the shards
-    if mesh.dp_rank != 0:
+    if mesh.dp_rank != 0 or mesh.tp_rank != 0:
         return
     path = source.save(Path(trainer.cfg.out) / "hf", state, mesh.pp_group)
     if path is not None:
@@ -267,7 +268,7 @@ def sample(trainer: Trainer) -> str | None:
                        context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
                        step=_last(trainer), feed=trainer.feed,
                        logits=source.logits if source is not None else None,
-                       multiple=trainer.mesh.tp if cfg.sequence_parallel else 1)
+                       multiple=trainer.mesh.tp if cfg.sequence_parallel and not cfg.hf else 1)
     return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
 
 

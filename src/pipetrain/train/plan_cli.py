@@ -8,8 +8,9 @@
 1. Profile every layer in this process on one micro-batch of each size the search tries
    (:func:`pipetrain.profile.profile_layers`): the GPT preset's blocks, or the decoder layers
    of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts);
-   under tensor parallelism one rank's share of each
-   (:func:`pipetrain.tensor_parallel.local_layer`), with the bytes it all-reduces.
+   under tensor parallelism one rank's share of each (the GPT plan's,
+   :func:`pipetrain.tensor_parallel.local_layer`, or a Hugging Face model's own,
+   :func:`pipetrain.hf.tensor_parallel.shrink`), with the bytes it all-reduces.
 2. Calibrate: train 3 steps of zb-h1, of 1f1b, and of 1f1b recomputed on the ranks (one
    local launch, as ``pipetrain train``, at the fewest pipeline ranks searched, the rest
    replicas); the measured/profiled ratio of each op, the hop delay, the step's time outside
@@ -131,7 +132,8 @@ Layout = tuple[int, Any]
 def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: int | None,
                       tp: int | None, reshard: str | None) -> list[Layout]:
     """Every ``pp x dp x fsdp x tp = nproc`` the flags given allow and ``pipetrain train``
-    accepts for ``cfg`` (pp at least 2 unless given; tp only for the GPT presets).
+    accepts for ``cfg`` (pp at least 2 unless given; with ``--hf``, tp only for a model that
+    declares a plan whose heads split, and whose weights are stored).
 
     Raises:
         ValueError: when none does, saying why (the first of them's reason).
@@ -151,6 +153,7 @@ def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: in
                                     sequence_parallel=bool(cfg.seq_len % t == 0))
         try:
             check_config(trial, n)
+            _check_hf_tp(cfg, t)
         except ValueError as e:
             why = why or e
             continue
@@ -161,6 +164,19 @@ def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: in
             layout(n, dp or 1, pp, fsdp or 1, tp or 1)  # raises, naming the mismatch
         raise ValueError(f"no layout of {n} processes is possible with these flags: {why}")
     return out
+
+
+def _check_hf_tp(cfg: TrainConfig, tp: int) -> None:
+    """What ``pipetrain train --hf --tp`` would refuse, raised here (ValueError)."""
+    if not cfg.hf or tp == 1:
+        return
+    from pipetrain.hf.model import open_model
+    from pipetrain.hf.tensor_parallel import shrink
+
+    opened = open_model(Path(cfg.hf))
+    shrink(opened.model, tp)
+    if not opened.weights:
+        raise ValueError(f"--tp with --hf needs the checkpoint's weights; {cfg.hf} has none")
 
 
 def _calibration_layout(layouts: list[Layout]) -> Layout:
@@ -187,38 +203,65 @@ def _schedules(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Units:
-    """The layers the balance groups into stages, as ``pipetrain train`` cuts the model."""
+    """The layers the balance groups into stages, as ``pipetrain train`` cuts the model (one
+    tensor-parallel rank's share of each)."""
 
     layers: list[torch.nn.Module]
     feed: Callable[[torch.Tensor], Any]
     """Token ids -> the first layer's input."""
     loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    traffic: Callable[[torch.nn.Module, Any, torch.Tensor], tuple[tuple[int, ...], ...]]
+    """(layer, its input, the token ids) -> the bytes it all-reduces over tp in F and in I."""
 
 
-def model_units(cfg: TrainConfig, pp: int) -> Units:
+def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
     """The GPT preset's layers, or ``--hf``'s units: its decoder layers (the embedding with the
     first, norm and head with the last) captured with torch.export, materialised from the seed
-    (values do not change the times)."""
+    (values do not change the times); under ``tp``, one rank's share: the GPT plan's
+    (:func:`pipetrain.tensor_parallel.local_layer`), or the model's own plan's
+    (:func:`pipetrain.hf.tensor_parallel.shrink`, before the capture, as ``train`` does)."""
     if not cfg.hf:
         from pipetrain.gpt import gpt_layers, lm_loss
+        from pipetrain.tensor_parallel import gpt_plan, local_layer, traffic
         from pipetrain.train.source import GPTSource
 
+        plan = gpt_plan(False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            return Units(gpt_layers(GPTSource(cfg).model), lambda ids: ids, lm_loss)
+            layers = [local_layer(layer, plan, tp) for layer in gpt_layers(GPTSource(cfg).model)]
+        return Units(layers, lambda ids: ids, lm_loss,
+                     lambda layer, x, ids: traffic(layer, plan, x) if tp > 1 else ((), ()))
     from pipetrain.hf.model import open_model, split_points
+    from pipetrain.hf.tensor_parallel import shrink
     from pipetrain.layers import packed, trace_stages
     from pipetrain.lazy import NamedInit
     from pipetrain.train.hf_source import causal_lm_loss
 
     meta = open_model(Path(cfg.hf)).model
+    splits = shrink(meta, tp) if tp > 1 else {}
     model: torch.nn.Module = NamedInit(meta, cfg.seed).materialize(meta)
     # 2 rows: export specializes a dimension of size 1, and the capture serves every size
     example = {"input_ids": torch.zeros(2, cfg.seq_len, dtype=torch.long)}
     # a balance mode: the units are grouped later, so they may outnumber the stages
     traced = trace_stages(model, split_points(model, pp), example, "time", pp)
     return Units(list(traced.stages), lambda ids: packed(traced, {"input_ids": ids}),
-                 causal_lm_loss)
+                 causal_lm_loss, lambda layer, x, ids: _split_traffic(layer, splits, ids))
+
+
+def _split_traffic(layer: torch.nn.Module, splits: dict[str, Any], ids: torch.Tensor
+                   ) -> tuple[tuple[int, ...], ...]:
+    """What a traced unit's split matrices all-reduce (:mod:`pipetrain.hf.tensor_parallel`):
+    in F each row-wise one's output, in I each column-wise one's input gradient (fp32)."""
+    f: list[int] = []
+    i: list[int] = []
+    for name, p in layer.named_parameters():
+        style, whole = splits.get(name, ("", ()))
+        if name.endswith("weight") and style:
+            out_features, in_features = whole
+            sizes = f if style == "rowwise" else i
+            sizes.append(ids.numel() * (out_features if style == "rowwise" else in_features)
+                         * p.element_size())
+    return tuple(f), tuple(i)
 
 
 def profile_layouts(cfg: TrainConfig, layouts: list[Layout]) -> dict[tuple[int, int], list[Any]]:
@@ -231,19 +274,16 @@ def profile_layouts(cfg: TrainConfig, layouts: list[Layout]) -> dict[tuple[int, 
         per_replica = cfg.batch_size // sharding.data
         rows.setdefault((pp, sharding.tp), set()).update(
             per_replica // m for m in microbatch_choices(per_replica, pp))
-    return {(pp, tp): profile_model(cfg, model_units(cfg, pp), tp, sorted(sizes))
+    return {(pp, tp): profile_model(cfg, model_units(cfg, pp, tp), tp, sorted(sizes))
             for (pp, tp), sizes in sorted(rows.items())}
 
 
 def profile_model(cfg: TrainConfig, units: Units, tp: int, sizes: list[int]) -> list[Any]:
-    """``units``' layers, one of ``tp`` ranks' share of each, profiled on one micro-batch of
+    """``units``' layers (one of ``tp`` ranks' share of each) profiled on one micro-batch of
     each of ``sizes`` rows."""
     from pipetrain.planner import Profiled
     from pipetrain.profile import profile_layers
-    from pipetrain.tensor_parallel import gpt_plan, local_layer
 
-    plan = gpt_plan(False)
-    layers = [local_layer(layer, plan, tp) for layer in units.layers]
     out = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of a CPU run computes
@@ -251,29 +291,27 @@ def profile_model(cfg: TrainConfig, units: Units, tp: int, sizes: list[int]) -> 
         for size in sizes:
             ids = torch.zeros(size, cfg.seq_len, dtype=torch.long)
             x = units.feed(ids)
-            costs = profile_layers(layers, x, loss_fn=units.loss, sample_target=ids,
+            costs = profile_layers(units.layers, x, loss_fn=units.loss, sample_target=ids,
                                    repeats=2, reuse=True)
-            inputs, comm = _walk(layers, x, plan, tp)
+            inputs, comm = _walk(units, x, ids)
             out.append(Profiled(size, tuple(costs), inputs, comm, tp))
     finally:
         torch.set_num_threads(threads)
     return out
 
 
-def _walk(layers: list[torch.nn.Module], x: torch.Tensor, plan: Any, tp: int
-          ) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+def _walk(units: Units, x: Any, ids: torch.Tensor) -> tuple[tuple[int, ...], tuple[Any, ...]]:
     """Per layer, the bytes of its input and its traffic (:class:`LayerComm`)."""
     from pipetrain.payload import flatten
     from pipetrain.shardcost import LayerComm
     from pipetrain.sharded import unit_bytes
-    from pipetrain.tensor_parallel import traffic
     from pipetrain.train.memory import tensor_bytes
 
     sizes, comm = [], []
     with torch.no_grad():
-        for layer in layers:
+        for layer in units.layers:
             sizes.append(tensor_bytes(flatten(x)[0]))
-            f, i = traffic(layer, plan, x) if tp > 1 else ((), ())
+            f, i = units.traffic(layer, x, ids)
             comm.append(LayerComm(unit_bytes(layer), f, i))
             x = layer(x)
     return tuple(sizes), tuple(comm)

@@ -25,7 +25,6 @@ from pipetrain.parallelize import Composed
 from pipetrain.pipeline import Pipeline
 from pipetrain.schedule import Schedule
 from pipetrain.sharded import ShardedStages
-from pipetrain.tensor_parallel import TensorParallel
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
 from pipetrain.train.nonfinite import NaNInjector
@@ -73,8 +72,9 @@ class Trainer:
     sharded: ShardedStages | None = None
     """With ``--fsdp``: FSDP2 on the stages, which averages the gradients over the
     data-parallel ranks instead of :attr:`reducer`."""
-    tensor_parallel: TensorParallel | None = None
-    """With ``--tp``: the split of the layers, which settles partial gradient sums."""
+    tensor_parallel: Any = None
+    """With ``--tp``: the split of the layers (the GPT plan, or a Hugging Face model's own),
+    whose ``finish()`` settles partial gradient sums."""
 
     @property
     def on_grads_ready(self) -> Any:
@@ -197,8 +197,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     rows = cfg.batch_size // mesh.dp // cfg.microbatches
     sharded = (None if mesh.shard_mesh is None
                else ShardedStages(mesh.shard_mesh, cfg.fsdp_reshard))
-    split = None if mesh.tp_mesh is None else TensorParallel(
-        mesh.tp_mesh, sequence_parallel=cfg.sequence_parallel)
+    split = None if mesh.tp_mesh is None else source.tensor_parallel(cfg, mesh.tp_mesh)
     hooks = [h for h in (split, sharded) if h is not None]  # tensor parallel, then FSDP2
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
                            device=mesh.device, timeout=cfg.timeout,

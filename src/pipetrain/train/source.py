@@ -76,6 +76,13 @@ class Source(ABC):
         """Give the built stages their stored values, if the source has any; what was read."""
         return {}
 
+    def tensor_parallel(self, cfg: TrainConfig, mesh: Any) -> Any:
+        """The ``parallelize`` hook that splits this model's layers over ``mesh`` (call
+        before :meth:`pipeline`): the GPT plan of :mod:`pipetrain.tensor_parallel`."""
+        from pipetrain.tensor_parallel import TensorParallel
+
+        return TensorParallel(mesh, sequence_parallel=cfg.sequence_parallel)
+
     def save(self, out: Path, state: dict[str, torch.Tensor], group: Any) -> Path | None:
         """Write the model back in its own format at ``out`` from this rank's whole ``state``
         (collective over one pipeline); None when it has none (the built-in GPT lives in
