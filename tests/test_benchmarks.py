@@ -129,3 +129,15 @@ def test_parallel_memory_tiny_prints_each_layout_against_dp(tmp_path: Path) -> N
     for row in rows:  # the figures, not their relation: on tiny the activations dominate
         assert len(row["peak_mib"]) == 2 and row["step_s"] > 0 and row["ranks"] == 4, row
         assert row["vs_dp2"] == [p / b for p, b in zip(row["peak_mib"], rows[0]["peak_mib"])]
+
+
+def test_peers_tiny_puts_each_installed_peer_beside_pipetrain() -> None:
+    for peer in ("deepspeed", "torchgpipe"):  # the bench extra; CI runs without it
+        pytest.importorskip(peer, reason=f"{peer} is not installed (pip install -e '.[bench]')")
+    out = _run("peers", "--tiny", "--steps", "2")
+    rows = [line.split() for line in out.splitlines() if line.startswith("p2 m8")]
+    libraries = {" ".join(r[2:-3]) for r in rows}
+    assert libraries == {"pipetrain 1f1b", "DeepSpeed 1F1B", "pipetrain gpipe",
+                         "pipetrain gpipe local", "torchgpipe (never)",
+                         "torchgpipe (except_last)"}, out
+    assert all(float(r[-3]) >= float(r[-2]) * 0.95 for r in rows), out  # not under the bound

@@ -1,0 +1,207 @@
+"""Peers: pipetrain next to DeepSpeed's pipeline engine and torchgpipe on calibrated stages.
+
+The layers are ``calibrated.py``'s: each sleeps F, I and W (10 ms each by default) in its
+forward, input-gradient and weight-gradient backward, so only bubbles and each library's own
+overhead show. Each peer runs the schedule it shares with pipetrain, on the same layers, in
+the same launch, alternating step by step (a drift of the machine hits both):
+
+    DeepSpeed   PipelineModule + engine.train_batch (its 1F1B TrainSchedule), p processes
+                (gloo, DS_ACCELERATOR=cpu), against pipetrain's 1f1b on the same p processes
+    torchgpipe  GPipe in one process (its partitions on "cpu" devices, checkpoint "never" and
+                its default "except_last"), against pipetrain's gpipe in one process
+                (local_ranks) and on p processes
+
+Every step is timed between two barriers (the slowest rank's step); each row is the median
+of ``--steps`` steps after ``--warmup``. ``bound`` is the schedule's simulated makespan on
+these costs (the first stage has no input gradient to compute, as in both libraries).
+
+    python benchmarks/peers.py                 # p = 2, 4; m = 8, 16: about 4 min
+    python benchmarks/peers.py --tiny          # p = 2, m = 8, 5 ms layers: about 40 s
+
+The peers come with the ``bench`` extra (``pip install torch==2.13.0 -e ".[bench]"``); a
+peer that is not installed is skipped, and the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from calibrated import Case, SleepLayer, _loss, stage_costs
+
+import pipetrain as pt
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
+ROWS, WIDTH = 2, 8
+
+
+def installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _case(p: int, m: int, cost: float, steps: int, warmup: int) -> Case:
+    return Case(f"p{p} m{m}", p, m, cost, cost, cost, 2 * p, ("1f1b",), warmup, steps)
+
+
+def _data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(ROWS * m, WIDTH, generator=g), torch.randn(ROWS * m, WIDTH, generator=g)
+
+
+def bound(case: Case, schedule: str) -> float:
+    return pt.simulate(pt.make_schedule(schedule, case.ranks, case.microbatches),
+                       stage_costs(case, case.ranks)).makespan
+
+
+# -- DeepSpeed, p processes ------------------------------------------------------------------
+
+
+def _deepspeed_engine(case: Case) -> Callable[[], None]:
+    import logging
+
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.ERROR)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # its banners
+        deepspeed.init_distributed(dist_backend="gloo")
+        net = PipelineModule(layers=case.make_layers(), num_stages=case.ranks, loss_fn=_loss,
+                             partition_method="uniform")
+        engine, *_ = deepspeed.initialize(
+            model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
+            config={"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10**9,
+                    "gradient_accumulation_steps": case.microbatches})
+    x, y = _data(case.microbatches)
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield from zip(x.split(ROWS), y.split(ROWS), strict=True)
+    it = batches()
+    return lambda: engine.train_batch(it)
+
+
+def _pipetrain_step(case: Case, schedule: str, **where: Any) -> Callable[[], None]:
+    pipe = pt.Pipeline(case.make_layers(), schedule, case.microbatches, _loss, **where)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.0)
+    x, y = _data(case.microbatches)
+
+    def step() -> None:
+        pipe.step(x, y)
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _timed(steps: dict[str, Callable[[], None]], case: Case) -> dict[str, list[float]]:
+    """Each library's step times, the libraries alternating, between barriers."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for k in range(case.warmup + case.steps):
+        for name, step in steps.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            if k >= case.warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _ranks_body(ctx: pt.RankContext, cases: list[Case]) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    out = []
+    for case in cases:
+        steps = {"pipetrain 1f1b": _pipetrain_step(case, "1f1b")}
+        if installed("deepspeed"):
+            steps["DeepSpeed 1F1B"] = _deepspeed_engine(case)
+        if case.ranks == 2:  # torchgpipe's GPipe, on as many processes
+            steps["pipetrain gpipe"] = _pipetrain_step(case, "gpipe")
+        out.append({name: statistics.median(t) for name, t in _timed(steps, case).items()})
+    return out
+
+
+# -- torchgpipe, one process -------------------------------------------------------------
+
+
+def _one_process(case: Case) -> dict[str, float]:
+    from torch import nn
+
+    x, y = _data(case.microbatches)
+    steps: dict[str, Callable[[], None]] = {
+        "pipetrain gpipe local": _pipetrain_step(case, "gpipe", local_ranks=case.ranks)}
+    if installed("torchgpipe"):
+        from torchgpipe import GPipe
+
+        for mode in ("never", "except_last"):
+            model = GPipe(nn.Sequential(*case.make_layers()), chunks=case.microbatches,
+                          balance=[case.layers // case.ranks] * case.ranks,
+                          devices=["cpu"] * case.ranks, checkpoint=mode)
+
+            def step(model: Any = model) -> None:
+                _loss(model(x), y).backward()
+            steps[f"torchgpipe ({mode})"] = step
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for k in range(case.warmup + case.steps):
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            if k >= case.warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def run(ps: Sequence[int], ms: Sequence[int], cost: float, steps: int, warmup: int
+        ) -> list[str]:
+    lines = [f"{'case':9s} {'library':26s} {'step s':>8s} {'bound s':>8s} {'vs pipetrain':>13s}"]
+    for p in ps:
+        cases = [_case(p, m, cost, steps, warmup) for m in ms]
+        rows = pt.launch(_ranks_body, p, cases, timeout=600)[0]
+        for case, measured in zip(cases, rows, strict=True):
+            if p == 2:
+                measured.update(_one_process(case))
+            lines += _rows(case, measured)
+    if not installed("deepspeed"):
+        lines.append("DeepSpeed: not installed (pip install -e '.[bench]'), skipped")
+    if not installed("torchgpipe"):
+        lines.append("torchgpipe: not installed (pip install -e '.[bench]'), skipped")
+    return lines
+
+
+def _rows(case: Case, measured: dict[str, float]) -> list[str]:
+    out = []
+    for name, seconds in measured.items():
+        schedule = "1f1b" if "1F1B" in name or "1f1b" in name else "gpipe"
+        ours = measured["pipetrain 1f1b" if schedule == "1f1b" else (
+            "pipetrain gpipe local" if "local" in name or "torchgpipe" in name
+            else "pipetrain gpipe")]
+        out.append(f"{case.label:9s} {name:26s} {seconds:8.3f} {bound(case, schedule):8.3f} "
+                   f"{seconds / ours:12.2f}x")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="p = 2, m = 8, 5 ms layers")
+    parser.add_argument("--steps", type=int, default=5, metavar="N")
+    args = parser.parse_args(argv)
+    print(f"# torch {torch.__version__}; layers sleep F = I = W; 2 layers per pipeline rank; "
+          f"{args.steps} steps after 1 (medians)")
+    ps, ms, cost = ((2,), (8,), 0.005) if args.tiny else ((2, 4), (8, 16), 0.010)
+    print("\n".join(run(ps, ms, cost, args.steps, 1)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
