@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from calibrated import Case, SleepLayer, _loss, stage_costs
+from calibrated import Case, _loss, stage_costs
 
 import pipetrain as pt
 
