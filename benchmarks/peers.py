@@ -15,8 +15,8 @@ Every step is timed between two barriers (the slowest rank's step); each row is 
 of ``--steps`` steps after ``--warmup``. ``bound`` is the schedule's simulated makespan on
 these costs (the first stage has no input gradient to compute, as in both libraries).
 
-    python benchmarks/peers.py                 # p = 2, 4; m = 8, 16: about 4 min
-    python benchmarks/peers.py --tiny          # p = 2, m = 8, 5 ms layers: about 40 s
+    python benchmarks/peers.py                 # p = 2, 4; m = 8, 16: about 2 min
+    python benchmarks/peers.py --tiny          # p = 2, m = 8, 5 ms layers: about 20 s
 
 The peers come with the ``bench`` extra (``pip install torch==2.13.0 -e ".[bench]"``); a
 peer that is not installed is skipped, and the table says so.
