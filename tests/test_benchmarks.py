@@ -141,3 +141,12 @@ def test_peers_tiny_puts_each_installed_peer_beside_pipetrain() -> None:
                          "pipetrain gpipe local", "torchgpipe (never)",
                          "torchgpipe (except_last)"}, out
     assert all(float(r[-3]) >= float(r[-2]) * 0.95 for r in rows), out  # not under the bound
+
+
+def test_overhead_tiny_prints_each_librarys_cost_per_action() -> None:
+    out = _run("overhead", "--tiny")
+    rows = {line.split()[2]: line.split() for line in out.splitlines()
+            if line.startswith(" 2   8")}
+    assert {"pipetrain", "torch"} <= set(rows), out  # DeepSpeed too, when installed
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows.values()), out
+    assert rows["pipetrain"][5] == "1.00x"
