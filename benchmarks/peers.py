@@ -15,7 +15,7 @@ Every step is timed between two barriers (the slowest rank's step); each row is 
 of ``--steps`` steps after ``--warmup``. ``bound`` is the schedule's simulated makespan on
 these costs (the first stage has no input gradient to compute, as in both libraries).
 
-    python benchmarks/peers.py                 # p = 2, 4; m = 8, 16: about 2 min
+    python benchmarks/peers.py                 # p = 2, 4; m = 8, 16: about 3 min
     python benchmarks/peers.py --tiny          # p = 2, m = 8, 5 ms layers: about 20 s
 
 The peers come with the ``bench`` extra (``pip install torch==2.13.0 -e ".[bench]"``); a
@@ -123,8 +123,7 @@ def _ranks_body(ctx: pt.RankContext, cases: list[Case]) -> list[dict[str, Any]]:
         steps = {"pipetrain 1f1b": _pipetrain_step(case, "1f1b")}
         if installed("deepspeed"):
             steps["DeepSpeed 1F1B"] = _deepspeed_engine(case)
-        if case.ranks == 2:  # torchgpipe's GPipe, on as many processes
-            steps["pipetrain gpipe"] = _pipetrain_step(case, "gpipe")
+        steps["pipetrain gpipe"] = _pipetrain_step(case, "gpipe")  # torchgpipe's schedule
         out.append({name: statistics.median(t) for name, t in _timed(steps, case).items()})
     return out
 
@@ -169,8 +168,7 @@ def run(ps: Sequence[int], ms: Sequence[int], cost: float, steps: int, warmup: i
         cases = [_case(p, m, cost, steps, warmup) for m in ms]
         rows = pt.launch(_ranks_body, p, cases, timeout=600)[0]
         for case, measured in zip(cases, rows, strict=True):
-            if p == 2:
-                measured.update(_one_process(case))
+            measured.update(_one_process(case))
             lines += _rows(case, measured)
     if not installed("deepspeed"):
         lines.append("DeepSpeed: not installed (pip install -e '.[bench]'), skipped")
