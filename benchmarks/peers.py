@@ -17,6 +17,13 @@ these costs (the first stage has no input gradient to compute, as in both librar
 
     python benchmarks/peers.py                 # p = 2, 4; m = 8, 16: about 3 min
     python benchmarks/peers.py --tiny          # p = 2, m = 8, 5 ms layers: about 20 s
+    python benchmarks/peers.py --gpt           # real compute: GPT small, p = 2: about 1 min
+
+``--gpt`` trains pipetrain's GPT (``small``: 4.87 M parameters, its head untied, as
+DeepSpeed's PipelineModule takes plain layers; 16 sequences of 128 tokens, m = 8, 1F1B, the
+layers split 4 and 4) under both, and prints tokens/s (the same alternating steps) and each
+rank's peak of live tensor bytes in a step (``memprobe.py``; a launch per library, so that
+each process holds one model).
 
 The peers come with the ``bench`` extra (``pip install torch==2.13.0 -e ".[bench]"``); a
 peer that is not installed is skipped, and the table says so.
@@ -41,7 +48,7 @@ from calibrated import Case, _loss, stage_costs
 import pipetrain as pt
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
-ROWS, WIDTH = 2, 8
+ROWS, WIDTH = 2, 8  # rows per micro-batch, features of a sleep layer
 
 
 def installed(name: str) -> bool:
@@ -189,11 +196,120 @@ def _rows(case: Case, measured: dict[str, float]) -> list[str]:
     return out
 
 
+# -- real compute: GPT, p processes ---------------------------------------------------------
+
+
+def _gpt_layers(preset: str, seq: int) -> list[Any]:
+    """The GPT preset's layers with its own (untied) head: DeepSpeed takes plain layers."""
+    import dataclasses
+
+    from pipetrain.gpt import PRESETS, Head, gpt_layers
+
+    config = dataclasses.replace(PRESETS[preset], seq_len=seq)
+    torch.manual_seed(0)
+    layers = gpt_layers(config)
+    layers[-1] = Head(config)
+    return layers
+
+
+def _gpt_steps(preset: str, seq: int, m: int, p: int, libs: Sequence[str]
+               ) -> dict[str, Callable[[], None]]:
+    from pipetrain.gpt import lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (ROWS * m, seq + 1), generator=g)
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    steps: dict[str, Callable[[], None]] = {}
+    if "pipetrain" in libs:
+        layers = _gpt_layers(preset, seq)
+        k = len(layers) // p
+        pipe = pt.Pipeline(layers, "1f1b", m, lm_loss,
+                           balance=[k] * (p - 1) + [len(layers) - k * (p - 1)])
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.0)
+
+        def ours() -> None:
+            pipe.step(x, y)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        steps["pipetrain 1f1b"] = ours
+    if "deepspeed" in libs:
+        import logging
+
+        import deepspeed
+        from deepspeed.pipe import PipelineModule
+        from deepspeed.utils import logger
+
+        logger.setLevel(logging.ERROR)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            deepspeed.init_distributed(dist_backend="gloo")
+            net = PipelineModule(layers=_gpt_layers(preset, seq), num_stages=p,
+                                 loss_fn=lm_loss, partition_method="uniform")
+            engine, *_ = deepspeed.initialize(
+                model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
+                config={"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10**9,
+                        "gradient_accumulation_steps": m})
+        batches = iter(lambda: None, 1)  # endless; each call below hands out the rows
+
+        def data() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for _ in batches:
+                yield from zip(x.split(ROWS), y.split(ROWS), strict=True)
+        it = data()
+        steps["DeepSpeed 1F1B"] = lambda: engine.train_batch(it)
+    return steps
+
+
+def _gpt_time(ctx: pt.RankContext, preset: str, seq: int, m: int, steps: int
+              ) -> dict[str, float]:
+    torch.set_num_threads(1)
+    libs = ["pipetrain"] + (["deepspeed"] if installed("deepspeed") else [])
+    case = Case("gpt", ctx.world_size, m, 0, 0, 0, 1, (), 1, steps)
+    times = _timed(_gpt_steps(preset, seq, m, ctx.world_size, libs), case)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _gpt_memory(ctx: pt.RankContext, preset: str, seq: int, m: int, lib: str) -> int:
+    import memprobe
+
+    torch.set_num_threads(1)
+    memprobe.enable()
+    (step,) = _gpt_steps(preset, seq, m, ctx.world_size, [lib]).values()
+    step()  # gradients and buffers exist, as in every step after the first
+    dist.barrier()
+    with memprobe.Probe() as probe:
+        step()
+    dist.barrier()
+    return int(probe.peak_bytes)
+
+
+def run_gpt(preset: str, seq: int, m: int, p: int, steps: int) -> list[str]:
+    times = pt.launch(_gpt_time, p, preset, seq, m, steps, timeout=900)[0]
+    tokens = ROWS * m * seq
+    lines = [f"{'library':16s} {'step s':>7s} {'tokens/s':>9s} {'vs pipetrain':>13s} "
+             f"{'peak live MiB per rank':>23s}"]
+    for name, seconds in times.items():
+        lib = "deepspeed" if name.startswith("DeepSpeed") else "pipetrain"
+        peaks = pt.launch(_gpt_memory, p, preset, seq, m, lib, timeout=900)
+        lines.append(f"{name:16s} {seconds:7.3f} {tokens / seconds:9,.0f} "
+                     f"{seconds / times['pipetrain 1f1b']:12.3f}x "
+                     f"{' / '.join(f'{b / 2**20:.1f}' for b in peaks):>23s}")
+    if not installed("deepspeed"):
+        lines.append("DeepSpeed: not installed (pip install -e '.[bench]'), skipped")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="p = 2, m = 8, 5 ms layers")
     parser.add_argument("--steps", type=int, default=5, metavar="N")
+    parser.add_argument("--gpt", action="store_true",
+                        help="real compute: GPT small (tiny with --tiny), p = 2")
     args = parser.parse_args(argv)
+    if args.gpt:
+        preset, seq = ("tiny", 64) if args.tiny else ("small", 128)
+        print(f"# torch {torch.__version__}; GPT {preset}, {ROWS * 8} x {seq} tokens, m = 8, "
+              f"p = 2, 1F1B; step: median of {args.steps} after 1")
+        print("\n".join(run_gpt(preset, seq, 8, 2, args.steps)))
+        return 0
     print(f"# torch {torch.__version__}; layers sleep F = I = W; 2 layers per pipeline rank; "
           f"{args.steps} steps after 1 (medians)")
     ps, ms, cost = ((2,), (8,), 0.005) if args.tiny else ((2, 4), (8, 16), 0.010)

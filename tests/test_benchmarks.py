@@ -141,6 +141,11 @@ def test_peers_tiny_puts_each_installed_peer_beside_pipetrain() -> None:
                          "pipetrain gpipe local", "torchgpipe (never)",
                          "torchgpipe (except_last)"}, out
     assert all(float(r[-3]) >= float(r[-2]) * 0.95 for r in rows), out  # not under the bound
+    gpt = _run("peers", "--gpt", "--tiny", "--steps", "2")  # real compute, tiny GPT
+    rows = [line.split() for line in gpt.splitlines() if line.split()[1:2] in (["1f1b"],
+                                                                             ["1F1B"])]
+    assert [r[0] for r in rows] == ["pipetrain", "DeepSpeed"], gpt
+    assert all(float(r[3].replace(",", "")) > 0 and float(r[-3]) > 0 for r in rows), gpt
 
 
 def test_overhead_tiny_prints_each_librarys_cost_per_action() -> None:
