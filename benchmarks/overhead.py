@@ -15,8 +15,15 @@ each divided by the rank's actions (2m: an F and a B per micro-batch), the media
 the larger of the ranks. DeepSpeed's step includes its optimizer step (SGD, lr 0, one
 parameter per layer).
 
-    python benchmarks/overhead.py             # p = 2, 4; m = 16: about 1 min
+    python benchmarks/overhead.py             # p = 2, 4; m = 16: about 15 s
     python benchmarks/overhead.py --tiny      # p = 2, m = 8
+    python benchmarks/overhead.py --switch-interval 0.0001   # the GIL handed over sooner
+    python benchmarks/overhead.py --profile   # pipetrain's rank 0 under cProfile, p = 2
+
+``--profile`` prints the functions pipetrain's main thread spent most time in over 30 steps
+(p = 2, m = 16), and then what one ``dist.isend`` of the same small tensor costs with nothing
+else running (200 sends, a receive blocked on another thread of the sender, as pipetrain's
+receiver threads block): the gap between the two is the contention the step meets.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from calibrated import Case, SleepLayer, _loss, _Runner
-from peers import _deepspeed_engine, installed
+from peers import _deepspeed_engine, installed, missing
 
 import pipetrain as pt
 
@@ -48,8 +55,11 @@ def _model_seconds(case: Case) -> float:
     return time.process_time() - start
 
 
-def _body(ctx: pt.RankContext, cases: list[Case]) -> list[dict[str, tuple[float, float]]]:
+def _body(ctx: pt.RankContext, cases: list[Case], switch: float | None = None
+          ) -> list[dict[str, tuple[float, float]]]:
     torch.set_num_threads(1)
+    if switch is not None:
+        sys.setswitchinterval(switch)
     out = []
     for case in cases:
         steps: dict[str, Callable[[], Any]] = {
@@ -74,12 +84,12 @@ def _body(ctx: pt.RankContext, cases: list[Case]) -> list[dict[str, tuple[float,
     return out
 
 
-def run(ps: Sequence[int], m: int, steps: int) -> list[str]:
+def run(ps: Sequence[int], m: int, steps: int, switch: float | None = None) -> list[str]:
     lines = [f"{'p':>2s} {'m':>3s}  {'library':10s} {'cpu us/action':>14s} "
              f"{'wall us/action':>15s} {'cpu vs pipetrain':>17s}"]
     for p in ps:
         case = Case(f"p{p}", p, m, 0.0, 0.0, 0.0, p, ("1f1b",), 2, steps)
-        per_rank = pt.launch(_body, p, [case], timeout=600)
+        per_rank = pt.launch(_body, p, [case], switch, timeout=600)
         libs = per_rank[0][0]
         for lib in libs:
             cpu = max(r[0][lib][0] for r in per_rank)
@@ -87,20 +97,76 @@ def run(ps: Sequence[int], m: int, steps: int) -> list[str]:
             ours = max(r[0]["pipetrain"][0] for r in per_rank)
             lines.append(f"{p:2d} {m:3d}  {lib:10s} {cpu * 1e6:14.0f} {wall * 1e6:15.0f} "
                          f"{cpu / ours:16.2f}x")
-    if not installed("deepspeed"):
-        lines.append("DeepSpeed: not installed (pip install -e '.[bench]'), skipped")
-    return lines
+    return lines + missing("deepspeed")
+
+
+def _profiled(ctx: pt.RankContext) -> str:
+    """pipetrain's 1F1B (p = 2, m = 16) under cProfile on rank 0: the top of its functions."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.set_num_threads(1)
+    case = Case("p2", 2, 16, 0.0, 0.0, 0.0, 2, ("1f1b",), 5, 30)
+    runner = _Runner("pipetrain", "1f1b", case, ctx.rank)
+    for _ in range(case.warmup):
+        runner.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(case.steps):
+        runner.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(8)
+    return text.getvalue()
+
+
+def _send_alone(ctx: pt.RankContext) -> float:
+    """Seconds one isend of 4 floats takes on rank 1, a receive blocked on another thread."""
+    import threading
+
+    peer = 1 - ctx.rank
+    if ctx.rank == 1:
+        blocked = dist.irecv(torch.empty(1), src=peer, tag=99)
+        waiter = threading.Thread(target=blocked.wait)
+        waiter.start()
+    dist.barrier()
+    seconds = 0.0
+    if ctx.rank == 1:
+        x = torch.ones(4)
+        start = time.perf_counter()
+        works = [dist.isend(x, dst=peer, tag=1) for _ in range(200)]
+        seconds = (time.perf_counter() - start) / 200
+        for work in works:
+            work.wait()
+        waiter.join()
+    else:
+        y = torch.empty(4)
+        for _ in range(200):
+            dist.recv(y, src=peer, tag=1)
+        dist.send(torch.ones(1), dst=peer, tag=99)
+    dist.barrier()
+    return seconds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="p = 2, m = 8, 3 steps")
     parser.add_argument("--steps", type=int, default=10, metavar="N")
+    parser.add_argument("--switch-interval", type=float, metavar="S",
+                        help="sys.setswitchinterval(S) in every rank (Python's is 0.005)")
+    parser.add_argument("--profile", action="store_true",
+                        help="pipetrain's rank 0 under cProfile, and one isend alone")
     args = parser.parse_args(argv)
+    if args.profile:
+        print(pt.launch(_profiled, 2, timeout=600)[0])
+        alone = pt.launch(_send_alone, 2, timeout=600)[1]
+        print(f"one dist.isend of 4 floats, nothing else running: {alone * 1e6:.1f} us")
+        return 0
     print(f"# torch {torch.__version__}; 1F1B, one zero-cost layer per stage; medians over "
           f"steps, the larger rank")
     ps, m, steps = ((2,), 8, 3) if args.tiny else ((2, 4), 16, args.steps)
-    print("\n".join(run(ps, m, steps)))
+    print("\n".join(run(ps, m, steps, args.switch_interval)))
     return 0
 
 

@@ -55,6 +55,12 @@ def installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def missing(*peers: str) -> list[str]:
+    """A line for each of ``peers`` not installed: skipped, and how to install it."""
+    return [f"{peer}: not installed (pip install -e '.[bench]'), skipped"
+            for peer in peers if not installed(peer)]
+
+
 def _case(p: int, m: int, cost: float, steps: int, warmup: int) -> Case:
     return Case(f"p{p} m{m}", p, m, cost, cost, cost, 2 * p, ("1f1b",), warmup, steps)
 
@@ -177,11 +183,7 @@ def run(ps: Sequence[int], ms: Sequence[int], cost: float, steps: int, warmup: i
         for case, measured in zip(cases, rows, strict=True):
             measured.update(_one_process(case))
             lines += _rows(case, measured)
-    if not installed("deepspeed"):
-        lines.append("DeepSpeed: not installed (pip install -e '.[bench]'), skipped")
-    if not installed("torchgpipe"):
-        lines.append("torchgpipe: not installed (pip install -e '.[bench]'), skipped")
-    return lines
+    return lines + missing("deepspeed", "torchgpipe")
 
 
 def _rows(case: Case, measured: dict[str, float]) -> list[str]:
@@ -292,9 +294,7 @@ def run_gpt(preset: str, seq: int, m: int, p: int, steps: int) -> list[str]:
         lines.append(f"{name:16s} {seconds:7.3f} {tokens / seconds:9,.0f} "
                      f"{seconds / times['pipetrain 1f1b']:12.3f}x "
                      f"{' / '.join(f'{b / 2**20:.1f}' for b in peaks):>23s}")
-    if not installed("deepspeed"):
-        lines.append("DeepSpeed: not installed (pip install -e '.[bench]'), skipped")
-    return lines
+    return lines + missing("deepspeed")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

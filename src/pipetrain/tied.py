@@ -131,9 +131,6 @@ class LocalCopies:
         self.gathered = gathered
         """A parameter -> the tensor its step's gradients accumulate in."""
 
-    def __bool__(self) -> bool:
-        return bool(self.places)
-
     def skipped(self) -> set[int]:
         """``id`` of every copy but the first, as the modules hold them now."""
         return {id(getattr(m, a)) for found in self.places.values() for m, a in found[1:]}
