@@ -53,8 +53,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
-__all__ = ["FusedColwise", "GPT_PLAN", "Plan", "TensorParallel", "gpt_plan", "local_layer",
-           "traffic"]
+__all__ = ["FusedColwise", "GPT_PLAN", "Plan", "TensorParallel", "gpt_plan", "keep_slice",
+           "local_layer", "traffic"]
 
 
 class FusedColwise(ParallelStyle):
@@ -152,6 +152,9 @@ class TensorParallel:
             raise ValueError("sequence_parallel applies to the default plan; put "
                              "SequenceParallel styles into your own plan instead")
         self.mesh = mesh
+        self.sequence_parallel = sequence_parallel
+        """Activations between layers are split along the sequence (its length must divide
+        by the mesh's size)."""
         self.plan: Plan = gpt_plan(sequence_parallel) if plan is None else dict(plan) \
             if not callable(plan) else plan
         self.split_layers = 0
@@ -198,12 +201,12 @@ def local_layer(layer: nn.Module, plan: Plan, ranks: int) -> nn.Module:
     for path, style in linears.items():
         module = local.get_submodule(path)
         if isinstance(style, RowwiseParallel):
-            _keep(module, "weight", 1, 1, ranks)
+            keep_slice(module, "weight", 1, ranks)
         else:
             parts = style.parts if isinstance(style, FusedColwise) else 1
-            _keep(module, "weight", 0, parts, ranks)
+            keep_slice(module, "weight", 0, ranks, parts=parts)
             if module.bias is not None:
-                _keep(module, "bias", 0, parts, ranks)
+                keep_slice(module, "bias", 0, ranks, parts=parts)
     return local
 
 
@@ -240,18 +243,25 @@ def _split_linears(layer: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
             and isinstance(style, ColwiseParallel | RowwiseParallel | FusedColwise)}
 
 
-def _keep(module: nn.Module, name: str, dim: int, parts: int, ranks: int) -> None:
-    """Replace ``module.<name>`` with the first 1/ranks of each of ``parts`` along ``dim``."""
+def keep_slice(module: nn.Module, name: str, dim: int, ranks: int, rank: int = 0,
+               parts: int = 1, where: str = "") -> None:
+    """Replace ``module.<name>`` with tensor-parallel ``rank``'s 1/ranks of each of its
+    ``parts`` along ``dim`` (a ``Linear`` 's feature counts follow its weight).
+
+    Raises:
+        ValueError: when the slices are not equal; ``where`` names the module in it.
+    """
+    import torch
+
     whole = getattr(module, name)
     size = whole.shape[dim]
     if size % (parts * ranks):
-        raise ValueError(f"{type(module).__name__}.{name} of {size} along dim {dim} does not "
-                         f"split into {parts} x {ranks} equal slices; use a tp that divides it")
-    step = size // parts
-    kept = [whole.narrow(dim, k * step, step // ranks) for k in range(parts)]
-    import torch
-
-    local = torch.cat(kept, dim).detach().clone()
+        raise ValueError(f"{where or type(module).__name__}.{name} of {size} along dim {dim} "
+                         f"does not split into {parts} x {ranks} equal slices; use a tp that "
+                         "divides it")
+    step, piece = size // parts, size // parts // ranks
+    kept = [whole.detach().narrow(dim, k * step + rank * piece, piece) for k in range(parts)]
+    local = torch.cat(kept, dim).clone()
     setattr(module, name, nn.Parameter(local, requires_grad=whole.requires_grad))
     if name == "weight" and isinstance(module, nn.Linear):
         module.out_features, module.in_features = local.shape[0], local.shape[1]

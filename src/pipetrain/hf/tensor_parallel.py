@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-__all__ = ["STYLES", "model_plan", "shrink", "TracedTensorParallel"]
+from pipetrain.tensor_parallel import keep_slice
+
+__all__ = ["STYLES", "model_plan", "require_weights", "shrink", "TracedTensorParallel"]
 
 STYLES = ("colwise", "rowwise")
 """The plan's styles split here; other entries stay whole."""
@@ -87,21 +89,19 @@ def shrink(model: nn.Module, tp: int, rank: int = 0) -> Splits:
         dim = 0 if style == "colwise" else 1
         for name in ("weight", "bias") if style == "colwise" else ("weight",):
             param = getattr(module, name)
-            if param is None:
-                continue
-            whole = tuple(param.shape)
-            if whole[dim] % tp:
-                raise ValueError(f"{path}.{name} of {whole[dim]} along dim {dim} does not "
-                                 f"split into tp={tp} equal slices; use a tp that divides it")
-            size = whole[dim] // tp
-            local = param.detach().narrow(dim, rank * size, size).clone()
-            setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
-            splits[f"{path}.{name}"] = (style, whole)
-        if style == "colwise":
-            module.out_features //= tp
-        else:
-            module.in_features //= tp
+            if param is not None:
+                splits[f"{path}.{name}"] = (style, tuple(param.shape))
+                keep_slice(module, name, dim, tp, rank, where=path)
     return splits
+
+
+def require_weights(stored: bool, where: object) -> None:
+    """Refuse a split of a model without stored weights (ValueError)."""
+    if not stored:
+        raise ValueError(f"--tp with --hf needs the checkpoint's weights, and {where} has no "
+                         "safetensors: initialised from --seed, every rank would draw the "
+                         "same slice; save the model with its weights first, or train "
+                         "without --tp")
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:
@@ -126,6 +126,7 @@ class TracedTensorParallel:
         self.group = mesh.get_group()
         self.params: list[nn.Parameter] = []
         self.split_layers = 0
+        self.sequence_parallel = False  # activations between layers stay whole
 
     def __call__(self, stage: int, layers: list[nn.Module]) -> None:
         for layer in layers:

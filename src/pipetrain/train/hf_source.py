@@ -115,13 +115,9 @@ class HFSource(Source):
             ValueError: when the model declares no plan, its heads do not split, or it has
                 no stored weights (seeded values would repeat across the ranks' slices).
         """
-        from pipetrain.hf.tensor_parallel import TracedTensorParallel, shrink
+        from pipetrain.hf.tensor_parallel import TracedTensorParallel, require_weights, shrink
 
-        if not self.hf.weights:
-            raise ValueError(f"--tp with --hf needs the checkpoint's weights, and {self.root} "
-                             "has no safetensors: initialised from --seed, every rank would "
-                             "draw the same slice; save the model with its weights first, "
-                             "or train without --tp")
+        require_weights(bool(self.hf.weights), self.root)
         return TracedTensorParallel(mesh, shrink(self.hf.model, mesh.size(),
                                                  mesh.get_local_rank()))
 

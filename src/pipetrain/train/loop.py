@@ -255,6 +255,11 @@ def evaluate(trainer: Trainer) -> float:
     return trainer.scale.unscale_loss(scaled)  # the loss function multiplies by the fp16 scale
 
 
+def _split_sequence(trainer: Trainer) -> bool:
+    """The run's tensor parallelism splits activations along the sequence (windows padded)."""
+    return bool(getattr(trainer.tensor_parallel, "sequence_parallel", False))
+
+
 def sample(trainer: Trainer) -> str | None:
     """``cfg.sample_tokens`` tokens after ``cfg.prompt``, as text; None when none are asked."""
     cfg = trainer.cfg
@@ -268,7 +273,7 @@ def sample(trainer: Trainer) -> str | None:
                        context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
                        step=_last(trainer), feed=trainer.feed,
                        logits=source.logits if source is not None else None,
-                       multiple=trainer.mesh.tp if cfg.sequence_parallel and not cfg.hf else 1)
+                       multiple=trainer.mesh.tp if _split_sequence(trainer) else 1)
     return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
 
 

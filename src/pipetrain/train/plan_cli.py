@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     check(cfg)
     layouts = candidate_layouts(cfg, args.pp, args.dp, args.fsdp, args.tp, args.fsdp_reshard)
     schedules = _schedules(args.schedules, SCHEDULES)
-    calib = _calibration_layout(layouts)
+    calib = _calibration_layout(layouts, cfg.nproc)
     profiles = profile_layouts(cfg, [*layouts, calib])
     cores = shared_cores(cfg)
     scale, collectives = ((Scale(cores=cores), Collectives.default()) if args.no_calibrate
@@ -171,21 +171,19 @@ def _check_hf_tp(cfg: TrainConfig, tp: int) -> None:
     if not cfg.hf or tp == 1:
         return
     from pipetrain.hf.model import open_model
-    from pipetrain.hf.tensor_parallel import shrink
+    from pipetrain.hf.tensor_parallel import require_weights, shrink
 
     opened = open_model(Path(cfg.hf))
     shrink(opened.model, tp)
-    if not opened.weights:
-        raise ValueError(f"--tp with --hf needs the checkpoint's weights; {cfg.hf} has none")
+    require_weights(bool(opened.weights), cfg.hf)
 
 
-def _calibration_layout(layouts: list[Layout]) -> Layout:
+def _calibration_layout(layouts: list[Layout], nproc: int) -> Layout:
     """What the calibration trains: the fewest pipeline ranks searched, replicated."""
     from pipetrain.shardcost import Sharding
 
     pp = min(p for p, _ in layouts)
-    replicas = layouts[0][1].replicas * layouts[0][0] // pp
-    return pp, Sharding(dp=replicas)
+    return pp, Sharding(dp=nproc // pp)
 
 
 def _schedules(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
