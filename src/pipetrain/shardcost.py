@@ -38,6 +38,7 @@ from typing import Any
 from pipetrain.profile import LayerCost
 
 __all__ = ["Sharding", "LayerComm", "Collectives", "KINDS", "state_bytes", "gathered_bytes",
+           "step_temporaries",
            "action_seconds", "reduction_seconds", "measure_collectives"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
