@@ -19,6 +19,7 @@ whose CPU time is large did the work itself. The wrappers cost a few microsecond
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections import defaultdict
@@ -64,6 +65,9 @@ class _TimedFrames:
     def send(self, *args: Any) -> Any:
         return _timed(self.group.send, "post", self.rec)(*args)
 
+    def recv(self, *args: Any) -> Any:  # the receiver threads' posts: not timed
+        return self.group.recv(*args)
+
 
 def body(ctx: pt.RankContext, work: gb.Workload, name: str, warmup: int,
          steps: int) -> dict[str, Any]:
@@ -76,7 +80,9 @@ def body(ctx: pt.RankContext, work: gb.Workload, name: str, warmup: int,
     runner = gb.PipetrainRunner(work, name, layers, gb.split(layers, sched))
     transport = runner.pipe.transport
     if transport is not None:
-        transport._frames = _TimedFrames(transport._frames, rec)  # type: ignore[assignment]
+        link = transport._link  # the groups each direction's messages are posted on
+        transport._link = dataclasses.replace(link, up=_TimedFrames(link.up, rec),
+                                              down=_TimedFrames(link.down, rec))
     x, y = work.data()
     for _ in range(warmup):
         runner.step(x, y)

@@ -19,11 +19,19 @@ parameter per layer).
     python benchmarks/overhead.py --tiny      # p = 2, m = 8
     python benchmarks/overhead.py --switch-interval 0.0001   # the GIL handed over sooner
     python benchmarks/overhead.py --profile   # pipetrain's rank 0 under cProfile, p = 2
+    python benchmarks/overhead.py --threads   # CPU per action of each thread, p = 2
 
 ``--profile`` prints the functions pipetrain's main thread spent most time in over 30 steps
 (p = 2, m = 16), and then what one ``dist.isend`` of the same small tensor costs with nothing
 else running (200 sends, a receive blocked on another thread of the sender, as pipetrain's
 receiver threads block): the gap between the two is the contention the step meets.
+
+``--threads`` splits each library's CPU per action by thread (p = 2, m = 16, 30 steps; the
+kernel's per-thread run time from ``/proc/self/task/*/schedstat``): the main thread, pipetrain's
+receiver threads, gloo's socket loop (``gloo_tcp_loop``) and the rest, with how many times per
+action each was switched in. Then a bare gloo ping-pong of pipetrain's message size (2112
+bytes, its receive posted ahead into an 8 KiB frame, as pipetrain posts it) gives what gloo's
+loop costs per message when nothing else runs.
 """
 
 from __future__ import annotations
@@ -149,6 +157,92 @@ def _send_alone(ctx: pt.RankContext) -> float:
     return seconds
 
 
+def _by_thread() -> dict[str, tuple[int, int]]:
+    """CPU nanoseconds and times switched in so far, per kind of thread of this process."""
+    import os
+    import threading
+
+    names = {t.native_id: "receivers" if t.name.startswith("pipetrain-recv") else "other"
+             for t in threading.enumerate()}
+    names[os.getpid()] = "main"
+    out: dict[str, tuple[int, int]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        kind = "gloo loop" if comm == "gloo_tcp_loop" else names.get(int(tid), "other")
+        ns, runs = out.get(kind, (0, 0))
+        out[kind] = (ns + int(fields[0]), runs + int(fields[2]))
+    return out
+
+
+THREADS = ("main", "receivers", "gloo loop", "other")
+
+
+def _threads(ctx: pt.RankContext, lib: str) -> dict[str, tuple[float, float]]:
+    """Per kind of thread: CPU µs and switches-in per action over 30 steps (p = 2, m = 16)."""
+    torch.set_num_threads(1)
+    case = Case("p2", 2, 16, 0.0, 0.0, 0.0, 2, ("1f1b",), 5, 30)
+    runner = _Runner(lib, "1f1b", case, ctx.rank)
+    for _ in range(case.warmup):
+        runner.step()
+    dist.barrier()
+    before = _by_thread()
+    for _ in range(case.steps):
+        runner.step()
+    after = _by_thread()
+    dist.barrier()
+    actions = case.steps * 2 * case.microbatches
+    return {kind: ((ns - before.get(kind, (0, 0))[0]) / actions / 1e3,
+                   (runs - before.get(kind, (0, 0))[1]) / actions)
+            for kind, (ns, runs) in after.items()}
+
+
+def _ping_pong(ctx: pt.RankContext, n: int = 500) -> float:
+    """gloo's loop thread, µs of CPU per message: 2112-byte messages back and forth, each
+    receive posted ahead into an 8 KiB buffer."""
+    torch.set_num_threads(1)
+    peer = 1 - ctx.rank
+    message = torch.zeros(2112, dtype=torch.uint8)
+
+    def post() -> Any:
+        return dist.irecv(torch.empty(8192, dtype=torch.uint8), src=peer, tag=7)
+
+    posted = post()
+    dist.barrier()
+    start = _by_thread().get("gloo loop", (0, 0))[0]
+    for i in range(n):
+        if (i + ctx.rank) % 2 == 0:
+            dist.isend(message, dst=peer, tag=7).wait()
+        else:
+            posted.wait()
+            posted = post()
+    dist.isend(message, dst=peer, tag=7).wait()  # the receive each rank still has posted
+    posted.wait()
+    end = _by_thread().get("gloo loop", (0, 0))[0]
+    dist.barrier()
+    return (end - start) / n / 1e3
+
+
+def threads() -> list[str]:
+    """The ``--threads`` table: CPU µs per action of each thread, each library and rank."""
+    lines = [f"{'library':10s} {'rank':>4s} " + " ".join(f"{k:>15s}" for k in THREADS)
+             + f" {'total':>7s}"]
+    for lib in ("pipetrain", "torch"):
+        for rank, seen in enumerate(pt.launch(_threads, 2, lib, timeout=600)):
+            cells = [seen.get(k, (0.0, 0.0)) for k in THREADS]
+            lines.append(f"{lib:10s} {rank:4d} " + " ".join(
+                f"{us:6.0f} us {sw:4.2f}x" for us, sw in cells)
+                + f" {sum(us for us, _ in cells):7.0f}")
+    loop = max(pt.launch(_ping_pong, 2, timeout=600))
+    lines.append(f"gloo loop alone, ping-pong of 2112-byte messages: {loop:.0f} us per message")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="p = 2, m = 8, 3 steps")
@@ -157,11 +251,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="sys.setswitchinterval(S) in every rank (Python's is 0.005)")
     parser.add_argument("--profile", action="store_true",
                         help="pipetrain's rank 0 under cProfile, and one isend alone")
+    parser.add_argument("--threads", action="store_true",
+                        help="CPU per action of each thread (main, receivers, gloo), p = 2")
     args = parser.parse_args(argv)
     if args.profile:
         print(pt.launch(_profiled, 2, timeout=600)[0])
         alone = pt.launch(_send_alone, 2, timeout=600)[1]
         print(f"one dist.isend of 4 floats, nothing else running: {alone * 1e6:.1f} us")
+        return 0
+    if args.threads:
+        print("# CPU us per action, and times switched in per action (x), 1F1B p = 2 m = 16")
+        print("\n".join(threads()))
         return 0
     print(f"# torch {torch.__version__}; 1F1B, one zero-cost layer per stage; medians over "
           f"steps, the larger rank")

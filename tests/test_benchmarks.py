@@ -146,6 +146,23 @@ def test_peers_tiny_puts_each_installed_peer_beside_pipetrain() -> None:
                                                                              ["1F1B"])]
     assert [r[0] for r in rows] == ["pipetrain", "DeepSpeed"], gpt
     assert all(float(r[3].replace(",", "")) > 0 and float(r[-3]) > 0 for r in rows), gpt
+    gpipe = [line for line in gpt.splitlines() if line.startswith(("pipetrain gp", "torchgp"))]
+    assert [line[:24].strip() for line in gpipe] == [
+        "pipetrain gpipe local", "torchgpipe (never)", "torchgpipe (except_last)",
+        "pipetrain gpipe, 2 procs"], gpt
+    assert len(gpipe[-1].split("/")) == 2, gpt  # a peak for each of the two processes
+
+
+def test_overhead_reads_each_threads_cpu_time() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from overhead import _by_thread
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    before = _by_thread()
+    sum(i * i for i in range(200_000))  # some CPU on this (the main) thread
+    after = _by_thread()
+    assert after["main"][0] > before["main"][0] and after["main"][1] >= before["main"][1]
 
 
 def test_overhead_tiny_prints_each_librarys_cost_per_action() -> None:

@@ -80,7 +80,7 @@ def _forged(rank: int, forge: Callable[[torch.Tensor], torch.Tensor], valid: boo
             p2p.send(1, Message(_key(0, 0), [_tensor(0, 0, 4000)]))  # grows the capacity
             first, _, _ = encode(Message(_key(0, 1), [_tensor(0, 1, 4000)]), 0, 0, 1 << 16)
             sent = forge(first)
-            p2p._frames.send([sent], 1, p2p._tag).wait()  # noqa: SLF001  (raw, as a peer could)
+            p2p._link.to(1).send([sent], 1, p2p._tag).wait()  # noqa: SLF001  (raw, as a peer)
             if valid:
                 p2p.send(1, Message(done_key(0, 0), [torch.zeros(3)]))
             p2p.settle("rank 0")

@@ -12,12 +12,13 @@ before touching the payload, and leaves the decoded message in a mailbox::
                                                     payload (if separate), post message k+1,
                   recv(key) ◄── mailbox ◄────────── decode
 
-Headers and CPU payloads travel over a gloo group; payloads on a GPU travel over one NCCL group
-per direction of each rank pair, so that a posted receive can never block a send queued behind
-it on the same NCCL stream. Sends are asynchronous. The main thread waits for a message with a
-deadline, so a dead, stuck or failed peer becomes a :class:`CommError` instead of a hang. A
-rank that fails sends an ABORT frame to every peer, which makes them fail at once with the
-origin named.
+Headers and CPU payloads travel over two gloo groups, one for messages to a higher rank and one
+for those to a lower rank (:func:`~pipetrain.groups.twin_group`); payloads on a GPU travel over
+one NCCL group per direction of each rank pair, so that a posted receive can never block a
+send queued behind it on the same NCCL stream. Sends are asynchronous. The main thread waits
+for a message with a deadline, so a dead, stuck or failed peer becomes a :class:`CommError`
+instead of a hang. A rank that fails sends an ABORT frame to every peer, which makes them fail
+at once with the origin named.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ import torch.distributed as dist
 
 from pipetrain.delivery import Proofs
 from pipetrain.errors import CommError
-from pipetrain.groups import frame_group, next_instance, pipeline_groups, rank_name
+from pipetrain.groups import (
+    Channel,
+    frame_group,
+    next_instance,
+    pipeline_groups,
+    rank_name,
+    twin_group,
+)
 from pipetrain.mailbox import Describe, Mailbox
 from pipetrain.wire import (
     ABORT,
@@ -84,14 +92,18 @@ class _Link:
 
     rank: int
     me: str  # this rank, as the job knows it (P2P.name)
-    cpu_group: dist.ProcessGroup | None
-    frames: dist.ProcessGroup  # cpu_group itself: frames go through it directly, by group rank
+    up: Channel  # messages to a higher rank (the pipeline's gloo group), by group rank
+    down: Channel  # messages to a lower rank (its twin)
     device_groups: dict[tuple[int, int], dist.ProcessGroup]
     device: torch.device
     timeout: float
     max_bytes: int
     frame_tag: int
     payload_tag: int
+
+    def to(self, dst: int, src: int | None = None) -> Channel:
+        """The gloo group of messages from ``src`` (this rank if None) to ``dst``."""
+        return self.up if dst > (self.rank if src is None else src) else self.down
 
 
 class _Receiver:
@@ -136,7 +148,8 @@ class _Incoming:
 
     def _post(self) -> tuple[torch.Tensor, Any]:
         frame = new_frame(self.capacity.bytes)  # what the peer's copy allows it to send
-        return frame, self.link.frames.recv([frame], self.peer, self.link.frame_tag)
+        group = self.link.to(self.link.rank, self.peer)
+        return frame, group.recv([frame], self.peer, self.link.frame_tag)
 
     def receive(self, key: Key, posted: tuple[torch.Tensor, Any]) -> Message:
         """Wait for a message posted earlier, check it against ``key`` and decode it."""
@@ -196,9 +209,10 @@ class _Incoming:
         on_device = bool(header[11]) and link.device.type != "cpu"
         payload = torch.empty(size, dtype=torch.uint8,
                               device=link.device if on_device else torch.device("cpu"))
-        group = link.device_groups[(self.peer, link.rank)] if on_device else link.cpu_group
-        self._wait(dist.irecv(payload, src=self.src, group=group, tag=self.link.payload_tag),
-                   key)
+        work = (dist.irecv(payload, src=self.src, group=link.device_groups[(self.peer, link.rank)],
+                           tag=link.payload_tag) if on_device
+                else link.to(link.rank, self.peer).recv([payload], self.peer, link.payload_tag))
+        self._wait(work, key)
         return payload
 
     def _wait(self, work: Any, key: Key) -> None:
@@ -234,14 +248,15 @@ class P2P:
         """How many point-to-point sends this transport posted (one or two per message)."""
         self._capacity = {peer: Capacity() for peer in range(n_ranks) if peer != rank}
         """Per peer, the capacity of this rank's messages to it (the receiver's copy agrees)."""
-        self._frames = frame_group(self.cpu_group)
+        frames = frame_group(self.cpu_group)
         self.generation = next_instance(self.globals)
         """How many pipelines this process built over these ranks before this one."""
         self._tag = _TAG_BASE + 3 * self.generation
         self.spare_tag = self._tag + 2
         """A tag of this pipeline's own for exchanges outside the schedule (tied gradients)."""
-        self._link = _Link(rank, self.name(rank), self.cpu_group,
-                           self._frames, self.device_groups, device, timeout,
+        twin = twin_group(self.globals, rank, self.generation, timeout) if n_ranks > 1 else None
+        self._link = _Link(rank, self.name(rank), frames, frames if twin is None else twin,
+                           self.device_groups, device, timeout,
                            max_message_bytes, self._tag, self._tag + 1)
         self._receivers = {peer: _Receiver(peer, self.globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
@@ -294,11 +309,13 @@ class P2P:
             capacity = self._capacity[dst_rank]
             first, payload, size = _encoded(msg, self.rank, op, capacity.bytes, forms)
             on_device = payload is not None and payload.device.type != "cpu"
-            works: list[Any] = [self._frames.send([first], dst_rank, self._tag)]  # as dist.isend
+            group = self._link.to(dst_rank)
+            works: list[Any] = [group.send([first], dst_rank, self._tag)]  # as dist.isend
             if payload is not None:
-                group = self.device_groups[(self.rank, dst_rank)] if on_device else self.cpu_group
-                works.append(dist.isend(payload, dst=self.globals[dst_rank], group=group,
-                                        tag=self._tag + 1))
+                pair = self.device_groups.get((self.rank, dst_rank))
+                works.append(dist.isend(payload, dst=self.globals[dst_rank], group=pair,
+                                        tag=self._tag + 1) if on_device
+                             else group.send([payload], dst_rank, self._tag + 1))
             entries = [(work, first, payload) for work in works]
             self._sends += entries
             self._pending[(dst_rank, msg.key)] = entries
@@ -377,8 +394,7 @@ class P2P:
                 continue
             try:
                 frame, _, _ = encode(msg, self.rank, op)  # 4096 bytes fit every receive
-                works.append(dist.isend(frame, dst=self.globals[peer], group=self.cpu_group,
-                                        tag=self._tag))
+                works.append(self._link.to(peer).send([frame], peer, self._tag))
             except RuntimeError:
                 continue
         deadline = time.monotonic() + 2.0

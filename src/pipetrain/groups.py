@@ -1,13 +1,15 @@
 """Groups: the process groups and tags that one pipeline's messages travel on.
 
-Headers and CPU payloads go over a gloo group of the pipeline's ranks; on GPUs, payloads go over
-one NCCL group per ordered pair of ranks. Each pipeline built over the same ranks talks on tags
-of its own (:func:`next_instance`).
+Headers and CPU payloads go over two gloo groups of the pipeline's ranks, one per direction
+(:func:`twin_group`); on GPUs, payloads go over one NCCL group per ordered pair of ranks. Each
+pipeline built over the same ranks talks on tags of its own (:func:`next_instance`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,38 @@ def frame_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if world is None:
         raise CommError("torch.distributed has no default process group")
     return world
+
+
+class Channel(Protocol):
+    """What point-to-point messages are posted on: a process group, or a gloo backend of ours."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> dist.Work: ...
+
+
+def twin_group(members: Sequence[int], rank: int, generation: int, timeout: float
+               ) -> Channel | None:
+    """A second gloo group over a pipeline's ranks, with TCP connections of its own.
+
+    Made by the pipeline's members alone, through the job's store under the pipeline's own key
+    (its ranks and generation), so no other rank takes part and torch's group count is
+    untouched. Messages to a higher pipeline rank travel in the pipeline's group, those to a
+    lower one in this twin: each connection then carries one direction, and one thread at each
+    end (the sender's main thread, the receiver's thread) posts on it. On one shared connection
+    both threads take gloo's lock of that connection, and gloo's socket thread, which only
+    tries that lock, spins on ``epoll_wait`` while either holds it: measured by
+    ``benchmarks/overhead.py --threads``. None outside a job with a store (then both directions
+    share the pipeline's group).
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+    key = f"pipetrain/twin/{'-'.join(map(str, members))}/{generation}/"
+    backend = dist.ProcessGroupGloo(dist.distributed_c10d.PrefixStore(key, store), rank,
+                                    len(members), timedelta(seconds=timeout))
+    return cast(Channel, backend)  # torch's stubs give a backend no send/recv; it has them
 
 
 def pipeline_groups(group: dist.ProcessGroup | None, n_ranks: int, device: torch.device
