@@ -25,7 +25,9 @@ m = 8, the layers split 4 and 4) and prints tokens/s and each rank's peak of liv
 in a step (``memprobe.py``; a launch per library, so that each process holds one model). Two
 tables: 1F1B on two processes against DeepSpeed (alternating steps); GPipe in one process,
 torchgpipe under both checkpoint modes against pipetrain's local mode (alternating steps),
-with pipetrain's GPipe on two processes below (a launch of its own).
+with pipetrain's GPipe on two processes below (a launch of its own). pipetrain's recompute row
+recomputes every layer of every micro-batch, more than torchgpipe's default, which keeps the
+last micro-batch's activations.
 
 The peers come with the ``bench`` extra (``pip install torch==2.13.0 -e ".[bench]"``); a
 peer that is not installed is skipped, and the table says so.
@@ -290,19 +292,22 @@ def _gpt_time(ctx: pt.RankContext, preset: str, seq: int, m: int, steps: int,
 
 def _gpt_local_steps(preset: str, seq: int, m: int, libs: Sequence[str]
                      ) -> dict[str, Callable[[], None]]:
-    """GPipe in one process, the layers in two partitions: pipetrain's local mode and
-    torchgpipe under each checkpoint mode (in ``libs``: "local", "never", "except_last")."""
+    """GPipe in one process, the layers in two partitions: pipetrain's local mode without and
+    with recomputation ("gpipe local", "local recompute": every layer, every micro-batch) and
+    torchgpipe under each checkpoint mode ("never", "except_last": all but the last
+    micro-batch)."""
     from torch import nn
 
     from pipetrain.gpt import lm_loss
 
     x, y = _gpt_batch(seq, m)
     steps: dict[str, Callable[[], None]] = {}
-    if "local" in libs:
-        layers = _gpt_layers(preset, seq)
-        pipe = pt.Pipeline(layers, "gpipe", m, lm_loss, balance=_even(len(layers), 2),
-                           local_ranks=2)
-        steps["pipetrain gpipe local"] = _trained(pipe, lambda: pipe.step(x, y))
+    for mode, name in (("never", "gpipe local"), ("always", "local recompute")):
+        if name in libs:
+            layers = _gpt_layers(preset, seq)
+            pipe = pt.Pipeline(layers, "gpipe", m, lm_loss, balance=_even(len(layers), 2),
+                               local_ranks=2, recompute=mode)
+            steps[f"pipetrain {name}"] = _trained(pipe, lambda pipe=pipe: pipe.step(x, y))
     for mode in ("never", "except_last"):
         if mode in libs:
             from torchgpipe import GPipe
@@ -318,7 +323,8 @@ def _gpt_local_steps(preset: str, seq: int, m: int, libs: Sequence[str]
 def _gpt_local_time(ctx: pt.RankContext, preset: str, seq: int, m: int, steps: int
                     ) -> dict[str, float]:
     torch.set_num_threads(1)
-    libs = ["local"] + (["never", "except_last"] if installed("torchgpipe") else [])
+    libs = ["gpipe local", "local recompute"] + (["never", "except_last"]
+                                                 if installed("torchgpipe") else [])
     case = Case("gpt", 1, m, 0, 0, 0, 1, (), 1, steps)
     times = _timed(_gpt_local_steps(preset, seq, m, libs), case)
     return {name: statistics.median(t) for name, t in times.items()}
@@ -342,7 +348,7 @@ def _gpt_memory(ctx: pt.RankContext, preset: str, seq: int, m: int, lib: str) ->
 def run_gpt(preset: str, seq: int, m: int, p: int, steps: int) -> list[str]:
     times = pt.launch(_gpt_time, p, preset, seq, m, steps, timeout=900)[0]
     tokens = ROWS * m * seq
-    lines = [f"{'library':24s} {'step s':>7s} {'tokens/s':>9s} {'vs pipetrain':>13s} "
+    lines = [f"{'library':25s} {'step s':>7s} {'tokens/s':>9s} {'vs pipetrain':>13s} "
              f"{'peak live MiB per rank':>23s}"]
     for name, seconds in times.items():
         lib = "deepspeed" if name.startswith("DeepSpeed") else "pipetrain"
@@ -352,7 +358,7 @@ def run_gpt(preset: str, seq: int, m: int, p: int, steps: int) -> list[str]:
 
 
 def _gpt_row(name: str, seconds: float, ours: float, tokens: int, peaks: Sequence[int]) -> str:
-    return (f"{name:24s} {seconds:7.3f} {tokens / seconds:9,.0f} {seconds / ours:12.3f}x "
+    return (f"{name:25s} {seconds:7.3f} {tokens / seconds:9,.0f} {seconds / ours:12.3f}x "
             f"{' / '.join(f'{b / 2**20:.1f}' for b in peaks):>23s}")
 
 
@@ -361,12 +367,11 @@ def run_gpt_local(preset: str, seq: int, m: int, steps: int) -> list[str]:
     pipetrain's GPipe on two processes (its own launch)."""
     times = pt.launch(_gpt_local_time, 1, preset, seq, m, steps, timeout=900)[0]
     tokens = ROWS * m * seq
-    lines = [f"{'GPipe, two partitions':24s} {'step s':>7s} {'tokens/s':>9s} "
+    lines = [f"{'GPipe, two partitions':25s} {'step s':>7s} {'tokens/s':>9s} "
              f"{'vs local':>13s} {'peak live MiB per rank':>23s}"]
-    memory = {"pipetrain gpipe local": "local", "torchgpipe (never)": "never",
-              "torchgpipe (except_last)": "except_last"}
     for name, seconds in times.items():
-        peaks = pt.launch(_gpt_memory, 1, preset, seq, m, memory[name], timeout=900)
+        lib = name.removeprefix("pipetrain ").removeprefix("torchgpipe (").rstrip(")")
+        peaks = pt.launch(_gpt_memory, 1, preset, seq, m, lib, timeout=900)
         lines.append(_gpt_row(name, seconds, times["pipetrain gpipe local"], tokens, peaks))
     two = pt.launch(_gpt_time, 2, preset, seq, m, steps, ["pipetrain gpipe"], timeout=900)[0]
     seconds = two["pipetrain gpipe"]

@@ -146,10 +146,11 @@ def test_peers_tiny_puts_each_installed_peer_beside_pipetrain() -> None:
                                                                              ["1F1B"])]
     assert [r[0] for r in rows] == ["pipetrain", "DeepSpeed"], gpt
     assert all(float(r[3].replace(",", "")) > 0 and float(r[-3]) > 0 for r in rows), gpt
-    gpipe = [line for line in gpt.splitlines() if line.startswith(("pipetrain gp", "torchgp"))]
-    assert [line[:24].strip() for line in gpipe] == [
-        "pipetrain gpipe local", "torchgpipe (never)", "torchgpipe (except_last)",
-        "pipetrain gpipe, 2 procs"], gpt
+    gpipe = [line for line in gpt.splitlines()
+             if line.startswith(("pipetrain gp", "pipetrain lo", "torchgp"))]
+    assert [line[:25].strip() for line in gpipe] == [
+        "pipetrain gpipe local", "pipetrain local recompute", "torchgpipe (never)",
+        "torchgpipe (except_last)", "pipetrain gpipe, 2 procs"], gpt
     assert len(gpipe[-1].split("/")) == 2, gpt  # a peak for each of the two processes
 
 
