@@ -17,17 +17,7 @@ these costs (the first stage has no input gradient to compute, as in both librar
 
     python benchmarks/peers.py                 # p = 2, 4; m = 8, 16: about 3 min
     python benchmarks/peers.py --tiny          # p = 2, m = 8, 5 ms layers: about 20 s
-    python benchmarks/peers.py --gpt           # real compute: GPT small: about 2 min
-
-``--gpt`` trains pipetrain's GPT (``small``: 4.87 M parameters, its head untied, as
-DeepSpeed's PipelineModule and torchgpipe take plain layers; 16 sequences of 128 tokens,
-m = 8, the layers split 4 and 4) and prints tokens/s and each rank's peak of live tensor bytes
-in a step (``memprobe.py``; a launch per library, so that each process holds one model). Two
-tables: 1F1B on two processes against DeepSpeed (alternating steps); GPipe in one process,
-torchgpipe under both checkpoint modes against pipetrain's local mode (alternating steps),
-with pipetrain's GPipe on two processes below (a launch of its own). pipetrain's recompute row
-recomputes every layer of every micro-batch, more than torchgpipe's default, which keeps the
-last micro-batch's activations.
+    python benchmarks/peers.py --gpt           # real compute, GPT small (peers_gpt.py)
 
 The peers come with the ``bench`` extra (``pip install torch==2.13.0 -e ".[bench]"``); a
 peer that is not installed is skipped, and the table says so.
@@ -202,198 +192,17 @@ def _rows(case: Case, measured: dict[str, float]) -> list[str]:
     return out
 
 
-# -- real compute: GPT, p processes ---------------------------------------------------------
-
-
-def _gpt_layers(preset: str, seq: int) -> list[Any]:
-    """The GPT preset's layers with its own (untied) head: DeepSpeed takes plain layers."""
-    import dataclasses
-
-    from pipetrain.gpt import PRESETS, Head, gpt_layers
-
-    config = dataclasses.replace(PRESETS[preset], seq_len=seq)
-    torch.manual_seed(0)
-    layers = gpt_layers(config)
-    layers[-1] = Head(config)
-    return layers
-
-
-def _gpt_batch(seq: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (ROWS * m, seq + 1), generator=g)
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-
-
-def _even(n_layers: int, p: int) -> list[int]:
-    k = n_layers // p
-    return [k] * (p - 1) + [n_layers - k * (p - 1)]
-
-
-def _trained(model: Any, step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` followed by an optimizer step (SGD, lr 0) on ``model``'s parameters."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-
-    def run() -> None:
-        step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return run
-
-
-def _gpt_steps(preset: str, seq: int, m: int, p: int, libs: Sequence[str]
-               ) -> dict[str, Callable[[], None]]:
-    from pipetrain.gpt import lm_loss
-
-    x, y = _gpt_batch(seq, m)
-    steps: dict[str, Callable[[], None]] = {}
-    if "pipetrain" in libs:
-        layers = _gpt_layers(preset, seq)
-        pipe = pt.Pipeline(layers, "1f1b", m, lm_loss, balance=_even(len(layers), p))
-        steps["pipetrain 1f1b"] = _trained(pipe, lambda: pipe.step(x, y))
-    if "pipetrain gpipe" in libs:
-        layers = _gpt_layers(preset, seq)
-        pipe = pt.Pipeline(layers, "gpipe", m, lm_loss, balance=_even(len(layers), p))
-        steps["pipetrain gpipe"] = _trained(pipe, lambda: pipe.step(x, y))
-    if "deepspeed" in libs:
-        import logging
-
-        import deepspeed
-        from deepspeed.pipe import PipelineModule
-        from deepspeed.utils import logger
-
-        logger.setLevel(logging.ERROR)
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            deepspeed.init_distributed(dist_backend="gloo")
-            net = PipelineModule(layers=_gpt_layers(preset, seq), num_stages=p,
-                                 loss_fn=lm_loss, partition_method="uniform")
-            engine, *_ = deepspeed.initialize(
-                model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
-                config={"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10**9,
-                        "gradient_accumulation_steps": m})
-        batches = iter(lambda: None, 1)  # endless; each call below hands out the rows
-
-        def data() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            for _ in batches:
-                yield from zip(x.split(ROWS), y.split(ROWS), strict=True)
-        it = data()
-        steps["DeepSpeed 1F1B"] = lambda: engine.train_batch(it)
-    return steps
-
-
-def _gpt_time(ctx: pt.RankContext, preset: str, seq: int, m: int, steps: int,
-              libs: Sequence[str] | None = None) -> dict[str, float]:
-    torch.set_num_threads(1)
-    if libs is None:
-        libs = ["pipetrain"] + (["deepspeed"] if installed("deepspeed") else [])
-    case = Case("gpt", ctx.world_size, m, 0, 0, 0, 1, (), 1, steps)
-    times = _timed(_gpt_steps(preset, seq, m, ctx.world_size, libs), case)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _gpt_local_steps(preset: str, seq: int, m: int, libs: Sequence[str]
-                     ) -> dict[str, Callable[[], None]]:
-    """GPipe in one process, the layers in two partitions: pipetrain's local mode without and
-    with recomputation ("gpipe local", "local recompute": every layer, every micro-batch) and
-    torchgpipe under each checkpoint mode ("never", "except_last": all but the last
-    micro-batch)."""
-    from torch import nn
-
-    from pipetrain.gpt import lm_loss
-
-    x, y = _gpt_batch(seq, m)
-    steps: dict[str, Callable[[], None]] = {}
-    for mode, name in (("never", "gpipe local"), ("always", "local recompute")):
-        if name in libs:
-            layers = _gpt_layers(preset, seq)
-            pipe = pt.Pipeline(layers, "gpipe", m, lm_loss, balance=_even(len(layers), 2),
-                               local_ranks=2, recompute=mode)
-            steps[f"pipetrain {name}"] = _trained(pipe, lambda pipe=pipe: pipe.step(x, y))
-    for mode in ("never", "except_last"):
-        if mode in libs:
-            from torchgpipe import GPipe
-
-            layers = _gpt_layers(preset, seq)
-            model = GPipe(nn.Sequential(*layers), balance=_even(len(layers), 2),
-                          devices=["cpu", "cpu"], chunks=m, checkpoint=mode)
-            steps[f"torchgpipe ({mode})"] = _trained(
-                model, lambda model=model: lm_loss(model(x), y).backward())
-    return steps
-
-
-def _gpt_local_time(ctx: pt.RankContext, preset: str, seq: int, m: int, steps: int
-                    ) -> dict[str, float]:
-    torch.set_num_threads(1)
-    libs = ["gpipe local", "local recompute"] + (["never", "except_last"]
-                                                 if installed("torchgpipe") else [])
-    case = Case("gpt", 1, m, 0, 0, 0, 1, (), 1, steps)
-    times = _timed(_gpt_local_steps(preset, seq, m, libs), case)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _gpt_memory(ctx: pt.RankContext, preset: str, seq: int, m: int, lib: str) -> int:
-    import memprobe
-
-    torch.set_num_threads(1)
-    memprobe.enable()
-    (step,) = (_gpt_steps(preset, seq, m, ctx.world_size, [lib]) if ctx.world_size > 1
-               else _gpt_local_steps(preset, seq, m, [lib])).values()
-    step()  # gradients and buffers exist, as in every step after the first
-    dist.barrier()
-    with memprobe.Probe() as probe:
-        step()
-    dist.barrier()
-    return int(probe.peak_bytes)
-
-
-def run_gpt(preset: str, seq: int, m: int, p: int, steps: int) -> list[str]:
-    times = pt.launch(_gpt_time, p, preset, seq, m, steps, timeout=900)[0]
-    tokens = ROWS * m * seq
-    lines = [f"{'library':25s} {'step s':>7s} {'tokens/s':>9s} {'vs pipetrain':>13s} "
-             f"{'peak live MiB per rank':>23s}"]
-    for name, seconds in times.items():
-        lib = "deepspeed" if name.startswith("DeepSpeed") else "pipetrain"
-        lines.append(_gpt_row(name, seconds, times["pipetrain 1f1b"], tokens,
-                              pt.launch(_gpt_memory, p, preset, seq, m, lib, timeout=900)))
-    return lines + missing("deepspeed")
-
-
-def _gpt_row(name: str, seconds: float, ours: float, tokens: int, peaks: Sequence[int]) -> str:
-    return (f"{name:25s} {seconds:7.3f} {tokens / seconds:9,.0f} {seconds / ours:12.3f}x "
-            f"{' / '.join(f'{b / 2**20:.1f}' for b in peaks):>23s}")
-
-
-def run_gpt_local(preset: str, seq: int, m: int, steps: int) -> list[str]:
-    """torchgpipe against pipetrain's local mode (one process, alternating steps), then
-    pipetrain's GPipe on two processes (its own launch)."""
-    times = pt.launch(_gpt_local_time, 1, preset, seq, m, steps, timeout=900)[0]
-    tokens = ROWS * m * seq
-    lines = [f"{'GPipe, two partitions':25s} {'step s':>7s} {'tokens/s':>9s} "
-             f"{'vs local':>13s} {'peak live MiB per rank':>23s}"]
-    for name, seconds in times.items():
-        lib = name.removeprefix("pipetrain ").removeprefix("torchgpipe (").rstrip(")")
-        peaks = pt.launch(_gpt_memory, 1, preset, seq, m, lib, timeout=900)
-        lines.append(_gpt_row(name, seconds, times["pipetrain gpipe local"], tokens, peaks))
-    two = pt.launch(_gpt_time, 2, preset, seq, m, steps, ["pipetrain gpipe"], timeout=900)[0]
-    seconds = two["pipetrain gpipe"]
-    peaks = pt.launch(_gpt_memory, 2, preset, seq, m, "pipetrain gpipe", timeout=900)
-    lines.append(_gpt_row("pipetrain gpipe, 2 procs", seconds, times["pipetrain gpipe local"],
-                          tokens, peaks))
-    return lines + missing("torchgpipe")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="p = 2, m = 8, 5 ms layers")
     parser.add_argument("--steps", type=int, default=5, metavar="N")
     parser.add_argument("--gpt", action="store_true",
-                        help="real compute: GPT small (tiny with --tiny), p = 2")
+                        help="real compute: GPT small (tiny with --tiny), p = 2, 4, m = 8, 16")
     args = parser.parse_args(argv)
     if args.gpt:
-        preset, seq = ("tiny", 64) if args.tiny else ("small", 128)
-        print(f"# torch {torch.__version__}; GPT {preset}, {ROWS * 8} x {seq} tokens, m = 8, "
-              f"p = 2, 1F1B; step: median of {args.steps} after 1")
-        print("\n".join(run_gpt(preset, seq, 8, 2, args.steps)))
-        print("\n".join(run_gpt_local(preset, seq, 8, args.steps)))
+        import peers_gpt  # real compute: its own module
+
+        print("\n".join(peers_gpt.run(args.tiny, args.steps)))
         return 0
     print(f"# torch {torch.__version__}; layers sleep F = I = W; 2 layers per pipeline rank; "
           f"{args.steps} steps after 1 (medians)")
