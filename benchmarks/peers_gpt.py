@@ -16,7 +16,7 @@ Each step is the median of ``--steps`` after one; tokens/s is the batch's tokens
 rank's peak of live tensor bytes in a step (``memprobe.py``) comes from a launch per library,
 so that each process holds one model.
 
-    python benchmarks/peers.py --gpt             # about 12 min
+    python benchmarks/peers.py --gpt             # about 5 min
     python benchmarks/peers.py --gpt --tiny      # p = 2, m = 8, GPT tiny: about 30 s
 """
 

@@ -22,6 +22,7 @@ Peak memory, per rank, measured in separate processes where only one library exi
 
     python benchmarks/real_compute.py                      # GPT "small", a few minutes
     python benchmarks/real_compute.py --tiny --json out.json
+    python benchmarks/real_compute.py --p 4 --m 16         # other pipeline shapes
 """
 
 from __future__ import annotations
@@ -257,6 +258,7 @@ def run(work: gb.Workload, names: Sequence[str], warmup: int, steps: int) -> lis
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     gb.workload_args(parser, warmup=2, steps=10, schedules_help="comma list (both libraries)")
+    parser.add_argument("--p", type=int, default=2, help="pipeline processes")
     args = parser.parse_args(argv)
     gb.apply_tiny(args)
     names = args.schedules.split(",")
@@ -264,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"--schedules {unknown}: both libraries must have them; choose from "
                      f"{list(gb.TORCH_CLASSES)}")
-    work = gb.Workload(args.preset, args.batch, args.m)
+    work = gb.Workload(args.preset, args.batch, args.m, ranks=args.p)
     started = time.time()
     rows = run(work, names, args.warmup, args.steps)
     print(f"GPT {args.preset}: {work.config.n_params:,} parameters, batch {args.batch} x "
