@@ -21,13 +21,14 @@ from pipetrain.train.mesh import GradReducer, build_mesh
 from test_failures_scale_dist import Fault
 
 TIMEOUT = 30.0  # far above the time news takes: a rank that only timed out fails the test
-HANG_TIMEOUT, HANG_S = 6.0, 16.0
+HANG_TIMEOUT, HANG_S = 6.0, 12.0  # a hung stage sleeps twice as long as its peers wait
 
 
 def _pipeline(group: dist.ProcessGroup | None, schedule: str, n_stages: int, how: str,
               holder: list[int]) -> tuple[pt.Pipeline, list[Fault]]:
     """Linear + Fault per stage; ``holder[pipeline rank]`` is the global rank arming them."""
     torch.manual_seed(0)
+    Fault.hang_s = HANG_S
     faults = [Fault(-1) for _ in range(n_stages)]
     layers = [m for fault in faults for m in (nn.Linear(4, 4), fault)]
     pipe = pt.Pipeline(nn.Sequential(*layers), schedule, 8, nn.MSELoss(), group=group,

@@ -15,13 +15,14 @@ from torch import nn
 import pipetrain as pt
 
 TIMEOUT = 30.0  # far above the time news takes: a rank that only timed out fails the test
-HANG_TIMEOUT, HANG_S = 8.0, 22.0  # a hung stage sleeps far longer than its peers wait
+HANG_TIMEOUT, HANG_S = 8.0, 16.0  # a hung stage sleeps twice as long as its peers wait
 
 
 class Fault(nn.Module):
     """Identity, except on the armed rank: raises, returns a wrong shape, or kills its process."""
 
     armed: tuple[int, str] | None = None
+    hang_s = HANG_S  # how long "hang" sleeps: far longer than its peers wait
 
     def __init__(self, rank: int) -> None:
         super().__init__()
@@ -35,7 +36,7 @@ class Fault(nn.Module):
             if how == "shape":
                 return torch.cat([x, x[:, :1]], 1)
             if how == "hang":
-                time.sleep(HANG_S)
+                time.sleep(Fault.hang_s)
             raise RuntimeError("injected failure")
         return x
 

@@ -1,5 +1,6 @@
 """A traced LM built on the meta device: each rank materialises only its own stages' parameters,
-with the values of the whole model materialised at once, and trains like it."""
+with the values of the whole model materialised at once, and trains like it; a real layer list
+leaves each rank holding its own stages' parameters only."""
 
 from __future__ import annotations
 
@@ -82,7 +83,11 @@ def _meta(ctx: pt.RankContext) -> list[str]:
         found = _only_own(pipe, total) + _compare(pipe, ids, mask, targets)
         problems += [f"rank {ctx.rank} {name}: {p}" for p in found]
         del pipe
-    return problems
+    # a user's real layer list, no other reference kept: each rank keeps its own layers only
+    pipe = pt.Pipeline(nn.Sequential(*[nn.Linear(8, 8) for _ in range(2 * ctx.world_size)]),
+                       "1f1b", 4, nn.MSELoss(), timeout=30)
+    total = 2 * ctx.world_size * (8 * 8 + 8) * 4
+    return problems + [f"rank {ctx.rank} layer list: {p}" for p in _only_own(pipe, total)]
 
 
 def test_meta_lm_two_ranks() -> None:

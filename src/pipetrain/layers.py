@@ -64,6 +64,10 @@ class Layers:
         self._alive = [p for _, m in self.items if isinstance(m, nn.Module)
                        for p in m.parameters()] + ([] if traced is None else list(model.buffers()))
 
+    def release(self) -> None:
+        """Drop the references to every layer once the stages are built (names stay known)."""
+        self.items, self._alive = [], []
+
     def build(self, layer: nn.Module | LayerSpec, index: int, device: torch.device) -> nn.Module:
         """``layer`` (at ``index``) as a real module on ``device``."""
         if self.by_name is not None and isinstance(layer, nn.Module) and is_meta(layer):

@@ -161,8 +161,11 @@ class Pipeline:
         self.tied = find_tied([[(n, m) for n, m in layers[lo:hi] if isinstance(m, nn.Module)]
                                for lo, hi in stage_bounds(self.balance)], self.schedule.placement)
         self._build_stages(layers, layer_flags(recompute, self.balance), source)
-        self._canonical = source.names(layers)
+        hosted = {id(p) for _, m in self._hosted_layers() for p in m.parameters()}
+        self._canonical = {i: n for i, n in source.names(layers).items() if i in hosted}
         self._buffer_names, self._source = source.buffer_names(self._hosted_layers()), source
+        source.release()  # the other ranks' layers: each rank holds its own stages only
+        del layers
         gathering = parallelize if isinstance(parallelize, Gathering) else None
         untied = {} if parallelize is None else parallelize_stages(
             parallelize, self._stage_layers, self.tied, self._canonical)
