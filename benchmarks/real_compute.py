@@ -205,19 +205,22 @@ def summarize(work: gb.Workload, timing: list[list[dict[str, Any]]],
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'schedule':<10}{'run':<13}{'loss':>9}{'step s':>8}{'tokens/s':>10}"
-            f"{'live MiB/rank':>17}{'step+ MiB/rank':>17}{'RSS MiB/rank':>16}")
+    cells = [["/".join(memprobe.mib(v) for v in r[k])
+              for k in ("live_peak_bytes", "step_rise_bytes", "rss_peak_bytes")] for r in rows]
+    heads = ("live MiB/rank", "step+ MiB/rank", "RSS MiB/rank")
+    widths = [max(len(h), *(len(c[i]) for c in cells)) + 2 for i, h in enumerate(heads)]
+    head = (f"{'schedule':<17}{'run':<13}{'loss':>9}{'step s':>8}{'tokens/s':>10}"
+            + "".join(f"{h:>{w}}" for h, w in zip(heads, widths, strict=True)))
     lines = [head, "-" * len(head)]
-    for r in rows:
-        cells = ["/".join(memprobe.mib(v) for v in r[k])
-                 for k in ("live_peak_bytes", "step_rise_bytes", "rss_peak_bytes")]
-        lines.append(f"{r['schedule']:<10}{r['run']:<13}{r['loss']:>9.5f}{r['step_s']:>8.3f}"
-                     f"{r['tokens_per_s']:>10.0f}{cells[0]:>17}{cells[1]:>17}{cells[2]:>16}")
+    for r, c in zip(rows, cells, strict=True):
+        lines.append(f"{r['schedule']:<17}{r['run']:<13}{r['loss']:>9.5f}{r['step_s']:>8.3f}"
+                     f"{r['tokens_per_s']:>10.0f}"
+                     + "".join(f"{v:>{w}}" for v, w in zip(c, widths, strict=True)))
     return "\n".join(lines)
 
 
 def format_breakdown(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'schedule':<10}{'run':<11}{'step s':>8}{'in ops':>8}{'waits':>8}{'outside':>9}"
+    head = (f"{'schedule':<17}{'run':<11}{'step s':>8}{'in ops':>8}{'waits':>8}{'outside':>9}"
             f"{'cpu main':>10}{'cpu other':>10}  mean op ms")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -225,7 +228,7 @@ def format_breakdown(rows: list[dict[str, Any]]) -> str:
         if b is None:
             continue
         ops = " ".join(f"{op} {ms:.1f}" for op, ms in b["op_ms"].items())
-        lines.append(f"{r['schedule']:<10}{r['run']:<11}{b['step_s']:>8.3f}{b['busy_s']:>8.3f}"
+        lines.append(f"{r['schedule']:<17}{r['run']:<11}{b['step_s']:>8.3f}{b['busy_s']:>8.3f}"
                      f"{b['span_s'] - b['busy_s']:>8.3f}{b['step_s'] - b['span_s']:>9.3f}"
                      f"{b['cpu_main_s']:>10.3f}{b['cpu_other_s']:>10.3f}  {ops}")
     return "\n".join(lines)
