@@ -1,11 +1,12 @@
 """Comm: stage-to-stage messages over torch.distributed point-to-point, checked, bounded, no pickle.
 
 The receiver knows, from the schedule, the exact sequence of messages each peer sends it in a
-step (:mod:`pipetrain.wire` gives their byte layout). One long-lived receiver thread per peer is
-handed that sequence at the start of each step; it keeps the receive of the peer's next message
-posted ahead of need (communication overlaps compute), sized by the direction's agreed capacity,
-so a message that fits arrives in one transfer. It checks every header against what it expects
-before touching the payload, and leaves the decoded message in a mailbox::
+step (:mod:`pipetrain.wire` gives their byte layout). One long-lived receiver thread per peer
+(:mod:`pipetrain.receiver`) is handed that sequence at the start of each step; it keeps the
+receive of the peer's next message posted ahead of need (communication overlaps compute), sized
+by the direction's agreed capacity, so a message that fits arrives in one transfer. It checks
+every header against what it expects before touching the payload, and leaves the decoded
+message in a mailbox::
 
     main thread   start_step ──► jobs[peer] ──► receiver(peer): post message 0, wait
                                                     message k arrived: check its header,
@@ -23,12 +24,9 @@ at once with the origin named.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +36,6 @@ import torch.distributed as dist
 from pipetrain.delivery import Proofs
 from pipetrain.errors import CommError
 from pipetrain.groups import (
-    Channel,
     frame_group,
     next_instance,
     pipeline_groups,
@@ -46,186 +43,29 @@ from pipetrain.groups import (
     twin_group,
 )
 from pipetrain.mailbox import Describe, Mailbox
+from pipetrain.receiver import (
+    RELAY,
+    Incoming,
+    Link,
+    PeerFailed,
+    Plan,
+    Receiver,
+    Relayed,
+)
 from pipetrain.wire import (
     ABORT,
-    FRAME_BYTES,
-    HEADER_BYTES,
-    MAGIC,
-    OPS,
     Capacity,
     Key,
     Message,
-    decode,
     encode,
-    expected_bytes,
-    inline_payload,
-    new_frame,
-    read_header,
 )
 
 __all__: list[str] = []
 
 _TAG_BASE = 17  # pipeline n over a group: tags 17 + 3n (frames), 18 + 3n (payloads), 19 + 3n
-Plan = Sequence[tuple[int, int, int, int]]  # (kind, mb, src_stage, dst_stage) of each message
 
 
-_RELAY = -2  # the destination stage of an ABORT that passes on another rank's failure
 _LEFTOVERS: list[Any] = []  # sends of failed steps: never waited for, never freed under gloo
-
-
-class PeerFailed(CommError):
-    """A peer reported its own failure (ABORT); this rank only relays the news."""
-
-
-class _Relayed(Exception):
-    """A peer passed on another rank's failure: the origin's own ABORT reaches only the ranks
-    it exchanges messages with, so this may be the first news of it here."""
-
-    def __init__(self, error: PeerFailed) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-@dataclass(frozen=True)
-class _Link:
-    """What a receiver needs of the transport: groups, device, limits (no back-reference)."""
-
-    rank: int
-    me: str  # this rank, as the job knows it (P2P.name)
-    up: Channel  # messages to a higher rank (the pipeline's gloo group), by group rank
-    down: Channel  # messages to a lower rank (its twin)
-    device_groups: dict[tuple[int, int], dist.ProcessGroup]
-    device: torch.device
-    timeout: float
-    max_bytes: int
-    frame_tag: int
-    payload_tag: int
-
-    def to(self, dst: int, src: int | None = None) -> Channel:
-        """The gloo group of messages from ``src`` (this rank if None) to ``dst``."""
-        return self.up if dst > (self.rank if src is None else src) else self.down
-
-
-class _Receiver:
-    """The messages of one peer: a long-lived thread, idle between steps.
-
-    An idle thread holds no reference to the process groups (each step's job brings them), so
-    a job that ends with ``destroy_process_group`` really frees them.
-    """
-
-    def __init__(self, peer: int, src: int, box: Mailbox) -> None:
-        self.peer, self.src, self.box = peer, src, box
-        self.capacity = Capacity()  # of this peer's messages to this rank, across steps
-        self.jobs: queue.SimpleQueue[tuple[_Link, int, Plan, Key] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"pipetrain-recv-{peer}")
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                _Incoming(job[0], self.peer, self.src, self.box, self.capacity
-                          ).step(*job[1:])
-            except _Relayed as e:  # the first error in the mailbox wins: the origin's, if here
-                self.box.fail(e.error)
-                return
-            except BaseException as e:  # noqa: BLE001  (handed to the main thread)
-                self.box.fail(e)
-                return
-            del job
-
-
-class _Incoming:
-    """One step of one peer's messages: the receive of the next message is kept posted."""
-
-    def __init__(self, link: _Link, peer: int, src: int, box: Mailbox,
-                 capacity: Capacity) -> None:
-        self.link, self.peer, self.src, self.box = link, peer, src, box
-        self.capacity = capacity
-
-    def _post(self) -> tuple[torch.Tensor, Any]:
-        frame = new_frame(self.capacity.bytes)  # what the peer's copy allows it to send
-        group = self.link.to(self.link.rank, self.peer)
-        return frame, group.recv([frame], self.peer, self.link.frame_tag)
-
-    def receive(self, key: Key, posted: tuple[torch.Tensor, Any]) -> Message:
-        """Wait for a message posted earlier, check it against ``key`` and decode it."""
-        frame, work = posted
-        self._wait(work, key)
-        return self._unpack(key, frame)
-
-    def step(self, step: int, plan: Plan, last: Key) -> None:
-        """Receive ``plan``'s messages; post the receive of ``last`` and hand it over."""
-        ahead = self._post()
-        for kind, mb, src_stage, dst_stage in plan:
-            key = Key(kind, step, mb, src_stage, dst_stage)
-            msg = self.receive(key, ahead)
-            ahead = self._post()  # the next message: the step's last one, at the end
-            self.box.put(msg)
-        self.box.hand_over(last, ahead)
-
-    def _where(self, key: Key) -> str:
-        return (f"{self.link.me} receiving the {key.describe()} from "
-                f"{rank_name(self.peer, self.src)}")
-
-    def _unpack(self, key: Key, frame: torch.Tensor) -> Message:
-        header = read_header(frame)
-        if header[0] != MAGIC:
-            raise CommError(f"{self._where(key)}: received a message without pipetrain's magic "
-                            "number")
-        size = header[9]
-        if not (0 <= size <= self.link.max_bytes) or expected_bytes(header) != size:
-            raise CommError(f"{self._where(key)}: the header claims {size} payload bytes but "
-                            f"describes {expected_bytes(header)} (limit {self.link.max_bytes}); "
-                            "refusing it")
-        try:
-            payload = inline_payload(header, frame)
-        except CommError as e:
-            raise CommError(f"{self._where(key)}: {e}; refusing it") from None
-        if payload is None:
-            room = frame.numel() - HEADER_BYTES
-            if size <= room and not header[11]:  # an honest sender put it behind the header
-                raise CommError(f"{self._where(key)}: the header sends {size} payload bytes "
-                                f"separately although the agreed {room} hold them; refusing it")
-            payload = self._receive_payload(key, header, size)
-        elif frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
-            payload = payload.clone()  # a small message in a large receive: free the rest now
-        self.capacity.record(size, bool(header[11]))  # before the next receive is posted
-        msg = decode(header, payload)
-        if msg.key.kind == ABORT:
-            error = _abort_error(self.peer, self.src, header, msg)
-            raise _Relayed(error) if msg.key.dst_stage == _RELAY else error
-        if msg.key != key:
-            raise CommError(f"{self._where(key)}: received the {msg.key.describe()} instead; "
-                            "the ranks disagree on the schedule or on the step (did a rank skip "
-                            "a step?)")
-        return msg
-
-    def _receive_payload(self, key: Key, header: Sequence[int], size: int) -> torch.Tensor:
-        link = self.link
-        on_device = bool(header[11]) and link.device.type != "cpu"
-        payload = torch.empty(size, dtype=torch.uint8,
-                              device=link.device if on_device else torch.device("cpu"))
-        work = (dist.irecv(payload, src=self.src, group=link.device_groups[(self.peer, link.rank)],
-                           tag=link.payload_tag) if on_device
-                else link.to(link.rank, self.peer).recv([payload], self.peer, link.payload_tag))
-        self._wait(work, key)
-        return payload
-
-    def _wait(self, work: Any, key: Key) -> None:
-        if work is None:
-            raise CommError(f"{self._where(key)}: this rank is not part of the pipeline group")
-        try:
-            work.wait(timedelta(seconds=self.link.timeout))
-        except RuntimeError as e:
-            text = str(e)
-            reason = ("timed out" if "Timed out" in text or "timeout" in text.lower()
-                      else "the peer closed the connection (did its process die?)")
-            raise CommError(f"{self._where(key)}: {reason} [{text.splitlines()[0][:200]}]"
-                            ) from None
 
 
 class P2P:
@@ -255,10 +95,10 @@ class P2P:
         self.spare_tag = self._tag + 2
         """A tag of this pipeline's own for exchanges outside the schedule (tied gradients)."""
         twin = twin_group(self.globals, rank, self.generation, timeout) if n_ranks > 1 else None
-        self._link = _Link(rank, self.name(rank), frames, frames if twin is None else twin,
+        self._link = Link(rank, self.name(rank), frames, frames if twin is None else twin,
                            self.device_groups, device, timeout,
                            max_message_bytes, self._tag, self._tag + 1)
-        self._receivers = {peer: _Receiver(peer, self.globals[peer], self.mailbox)
+        self._receivers = {peer: Receiver(peer, self.globals[peer], self.mailbox)
                            for peer in range(n_ranks) if peer != rank}
         weakref.finalize(self, _close, list(self._receivers.values()), self._sends, timeout)
 
@@ -287,11 +127,11 @@ class P2P:
         out = {}
         for peer, key in keys.items():
             posted = self.mailbox.take_handed(key, time.monotonic() + self.timeout, describe)
-            incoming = _Incoming(self._link, peer, self.globals[peer], self.mailbox,
+            incoming = Incoming(self._link, peer, self.globals[peer], self.mailbox,
                                  self._receivers[peer].capacity)
             try:
                 out[peer] = incoming.receive(key, posted)
-            except _Relayed as e:
+            except Relayed as e:
                 raise PeerFailed(f"{describe}: {e.error}") from None
             except CommError as e:
                 raise type(e)(f"{describe}: {e}") from None
@@ -386,7 +226,7 @@ class P2P:
         timeout (after which gloo would close that connection for good).
         """
         raw = bytearray(text.encode()[:4096] or b" ")
-        msg = Message(Key(ABORT, step, mb, stage, _RELAY if relay else -1),
+        msg = Message(Key(ABORT, step, mb, stage, RELAY if relay else -1),
                       [torch.frombuffer(raw, dtype=torch.uint8)])
         works = []
         for peer in range(self.n_ranks):
@@ -420,7 +260,7 @@ def _encoded(msg: Message, rank: int, op: int, capacity: int,
     return form
 
 
-def _close(receivers: list[_Receiver], sends: list[tuple[Any, Any, Any]],
+def _close(receivers: list[Receiver], sends: list[tuple[Any, Any, Any]],
            timeout: float) -> None:
     """Wait (bounded, errors ignored: the peer may be gone) for sends still in flight, so none
     is dropped before its peer takes it; stop the receivers."""
@@ -433,19 +273,3 @@ def _close(receivers: list[_Receiver], sends: list[tuple[Any, Any, Any]],
     sends.clear()
     for r in receivers:
         r.jobs.put(None)
-
-
-def _abort_error(peer: int, src: int, header: Sequence[int], msg: Message) -> PeerFailed:
-    t = msg.tensors[0]
-    text = bytes(t.cpu().tolist()).decode(errors="replace") if t is not None else ""
-    relayed = [f"{name}: " for name in ("PeerFailed", "JobFailed")]
-    if header[5] == _RELAY and text.startswith(tuple(relayed)):  # the origin's news, passed on
-        text = text.split(": ", 1)[1]
-        return PeerFailed(text if "[passed on by rank" in text
-                          else f"{text} [passed on by {rank_name(peer, src)}]")
-    op = OPS[header[10]] if 0 <= header[10] < len(OPS) else "?"
-    stage, mb, step = header[4], header[3], header[2]
-    where = (f"at stage {stage}, mb {mb}, action {stage}{op}{mb}" if stage >= 0
-             else "outside any action")
-    return PeerFailed(f"{rank_name(peer, src)} failed {where} (step {step}): {text}")
-

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.comm import PeerFailed
 from pipetrain.groups import rank_name
+from pipetrain.receiver import PeerFailed
 
 __all__ = ["JobFailed", "wait", "all_reduce"]
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from pipetrain import microbatch
 from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
-from pipetrain.comm import P2P, PeerFailed
+from pipetrain.comm import P2P
 from pipetrain.delivery import Proofs, delivery_proofs
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.finish import StepTimes, done_key, exchange, total_loss
@@ -31,6 +31,7 @@ from pipetrain.layers import Layers, packed, profiling_sample, trace_stages
 from pipetrain.lazy import LayerSpec
 from pipetrain.parallelize import Gathering, held_parameter, join, parallelize_stages
 from pipetrain.partition import check_balance, even_balance, stage_bounds
+from pipetrain.receiver import PeerFailed
 from pipetrain.recompute import Policy, layer_flags
 from pipetrain.routes import chain
 from pipetrain.runtime import Executor, GradsReady, StepData, grad_links, message_plans

@@ -242,7 +242,7 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
     """``error``, or for a timeout a :class:`CommError` that also names who held it up; for a
     peer that closed its connection, the job's news of why (a :class:`PeerFailed`, this rank
     only relays it) when the store holds it."""
-    from pipetrain.comm import PeerFailed
+    from pipetrain.receiver import PeerFailed
 
     news.start_failing()
     if isinstance(error, CommError) and "closed the connection" in str(error):
