@@ -73,6 +73,14 @@ def bound(case: Case, schedule: str) -> float:
 
 
 def _deepspeed_engine(case: Case) -> Callable[[], None]:
+    return deepspeed_step(case.make_layers(), case.ranks, _loss, *_data(case.microbatches),
+                          case.microbatches)
+
+
+def deepspeed_step(layers: list[Any], ranks: int, loss_fn: Callable[..., Any], x: torch.Tensor,
+                   y: torch.Tensor, m: int) -> Callable[[], None]:
+    """DeepSpeed's PipelineModule over ``layers`` (split evenly), one ``train_batch`` of ``x``
+    and ``y`` in ``m`` micro-batches of ROWS rows per call; SGD with lr 0."""
     import logging
 
     import deepspeed
@@ -82,13 +90,12 @@ def _deepspeed_engine(case: Case) -> Callable[[], None]:
     logger.setLevel(logging.ERROR)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # its banners
         deepspeed.init_distributed(dist_backend="gloo")
-        net = PipelineModule(layers=case.make_layers(), num_stages=case.ranks, loss_fn=_loss,
+        net = PipelineModule(layers=layers, num_stages=ranks, loss_fn=loss_fn,
                              partition_method="uniform")
         engine, *_ = deepspeed.initialize(
             model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
             config={"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10**9,
-                    "gradient_accumulation_steps": case.microbatches})
-    x, y = _data(case.microbatches)
+                    "gradient_accumulation_steps": m})
 
     def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
@@ -97,16 +104,21 @@ def _deepspeed_engine(case: Case) -> Callable[[], None]:
     return lambda: engine.train_batch(it)
 
 
+def trained(model: Any, step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` followed by an optimizer step (SGD, lr 0) on ``model``'s parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run() -> None:
+        step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return run
+
+
 def _pipetrain_step(case: Case, schedule: str, **where: Any) -> Callable[[], None]:
     pipe = pt.Pipeline(case.make_layers(), schedule, case.microbatches, _loss, **where)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.0)
     x, y = _data(case.microbatches)
-
-    def step() -> None:
-        pipe.step(x, y)
-        opt.step()
-        opt.zero_grad()
-    return step
+    return trained(pipe, lambda: pipe.step(x, y))
 
 
 def _timed(steps: dict[str, Callable[[], None]], case: Case) -> dict[str, list[float]]:

@@ -22,18 +22,17 @@ so that each process holds one model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from calibrated import Case
-from peers import ROWS, _timed, installed, missing
+from peers import ROWS, _timed, deepspeed_step, installed, missing, trained
 
 import pipetrain as pt
+from pipetrain.partition import even_balance
 
 Steps = dict[str, Callable[[], None]]
 
@@ -55,47 +54,10 @@ def _batch(seq: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def _even(n_layers: int, p: int) -> list[int]:
-    k = n_layers // p
-    return [k] * (p - 1) + [n_layers - k * (p - 1)]
-
-
-def _trained(model: Any, step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` followed by an optimizer step (SGD, lr 0) on ``model``'s parameters."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-
-    def train() -> None:
-        step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return train
-
-
 def _deepspeed(preset: str, seq: int, m: int, p: int) -> Callable[[], None]:
-    import logging
-
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.utils import logger
-
     from pipetrain.gpt import lm_loss
 
-    x, y = _batch(seq, m)
-    logger.setLevel(logging.ERROR)
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        deepspeed.init_distributed(dist_backend="gloo")
-        net = PipelineModule(layers=_layers(preset, seq), num_stages=p, loss_fn=lm_loss,
-                             partition_method="uniform")
-        engine, *_ = deepspeed.initialize(
-            model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
-            config={"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10**9,
-                    "gradient_accumulation_steps": m})
-
-    def data() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield from zip(x.split(ROWS), y.split(ROWS), strict=True)
-    it = data()
-    return lambda: engine.train_batch(it)
+    return deepspeed_step(_layers(preset, seq), p, lm_loss, *_batch(seq, m), m)
 
 
 def _steps(preset: str, seq: int, m: int, p: int, libs: Sequence[str]) -> Steps:
@@ -111,17 +73,17 @@ def _steps(preset: str, seq: int, m: int, p: int, libs: Sequence[str]) -> Steps:
             layers = _layers(preset, seq)
             local = {"local_ranks": p} if "local" in name else {}
             pipe = pt.Pipeline(layers, "1f1b" if "1f1b" in name else "gpipe", m, lm_loss,
-                               balance=_even(len(layers), p), **local,
+                               balance=even_balance(len(layers), p), **local,
                                recompute="always" if "recompute" in name else "never")
-            steps[name] = _trained(pipe, lambda pipe=pipe: pipe.step(x, y))
+            steps[name] = trained(pipe, lambda pipe=pipe: pipe.step(x, y))
         elif name.startswith("torchgpipe"):
             from torch import nn
             from torchgpipe import GPipe
 
             layers = _layers(preset, seq)
-            model = GPipe(nn.Sequential(*layers), balance=_even(len(layers), p),
+            model = GPipe(nn.Sequential(*layers), balance=even_balance(len(layers), p),
                           devices=["cpu"] * p, chunks=m, checkpoint=name[12:-1])
-            steps[name] = _trained(model, lambda model=model: lm_loss(model(x), y).backward())
+            steps[name] = trained(model, lambda model=model: lm_loss(model(x), y).backward())
         else:
             steps[name] = _deepspeed(preset, seq, m, p)
     return steps
