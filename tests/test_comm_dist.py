@@ -117,8 +117,19 @@ FORGERIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def _directions(rank: int) -> bool:
+    """Whether this rank's messages to its peer and the peer's to it use separate groups
+    (separate connections: one of our threads at each end of each)."""
+    p2p = _transport(rank)
+    try:
+        link = p2p._link  # noqa: SLF001
+        return link.to(1 - rank) is not link.from_(1 - rank)
+    finally:
+        p2p.close()
+
+
 def _run(ctx: pt.RankContext) -> dict[str, object]:
-    out: dict[str, object] = {"growth": _growth(ctx.rank)}
+    out: dict[str, object] = {"growth": _growth(ctx.rank), "split": _directions(ctx.rank)}
     for name, forge in FORGERIES.items():
         out[name] = _forged(ctx.rank, forge, valid=name == "combined-ok")
     return out
@@ -136,6 +147,10 @@ def test_a_payload_goes_behind_its_header_once_the_capacity_holds_it(
     assert results[0]["growth"] == ["[1, 2, 1, 2, 1]", "[1, 1, 1, 1, 1]"]
     assert results[1]["growth"] == ["wrong: []", "wrong: []"]
     assert 4 * 100 <= INLINE_BYTES < 4 * 4000
+
+
+def test_each_direction_of_a_pair_has_its_own_group(results: list[dict[str, object]]) -> None:
+    assert [r["split"] for r in results] == [True, True]
 
 
 WHERE = ("CommError: rank 1 receiving the activation of mb 1 from stage 0 to stage 1 "

@@ -152,10 +152,9 @@ class P2P:
             group = self._link.to(dst_rank)
             works: list[Any] = [group.send([first], dst_rank, self._tag)]  # as dist.isend
             if payload is not None:
-                pair = self.device_groups.get((self.rank, dst_rank))
-                works.append(dist.isend(payload, dst=self.globals[dst_rank], group=pair,
-                                        tag=self._tag + 1) if on_device
-                             else group.send([payload], dst_rank, self._tag + 1))
+                works.append(dist.isend(payload, dst=self.globals[dst_rank], tag=self._tag + 1,
+                                        group=self.device_groups[(self.rank, dst_rank)])
+                             if on_device else group.send([payload], dst_rank, self._tag + 1))
             entries = [(work, first, payload) for work in works]
             self._sends += entries
             self._pending[(dst_rank, msg.key)] = entries

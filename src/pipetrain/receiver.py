@@ -73,9 +73,13 @@ class Link:
     frame_tag: int
     payload_tag: int
 
-    def to(self, dst: int, src: int | None = None) -> Channel:
-        """The gloo group of messages from ``src`` (this rank if None) to ``dst``."""
-        return self.up if dst > (self.rank if src is None else src) else self.down
+    def to(self, dst: int) -> Channel:
+        """The gloo group of this rank's messages to rank ``dst``."""
+        return self.up if dst > self.rank else self.down
+
+    def from_(self, src: int) -> Channel:
+        """The gloo group of rank ``src``'s messages to this rank."""
+        return self.up if self.rank > src else self.down
 
 
 class Receiver:
@@ -120,7 +124,7 @@ class Incoming:
 
     def _post(self) -> tuple[torch.Tensor, Any]:
         frame = new_frame(self.capacity.bytes)  # what the peer's copy allows it to send
-        group = self.link.to(self.link.rank, self.peer)
+        group = self.link.from_(self.peer)
         return frame, group.recv([frame], self.peer, self.link.frame_tag)
 
     def receive(self, key: Key, posted: tuple[torch.Tensor, Any]) -> Message:
@@ -183,7 +187,7 @@ class Incoming:
                               device=link.device if on_device else torch.device("cpu"))
         work = (dist.irecv(payload, src=self.src, group=link.device_groups[(self.peer, link.rank)],
                            tag=link.payload_tag) if on_device
-                else link.to(link.rank, self.peer).recv([payload], self.peer, link.payload_tag))
+                else link.from_(self.peer).recv([payload], self.peer, link.payload_tag))
         self._wait(work, key)
         return payload
 
