@@ -15,7 +15,8 @@ from torch import nn
 import pipetrain as pt
 
 TIMEOUT = 30.0  # far above the time news takes: a rank that only timed out fails the test
-HANG_TIMEOUT, HANG_S = 8.0, 16.0  # a hung stage sleeps twice as long as its peers wait
+HANG_TIMEOUT = 8.0
+HANG_S = HANG_TIMEOUT + 10.0  # past a peer's timeout, its 2.5 s probe, and 7.5 s of slack
 
 
 class Fault(nn.Module):

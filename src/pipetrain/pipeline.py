@@ -166,7 +166,6 @@ class Pipeline:
         self._canonical = {i: n for i, n in source.names(layers).items() if i in hosted}
         self._buffer_names, self._source = source.buffer_names(self._hosted_layers()), source
         source.release()  # the other ranks' layers: each rank holds its own stages only
-        del layers
         gathering = parallelize if isinstance(parallelize, Gathering) else None
         untied = {} if parallelize is None else parallelize_stages(
             parallelize, self._stage_layers, self.tied, self._canonical)
