@@ -54,6 +54,8 @@ class Layers:
         if traced is None:
             _check_meta_sharing(self.items)
         self._names = _first_names(self.items)  # before any Parameter is replaced
+        if traced is not None:  # a tied weight under the name model.named_parameters() gives
+            self._names.update({id(p): n for n, p in model.named_parameters()})
         self._buffers: dict[int, str] = {}  # a traced model's own buffers (not export's)
         self.persistent: set[str] | None = None
         if traced is not None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain import microbatch
+from pipetrain import rng as rng_streams
 from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
 from pipetrain.comm import P2P
 from pipetrain.delivery import Proofs, delivery_proofs
@@ -101,7 +102,9 @@ class Pipeline:
             named module (``["blocks.4", "blocks.8"]``); ``"auto"`` cuts at every unit
             (:mod:`pipetrain.autosplit`) and groups the units by ``balance`` (default
             ``"params"``); with ``balance=``, a list cuts units that the balance groups the
-            same way. Needs ``example_inputs``; ``step`` takes what :meth:`pack` builds.
+            same way. Needs ``example_inputs``; ``step`` takes the inputs as ``forward`` does:
+            a tensor, a tuple of positional arguments, a dict of keyword arguments, or
+            :meth:`pack`'s payload (to mix positional and keyword arguments).
         example_inputs: with ``split_points``, positional (tuple) or keyword (dict) arguments
             of ``model.forward``; with a profiling ``balance``, one micro-batch of input.
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
@@ -112,6 +115,13 @@ class Pipeline:
             the split and before the first step, to wrap the stage's layers in place: FSDP2's
             ``fully_shard`` (:class:`pipetrain.sharded.ShardedStages` does it), tensor
             parallelism, or the user's own. Parameters keep their names in the model.
+        rng: whether each micro-batch's forward draws its random numbers (dropout) from a
+            stream of its own that travels with it from stage to stage, so that every layer
+            draws what it draws on one device when micro-batch i starts from
+            ``rng.start(base, i)`` (:mod:`pipetrain.rng`; ``testing.reference_step(...,
+            rng=True)``). None: when the model draws (a captured graph with a dropout of p > 0
+            in training; a layer list with a dropout module of p > 0 in training mode; for
+            dropout called as a function in a layer's own forward, pass True).
 
     Raises:
         ValueError: for an unknown schedule or integers outside its constraints.
@@ -129,6 +139,7 @@ class Pipeline:
         recompute: Policy = "never", init_seed: int = 0,
         split_points: Sequence[str] | str | None = None, example_inputs: Any = None,
         parallelize: Callable[[int, list[nn.Module]], None] | None = None,
+        rng: bool | None = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -142,6 +153,7 @@ class Pipeline:
             model, split_points, example_inputs, balance, n_stages)
         source = Layers(model, self.traced, init_seed)
         layers = source.items
+        self.rng = _carries_rng(rng, self.traced, layers)
         if split_points == "auto" and balance is None:
             balance = "params"
         self.balance_plan: BalancePlan | None = None
@@ -224,7 +236,8 @@ class Pipeline:
             self.stages[s] = Stage(s, [m for _, m in chunk], is_last=s == last,
                                    loss_fn=self.loss_fn, device=self.device,
                                    recompute=replay[lo:hi], split_dim=self.split_dim,
-                                   ports=self.routes.ports[s] if self.routes.keyed else None)
+                                   ports=self.routes.ports[s] if self.routes.keyed else None,
+                                   carry_rng=self.rng)
 
     @staticmethod
     def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
@@ -366,7 +379,15 @@ class Pipeline:
         if first in self.stages:
             if inputs is None:
                 raise ValueError(f"{where}: this rank holds stage 0 and needs inputs, got None")
+            if self.traced is not None:
+                try:
+                    inputs = self.traced.payload(inputs)
+                except ValueError as e:
+                    raise ValueError(f"{where}, stage 0: {e}") from None
             data.inputs = microbatch.split(inputs, m, self.split_dim)
+            if self.rng:
+                base = rng_streams.draw_base()
+                data.rng = [rng_streams.start(base, i, self.device) for i in range(m)]
         data.targets, data.weights = [None] * m, [1.0] * m
         if last in self.stages and self.loss_fn is not None:
             if targets is None and data.train:
@@ -410,6 +431,17 @@ class Pipeline:
                  ) if current else (-1, -1, 0)
         self.transport.abort(step, *where, f"{type(error).__name__}: {error}",
                              relay=isinstance(error, PeerFailed))
+
+
+def _carries_rng(given: bool | None, traced: TracedSplit | None,
+                 layers: Sequence[tuple[str, nn.Module | LayerSpec]]) -> bool:
+    """Whether micro-batches carry their random streams (given, or: whether the model draws)."""
+    if given is not None:
+        return bool(given)
+    if traced is not None:
+        return any(traced.draws)
+    return any(isinstance(m, nn.Module) and rng_streams.module_draws(m)
+               for _, m in layers)
 
 
 def _broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessGroup | None

@@ -21,7 +21,7 @@ k after B/I of k+1): any schedule that :func:`~pipetrain.validate.validate` acce
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__: list[str] = []
@@ -76,7 +76,8 @@ def chain(n_stages: int) -> Routes:
 
 
 def direct(made_in: Mapping[str, int], used_in: Mapping[str, Sequence[int]],
-           stage_of: Sequence[int], n_stages: int) -> Routes:
+           stage_of: Sequence[int], n_stages: int, forward_only: Collection[str] = ()
+           ) -> Routes:
     """Routes of values sent directly from their producer to every stage that uses them.
 
     Args:
@@ -84,6 +85,8 @@ def direct(made_in: Mapping[str, int], used_in: Mapping[str, Sequence[int]],
         used_in: payload key -> the parts that use it.
         stage_of: part -> the stage holding it (non-decreasing).
         n_stages: the number of stages.
+        forward_only: keys whose values have no gradient (a micro-batch's random state):
+            no gradient message carries them.
     """
     acts: dict[tuple[int, int], list[str]] = {}
     grads: dict[tuple[int, int], list[str]] = {}
@@ -92,7 +95,8 @@ def direct(made_in: Mapping[str, int], used_in: Mapping[str, Sequence[int]],
         users = sorted({stage_of[u] for u in used_in.get(key, ())} - {producer})
         for before, user in zip([producer] + users, users):
             acts.setdefault((producer, user), []).append(key)
-            grads.setdefault((user, before), []).append(key)
+            if key not in forward_only:
+                grads.setdefault((user, before), []).append(key)
     return Routes(tuple(Ports(_links(acts, s, to=True), _links(acts, s, to=False),
                               _links(grads, s, to=True), _links(grads, s, to=False))
                         for s in range(n_stages)), keyed=True)

@@ -60,6 +60,7 @@ class StepData:
     outputs: dict[int, Any] = field(default_factory=dict)
     times: list[float] = field(default_factory=list)  # start, end of each action run, in order
     done_sent: bool = False  # this rank sent its end-of-step message
+    rng: Sequence[str] = ()  # stage 0: each micro-batch's starting random state (rng.py)
 
 
 class Executor:
@@ -186,8 +187,9 @@ class Executor:
             inputs = [([_present(t, m.key) for t in m.tensors], m.spec, m.requires_grad)
                       for m in msgs]
         target = data.targets[a.mb] if stage.is_last else None
+        start = data.rng[a.mb] if a.stage == 0 and data.rng else None
         sends, loss, raw = stage.forward(a.mb, inputs, target, data.weights[a.mb],
-                                         track=data.train)
+                                         track=data.train, rng_start=start)
         if stage.is_last:
             if data.keep_outputs:
                 data.outputs[a.mb] = _detach(raw)

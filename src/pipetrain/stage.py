@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from pipetrain import rng
 from pipetrain.backward import Root, WeightWork, backward_full, backward_input
 from pipetrain.microbatch import batch_size
 from pipetrain.parallelize import Gathering
@@ -60,9 +61,10 @@ class Stage:
     def __init__(self, index: int, layers: Sequence[nn.Module], *, is_last: bool,
                  loss_fn: LossFn | None, device: torch.device,
                  recompute: bool | Sequence[bool] = False, split_dim: int = 0,
-                 ports: Ports | None = None) -> None:
+                 ports: Ports | None = None, carry_rng: bool = False) -> None:
         self.index, self.is_last, self.loss_fn, self.device = index, is_last, loss_fn, device
         self.ports = ports  # keyed routes (a traced model); None: a chain of whole payloads
+        self.carry_rng = carry_rng  # micro-batches' random streams travel with them (rng.py)
         self.split_dim = split_dim
         flags = ([recompute] * len(layers) if isinstance(recompute, bool)
                  else [bool(f) for f in recompute])
@@ -80,7 +82,7 @@ class Stage:
         return list(self.module.parameters())
 
     def forward(self, mb: int, inputs: Sequence[Incoming], target: Any = None,
-                weight: float = 1.0, track: bool = True
+                weight: float = 1.0, track: bool = True, rng_start: str | None = None
                 ) -> tuple[list[Outgoing], torch.Tensor | None, Any]:
         """F: run the layers on one micro-batch.
 
@@ -88,6 +90,7 @@ class Stage:
         ``ports.act_in`` (a chain's single input otherwise). Returns ``(sends, loss, raw
         output)``: one ``(tensors, spec)`` per message of ``ports.act_out`` (a chain's single
         output), the weighted loss on the last stage, and the model output (for ``outputs=``).
+        ``rng_start`` is stage 0's random state of the micro-batch (:mod:`pipetrain.rng`).
         """
         dev = self.device
         leaves: list[torch.Tensor] = []
@@ -101,7 +104,14 @@ class Stage:
                     payload = unflatten(group, spec)
                 else:
                     payload.update(unflatten(group, spec))
-            out = self._layers(payload, replays if track else None)
+            payload, state = self._take_rng(payload, rng_start)
+            if state is None:
+                out = self._layers(payload, replays if track else None)
+            else:
+                ended: list[str] = []
+                with rng.stream(dev, state, ended):
+                    out = self._layers(payload, replays if track else None)
+                state = ended[0]
             loss = None
             sends: list[Outgoing] = []
             if self.is_last and self.loss_fn is not None and target is not None:
@@ -109,11 +119,12 @@ class Stage:
                 loss = self.loss_fn(out, _to_device(target, dev)) * weight
                 roots: list[torch.Tensor] = [loss]
             elif self.ports is None or self.is_last:
-                sends.append(flatten(out))
+                sends.append(flatten(out if state is None or self.is_last
+                                     else {rng.KEY: state, "x": out}))
                 roots = sends[0][0]
             else:
-                sends = [flatten({k: out[k] for k in keys or ()}) for _, keys in
-                         self.ports.act_out]
+                sends = [flatten({k: state if rng.is_key(k) else out[k] for k in keys or ()})
+                         for _, keys in self.ports.act_out]
                 roots = [t for _, keys in self.ports.grad_in for t in flatten(
                     {k: payload[k] if k in payload else out[k] for k in keys or ()})[0]]
         if track:
@@ -121,6 +132,18 @@ class Stage:
                                          replays=replays,
                                          payload=None if self.ports is None else payload)
         return sends, loss, out
+
+    def _take_rng(self, payload: Any, start: str | None) -> tuple[Any, str | None]:
+        """The payload without the micro-batch's carried random state, and that state (None
+        where this stage runs on the process's own generator)."""
+        if not self.carry_rng:
+            return payload, None
+        if self.index == 0:
+            return payload, start
+        if self.ports is None:  # a chain: every message wraps the payload with the state
+            return payload["x"], payload[rng.KEY]
+        keys = [k for k in payload if rng.is_key(k)]
+        return payload, (payload.pop(keys[0]) if keys else None)
 
     def _layers(self, x: Any, replays: list[Replay] | None) -> Any:
         if replays is None or not self.recompute:

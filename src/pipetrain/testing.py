@@ -8,12 +8,14 @@ parameter's gradient must be *bitwise* equal to it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipetrain import microbatch
+from pipetrain import rng as streams
 
 __all__ = ["reference_step", "grad_mismatches", "reload_mismatches"]
 
@@ -21,17 +23,31 @@ __all__ = ["reference_step", "grad_mismatches", "reload_mismatches"]
 def reference_step(
     model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
     microbatches: int, *, split_dim: int = 0, loss_reduction: str = "mean",
+    rng: bool = False, device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Accumulate ``model``'s gradients over the micro-batches in order; return the batch loss."""
+    """Accumulate ``model``'s gradients over the micro-batches in order; return the batch loss.
+
+    ``inputs`` is the model's one argument, or a dict of keyword arguments (what
+    ``Pipeline.pack`` makes, or a dict a captured model is stepped with). With ``rng`` (a
+    pipeline whose ``rng`` is True), each micro-batch runs on its own random stream, started
+    as the pipeline starts it on stage 0's rank (:mod:`pipetrain.rng`), and ``device``'s
+    generator is put back after it.
+    """
     xs = microbatch.split(inputs, microbatches, split_dim)
     ys = microbatch.split(targets, microbatches, split_dim)
     total_size = microbatch.batch_size(targets, split_dim)
     sizes = microbatch.sizes(total_size, microbatches)
+    dev = torch.device(device)
+    base = streams.draw_base() if rng else 0
     total: torch.Tensor | None = None
-    for x, y, n in zip(xs, ys, sizes):
+    for i, (x, y, n) in enumerate(zip(xs, ys, sizes)):
         weight = n / total_size if loss_reduction == "mean" else 1.0
-        loss = loss_fn(model(x), y) * weight
-        loss.backward()  # type: ignore[no-untyped-call]
+        with streams.stream(dev, streams.start(base, i, dev), []) if rng else nullcontext():
+            keywords = isinstance(x, dict) and isinstance(model, nn.Module) and not isinstance(
+                model, nn.Sequential)
+            out = model(**x) if keywords else model(x)
+            loss = loss_fn(out, y) * weight
+            loss.backward()  # type: ignore[no-untyped-call]
         total = loss.detach() if total is None else total + loss.detach()
     if total is None:
         raise ValueError("no micro-batches")

@@ -50,7 +50,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pipetrain.capture import Captured, capture
+from pipetrain import rng
+from pipetrain.capture import Captured, Packed, capture
 from pipetrain.errors import PartitionError
 from pipetrain.routes import Routes, direct
 
@@ -76,8 +77,10 @@ class TracedSplit:
     """Per boundary key: the stage that makes the value."""
     used_in: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Per boundary key: the stages that use the value (the last: its output), ascending."""
+    draws: tuple[bool, ...] = ()
+    """Per stage: whether it draws random numbers (dropout in training; :mod:`pipetrain.rng`)."""
 
-    def pack(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def pack(self, *args: Any, **kwargs: Any) -> Packed:
         """Stage 0's payload for ``model(*args, **kwargs)``: argument name -> value.
 
         Arguments not given are left out and keep their defaults, as in the capture.
@@ -87,6 +90,12 @@ class TracedSplit:
         """
         return self.captured.pack(*args, **kwargs)
 
+    def payload(self, inputs: Any) -> Packed:
+        """Stage 0's payload for ``inputs`` given as ``forward`` takes them: a tensor, a tuple
+        of positional arguments, a dict of keyword arguments, or what :meth:`pack` made
+        (:meth:`~pipetrain.capture.Captured.payload`)."""
+        return self.captured.payload(inputs)
+
     def run(self, payload: dict[str, Any]) -> Any:
         """Run the stages one after another on stage 0's payload; returns the model output."""
         x: Any = payload
@@ -95,9 +104,18 @@ class TracedSplit:
         return x
 
     def routes(self, balance: Sequence[int]) -> Routes:
-        """Direct routes when consecutive stages are grouped ``balance[i]`` at a time."""
+        """Direct routes when consecutive stages are grouped ``balance[i]`` at a time.
+
+        A micro-batch's random state goes from stage 0 to the first stage that draws, and
+        from each stage that draws to the next one (:mod:`pipetrain.rng`)."""
         stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
-        return direct(self.made_in, self.used_in, stage_of, len(balance))
+        made, used = dict(self.made_in), dict(self.used_in)
+        chain = [0] + [k for k, d in enumerate(self.draws) if d and k > 0]
+        if any(self.draws):
+            for a, b in zip(chain, chain[1:]):
+                made[rng.key(a)], used[rng.key(a)] = a, (b,)
+        return direct(made, used, stage_of, len(balance),
+                      forward_only=[k for k in made if rng.is_key(k)])
 
     @property
     def shared(self) -> dict[str, list[int]]:
@@ -152,7 +170,7 @@ def split_model(
     canonical = {id(p): name for name, p in model.named_parameters()}
     names = [{n: canonical[id(p)] for n, p in s.named_parameters()} for s in stages]
     split = TracedSplit(list(stages), names, list(captured.given), boundaries, captured,
-                        *uses)
+                        *uses, tuple(rng.graph_draws(stage) for stage in stages))
     return split
 
 
