@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +102,7 @@ class Captured:
         """
         if isinstance(inputs, Packed):
             return inputs
-        forms: list[tuple[str, Any]] = []
+        forms: list[tuple[str, Callable[[], Packed]]] = []
         if isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs):
             forms.append(("keyword arguments", lambda: self.pack(**inputs)))
         if isinstance(inputs, tuple):
@@ -120,7 +121,7 @@ class Captured:
         raise ValueError(self._mismatch(inputs, tried))
 
     def _structure(self, payload: dict[str, Any]) -> pytree.TreeSpec:
-        bound = inspect.BoundArguments(self.signature, payload)  # type: ignore[arg-type]
+        bound = inspect.BoundArguments(self.signature, payload)
         return pytree.tree_flatten((bound.args, bound.kwargs))[1]
 
     def _mismatch(self, inputs: Any, tried: list[tuple[str, Packed | TypeError]]) -> str:

@@ -172,7 +172,8 @@ class Pipeline:
         self.stages: dict[int, Stage] = {}
         # ties and names follow Parameter identity, which materialising replaces: read them first
         self.tied = find_tied([[(n, m) for n, m in layers[lo:hi] if isinstance(m, nn.Module)]
-                               for lo, hi in stage_bounds(self.balance)], self.schedule.placement)
+                               for lo, hi in stage_bounds(self.balance)], self.schedule.placement,
+                               source.names(layers))
         self._build_stages(layers, layer_flags(recompute, self.balance), source)
         hosted = {id(p) for _, m in self._hosted_layers() for p in m.parameters()}
         self._canonical = {i: n for i, n in source.names(layers).items() if i in hosted}

@@ -14,7 +14,7 @@ single-device ones to rounding, not bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -42,13 +42,16 @@ class TiedParam:
 
 
 def find_tied(stage_layers: Sequence[Sequence[tuple[str, nn.Module]]],
-              rank_of: Sequence[int]) -> list[TiedParam]:
-    """Parameters that appear in more than one stage, in order of first appearance."""
+              rank_of: Sequence[int], names: Mapping[int, str] | None = None
+              ) -> list[TiedParam]:
+    """Parameters that appear in more than one stage, in order of first appearance; named by
+    ``names`` (``id`` -> the model's name), else by their first holder."""
     seen: dict[int, tuple[str, list[int]]] = {}
     for stage, layers in enumerate(stage_layers):
         for layer_name, layer in layers:
             for pname, p in layer.named_parameters():
-                full = f"{layer_name}.{pname}" if layer_name else pname
+                full = (names or {}).get(id(p)) or (
+                    f"{layer_name}.{pname}" if layer_name else pname)
                 name, stages = seen.setdefault(id(p), (full, []))
                 if stage not in stages:
                     stages.append(stage)

@@ -53,6 +53,7 @@ from torch import fx, nn
 from pipetrain import rng
 from pipetrain.capture import Captured, Packed, capture
 from pipetrain.errors import PartitionError
+from pipetrain.provenance import Write, prove_routes, prove_writes, writes
 from pipetrain.routes import Routes, direct
 
 __all__ = ["TracedSplit", "split_model"]  # public: split_model and its result
@@ -79,6 +80,8 @@ class TracedSplit:
     """Per boundary key: the stages that use the value (the last: its output), ascending."""
     draws: tuple[bool, ...] = ()
     """Per stage: whether it draws random numbers (dropout in training; :mod:`pipetrain.rng`)."""
+    writes: tuple[Write, ...] = ()
+    """In-place writes that a later stage reads after (:mod:`pipetrain.provenance`)."""
 
     def pack(self, *args: Any, **kwargs: Any) -> Packed:
         """Stage 0's payload for ``model(*args, **kwargs)``: argument name -> value.
@@ -104,18 +107,32 @@ class TracedSplit:
         return x
 
     def routes(self, balance: Sequence[int]) -> Routes:
-        """Direct routes when consecutive stages are grouped ``balance[i]`` at a time.
+        """Direct routes when consecutive stages are grouped ``balance[i]`` at a time, proven to
+        deliver every value a stage reads from the stage that made it.
 
         A micro-batch's random state goes from stage 0 to the first stage that draws, and
-        from each stage that draws to the next one (:mod:`pipetrain.rng`)."""
+        from each stage that draws to the next one (:mod:`pipetrain.rng`).
+
+        Raises:
+            PartitionError: when a stage would read a value before another stage's in-place
+                write to it (:func:`~pipetrain.provenance.prove_writes`).
+        """
         stage_of = [s for s, n in enumerate(balance) for _ in range(n)]
+        prove_writes(self.writes, stage_of)
         made, used = dict(self.made_in), dict(self.used_in)
         chain = [0] + [k for k, d in enumerate(self.draws) if d and k > 0]
         if any(self.draws):
             for a, b in zip(chain, chain[1:]):
                 made[rng.key(a)], used[rng.key(a)] = a, (b,)
-        return direct(made, used, stage_of, len(balance),
-                      forward_only=[k for k in made if rng.is_key(k)])
+        routes = direct(made, used, stage_of, len(balance),
+                        forward_only=[k for k in made if rng.is_key(k)])
+        reads: list[dict[str, int]] = [{} for _ in balance]
+        for k, part in made.items():
+            for user in used.get(k, ()):
+                if stage_of[user] != stage_of[part]:
+                    reads[stage_of[user]][k] = part
+        prove_routes(routes, reads, stage_of)
+        return routes
 
     @property
     def shared(self) -> dict[str, list[int]]:
@@ -166,11 +183,12 @@ def split_model(
     points = _check_names(model, split_points, "split_points")
     if captured is None:
         captured = capture(model, example_inputs)
-    stages, boundaries, uses = _build(model, captured, points, check)
+    stages, boundaries, uses, found = _build(model, captured, points, check)
     canonical = {id(p): name for name, p in model.named_parameters()}
     names = [{n: canonical[id(p)] for n, p in s.named_parameters()} for s in stages]
     split = TracedSplit(list(stages), names, list(captured.given), boundaries, captured,
-                        *uses, tuple(rng.graph_draws(stage) for stage in stages))
+                        *uses, tuple(rng.graph_draws(stage) for stage in stages),
+                        tuple(found))
     return split
 
 
@@ -232,7 +250,7 @@ def _cuts(model: nn.Module, nodes: list[fx.Node], points: list[str]) -> list[int
 
 def _build(model: nn.Module, captured: Captured, points: list[str], check: bool
            ) -> tuple[list[fx.GraphModule], list[list[str]],
-                      tuple[dict[str, int], dict[str, tuple[int, ...]]]]:
+                      tuple[dict[str, int], dict[str, tuple[int, ...]]], list[Write]]:
     nodes = list(captured.graph.nodes)
     cuts = _cuts(model, nodes, points)
     stage_of = {n: sum(i >= c for c in cuts) for i, n in enumerate(nodes)}
@@ -256,7 +274,8 @@ def _build(model: nn.Module, captured: Captured, points: list[str], check: bool
     made_in = {n.name: stage_of[n] for n in nodes if n in crossing}
     used_in = {n.name: tuple(sorted({stage_of[u] for u in n.users})) for n in nodes
                if n in crossing}
-    return stages, [[n.name for n in ns] for ns in live], (made_in, used_in)
+    return (stages, [[n.name for n in ns] for ns in live], (made_in, used_in),
+            writes(nodes, stage_of))
 
 
 def _live(nodes: list[fx.Node], stage_of: dict[fx.Node, int], n_stages: int
