@@ -69,6 +69,12 @@ def test_a_layer_draws_when_a_dropout_module_is_on() -> None:
     layer = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
     assert rng.module_draws(layer) and not rng.module_draws(layer.eval())
     assert not rng.module_draws(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)))
+    from pipetrain.gpt import GPTConfig, gpt_layers
+
+    for p, draws in ((0.0, False), (0.1, True)):  # GPT calls F.dropout with its own float
+        layers = gpt_layers(GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_layers=1, n_heads=2,
+                                      dropout=p))
+        assert any(rng.module_draws(m) for m in layers) is draws
 
 
 # -- a layer list: every schedule, with recomputation --------------------------------------

@@ -18,8 +18,8 @@ own generator is put back after each forward; only the one draw of ``base`` adva
 A state is the stage's device generator (the CPU's, or the CUDA device's) as text, so it is a
 plain payload value and crosses any transport. Only models that draw pay for it: a captured
 graph draws when it holds an op tagged ``nondeterministic_seeded`` whose dropout probability is
-not zero (:func:`graph_draws`); a layer list when a layer holds a dropout module with p > 0
-(:func:`module_draws`).
+not zero (:func:`graph_draws`); a layer list when a layer holds a dropout module or a dropout
+probability above 0 (:func:`module_draws`).
 """
 
 from __future__ import annotations
@@ -123,8 +123,16 @@ _RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
 
 def module_draws(module: nn.Module) -> bool:
-    """Whether a layer holds a module that draws (dropout with p > 0, RReLU; in training).
+    """Whether a layer may draw in training: it holds a dropout module with p > 0 or RReLU, or
+    a module keeps a float named like ``dropout`` above 0 (the probability a ``forward`` that
+    calls ``F.dropout`` itself passes: Hugging Face's ``attention_dropout``, GPT's ``dropout``).
 
-    Functional dropout in a layer's own ``forward`` is not seen here: pass ``rng=True``."""
-    return any(isinstance(m, _RANDOM_MODULES) and m.training and getattr(m, "p", 1.0) != 0.0
-               for m in module.modules())
+    Other random calls in a layer's own ``forward`` are not seen here: pass ``rng=True``."""
+    for m in module.modules():
+        if not m.training:
+            continue
+        if isinstance(m, _RANDOM_MODULES) and getattr(m, "p", 1.0) != 0.0:
+            return True
+        if any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
+            return True
+    return False
