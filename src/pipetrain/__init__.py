@@ -9,9 +9,11 @@ from pipetrain.lazy import LayerSpec, build_layers
 from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, simulate
+from pipetrain.verify import Verification, VerificationFailed, verify
 
 __all__ = [
     "Action", "Costs", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext", "Schedule",
-    "StepResult", "build_layers", "calibrate", "launch", "make_schedule", "simulate",
+    "StepResult", "Verification", "VerificationFailed", "build_layers", "calibrate", "launch",
+    "make_schedule", "simulate", "verify",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ peak above ``--memory-limit``.
     $ pipetrain simulate --schedule 1f1b --ranks 4 --microbatches 8 --png 1f1b.png
     $ pipetrain simulate -s zb-auto -p 4 -m 8 --memory-limit 4 --w-share 0.5
     $ pipetrain validate my_schedule.csv --cost F=1,I=1,W=1
+    $ pipetrain verify --hf tiny-llama --schedule zbv --pp 2
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pipetrain.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedule import Schedule
 from pipetrain.simulate import Costs, Simulation, simulate
 from pipetrain.train import cli as train_cli
-from pipetrain.train import export_cli, plan_cli
+from pipetrain.train import export_cli, plan_cli, verify_cli
 from pipetrain.validate import format_grid, validate
 
 __all__ = ["Subcommand", "subcommands", "build_parser", "main"]
@@ -59,6 +60,7 @@ def subcommands() -> dict[str, Subcommand]:
         "train": Subcommand(train_cli.HELP, train_cli.configure, train_cli.run),
         "export-hf": Subcommand(export_cli.HELP, export_cli.configure, export_cli.run),
         "plan": Subcommand(plan_cli.HELP, plan_cli.configure, plan_cli.run),
+        "verify": Subcommand(verify_cli.HELP, verify_cli.configure, verify_cli.run),
     }
 
 

@@ -61,7 +61,10 @@ def grad_mismatches(
     ref = dict(reference.named_parameters())
     bad = []
     for name, p in pipeline_params:
-        q = ref[name]
+        q = ref.get(name)
+        if q is None:
+            bad.append(f"{name}: not a parameter name of the reference model")
+            continue
         if (p.grad is None) != (q.grad is None):
             bad.append(f"{name}: grad is None on one side only")
         elif p.grad is not None and q.grad is not None and not torch.equal(p.grad.cpu(), q.grad):

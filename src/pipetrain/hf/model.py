@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.autosplit import units
+from pipetrain.autosplit import cut_points, units
 from pipetrain.dtensors import copy_whole_
 
 __all__ = ["HFModel", "LoadReport", "load_weights", "open_model", "split_points"]
@@ -157,14 +157,17 @@ def _weight_files(root: Path, renamings: list[tuple[str, str]]) -> dict[str, tup
     return {}
 
 
-def split_points(model: nn.Module, n_stages: int) -> list[str]:
+def split_points(model: nn.Module, n_stages: int, example: dict[str, Any] | None = None
+                 ) -> list[str]:
     """The units to group into ``n_stages`` stages: the decoder layers, or every unit.
 
     Each name starts a unit. The decoder layers (the largest stack of one layer class, such as
     ``model.layers.0`` .. ``model.layers.31``) are the units when there are at least
     ``n_stages`` of them: the embedding goes with the first, the final norm and head with the
-    last. A model with fewer layers than stages is cut at every unit instead
-    (:func:`pipetrain.autosplit.units`: embedding, each layer, norm, head).
+    last. A model with fewer layers than stages is cut at every unit instead, in the order
+    ``forward`` runs them on ``example`` (:func:`pipetrain.autosplit.cut_points`: a rotary
+    table registered after the final norm runs before the first layer); without ``example``,
+    in registration order (:func:`pipetrain.autosplit.units`).
 
     Raises:
         ValueError: when the model has fewer units than stages.
@@ -179,7 +182,7 @@ def split_points(model: nn.Module, n_stages: int) -> list[str]:
     if len(layers) >= n_stages:
         return layers[1:]
     if len(found) >= n_stages:
-        return found[1:]
+        return found[1:] if example is None else cut_points(model, example)
     raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers and "
                      f"{len(found)} units in all, fewer than the {n_stages} stages of this "
                      "layout; use fewer ranks or stages per rank (--stages-per-rank 1)")

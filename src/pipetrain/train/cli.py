@@ -11,7 +11,11 @@ them (:func:`pipetrain.train.elastic.worker`).
     $ pipetrain train --config run.toml --steps 50
     $ torchrun --nproc-per-node 4 -m pipetrain train --pp 2 --dp 2
 
-Exit codes: 0 the run finished, 1 it failed on some rank, 2 bad arguments or config.
+With ``--verify`` (and ``--hf``) the model is first checked against one process at a small
+width under the run's pipeline layout (:func:`pipetrain.train.verify_cli.before_training`).
+
+Exit codes: 0 the run finished, 1 it failed on some rank (or ``--verify`` found a difference:
+nothing was started), 2 bad arguments or config.
 """
 
 from __future__ import annotations
@@ -246,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve(args)
     from pipetrain.train import elastic
 
+    if cfg.verify and not _verified(cfg):
+        return EXIT_FAILED
     if elastic.under_torchrun():
         elastic.worker(cfg)  # exits 1 itself on failure, after naming the rank
         return EXIT_OK
@@ -255,3 +261,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"pipetrain train: {e}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _verified(cfg: TrainConfig) -> bool:
+    """``--verify``: check the run's model and layout at a small width before starting any
+    worker (:func:`pipetrain.train.verify_cli.before_training`); print the table (on global
+    rank 0 under torchrun, where every worker checks) and say whether it passed."""
+    import os
+
+    from pipetrain.errors import PipelineError
+    from pipetrain.train import verify_cli
+
+    shown = os.environ.get("RANK", "0") == "0"
+    try:
+        result = verify_cli.before_training(cfg, _say if shown else None)
+    except PipelineError as e:
+        print(f"pipetrain train: --verify failed, not training: the pipelined step failed "
+              f"where one process did not: {e}", file=sys.stderr, flush=True)
+        return False
+    if shown:
+        print(result.table() + "\n", flush=True)
+    if not result.passed:
+        print(f"pipetrain train: --verify failed, not training: "
+              f"{result.verdict().removeprefix('FAIL: ')}; see the table above",
+              file=sys.stderr, flush=True)
+    return result.passed
+
+
+def _say(line: str) -> None:
+    print(line.replace("pipetrain verify", "pipetrain train --verify", 1), flush=True)

@@ -65,6 +65,11 @@ class TrainConfig:
     """Activation recomputation: ``never``, ``always`` or ``except_last``."""
     device: str = "auto"
     """``auto`` (CUDA + NCCL when there is a GPU, else CPU + gloo), ``cpu`` or ``cuda``."""
+    verify: bool = False
+    """With ``hf``: before training, check one float64 step of the model at hidden size 64
+    (all its layers, cut where this run cuts them) under this run's pipeline layout against
+    one process, gradient by gradient (``pipetrain verify``); stop with exit 1 if one
+    differs."""
     # optimisation
     steps: int = 1500
     """Optimizer steps of the whole run."""

@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from pipetrain.data import Corpus
 from pipetrain.gpt import lm_loss
 from pipetrain.hf.model import load_weights, open_model, share_bytes, split_points
 from pipetrain.hf.save import save_pretrained
 from pipetrain.hf.tokens import load_tokenizer, token_corpus
-from pipetrain.lazy import NamedInit
+from pipetrain.lazy import NamedInit, is_meta
 from pipetrain.partition import even_balance
 from pipetrain.pipeline import Pipeline
 from pipetrain.schedule import Schedule
@@ -34,7 +35,7 @@ from pipetrain.train.config import TrainConfig
 from pipetrain.train.optim import no_decay_names
 from pipetrain.train.source import LossWrap, Source, parse_balance
 
-__all__ = ["HFSource", "causal_lm_loss", "peak_rss_bytes"]
+__all__ = ["HFSource", "causal_lm_loss", "hf_pipeline", "peak_rss_bytes"]
 
 
 def causal_lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -46,6 +47,26 @@ def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (``getrusage``; kilobytes on Linux)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: int,
+                wrap: LossWrap, **where: Any) -> Pipeline:
+    """``model`` (on ``meta`` or real) cut as ``pipetrain train --hf`` cuts it: at its decoder
+    layers, which ``cfg.balance`` groups into the schedule's stages (``even``: equal counts),
+    ``rows`` sequences of ``cfg.seq_len`` tokens per micro-batch; ``where`` as in
+    :meth:`Source.pipeline` (or ``local_ranks``). The profiling balances (``time``,
+    ``memory``) run every layer, so under them a ``meta`` model is materialised whole first.
+    """
+    example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
+    points = split_points(model, schedule.n_stages, example)
+    balance = parse_balance(cfg.balance)
+    if balance is None:
+        balance = even_balance(len(points) + 1, schedule.n_stages)
+    if isinstance(balance, str) and balance != "params" and is_meta(model):
+        model = NamedInit(model, cfg.seed).materialize(model)
+    return Pipeline(model, schedule, cfg.microbatches, wrap(causal_lm_loss),
+                    split_points=points, balance=balance, recompute=cfg.recompute,
+                    init_seed=cfg.seed, example_inputs=example, **where)
 
 
 class HFSource(Source):
@@ -85,17 +106,7 @@ class HFSource(Source):
         The profiling balances (``time``, ``memory``) run every layer, so under them the
         whole model is materialised on every rank first.
         """
-        points = split_points(self.hf.model, schedule.n_stages)
-        balance = parse_balance(cfg.balance)
-        if balance is None:
-            balance = even_balance(len(points) + 1, schedule.n_stages)
-        model = self.hf.model
-        if isinstance(balance, str) and balance != "params":
-            model = NamedInit(model, cfg.seed).materialize(model)
-        example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
-        return Pipeline(model, schedule, cfg.microbatches, wrap(causal_lm_loss),
-                        split_points=points, balance=balance, recompute=cfg.recompute,
-                        init_seed=cfg.seed, example_inputs=example, **where)
+        return hf_pipeline(self.hf.model, cfg, schedule, rows, wrap, **where)
 
     def loaded(self, pipe: Pipeline) -> dict[str, Any]:
         """Read this rank's tensors from the safetensors files; what it read, and this

@@ -241,7 +241,7 @@ def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
     # 2 rows: export specializes a dimension of size 1, and the capture serves every size
     example = {"input_ids": torch.zeros(2, cfg.seq_len, dtype=torch.long)}
     # a balance mode: the units are grouped later, so they may outnumber the stages
-    traced = trace_stages(model, split_points(model, pp), example, "time", pp)
+    traced = trace_stages(model, split_points(model, pp, example), example, "time", pp)
     return Units(list(traced.stages), lambda ids: packed(traced, {"input_ids": ids}),
                  causal_lm_loss, lambda layer, x, ids: _split_traffic(layer, splits, ids))
 
