@@ -261,6 +261,8 @@ def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any]) -> Capt
              if n.op == "get_attr" and _has_attr(module, str(n.target))}
     attrs.update({str(n.target): _attr(model, str(n.target)) for n in graph.nodes
                   if n.op == "get_attr" and str(n.target) not in attrs})
+    if is_meta(model):
+        _check_constants(model, graph, attrs)
     flat, in_spec = pytree.tree_flatten_with_path((bound.args, bound.kwargs))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(flat):  # export's own layout changed: fail loudly
@@ -343,6 +345,38 @@ def _use_own_names(graph: fx.Graph, model: nn.Module) -> None:
                     user.replace_input_with(node, graph.get_attr(own[-1]))
         if not node.users:
             graph.erase_node(node)
+
+
+def _check_constants(model: nn.Module, graph: fx.Graph, attrs: dict[str, Any]) -> None:
+    """A model captured on ``meta`` must not make tensor constants in ``forward``.
+
+    ``x[..., [-2]]`` or ``torch.tensor([1, 2])`` in ``forward`` becomes a constant of the
+    graph; on ``meta`` it has a shape but no values, and materialised it would hold garbage
+    (an index of 139788151627072). Raises PartitionError naming the line.
+    """
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    lost = [name for name, t in attrs.items()
+            if isinstance(t, torch.Tensor) and t.is_meta and id(t) not in own]
+    if not lost:
+        return
+    users = [u for n in graph.nodes if n.op == "get_attr" and str(n.target) in lost
+             for u in n.users]
+    where = "; ".join(dict.fromkeys(_last_frame(u) for u in users)) or "in forward"
+    raise PartitionError(
+        f"{type(model).__name__}.forward makes a tensor from Python values ({where}): a "
+        "constant of the captured graph, whose values a capture on the meta device cannot "
+        "know (materialised, it would hold garbage). Build the model with real tensors, or "
+        "write that line without a tensor made from a list or number (a slice "
+        "x[..., -2:-1] instead of x[..., [-2]])")
+
+
+def _last_frame(node: fx.Node) -> str:
+    """``file:line (`code`)`` of the user's line that made ``node``, from export's trace."""
+    lines = [x.strip() for x in (node.meta.get("stack_trace") or "").strip().splitlines()]
+    if len(lines) < 2 or not lines[-2].startswith("File "):
+        return lines[-1] if lines else ""
+    place = lines[-2].split(", in ")[0].replace('File "', "").replace('", line ', ":")
+    return f"{place} (`{lines[-1]}`)"
 
 
 def _has_attr(module: nn.Module, target: str) -> bool:

@@ -11,7 +11,8 @@ reads on one device. Three ways it could be another, each checked here:
   rank), and would read the old value::
 
       unit 1: v = f(x)        unit 2: v.add_(1)        unit 3: g(v)     one device: g(v + 1)
-      stages {1} {2, 3}: fine          stages {1, 2} {3}: stage 3 gets v + 1: fine
+      stages {1} {2, 3}: fine (stage 2's units share its copy of v, written)
+      stages {1, 2} {3}: fine (stage 3 gets v from stage 1 after the write)
       stages {1} {2} {3}: stage 3 gets v from stage 1, unwritten: refused
 
   :func:`writes` lists every write with the parts that read the value after it, and
@@ -44,6 +45,9 @@ class Write:
     """What is written: a parameter or buffer name, or the node that made the value."""
     part: int
     """The part (traced unit) that writes."""
+    made: int | None
+    """The part that made the value, which sends it on after its own writes; None for a
+    parameter or buffer (every rank holds its own copy)."""
     readers: tuple[int, ...]
     """The other parts that read the value after the write (a parameter or buffer: at all)."""
 
@@ -113,18 +117,36 @@ def writes(nodes: Sequence[fx.Node], part_of: Mapping[fx.Node, int]) -> list[Wri
             if readers:
                 name = str(base.target) if base.op == "get_attr" else base.name
                 found.append(Write(f"{node.target} ({node.name})", name, part_of[node],
-                                   tuple(sorted(readers))))
+                                   None if attr else part_of[base], tuple(sorted(readers))))
     return found
+
+
+def written_inputs(nodes: Sequence[fx.Node], part_of: Mapping[fx.Node, int]) -> list[set[str]]:
+    """Per part: the values made in another part that it writes in place (directly or through a
+    view). A stage receives such a value as a leaf of autograd, which must not be written in
+    place, so the part works on a copy (:mod:`pipetrain.trace`); on one device it writes the
+    producer's own tensor, and export's graph reads the written value afterwards."""
+    out: list[set[str]] = [set() for _ in range(max(part_of.values(), default=0) + 1)]
+    for node in nodes:
+        for target in _written(node):
+            base = _base(target)
+            if base.op != "get_attr" and part_of[base] != part_of[node] and (
+                    base.op != "placeholder" or part_of[node] > 0):
+                out[part_of[node]].add(base.name)
+    return out
 
 
 def prove_writes(found: Sequence[Write], stage_of: Sequence[int]) -> None:
     """Refuse a grouping of parts into stages where a value written in place is read after the
-    write by another stage (it would read its own, unwritten copy).
+    write by another stage that gets it from elsewhere: a parameter or buffer (every rank holds
+    its own copy), or a value sent by the stage that made it, when another stage wrote it (a
+    value written by the stage that made it is sent written).
 
     Raises:
         PartitionError: naming the op, the value and the stages, and what to do.
     """
-    bad = [(w, r) for w in found for r in w.readers if stage_of[r] != stage_of[w.part]]
+    bad = [(w, r) for w in found for r in w.readers if stage_of[r] != stage_of[w.part] and (
+        w.made is None or stage_of[w.made] != stage_of[w.part])]
     if bad:
         lines = [f"  - stage {stage_of[w.part]} writes {w.value!r} in place ({w.op}), and "
                  f"stage {stage_of[r]} reads it" for w, r in bad]

@@ -53,7 +53,7 @@ from torch import fx, nn
 from pipetrain import rng
 from pipetrain.capture import Captured, Packed, capture
 from pipetrain.errors import PartitionError
-from pipetrain.provenance import Write, prove_routes, prove_writes, writes
+from pipetrain.provenance import Write, prove_routes, prove_writes, writes, written_inputs
 from pipetrain.routes import Routes, direct
 
 __all__ = ["TracedSplit", "split_model"]  # public: split_model and its result
@@ -259,8 +259,9 @@ def _build(model: nn.Module, captured: Captured, points: list[str], check: bool
     if check:
         _check_payloads(captured, live)
     stages = []
+    copied = written_inputs(nodes, stage_of)
     for k in range(n_stages):
-        builder = _StageBuilder(k, captured, nodes)
+        builder = _StageBuilder(k, captured, nodes, copied[k] if k < len(copied) else set())
         for n in nodes:
             if stage_of[n] == k and n.op not in ("placeholder", "get_attr", "output"):
                 builder.copy(n)
@@ -294,8 +295,9 @@ def _live(nodes: list[fx.Node], stage_of: dict[fx.Node, int], n_stages: int
 class _StageBuilder:
     """One stage's graph: the stage's own nodes, with earlier values read from its payload."""
 
-    def __init__(self, k: int, captured: Captured, nodes: list[fx.Node]) -> None:
-        self.k, self.captured = k, captured
+    def __init__(self, k: int, captured: Captured, nodes: list[fx.Node],
+                 copied: set[str]) -> None:
+        self.k, self.captured, self.copied = k, captured, copied
         self.index = {n: i for i, n in enumerate(n for n in nodes if n.op == "placeholder")}
         self.graph = fx.Graph()
         self.payload = self.graph.placeholder("inputs" if k == 0 else "payload")
@@ -337,6 +339,9 @@ class _StageBuilder:
             else:
                 self.env[node] = self.graph.create_node(
                     "call_function", operator.getitem, (self.payload, node.name), name=node.name)
+                if node.name in self.copied:  # written in place here: a received leaf must not be
+                    self.env[node] = self.graph.call_function(torch.ops.aten.clone.default,
+                                                              (self.env[node],))
         return self.env[node]
 
     def _stage_inputs(self) -> fx.Node:
