@@ -101,14 +101,16 @@ def test_the_store_host_lingers_until_every_rank_is_out_or_the_deadline() -> Non
     store = _store()
     news.keep_store_at_exit(store, 5, 3, seconds=30.0)
     for _ in range(2):
-        news.count_out(store, 5)  # this rank counts once
-    assert store.add(f"{news.key(5)}/out", 0) == 1
-    store.add(f"{news.key(5)}/out", 2)  # the two other ranks
+        news.count_out(store, 5, 0)  # this rank, once or twice: it is out
+    news.count_out(store, 5, 1)
+    news.count_out(store, 5, 2, "gone")  # a culprit a survivor found dead or hung
+    assert store.get(news.out_key(5, 2)) == b"gone"
     start = time.monotonic()
     news._linger()  # every rank counted out: no wait (far below the 30 s deadline)
     assert time.monotonic() - start < 15.0 and news._kept == []
     news.keep_store_at_exit(store, 6, 3, seconds=0.3)
-    news.count_out(store, 6)
+    news.count_out(store, 6, 0)
+    news.count_out(store, 6, 0)
     start = time.monotonic()
     news._linger()  # one rank of three out: until the deadline, not before
     assert time.monotonic() - start >= 0.3
@@ -119,14 +121,19 @@ def test_a_failed_rank_leaves_once_its_peers_are_out_or_after_the_bound(
     monkeypatch.delenv(news.OFF_ENV, raising=False)
     store = _store()
     news.built(7)
-    store.add(f"{news.key(7)}/out", 1)  # one peer heard the news and counted out
+    news.count_out(store, 7, 0)  # one peer heard the news and counted out
     start = time.monotonic()
-    news.leave(store, 2, seconds=30.0)  # this rank makes two of two: no wait
+    news.leave(store, 1, 2, seconds=30.0)  # this rank makes two of two: no wait
     assert time.monotonic() - start < 15.0
-    assert store.add(f"{news.key(7)}/out", 0) == 2
+    assert store.check([news.out_key(7, 1)])
     news.built(8)
     start = time.monotonic()
-    news.leave(store, 3, seconds=0.3)  # a stuck peer never counts out: the bound
+    news.leave(store, 0, 3, seconds=0.3)  # a stuck peer never counts out: the bound
+    assert time.monotonic() - start >= 0.3
+    news.count_out(store, 8, 1)
+    news.count_out(store, 8, 2, "gone")  # found dead: the agent must see it first
+    start = time.monotonic()
+    news.leave(store, 0, 3, seconds=0.3)
     assert time.monotonic() - start >= 0.3
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipetrain.errors import CommError
 from pipetrain.groups import rank_name
-from pipetrain.watchdog import chain
+from pipetrain.receiver import PeerClosed, PeerFailed
+from pipetrain.watchdog import Activity, Watchdog, chain, holdup
 
 
 def _r(state: str, action: str = "1F3", step: int = 4, peers: tuple[int, ...] = (),
@@ -54,3 +56,22 @@ def test_global_names_where_replicas_make_them_differ() -> None:
     reports = {0: _r("waiting", "0B0", peers=(1,)), 1: _r("computing")}
     assert chain(reports, [1], 2, name.__getitem__).startswith(
         "rank 3 (rank 1 of its pipeline) is stuck")
+
+
+def test_the_holdup_is_a_rank_dead_or_stuck_never_one_that_speaks_for_itself() -> None:
+    waiting = {0: _r("waiting", "0B0", peers=(1,)), 1: _r("waiting", "1F3", peers=(2,))}
+    assert holdup({**waiting, 2: _r("computing")}, [1], 3) == 2  # stuck in its stage code
+    assert holdup(waiting, [1], 3) == 2  # does not answer: dead or frozen
+    assert holdup({**waiting, 2: _r("idle", "2W7")}, [1], 3) == 2  # stuck in its caller's code
+    assert holdup({**waiting, 2: _r("failed", error="E")}, [1], 3) is None  # counts itself out
+    cycle = {0: _r("waiting", "0F1", peers=(1,)), 1: _r("waiting", "1F0", peers=(0,))}
+    assert holdup(cycle, [0], 2) is None  # all alive, each times out itself
+
+
+def test_a_failure_counts_out_the_peer_that_closed_on_it_or_the_holdup_found() -> None:
+    dog = Watchdog(None, "test/", 1, 4, Activity())
+    assert dog.culprits(PeerClosed("rank 1 receiving ...: the peer closed the connection", 2)
+                        ) == {2}  # no news explained it: the peer died
+    assert dog.culprits(PeerFailed("rank 0 failed ...")) == set()  # the origin speaks for itself
+    dog.gone.add(3)  # a timed-out wait's chain ended at rank 3, stuck
+    assert dog.culprits(CommError("timed out")) == {3}

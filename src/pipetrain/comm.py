@@ -47,6 +47,7 @@ from pipetrain.receiver import (
     RELAY,
     Incoming,
     Link,
+    PeerClosed,
     PeerFailed,
     Plan,
     Receiver,
@@ -133,6 +134,8 @@ class P2P:
                 out[peer] = incoming.receive(key, posted)
             except Relayed as e:
                 raise PeerFailed(f"{describe}: {e.error}") from None
+            except PeerClosed as e:
+                raise PeerClosed(f"{describe}: {e}", e.peer) from None
             except CommError as e:
                 raise type(e)(f"{describe}: {e}") from None
         return out

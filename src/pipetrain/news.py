@@ -16,8 +16,13 @@ a collective waited for through :func:`wait` polls a process-local value.
 
 The store lives in one process: under a plain ``init_process_group("env://")`` that is rank 0.
 Rank 0, when it fails, keeps its process (and the store) up at exit until every rank of the
-job has counted itself out (:func:`count_out`) or the peers' timeouts have passed, so they can
-still read the news and ask the watchdog (:func:`keep_store_at_exit`).
+job is counted out of the failure (:func:`count_out`) or the peers' timeouts have passed, so
+they can still read the news and ask the watchdog (:func:`keep_store_at_exit`). A rank counts
+itself out once it has said what it saw; a survivor counts out the culprit it found dead or
+hung, which never will, so that no process waits for it::
+
+    store["pipetrain/news/0/out/2"] = "out"    rank 2 said what it saw
+    store["pipetrain/news/0/out/1"] = "gone"   rank 1 died or hangs (rank 2's diagnosis)
 """
 
 from __future__ import annotations
@@ -161,39 +166,43 @@ def hosts_store(global_rank: int) -> bool:
             and os.environ.get(STORE_HOST_ENV) != "launcher")
 
 
-_counted: set[int] = set()
+def out_key(generation: int, rank: int) -> str:
+    """Where global rank ``rank`` is counted out of ``generation``'s failure."""
+    return f"{key(generation)}/out/{rank}"
 
 
-def count_out(store: Any, generation: int) -> None:
-    """Count this rank as done with ``generation``'s failure, once (best effort)."""
-    if generation in _counted:
-        return
-    _counted.add(generation)
+def count_out(store: Any, generation: int, rank: int, why: str = "out") -> None:
+    """Count global rank ``rank`` out of ``generation``'s failure (best effort): ``"out"``,
+    itself, once it said what it saw; ``"gone"``, a culprit a survivor found dead or hung."""
     try:
-        store.add(f"{key(generation)}/out", 1)
+        store.set(out_key(generation, rank), why)
     except Exception:  # noqa: BLE001  (the store may be gone)
         pass
 
 
-def leave(store: Any, world: int, seconds: float = EXPLAIN_S) -> None:
+def leave(store: Any, rank: int, world: int, seconds: float = EXPLAIN_S) -> None:
     """Count this failed rank out of its newest pipeline's failure, then wait until all
-    ``world`` ranks have (at most ``seconds``): under an agent that stops every worker as
+    ``world`` ranks are (at most ``seconds``): under an agent that stops every worker as
     soon as one exits, the first rank to fail would otherwise stop its peers before they
     have heard the news and said what they saw. A rank that is itself stuck never counts
-    out; it costs the wait's bound once."""
+    out; it costs the wait's bound once. Nor does a rank found dead count here: the agent
+    reports one failure per look, and a survivor that left at once could be reported as the
+    first to fail instead of the rank that died."""
     generation = _newest[0]
     if generation < 0 or not enabled():
         return
-    count_out(store, generation)
-    _wait_out(store, generation, world, time.monotonic() + seconds)
+    count_out(store, generation, rank)
+    _wait_out(store, generation, world, time.monotonic() + seconds, gone=False)
 
 
-def _wait_out(store: Any, generation: int, world: int, deadline: float) -> None:
-    """Until all ``world`` ranks have counted out of ``generation``'s failure, or
-    ``deadline`` (monotonic), or the store is gone."""
+def _wait_out(store: Any, generation: int, world: int, deadline: float,
+              gone: bool = True) -> None:
+    """Until all ``world`` ranks are counted out of ``generation``'s failure (those found
+    dead or hung too, if ``gone``), or ``deadline`` (monotonic), or the store is gone."""
+    keys = [out_key(generation, r) for r in range(world)]
     while time.monotonic() < deadline:
         try:
-            if store.add(f"{key(generation)}/out", 0) >= world:
+            if store.check(keys) and (gone or b"gone" not in store.multi_get(keys)):
                 return
         except Exception:  # noqa: BLE001  (the store may be gone)
             return
@@ -204,8 +213,8 @@ _kept: list[tuple[Any, int, int, float]] = []
 
 
 def keep_store_at_exit(store: Any, generation: int, world: int, seconds: float) -> None:
-    """At exit, keep this process (which hosts the store) up until all ``world`` ranks have
-    counted themselves out of ``generation``'s failure, or for ``seconds`` from now."""
+    """At exit, keep this process (which hosts the store) up until all ``world`` ranks are
+    counted out of ``generation``'s failure, or for ``seconds`` from now."""
     if not _kept:
         atexit.register(_linger)
     _kept.append((store, generation, world, time.monotonic() + seconds))

@@ -49,6 +49,15 @@ class PeerFailed(CommError):
     """A peer reported its own failure (ABORT); this rank only relays the news."""
 
 
+class PeerClosed(CommError):
+    """A peer's process closed its connection to this rank: it died, or its own wait for this
+    rank timed out. ``peer``: its pipeline rank (-1 when unknown)."""
+
+    def __init__(self, text: str, peer: int = -1) -> None:
+        super().__init__(text)
+        self.peer = peer
+
+
 class Relayed(Exception):
     """A peer passed on another rank's failure: the origin's own ABORT reaches only the ranks
     it exchanges messages with, so this may be the first news of it here."""
@@ -198,10 +207,11 @@ class Incoming:
             work.wait(timedelta(seconds=self.link.timeout))
         except RuntimeError as e:
             text = str(e)
-            reason = ("timed out" if "Timed out" in text or "timeout" in text.lower()
-                      else "the peer closed the connection (did its process die?)")
-            raise CommError(f"{self._where(key)}: {reason} [{text.splitlines()[0][:200]}]"
-                            ) from None
+            where, first = self._where(key), text.splitlines()[0][:200]
+            if "Timed out" in text or "timeout" in text.lower():
+                raise CommError(f"{where}: timed out [{first}]") from None
+            raise PeerClosed(f"{where}: the peer closed the connection (did its process die?) "
+                             f"[{first}]", self.peer) from None
 
 
 def abort_error(peer: int, src: int, header: Sequence[int], msg: Message) -> PeerFailed:

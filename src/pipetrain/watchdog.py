@@ -16,7 +16,9 @@ a second (two small requests: the steady state pays nothing else). When a rank t
 posts a probe, every rank's thread answers with its activity, and the chain is followed from
 the peer that was waited for: to a rank computing (stuck in its own stage code), to a rank
 between steps (stuck in its caller's code), to a rank that does not answer (dead or frozen), or
-round a cycle (ranks waiting for each other).
+round a cycle (ranks waiting for each other). A rank found dead or hung is counted out of the
+failure by the rank that found it (:func:`pipetrain.news.count_out`): no process waits for it
+to say what it saw.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from pipetrain import news
 from pipetrain.errors import CommError
+from pipetrain.receiver import PeerClosed
 
 __all__: list[str] = []
 
@@ -76,16 +79,21 @@ class Watchdog:
             its peers' wait bound.
         on_news: called with :class:`~pipetrain.news.JobFailed` when the job's news arrives.
         name: how errors say pipeline rank r.
+        ranks: the global rank of each pipeline rank (default: the same).
     """
 
     def __init__(self, store: Any, prefix: str, rank: int, n_ranks: int,
                  activity: Activity, generation: int = 0, timeout: float = 60.0,
                  on_news: Callable[[BaseException], None] | None = None,
-                 name: Callable[[int], str] = "rank {}".format) -> None:
+                 name: Callable[[int], str] = "rank {}".format,
+                 ranks: Sequence[int] | None = None) -> None:
         self.store, self.prefix, self.rank, self.n_ranks = store, prefix, rank, n_ranks
         self.activity, self.generation, self.timeout = activity, generation, timeout
         self.name = name
         """Pipeline rank r as the job knows it (global rank in dp x pp)."""
+        self.ranks = list(range(n_ranks)) if ranks is None else list(ranks)
+        self.gone: set[int] = set()
+        """Pipeline ranks a diagnosis found dead or hung: they will not count themselves out."""
         self.stop = threading.Event()
         if store is not None:
             news.built(generation)
@@ -101,7 +109,7 @@ class Watchdog:
         prefix = f"pipetrain/watchdog/{transport.first_global}/{transport.spare_tag}/"
         dog = cls(job_store(), prefix, transport.rank, transport.n_ranks, activity,
                   transport.generation, transport.timeout, transport.mailbox.fail,
-                  transport.name)
+                  transport.name, transport.globals)
         weakref.finalize(transport, dog.stop.set)
         return dog
 
@@ -113,8 +121,11 @@ class Watchdog:
             reports = self._probe()
         except Exception as e:  # noqa: BLE001  (a diagnosis must never hide the error)
             return f"(the watchdog could not ask the other ranks: {e})"
-        return chain(reports, [p for p in waited_for if p != self.rank], self.n_ranks,
-                     self.name)
+        start = [p for p in waited_for if p != self.rank]
+        stuck = holdup(reports, start, self.n_ranks)
+        if stuck is not None:
+            self.gone.add(stuck)
+        return chain(reports, start, self.n_ranks, self.name)
 
     def _probe(self) -> dict[int, dict[str, Any]]:
         n = self.store.add(f"{self.prefix}probes", 1)
@@ -150,7 +161,8 @@ class Watchdog:
 
     def failed(self, error: BaseException) -> None:
         """Leave this rank's failure where later probes find it (its process may exit), post
-        it as the job's news unless older news is there, and count this rank out of it."""
+        it as the job's news unless older news is there, count out the culprit it found dead
+        or hung (no process waits for it), and count this rank out."""
         if self.store is None:
             return
         report = {**self.activity.report(), "state": "failed",
@@ -161,12 +173,21 @@ class Watchdog:
             if not isinstance(error, news.JobFailed):
                 news.post(self.store, self.generation,
                           {**report, "rank": me, "pipeline_rank": self.rank})
-            news.count_out(self.store, self.generation)
+            for r in self.culprits(error):
+                news.count_out(self.store, self.generation, self.ranks[r], "gone")
+            news.count_out(self.store, self.generation, me)
         except Exception:  # noqa: BLE001  (best effort: the store may be gone)
             return
         if news.hosts_store(me):  # peers still time out and probe: give them time to
             news.keep_store_at_exit(self.store, self.generation, dist.get_world_size(),
                                     self.timeout + _ANSWER_S + 2 * _POLL_S)
+
+    def culprits(self, error: BaseException) -> set[int]:
+        """The pipeline ranks this rank's failure found dead or hung: the end of a timed-out
+        wait's chain (:func:`holdup`), or a peer that closed its connection, when no news
+        explained why (the news would be a :class:`PeerFailed` instead)."""
+        closed = {error.peer} if isinstance(error, PeerClosed) and error.peer >= 0 else set()
+        return (self.gone | closed) - {self.rank}
 
 
 def _answer(store: Any, prefix: str, rank: int, activity: Activity, stop: threading.Event,
@@ -197,6 +218,37 @@ def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int
     ``name(r)`` says pipeline rank ``r`` as the job knows it (``rank 3 (rank 1 of its
     pipeline)`` when replicas make the two differ).
     """
+    path, r = _follow(reports, start, n_ranks)
+    report = reports.get(r)
+    if report is None:
+        return _via(path, r, name) + (f"{name(r)} does not answer (its process died or "
+                                      "is frozen)")
+    what = f"{report['action']} of step {report['step']}"
+    if report["state"] == "failed":
+        return _via(path, r, name) + f"{name(r)} failed: {report['error']}"
+    if report["state"] == "computing":
+        return _via(path, r, name) + (f"{name(r)} is stuck in its own stage code: {what} "
+                                      f"has run for {report['seconds']} s without finishing")
+    if report["state"] != "waiting":
+        return _via(path, r, name) + _outside(name(r), report)
+    return (f"ranks {' -> '.join(map(str, path))} wait for each other "
+            f"({name(r)}: {what}): the ranks disagree on the schedule")
+
+
+def holdup(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int
+           ) -> int | None:
+    """The rank at the end of :func:`chain` when it is dead or hung (it does not answer, or
+    is stuck in its stage code or its caller's): it will not count itself out of the
+    failure. None for a rank that failed (it says so itself) or ranks waiting in a cycle."""
+    _, r = _follow(reports, start, n_ranks)
+    report = reports.get(r)
+    return r if report is None or report["state"] not in ("failed", "waiting") else None
+
+
+def _follow(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int
+            ) -> tuple[list[int], int]:
+    """The waiting ranks a wait passes through from ``start``, and the rank it ends at: one
+    not waiting (or not answering), or for ranks waiting in a cycle the last of them."""
     if not start:  # waited at the step's end, for every peer: the longest-running rank
         busy = [r for r in range(n_ranks) if reports.get(r, {}).get("state") == "computing"]
         start = busy or [r for r in range(n_ranks) if r not in reports] or list(reports)
@@ -204,22 +256,12 @@ def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int
     r = start[0]
     while True:
         report = reports.get(r)
-        if report is None:
-            return _via(path, r, name) + (f"{name(r)} does not answer (its process died or "
-                                          "is frozen)")
-        what = f"{report['action']} of step {report['step']}"
-        if report["state"] == "failed":
-            return _via(path, r, name) + f"{name(r)} failed: {report['error']}"
-        if report["state"] == "computing":
-            return _via(path, r, name) + (f"{name(r)} is stuck in its own stage code: {what} "
-                                          f"has run for {report['seconds']} s without finishing")
-        if report["state"] != "waiting":
-            return _via(path, r, name) + _outside(name(r), report)
+        if report is None or report["state"] != "waiting":
+            return path, r
         path.append(r)
         later = [p for p in report["peers"] if p not in path]
         if not later:
-            return (f"ranks {' -> '.join(map(str, path))} wait for each other "
-                    f"({name(r)}: {what}): the ranks disagree on the schedule")
+            return path, r
         r = later[0]
 
 

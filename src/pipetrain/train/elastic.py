@@ -270,7 +270,7 @@ def worker(cfg: TrainConfig, run: RunFn | None = None,
             raise
         _report_failure(e, rank)
         if joined:
-            news.leave(joined[0], int(os.environ.get("WORLD_SIZE", "1")))
+            news.leave(joined[0], rank, int(os.environ.get("WORLD_SIZE", "1")))
         raise SystemExit(1) from None
 
 
