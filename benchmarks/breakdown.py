@@ -30,7 +30,8 @@ import gptbench as gb
 import torch
 
 import pipetrain as pt
-from pipetrain import backward, comm, runtime, stage
+from pipetrain.runtime import backward, comm, stage
+from pipetrain.runtime import executor as runtime
 
 Record = dict[str, list[tuple[float, float]]]  # piece -> (wall s, cpu s) per call
 

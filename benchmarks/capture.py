@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.capture import capture
-from pipetrain.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
-from pipetrain.trace import split_model
+from pipetrain.models.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
+from pipetrain.split.capture import capture
+from pipetrain.split.trace import split_model
 
 
 def _rss_mib() -> float:

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 import gptbench as gb
 import torch
 
-from pipetrain import wire
-from pipetrain.payload import flatten
+from pipetrain.runtime import wire
+from pipetrain.runtime.payload import flatten
 
 CONDITIONS = ("warm", "busy", "sleep", "evict")
 

@@ -27,12 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
-from pipetrain import microbatch
-from pipetrain.balance import plan_balance
-from pipetrain.data import Batches, default_corpus
-from pipetrain.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
-from pipetrain.partition import stage_bounds
-from pipetrain.tied import find_tied
+from pipetrain.models.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
+from pipetrain.runtime import microbatch
+from pipetrain.runtime.tied import find_tied
+from pipetrain.split.balance import plan_balance
+from pipetrain.split.partition import stage_bounds
+from pipetrain.train.data import Batches, default_corpus
 
 TORCH_CLASSES = {  # pipetrain name -> torch.distributed.pipelining.schedules class
     "gpipe": "ScheduleGPipe",
@@ -258,7 +258,8 @@ def workload_args(parser: argparse.ArgumentParser, *, warmup: int, steps: int,
                   schedules_help: str) -> None:
     """The flags of a GPT-workload benchmark (preset, batch, m, schedules, warm-up, steps,
     JSON output, tiny mode); apply ``--tiny`` with :func:`apply_tiny` after parsing."""
-    parser.add_argument("--preset", default="small", help="GPT preset (pipetrain.gpt.PRESETS)")
+    parser.add_argument("--preset", default="small",
+                        help="GPT preset (pipetrain.models.gpt.PRESETS)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--schedules", default="1f1b,zbv", help=schedules_help)

@@ -1,6 +1,6 @@
 """Memory: each schedule's measured activation memory per rank against the simulator's count.
 
-The model is a stack of identical pre-norm transformer blocks (``pipetrain.gpt.Block``) fed
+The model is a stack of identical pre-norm transformer blocks (``pipetrain.models.gpt.Block``) fed
 random activations and trained to a random target (mean squared error), so every stage holds
 the same layers, as the simulator's memory model assumes. For every schedule of pipetrain and
 both ``recompute="never"`` and ``"always"``, on p processes (one thread each):
@@ -43,10 +43,10 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.action import Op
-from pipetrain.backward import backward_full, backward_input
-from pipetrain.gpt import Block, GPTConfig
-from pipetrain.partition import even_balance, stage_bounds
+from pipetrain.models.gpt import Block, GPTConfig
+from pipetrain.runtime.backward import backward_full, backward_input
+from pipetrain.schedules.action import Op
+from pipetrain.split.partition import even_balance, stage_bounds
 
 RECOMPUTE = ("never", "always")
 

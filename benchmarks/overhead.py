@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from calibrated import Case, SleepLayer, _loss, _Runner
-from peers import _deepspeed_engine, installed, missing
+from peer_steps import installed, missing
+from peers import _deepspeed_engine
 
 import pipetrain as pt
 

@@ -26,33 +26,17 @@ peer that is not installed is skipped, and the table says so.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
-import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from calibrated import Case, _loss, stage_costs
+from peer_steps import ROWS, WIDTH, deepspeed_step, installed, missing, timed, trained
 
 import pipetrain as pt
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
-ROWS, WIDTH = 2, 8  # rows per micro-batch, features of a sleep layer
-
-
-def installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
-def missing(*peers: str) -> list[str]:
-    """A line for each of ``peers`` not installed: skipped, and how to install it."""
-    return [f"{peer}: not installed (pip install -e '.[bench]'), skipped"
-            for peer in peers if not installed(peer)]
 
 
 def _case(p: int, m: int, cost: float, steps: int, warmup: int) -> Case:
@@ -77,62 +61,10 @@ def _deepspeed_engine(case: Case) -> Callable[[], None]:
                           case.microbatches)
 
 
-def deepspeed_step(layers: list[Any], ranks: int, loss_fn: Callable[..., Any], x: torch.Tensor,
-                   y: torch.Tensor, m: int) -> Callable[[], None]:
-    """DeepSpeed's PipelineModule over ``layers`` (split evenly), one ``train_batch`` of ``x``
-    and ``y`` in ``m`` micro-batches of ROWS rows per call; SGD with lr 0."""
-    import logging
-
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.utils import logger
-
-    logger.setLevel(logging.ERROR)
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # its banners
-        deepspeed.init_distributed(dist_backend="gloo")
-        net = PipelineModule(layers=layers, num_stages=ranks, loss_fn=loss_fn,
-                             partition_method="uniform")
-        engine, *_ = deepspeed.initialize(
-            model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
-            config={"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10**9,
-                    "gradient_accumulation_steps": m})
-
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            yield from zip(x.split(ROWS), y.split(ROWS), strict=True)
-    it = batches()
-    return lambda: engine.train_batch(it)
-
-
-def trained(model: Any, step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` followed by an optimizer step (SGD, lr 0) on ``model``'s parameters."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-
-    def run() -> None:
-        step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return run
-
-
 def _pipetrain_step(case: Case, schedule: str, **where: Any) -> Callable[[], None]:
     pipe = pt.Pipeline(case.make_layers(), schedule, case.microbatches, _loss, **where)
     x, y = _data(case.microbatches)
     return trained(pipe, lambda: pipe.step(x, y))
-
-
-def _timed(steps: dict[str, Callable[[], None]], case: Case) -> dict[str, list[float]]:
-    """Each library's step times, the libraries alternating, between barriers."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for k in range(case.warmup + case.steps):
-        for name, step in steps.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            dist.barrier()
-            if k >= case.warmup:
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def _ranks_body(ctx: pt.RankContext, cases: list[Case]) -> list[dict[str, Any]]:
@@ -143,7 +75,7 @@ def _ranks_body(ctx: pt.RankContext, cases: list[Case]) -> list[dict[str, Any]]:
         if installed("deepspeed"):
             steps["DeepSpeed 1F1B"] = _deepspeed_engine(case)
         steps["pipetrain gpipe"] = _pipetrain_step(case, "gpipe")  # torchgpipe's schedule
-        out.append({name: statistics.median(t) for name, t in _timed(steps, case).items()})
+        out.append({name: statistics.median(t) for name, t in timed(steps, case).items()})
     return out
 
 

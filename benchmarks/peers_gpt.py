@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 from calibrated import Case
-from peers import ROWS, _timed, deepspeed_step, installed, missing, trained
+from peer_steps import ROWS, deepspeed_step, installed, missing, timed, trained
 
 import pipetrain as pt
-from pipetrain.partition import even_balance
+from pipetrain.split.partition import even_balance
 
 Steps = dict[str, Callable[[], None]]
 
 
 def _layers(preset: str, seq: int) -> list[Any]:
     """The GPT preset's layers with its own (untied) head."""
-    from pipetrain.gpt import PRESETS, Head, gpt_layers
+    from pipetrain.models.gpt import PRESETS, Head, gpt_layers
 
     config = dataclasses.replace(PRESETS[preset], seq_len=seq)
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def _batch(seq: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _deepspeed(preset: str, seq: int, m: int, p: int) -> Callable[[], None]:
-    from pipetrain.gpt import lm_loss
+    from pipetrain.models.gpt import lm_loss
 
     return deepspeed_step(_layers(preset, seq), p, lm_loss, *_batch(seq, m), m)
 
@@ -64,7 +64,7 @@ def _steps(preset: str, seq: int, m: int, p: int, libs: Sequence[str]) -> Steps:
     """The steps of ``libs`` on this process: "pipetrain 1f1b", "pipetrain gpipe" and
     "DeepSpeed 1F1B" on p processes; "pipetrain gpipe local", "pipetrain local recompute",
     "torchgpipe (never)" and "torchgpipe (except_last)" in one process of p parts."""
-    from pipetrain.gpt import lm_loss
+    from pipetrain.models.gpt import lm_loss
 
     x, y = _batch(seq, m)
     steps: Steps = {}
@@ -93,7 +93,7 @@ def _time(ctx: pt.RankContext, preset: str, seq: int, m: int, p: int, steps: int
           libs: Sequence[str]) -> dict[str, float]:
     torch.set_num_threads(1)
     case = Case("gpt", ctx.world_size, m, 0, 0, 0, 1, (), 1, steps)
-    times = _timed(_steps(preset, seq, m, p, libs), case)
+    times = timed(_steps(preset, seq, m, p, libs), case)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -49,14 +49,14 @@ from torch import nn
 
 import pipetrain as pt
 from pipetrain import calibrate as pt_calibrate
-from pipetrain import microbatch
-from pipetrain.backward import backward_full
-from pipetrain.calibrate import regroup
-from pipetrain.dataflow import walk
-from pipetrain.gpt import lm_loss
-from pipetrain.partition import stage_bounds
-from pipetrain.profile import profile_layers
-from pipetrain.timeline import Span, Timeline
+from pipetrain.models.gpt import lm_loss
+from pipetrain.runtime import microbatch
+from pipetrain.runtime.backward import backward_full
+from pipetrain.schedules.calibrate import regroup
+from pipetrain.schedules.dataflow import walk
+from pipetrain.schedules.timeline import Span, Timeline
+from pipetrain.split.partition import stage_bounds
+from pipetrain.split.profile import profile_layers
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OPS = ("F", "B", "I", "W")
@@ -333,7 +333,8 @@ def _within(rows: list[dict[str, Any]], key: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="small", help="GPT preset (pipetrain.gpt.PRESETS)")
+    parser.add_argument("--preset", default="small",
+                        help="GPT preset (pipetrain.models.gpt.PRESETS)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--m", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--schedules", default=",".join(gb.ALL_SCHEDULES))

@@ -48,7 +48,8 @@ from typing import Any
 
 import torch
 
-from pipetrain import checkpoint, checkpoint_store
+from pipetrain.checkpoint import run as checkpoint
+from pipetrain.checkpoint import store as checkpoint_store
 from pipetrain.train import faults, report
 
 RESTARTING = ("kill", "raise", "hang", "shape")

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from pipetrain.backward import backward_input
-from pipetrain.gpt import Block, GPTConfig
+from pipetrain.models.gpt import Block, GPTConfig
+from pipetrain.runtime.backward import backward_input
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:

@@ -130,7 +130,7 @@ def on_meta(name: str) -> nn.Module:
 
 def materialized(model: nn.Module, seed: int) -> nn.Module:
     """The single-device reference of a meta model: materialised whole, by name."""
-    from pipetrain.lazy import NamedInit
+    from pipetrain.split.lazy import NamedInit
 
     return NamedInit(model, seed).materialize(model)
 

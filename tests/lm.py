@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipetrain.capture import Captured
+from pipetrain.split.capture import Captured
 
 
 class Attention(nn.Module):
@@ -86,7 +86,7 @@ def tiny_lm(seed: int = 0, n_layers: int = 4) -> TinyLM:
 def captured_lm(masked: bool) -> tuple[TinyLM, Captured]:
     """One ``tiny_lm()`` and its capture on ``lm_batch()``, shared by tests that only read the
     model (capture takes seconds; zero the gradients before use)."""
-    from pipetrain.capture import capture
+    from pipetrain.split.capture import capture
 
     model = tiny_lm()
     ids, mask, _ = lm_batch()

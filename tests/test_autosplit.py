@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from lm import lm_batch, tiny_lm
-from pipetrain.autosplit import cut_points, units
 from pipetrain.errors import PartitionError
-from pipetrain.trace import split_model
+from pipetrain.split.autosplit import cut_points, units
+from pipetrain.split.trace import split_model
 
 
 def test_units_open_containers_recursively() -> None:

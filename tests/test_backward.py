@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.backward import WeightWork, backward_full, backward_input
-from pipetrain.gpt import Block, GPTConfig
+from pipetrain.models.gpt import Block, GPTConfig
+from pipetrain.runtime.backward import WeightWork, backward_full, backward_input
 
 Grads = list[torch.Tensor | None]
 

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from pipetrain import make_schedule, simulate
-from pipetrain.action import Op
-from pipetrain.balance import (
+from pipetrain.errors import PartitionError
+from pipetrain.schedules.action import Op
+from pipetrain.schedules.timeline import Span
+from pipetrain.split.balance import (
     LayerCost,
     best_rank_split,
     best_split,
@@ -21,9 +23,7 @@ from pipetrain.balance import (
     stage_pairs,
     stage_peaks,
 )
-from pipetrain.errors import PartitionError
-from pipetrain.partition import stage_bounds
-from pipetrain.timeline import Span
+from pipetrain.split.partition import stage_bounds
 
 StageFn = Callable[[int, int, int], float]
 
@@ -298,7 +298,7 @@ def test_profile_layers_times_and_bytes() -> None:
 def test_profile_layers_reuses_the_costs_of_layers_that_do_the_same_work() -> None:
     import statistics
 
-    from pipetrain.profile import REUSE_SAMPLES
+    from pipetrain.split.profile import REUSE_SAMPLES
 
     torch.manual_seed(0)
     shared = nn.Linear(8, 8)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import pipetrain as pt
-from pipetrain.action import Action
-from pipetrain.calibrate import Calibration, calibrate, hop_delays, regroup, stage_costs
-from pipetrain.timeline import Span, Timeline
+from pipetrain.schedules.action import Action
+from pipetrain.schedules.calibrate import Calibration, calibrate, hop_delays, regroup, stage_costs
+from pipetrain.schedules.timeline import Span, Timeline
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
 

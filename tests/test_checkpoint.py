@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain import checkpoint as ck
-from pipetrain import checkpoint_store as store
+from pipetrain.checkpoint import run as ck
+from pipetrain.checkpoint import store as store
 from pipetrain.errors import CheckpointError
 
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 import pipetrain as pt
-from pipetrain import checkpoint as ck
+from pipetrain.checkpoint import run as ck
 from pipetrain.errors import CheckpointError, PipelineError
-from pipetrain.gpt import GPTConfig, gpt_layers, lm_loss
+from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
 M = 4  # micro-batches

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pipetrain.errors import CommError
-from pipetrain.mailbox import Mailbox
-from pipetrain.payload import DTYPES, flatten
-from pipetrain.wire import (
+from pipetrain.runtime.mailbox import Mailbox
+from pipetrain.runtime.payload import DTYPES, flatten
+from pipetrain.runtime.wire import (
     ABORT,
     ACT,
     DONE,

@@ -15,10 +15,18 @@ import pytest
 import torch
 
 import pipetrain as pt
-from pipetrain.comm import P2P
 from pipetrain.errors import CommError
-from pipetrain.finish import done_key
-from pipetrain.wire import ACT, HEADER_BYTES, INLINE_BYTES, Key, Message, encode, read_header
+from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.finish import done_key
+from pipetrain.runtime.wire import (
+    ACT,
+    HEADER_BYTES,
+    INLINE_BYTES,
+    Key,
+    Message,
+    encode,
+    read_header,
+)
 
 CPU = torch.device("cpu")
 LIMIT = 1 << 20  # max_message_bytes of the receiving transport

@@ -6,9 +6,9 @@ import pytest
 
 import pipetrain as pt
 from models import MULTI, SCHEDULES
-from pipetrain.delivery import delivery_proofs
-from pipetrain.runtime import message_plans
-from pipetrain.wire import ACT, GRAD
+from pipetrain.runtime.delivery import delivery_proofs
+from pipetrain.runtime.executor import message_plans
+from pipetrain.runtime.wire import ACT, GRAD
 
 
 def test_1f1b_a_gradient_proves_its_activation_received() -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from pipetrain import make_schedule
-from pipetrain.action import Action
-from pipetrain.draw import chrome_trace, save_png, save_trace, text_timeline
-from pipetrain.simulate import Costs, simulate
-from pipetrain.timeline import Span, Timeline
+from pipetrain.schedules.action import Action
+from pipetrain.schedules.draw import chrome_trace, save_png, save_trace, text_timeline
+from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.timeline import Span, Timeline
 
 
 def sim_timeline(name: str = "1f1b", p: int = 2, m: int = 3, costs: str = "F=1,B=1") -> Timeline:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.launch import free_port, start_context
+from pipetrain.runtime.launch import free_port, start_context
 from test_failures_scale_dist import Fault
 
 EXIT_S = 15.0  # from the first error to the exit of every surviving process

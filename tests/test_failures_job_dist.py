@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.launch import free_port
+from pipetrain.runtime.launch import free_port
 from pipetrain.train.mesh import GradReducer, build_mesh
 from test_failures_scale_dist import Fault
 

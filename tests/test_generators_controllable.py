@@ -7,19 +7,19 @@ from collections.abc import Callable
 import pytest
 
 from pipetrain import make_schedule
-from pipetrain.action import Action, Op
-from pipetrain.dataflow import needs
-from pipetrain.generators.controllable import (
+from pipetrain.schedules.action import Action, Op
+from pipetrain.schedules.dataflow import needs
+from pipetrain.schedules.generators.controllable import (
     _block_order,
     _v_half_block,
     _v_min_block,
     v_half,
     v_min,
 )
-from pipetrain.generators.vshape import zbv
-from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, Simulation, simulate
-from pipetrain.validate import validate
+from pipetrain.schedules.generators.vshape import zbv
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.simulate import Costs, Simulation, simulate
+from pipetrain.schedules.validate import validate
 from test_generators_v import _check_valid as check_v_valid
 
 Build = Callable[[int, int, int], Schedule]

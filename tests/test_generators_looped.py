@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pipetrain import make_schedule
-from pipetrain.action import Op
-from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, simulate
-from pipetrain.validate import validate
+from pipetrain.schedules.action import Op
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.validate import validate
 
 
 def _grid() -> list[tuple[int, int, int]]:

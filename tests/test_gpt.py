@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-import pipetrain.gpt as gpt
-from pipetrain.gpt import PRESETS, GPTConfig, gpt_layers, gpt_specs, lm_loss
-from pipetrain.lazy import materialize
+import pipetrain.models.gpt as gpt
+from pipetrain.models.gpt import PRESETS, GPTConfig, gpt_layers, gpt_specs, lm_loss
+from pipetrain.split.lazy import materialize
 from pipetrain.testing import grad_mismatches, reference_step
 
 CFG = GPTConfig(seq_len=16, d_model=32, n_heads=4, n_layers=4)

@@ -12,8 +12,8 @@ from torch import nn
 
 import pipetrain as pt
 from models import MULTI, SCHEDULES, batch, mlp
-from pipetrain.action import Op
-from pipetrain.runtime import grads_final_after
+from pipetrain.runtime.executor import grads_final_after
+from pipetrain.schedules.action import Op
 
 LOSS = nn.MSELoss()
 

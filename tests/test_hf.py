@@ -91,7 +91,7 @@ def test_llama_fp32_is_bitwise_to_its_capture_and_rounding_to_eager() -> None:
     # is_causal=True to SDPA (masking_utils), so fp32 gradients differ from eager in the last
     # bits (measured: 3.8e-7 of the largest); against the captured graph run one micro-batch
     # after another on one process, the pipeline is bitwise
-    from pipetrain.trace import split_model
+    from pipetrain.split.trace import split_model
 
     model = build("llama", torch.float32)
     eager, whole = copy.deepcopy(model), copy.deepcopy(model)
@@ -204,7 +204,7 @@ def test_auto_split_of_an_hf_model_under_every_balance_mode(balance: str) -> Non
 
 
 def test_llama_rotary_tables_and_mask_are_sent_straight_to_every_stage() -> None:
-    from pipetrain.trace import split_model
+    from pipetrain.split.trace import split_model
 
     model = build("llama", torch.float32)
     inputs, _ = batch("llama")

@@ -17,11 +17,11 @@ import torch
 
 import pipetrain as pt
 from hf import python_text, save_dir, tokenizer
-from pipetrain.data import Batches
 from pipetrain.hf import model as hfmodel
-from pipetrain.hf import tokens
 from pipetrain.hf.save import save_pretrained
+from pipetrain.train import tokens
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.data import Batches
 from pipetrain.train.export_cli import size_bytes
 
 pytest.importorskip("transformers")
@@ -105,7 +105,7 @@ def test_the_pipeline_loss_is_the_one_transformers_computes(dirs: dict[str, Path
     import transformers as tf
 
     from pipetrain.train.hf_source import HFSource
-    from pipetrain.train.source import source_for
+    from pipetrain.train.setup import source_for
 
     for name, directory in dirs.items():
         cfg = TrainConfig(hf=str(directory), seq_len=16, microbatches=2)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from hf import python_text, save_dir
-from pipetrain import checkpoint, checkpoint_store
+from pipetrain.checkpoint import run as checkpoint
+from pipetrain.checkpoint import store as checkpoint_store
 
 pytest.importorskip("transformers")
 
@@ -82,8 +83,8 @@ def _transformers_loss(place: Path, name: str, weights: Path | None = None,
     ``weights``), on the run's batch ``batch``."""
     import transformers as tf
 
-    from pipetrain.data import Batches
-    from pipetrain.hf.tokens import token_corpus
+    from pipetrain.train.data import Batches
+    from pipetrain.train.tokens import token_corpus
 
     tok = tf.AutoTokenizer.from_pretrained(place / name)
     corpus = token_corpus(tok, place / name, str(place / "data.py"), place / "tokens")

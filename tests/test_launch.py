@@ -8,7 +8,7 @@ import os
 import pytest
 
 import pipetrain as pt
-from pipetrain.launch import start_context
+from pipetrain.runtime.launch import start_context
 
 
 def _env(ctx: pt.RankContext, name: str) -> tuple[int, str | None, int]:

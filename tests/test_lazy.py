@@ -8,7 +8,7 @@ from torch import nn
 
 import pipetrain as pt
 from models import batch
-from pipetrain.lazy import is_meta, materialize
+from pipetrain.split.lazy import is_meta, materialize
 from pipetrain.testing import grad_mismatches, reference_step
 
 LOSS = nn.MSELoss()

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from lm import TinyLM, lm_batch
-from pipetrain import gpt
-from pipetrain.autosplit import cut_points
-from pipetrain.lazy import NamedInit
-from pipetrain.trace import split_model
+from pipetrain.models import gpt
+from pipetrain.split.autosplit import cut_points
+from pipetrain.split.lazy import NamedInit
+from pipetrain.split.trace import split_model
 
 
 def _meta_lm() -> TinyLM:

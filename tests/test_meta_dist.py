@@ -11,7 +11,7 @@ from torch import nn
 
 import pipetrain as pt
 from lm import TinyLM, lm_batch, lm_loss
-from pipetrain.lazy import NamedInit
+from pipetrain.split.lazy import NamedInit
 from pipetrain.testing import reference_step
 
 SEED = 7

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipetrain.microbatch import batch_size, merge, sizes, split
+from pipetrain.runtime.microbatch import batch_size, merge, sizes, split
 
 
 @pytest.mark.parametrize("total,n", [(8, 4), (12, 3), (5, 5), (7, 1)])

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from pipetrain import news
+from pipetrain.runtime import news
 from pipetrain.train.elastic import _failure_report, _watchdog_finding
 
 
@@ -143,7 +143,8 @@ def test_a_stop_signal_waits_for_a_rank_that_is_explaining_a_failure(failing: bo
     import subprocess
     import sys
 
-    code = ("import os, signal\nfrom pipetrain import news\nfrom pipetrain.train import elastic\n"
+    code = ("import os, signal\nfrom pipetrain.runtime import news\n"
+            "from pipetrain.train import elastic\n"
             f"signal.signal(signal.SIGTERM, elastic._on_stop)\nif {failing}: news.start_failing()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\nprint('said what it saw')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

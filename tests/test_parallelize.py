@@ -102,7 +102,7 @@ def test_parallelize_that_keeps_a_shared_weight_trains_like_one_device() -> None
 
 
 def test_sharded_stages_refuse_a_weight_two_layers_of_one_stage_share() -> None:
-    from pipetrain.sharded import _refuse_sharing
+    from pipetrain.parallel.sharded import _refuse_sharing
 
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
@@ -112,7 +112,7 @@ def test_sharded_stages_refuse_a_weight_two_layers_of_one_stage_share() -> None:
 
 
 def test_sharded_stages_refuse_a_module_another_local_stage_sharded() -> None:
-    from pipetrain.sharded import _refuse_sharded
+    from pipetrain.parallel.sharded import _refuse_sharded
 
     shared = nn.Linear(4, 4)
     with pytest.raises(PartitionError, match=r"stage 3: its layer 1 holds '0.weight'.*share "
@@ -124,8 +124,8 @@ def test_sharded_stages_refuse_a_module_another_local_stage_sharded() -> None:
 def test_tensor_parallel_plans_and_their_misuse() -> None:
     from types import SimpleNamespace
 
-    from pipetrain.gpt import Block, Embedding, GPTConfig, Head
-    from pipetrain.tensor_parallel import TensorParallel, gpt_plan
+    from pipetrain.models.gpt import Block, Embedding, GPTConfig, Head
+    from pipetrain.parallel.tensor_parallel import TensorParallel, gpt_plan
 
     config = GPTConfig(seq_len=8, d_model=16, n_heads=2, n_layers=1)
     plain, sequence = gpt_plan(False), gpt_plan(True)

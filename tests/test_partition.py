@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from pipetrain.errors import PartitionError
-from pipetrain.partition import check_balance, even_balance, named_layers, stage_bounds
+from pipetrain.split.partition import check_balance, even_balance, named_layers, stage_bounds
 
 
 def test_named_layers_keeps_sequential_child_names() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipetrain.payload import (
+from pipetrain.runtime.payload import (
     DTYPES,
     dtype_code,
     flatten,

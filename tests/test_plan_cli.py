@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import main
-from pipetrain.planner import MARGIN
+from pipetrain.plan.planner import MARGIN
 from pipetrain.train.cli import load_toml
 
 FEW = "1f1b,zb-h1,zbv"
@@ -44,7 +44,7 @@ def test_profile_only_plan_writes_a_config_train_runs(tmp_path: Path,
 
 def test_a_searched_schedule_is_written_out_and_trained_as_planned(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipetrain.schedule import Schedule
+    from pipetrain.schedules.schedule import Schedule
     from pipetrain.train.config import TrainConfig
     from pipetrain.train.setup import run_schedule
 
@@ -177,9 +177,9 @@ def test_calibrated_plan_of_sharded_layouts(tmp_path: Path, capsys: pytest.Captu
 def test_a_calibration_term_is_fitted_to_the_measured_steps(field: str, truths: tuple[float, ...],
                                                             policy: str, fsdp: int) -> None:
     from pipetrain import make_schedule
-    from pipetrain.planner import Scale, evaluate
-    from pipetrain.shardcost import Sharding
-    from pipetrain.train.plan_calibrate import _fitted
+    from pipetrain.plan.calibrate import _fitted
+    from pipetrain.plan.planner import Scale, evaluate
+    from pipetrain.plan.shardcost import Sharding
     from test_planner import _profile
 
     prof, sharding = _profile(2), Sharding(fsdp=fsdp, reshard="layer")

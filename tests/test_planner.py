@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from pipetrain import make_schedule
-from pipetrain.planner import (
+from pipetrain.plan.planner import (
     MARGIN,
     Profiled,
     Scale,
@@ -16,10 +16,10 @@ from pipetrain.planner import (
     microbatch_choices,
     search,
 )
-from pipetrain.planner import (
+from pipetrain.plan.planner import (
     ranked as rank_candidates,
 )
-from pipetrain.profile import LayerCost
+from pipetrain.split.profile import LayerCost
 
 MIB = 2**20
 
@@ -136,7 +136,7 @@ def test_a_profile_must_split_the_rows() -> None:
 
 
 def test_fsdp_shards_the_state_and_pays_for_its_gathers() -> None:
-    from pipetrain.shardcost import Sharding
+    from pipetrain.plan.shardcost import Sharding
 
     prof, schedule = _profile(2), make_schedule("1f1b", 2, 4)
     whole = evaluate(prof, schedule, [3, 3], "never", 1e12, Scale(), Sharding(dp=2))
@@ -151,7 +151,7 @@ def test_fsdp_shards_the_state_and_pays_for_its_gathers() -> None:
 
 
 def test_processes_per_pipeline_rank_share_the_cores() -> None:
-    from pipetrain.shardcost import Sharding
+    from pipetrain.plan.shardcost import Sharding
 
     prof, schedule = _profile(2), make_schedule("1f1b", 2, 4)
     alone = evaluate(prof, schedule, [3, 3], "never", 1e12, Scale(cores=2.0))

@@ -9,8 +9,8 @@ from torch import nn
 
 import pipetrain as pt
 from pipetrain.errors import PartitionError
-from pipetrain.provenance import prove_routes
-from pipetrain.routes import Ports, Routes
+from pipetrain.runtime.routes import Ports, Routes
+from pipetrain.split.provenance import prove_routes
 from pipetrain.testing import grad_mismatches, reference_step
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.recompute import Replay, layer_flags, segments
+from pipetrain.runtime.recompute import Replay, layer_flags, segments
 
 
 def test_layer_flags_follow_the_policy() -> None:

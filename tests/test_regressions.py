@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.partition import named_layers
+from pipetrain.split.partition import named_layers
 
 
 def test_a_module_used_twice_in_a_sequential_is_not_dropped() -> None:

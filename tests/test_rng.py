@@ -1,4 +1,4 @@
-"""Random streams (pipetrain.rng): dropout draws what one device draws, at any layout.
+"""Random streams (pipetrain.runtime.rng): dropout draws what one device draws, at any layout.
 
 Regression: T5 (dropout 0.1 by default) split at ``encoder.block.1`` or ``decoder`` was off by
 up to 1e-3 in the loss and 90 % in gradients, because the stages drew their dropout masks from
@@ -14,7 +14,7 @@ from torch import fx, nn
 
 import pipetrain as pt
 from models import MULTI, SCHEDULES
-from pipetrain import rng
+from pipetrain.runtime import rng
 from pipetrain.testing import grad_mismatches, reference_step
 
 LOSS = nn.MSELoss()
@@ -69,7 +69,7 @@ def test_a_layer_draws_when_a_dropout_module_is_on() -> None:
     layer = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
     assert rng.module_draws(layer) and not rng.module_draws(layer.eval())
     assert not rng.module_draws(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)))
-    from pipetrain.gpt import GPTConfig, gpt_layers
+    from pipetrain.models.gpt import GPTConfig, gpt_layers
 
     for p, draws in ((0.0, False), (0.1, True)):  # GPT calls F.dropout with its own float
         layers = gpt_layers(GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_layers=1, n_heads=2,

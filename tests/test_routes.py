@@ -11,12 +11,12 @@ import torch
 import pipetrain as pt
 from lm import lm_batch, lm_loss, skip_lm
 from models import MULTI, SCHEDULES
-from pipetrain.dataflow import walk
-from pipetrain.generators import make_schedule
-from pipetrain.routes import Ports, chain, direct
-from pipetrain.runtime import message_plans
-from pipetrain.trace import split_model
-from pipetrain.wire import ACT, GRAD
+from pipetrain.runtime.executor import message_plans
+from pipetrain.runtime.routes import Ports, chain, direct
+from pipetrain.runtime.wire import ACT, GRAD
+from pipetrain.schedules.dataflow import walk
+from pipetrain.schedules.generators import make_schedule
+from pipetrain.split.trace import split_model
 
 POINTS4 = ["blocks.2", "blocks.4", "blocks.6"]  # SkipLM (8 blocks) in 4 stages
 

@@ -124,7 +124,7 @@ def test_missing_inputs_and_targets_are_errors() -> None:
 def test_measured_timeline_draws_like_a_simulated_one(tmp_path: object) -> None:
     from pathlib import Path
 
-    from pipetrain import draw
+    from pipetrain.schedules import draw
 
     x, y = batch(8)
     result = pt.Pipeline(mlp(), "zbv", 4, LOSS, local_ranks=2).step(x, y)

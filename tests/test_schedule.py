@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from pipetrain import make_schedule
-from pipetrain.action import Action, B, F, I, Op, W
 from pipetrain.errors import ScheduleError
-from pipetrain.schedule import Schedule
+from pipetrain.schedules.action import Action, B, F, I, Op, W
+from pipetrain.schedules.schedule import Schedule
 
 
 @pytest.mark.parametrize("op", list(Op))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipetrain.gpt import PRESETS, gpt_layers
-from pipetrain.profile import LayerCost
-from pipetrain.shardcost import (
+from pipetrain.models.gpt import PRESETS, gpt_layers
+from pipetrain.parallel.sharded import unit_bytes
+from pipetrain.parallel.tensor_parallel import gpt_plan, local_layer, traffic
+from pipetrain.plan.shardcost import (
     Collectives,
     LayerComm,
     Sharding,
@@ -18,8 +19,7 @@ from pipetrain.shardcost import (
     state_bytes,
     step_temporaries,
 )
-from pipetrain.sharded import unit_bytes
-from pipetrain.tensor_parallel import gpt_plan, local_layer, traffic
+from pipetrain.split.profile import LayerCost
 
 MIB = 2**20
 LAYER = LayerCost(1e-3, 1e-3, 1e-3, param_bytes=12 * MIB, activation_bytes=MIB,

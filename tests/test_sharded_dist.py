@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import pipetrain as pt
-from pipetrain.sharded import ShardedStages
+from pipetrain.parallel.sharded import ShardedStages
 from pipetrain.testing import reference_step, reload_mismatches
 
 LOSS = nn.MSELoss()
@@ -104,7 +104,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _state(pipe: pt.Pipeline, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    from pipetrain import checkpoint as ck
+    from pipetrain.checkpoint import run as ck
 
     named = list(pipe.named_parameters())
     return {**ck.model_state(named), **ck.optimizer_state(opt, named)}
@@ -122,7 +122,7 @@ def _checkpoints(ctx: pt.RankContext, root: str) -> list[str]:
     """A sharded run's checkpoint loads into replicated stages and back, value for value."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipetrain import checkpoint as ck
+    from pipetrain.checkpoint import run as ck
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "pp"))
     shard = mesh["dp_shard"].get_local_rank()

@@ -7,12 +7,12 @@ import random
 import pytest
 
 from pipetrain import make_schedule
-from pipetrain.action import Action
-from pipetrain.calibrate import calibrate
-from pipetrain.dataflow import walk
-from pipetrain.sharing import rate, shared_walk, unshare
-from pipetrain.simulate import Costs, simulate
-from pipetrain.timeline import Span, Timeline
+from pipetrain.schedules.action import Action
+from pipetrain.schedules.calibrate import calibrate
+from pipetrain.schedules.dataflow import walk
+from pipetrain.schedules.sharing import rate, shared_walk, unshare
+from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.timeline import Span, Timeline
 
 CASES = [("gpipe", 2, 4), ("1f1b", 4, 8), ("zb-h1", 3, 6), ("zbv", 2, 4),
          ("interleaved-1f1b", 2, 4), ("dualpipev", 2, 4), ("v-half", 4, 8)]
@@ -96,7 +96,7 @@ def test_cores_must_be_positive() -> None:
 
 
 def test_a_deadlocked_list_is_reported_as_the_plain_walk_reports_it() -> None:
-    from pipetrain.schedule import Schedule
+    from pipetrain.schedules.schedule import Schedule
 
     s = Schedule.from_lists("bad", 1, [0, 1], [[Action.parse("0F0"), Action.parse("0B0")],
                                                 [Action.parse("1B0"), Action.parse("1F0")]])

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import pytest
 
 from pipetrain import make_schedule
-from pipetrain.action import Op
 from pipetrain.errors import ScheduleError
-from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, peak_pairs, peak_units, simulate
-from pipetrain.timeline import Span
+from pipetrain.schedules.action import Op
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.simulate import Costs, peak_pairs, peak_units, simulate
+from pipetrain.schedules.timeline import Span
 
 GRID = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 12)]
 FB = [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0), (0.5, 4.0)]

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.gpt import GPTConfig, gpt_layers, lm_loss
-from pipetrain.tensor_parallel import TensorParallel
+from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
+from pipetrain.parallel.tensor_parallel import TensorParallel
 from pipetrain.testing import reference_step, reload_mismatches
 
 CONFIG = GPTConfig(seq_len=16, d_model=32, n_heads=4, n_layers=4)
@@ -84,7 +84,7 @@ def test_pp2_by_tp2_gives_one_devices_loss_and_gradients() -> None:
 
 
 def _state(pipe: pt.Pipeline, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    from pipetrain import checkpoint as ck
+    from pipetrain.checkpoint import run as ck
 
     named = list(pipe.named_parameters())
     return {**ck.model_state(named), **ck.optimizer_state(opt, named)}
@@ -92,7 +92,7 @@ def _state(pipe: pt.Pipeline, opt: torch.optim.Optimizer) -> dict[str, torch.Ten
 
 def _checkpoints(ctx: pt.RankContext, root: str) -> list[str]:
     """A tensor-parallel run's checkpoint loads into whole stages and back, value for value."""
-    from pipetrain import checkpoint as ck
+    from pipetrain.checkpoint import run as ck
 
     mesh: object = _mesh()
     group = mesh["pp"].get_group()  # type: ignore[index]

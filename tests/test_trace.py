@@ -11,7 +11,7 @@ from torch import nn
 import pipetrain as pt
 from lm import captured_lm, lm_batch, lm_loss, tiny_lm
 from pipetrain.errors import PartitionError
-from pipetrain.trace import TracedSplit, split_model
+from pipetrain.split.trace import TracedSplit, split_model
 
 POINTS = [[], ["blocks.2"], ["blocks.1", "blocks.3"], ["pos", "blocks.1.attn", "norm"],
           ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]]

@@ -12,7 +12,7 @@ import pytest
 from pipetrain.cli import build_parser, main
 from pipetrain.train import cli as train_cli
 from pipetrain.train import elastic, report
-from pipetrain.train.config import TrainConfig
+from pipetrain.train.config import TrainConfig, config_toml, format_config
 
 
 def _resolve(argv: list[str]) -> TrainConfig:
@@ -51,9 +51,9 @@ def test_toml_sets_and_flags_override(tmp_path: Path) -> None:
 def test_written_config_reads_back(tmp_path: Path) -> None:
     cfg = TrainConfig(schedule="zbv", steps=3, prompt='say "hi"', pp=2)
     path = tmp_path / "config.toml"
-    path.write_text(train_cli.config_toml(cfg))
+    path.write_text(config_toml(cfg))
     assert _resolve(["--config", str(path)]) == cfg
-    assert "schedule=zbv" in train_cli.format_config(cfg, world=2)
+    assert "schedule=zbv" in format_config(cfg, world=2)
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -24,7 +24,7 @@ from torch import nn
 
 import pipetrain as pt
 from pipetrain.errors import PipelineError
-from pipetrain.gpt import gpt_layers, lm_loss
+from pipetrain.models.gpt import gpt_layers, lm_loss
 from pipetrain.testing import reference_step
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig

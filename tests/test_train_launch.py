@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetrain import checkpoint, checkpoint_store
+from pipetrain.checkpoint import run as checkpoint
+from pipetrain.checkpoint import store as checkpoint_store
 from pipetrain.train import report
 
 TINY = ["--nproc", "2", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8",
@@ -25,8 +26,8 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 def _bound(timeout: float) -> float:
     """Seconds from a fault to the end of every process: the peers' timeout, the watchdog's
     probe, the agent's SIGTERM grace, and room for a busy machine."""
+    from pipetrain.runtime.watchdog import _ANSWER_S
     from pipetrain.train.elastic import SHUTDOWN_GRACE
-    from pipetrain.watchdog import _ANSWER_S
 
     return 3 * timeout + _ANSWER_S + SHUTDOWN_GRACE + 5
 
@@ -241,7 +242,7 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: P
 def test_two_torchrun_agents_rendezvous_and_train_pp_by_fsdp_to_the_end(tmp_path: Path) -> None:
     """Two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1), two ranks each,
     train pp=2 x fsdp=2 to the end: the multi-node launch, on one machine."""
-    from pipetrain.launch import free_port
+    from pipetrain.runtime.launch import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
     out = tmp_path / "out"

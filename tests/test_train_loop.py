@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.gpt import GPTConfig, gpt_layers, lm_loss
-from pipetrain.partition import stage_bounds
+from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
+from pipetrain.split.partition import stage_bounds
 from pipetrain.testing import reference_step
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
@@ -256,7 +256,7 @@ def test_check_config_lists_every_problem_at_once() -> None:
 
 
 def test_a_schedule_file_runs_as_written_and_must_fit_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from pipetrain.generators import Target
+    from pipetrain.schedules.generators import Target
 
     searched = pt.make_schedule("zb-auto", 2, 4, 1, Target(memory_limit=4.0))
     path = tmp_path / "zb.csv"

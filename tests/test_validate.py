@@ -7,10 +7,10 @@ import textwrap
 import pytest
 
 from pipetrain import make_schedule
-from pipetrain.action import Action, Op
 from pipetrain.errors import ScheduleError
-from pipetrain.schedule import Schedule
-from pipetrain.validate import format_grid, validate
+from pipetrain.schedules.action import Action, Op
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.validate import format_grid, validate
 
 
 def _error(text: str) -> str:

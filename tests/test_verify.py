@@ -195,11 +195,11 @@ def test_the_readme_snippet_passes(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_train_verify_checks_before_it_starts_the_workers(
         saved: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipetrain.train import elastic, verify_cli
+    from pipetrain.train import elastic, verify_hf
 
     started: list[Any] = []
     monkeypatch.setattr(elastic, "launch_local", lambda cfg: started.append(cfg))
-    monkeypatch.setattr(verify_cli, "WIDTH", 16)
+    monkeypatch.setattr(verify_hf, "WIDTH", 16)
     argv = ["train", "--hf", str(saved), "--verify", "--schedule", "1f1b", "--balance", "even",
             "--microbatches", "2", "--seq-len", "16", "--batch-size", "4"]
     assert main(argv) == 0 and len(started) == 1
@@ -211,6 +211,6 @@ def test_train_verify_checks_before_it_starts_the_workers(
     failed = pt.Verification((Row("lm_head.weight", (1,), 1, 9, 1.0, "lm_head.weight", "",
                                   False),), (), 1.0, 1.0, 1e-9, "1f1b", 2, 2, (2, 2), (0, 1),
                              torch.float64, 0.1)
-    monkeypatch.setattr(verify_cli, "before_training", lambda cfg, announce: failed)
+    monkeypatch.setattr(verify_hf, "before_training", lambda cfg, announce: failed)
     assert main(argv) == 1 and len(started) == 1  # no worker started
     assert "--verify failed, not training: 1 of 1 parameter groups" in capsys.readouterr().err

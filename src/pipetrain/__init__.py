@@ -1,19 +1,33 @@
 """pipetrain: pipeline-parallel training of PyTorch models, every schedule as data."""
 
-from pipetrain.action import Action, Op
-from pipetrain.calibrate import calibrate
+from typing import Any
+
+from pipetrain._version import __version__ as __version__
 from pipetrain.errors import PipelineError
-from pipetrain.generators import make_schedule
-from pipetrain.launch import RankContext, launch
-from pipetrain.lazy import LayerSpec, build_layers
 from pipetrain.pipeline import Pipeline, StepResult
-from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, simulate
+from pipetrain.runtime.launch import RankContext, launch
+from pipetrain.schedules.action import Action, Op
+from pipetrain.schedules.calibrate import calibrate
+from pipetrain.schedules.generators import Target, make_schedule
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.split.lazy import LayerSpec, build_layers
 from pipetrain.verify import Verification, VerificationFailed, verify
 
 __all__ = [
     "Action", "Costs", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext", "Schedule",
-    "StepResult", "Verification", "VerificationFailed", "build_layers", "calibrate", "launch",
-    "make_schedule", "simulate", "verify",
+    "ShardedStages", "StepResult", "Target", "TensorParallel", "Verification",
+    "VerificationFailed", "build_layers", "calibrate", "launch", "make_schedule", "simulate",
+    "verify",
 ]
-__version__ = "0.1.0"
+_LAZY = {"ShardedStages": "pipetrain.parallel.sharded",
+         "TensorParallel": "pipetrain.parallel.tensor_parallel"}
+"""Imported on first use: they import torch.distributed's FSDP and DTensor (half a second)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")

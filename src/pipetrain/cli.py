@@ -22,14 +22,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipetrain import draw
 from pipetrain.errors import ScheduleError
-from pipetrain.generators import REGISTRY, Target, _load_builtin, make_schedule
-from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, Simulation, simulate
+from pipetrain.plan import cli as plan_cli
+from pipetrain.schedules import draw
+from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.simulate import Costs, Simulation, simulate
+from pipetrain.schedules.validate import format_grid, validate
 from pipetrain.train import cli as train_cli
-from pipetrain.train import export_cli, plan_cli, verify_cli
-from pipetrain.validate import format_grid, validate
+from pipetrain.train import export_cli, verify_cli
 
 __all__ = ["Subcommand", "subcommands", "build_parser", "main"]
 

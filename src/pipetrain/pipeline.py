@@ -20,29 +20,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain import microbatch
-from pipetrain import rng as rng_streams
-from pipetrain.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
-from pipetrain.comm import P2P
-from pipetrain.delivery import Proofs, delivery_proofs
 from pipetrain.errors import PartitionError, PipelineError
-from pipetrain.finish import StepTimes, done_key, exchange, total_loss
-from pipetrain.generators import make_schedule
-from pipetrain.layers import Layers, packed, profiling_sample, trace_stages
-from pipetrain.lazy import LayerSpec
-from pipetrain.parallelize import Gathering, held_parameter, join, parallelize_stages
-from pipetrain.partition import check_balance, even_balance, stage_bounds
-from pipetrain.receiver import PeerFailed
-from pipetrain.recompute import Policy, layer_flags
-from pipetrain.routes import chain
-from pipetrain.runtime import Executor, GradsReady, StepData, grad_links, message_plans
-from pipetrain.schedule import Schedule
-from pipetrain.stage import Stage
-from pipetrain.tied import LocalCopies, TiedGrads, find_tied
-from pipetrain.timeline import Timeline
-from pipetrain.trace import TracedSplit
-from pipetrain.watchdog import Watchdog, diagnosed
-from pipetrain.wire import OPS
+from pipetrain.parallel.parallelize import Gathering, held_parameter, join, parallelize_stages
+from pipetrain.runtime import microbatch
+from pipetrain.runtime import rng as rng_streams
+from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.delivery import Proofs, delivery_proofs
+from pipetrain.runtime.executor import Executor, GradsReady, StepData, grad_links, message_plans
+from pipetrain.runtime.finish import StepTimes, done_key, exchange, total_loss
+from pipetrain.runtime.receiver import PeerFailed
+from pipetrain.runtime.recompute import Policy, layer_flags
+from pipetrain.runtime.routes import chain
+from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.tied import LocalCopies, TiedGrads, find_tied
+from pipetrain.runtime.watchdog import Watchdog, diagnosed
+from pipetrain.runtime.wire import OPS
+from pipetrain.schedules.generators import make_schedule
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.timeline import Timeline
+from pipetrain.split.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
+from pipetrain.split.layers import Layers, packed, profiling_sample, trace_stages
+from pipetrain.split.lazy import LayerSpec
+from pipetrain.split.partition import check_balance, even_balance, stage_bounds
+from pipetrain.split.trace import TracedSplit
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -75,13 +75,13 @@ class Pipeline:
     Args:
         model: the full model, or a list of layers that may be :class:`LayerSpec` or live on
             the ``meta`` device; this rank keeps (and builds) only its stages' layers. With
-            ``split_points`` the model may be built on ``meta`` too (:mod:`pipetrain.layers`).
+            ``split_points`` the model may be built on ``meta`` too (:mod:`pipetrain.split.layers`).
         schedule: a schedule name (``pipetrain schedules``) or a :class:`Schedule`.
         microbatches: micro-batches per step (taken from ``schedule`` if it is a Schedule).
         loss_fn: ``loss_fn(outputs, targets) -> scalar`` applied per micro-batch.
         balance: layers per stage; None splits evenly; ``"params"``, ``"time"`` or
             ``"memory"`` (or ``fn(layer_costs, first, end) -> cost``) chooses the split that
-            minimises the bottleneck exactly (:mod:`pipetrain.balance`; the profiling modes
+            minimises the bottleneck exactly (:mod:`pipetrain.split.balance`; the profiling modes
             need ``example_inputs``, one micro-batch of the first layer's input, and real
             layers: ``meta`` ones take ``"params"``). The plan is kept as ``balance_plan``.
         stages_per_rank: None takes the schedule's own (2 for interleaved-1f1b, zbv, dualpipev).
@@ -92,15 +92,15 @@ class Pipeline:
         loss_reduction: ``"mean"`` (micro-batch i weighted by its share of the batch) or
             ``"sum"`` (weight 1), matching how ``loss_fn`` reduces.
         timeout: seconds any wait for a peer may last before the step fails.
-        recompute: activation recomputation (:mod:`pipetrain.recompute`): per stage,
+        recompute: activation recomputation (:mod:`pipetrain.runtime.recompute`): per stage,
             ``"never"``, ``"always"``, ``"except_last"`` (the last stage's backward follows
             its forward at once, so recomputing it saves little) or a collection of stage
             indices; or per layer, ``("every", k)``: the layers whose index in the layer list
             is a multiple of k (0, k, 2k, ...; a traced model's layers are its stages).
         split_points: cut an arbitrary ``model`` (not a layer list) into stages by tracing it
-            (:func:`pipetrain.trace.split_model`): one stage starts at the first use of each
+            (:func:`pipetrain.split.trace.split_model`): one stage starts at the first use of each
             named module (``["blocks.4", "blocks.8"]``); ``"auto"`` cuts at every unit
-            (:mod:`pipetrain.autosplit`) and groups the units by ``balance`` (default
+            (:mod:`pipetrain.split.autosplit`) and groups the units by ``balance`` (default
             ``"params"``); with ``balance=``, a list cuts units that the balance groups the
             same way. Needs ``example_inputs``; ``step`` takes the inputs as ``forward`` does:
             a tensor, a tuple of positional arguments, a dict of keyword arguments, or
@@ -110,15 +110,15 @@ class Pipeline:
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
             layers, and of the by-name initialisation of a traced ``meta`` model, whose
             parameters then equal ``NamedInit(model, init_seed).materialize(model)`` (see
-            :mod:`pipetrain.lazy`); real modules are used as given.
+            :mod:`pipetrain.split.lazy`); real modules are used as given.
         parallelize: ``fn(stage, layers)``, called once for each stage this rank holds, after
             the split and before the first step, to wrap the stage's layers in place: FSDP2's
-            ``fully_shard`` (:class:`pipetrain.sharded.ShardedStages` does it), tensor
+            ``fully_shard`` (:class:`pipetrain.parallel.sharded.ShardedStages` does it), tensor
             parallelism, or the user's own. Parameters keep their names in the model.
         rng: whether each micro-batch's forward draws its random numbers (dropout) from a
             stream of its own that travels with it from stage to stage, so that every layer
             draws what it draws on one device when micro-batch i starts from
-            ``rng.start(base, i)`` (:mod:`pipetrain.rng`; ``testing.reference_step(...,
+            ``rng.start(base, i)`` (:mod:`pipetrain.runtime.rng`; ``testing.reference_step(...,
             rng=True)``). None: when the model draws (a captured graph with a dropout of p > 0
             in training; a layer list with a dropout module of p > 0 in training mode; for
             dropout called as a function in a layer's own forward, pass True).
@@ -471,7 +471,7 @@ def _resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,
         if microbatches is None:
             raise ValueError("microbatches is required with a schedule name")
         resolved = make_schedule(schedule, n_ranks, microbatches, stages_per_rank)
-    from pipetrain.validate import validate
+    from pipetrain.schedules.validate import validate
 
     validate(resolved)
     return resolved

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain import microbatch
-from pipetrain import rng as streams
+from pipetrain.runtime import microbatch
+from pipetrain.runtime import rng as streams
 
 __all__ = ["reference_step", "grad_mismatches", "reload_mismatches"]
 
@@ -30,7 +30,7 @@ def reference_step(
     ``inputs`` is the model's one argument, or a dict of keyword arguments (what
     ``Pipeline.pack`` makes, or a dict a captured model is stepped with). With ``rng`` (a
     pipeline whose ``rng`` is True), each micro-batch runs on its own random stream, started
-    as the pipeline starts it on stage 0's rank (:mod:`pipetrain.rng`), and ``device``'s
+    as the pipeline starts it on stage 0's rank (:mod:`pipetrain.runtime.rng`), and ``device``'s
     generator is put back after it.
     """
     xs = microbatch.split(inputs, microbatches, split_dim)
@@ -77,10 +77,10 @@ def reload_mismatches(path: Any, want: dict[str, torch.Tensor],
                       pipelines: Iterable[tuple[str, Any, torch.optim.Optimizer]]) -> list[str]:
     """Load the checkpoint at ``path`` into each ``(label, pipeline, optimizer)`` (its model
     and optimizer state); the keys whose whole values then differ from ``want`` (whole
-    tensors by key, as :func:`pipetrain.checkpoint.model_state` and ``optimizer_state`` name
+    tensors by key, as :func:`pipetrain.checkpoint.run.model_state` and ``optimizer_state`` name
     them), labelled."""
-    from pipetrain import checkpoint as ck
-    from pipetrain.dtensors import whole
+    from pipetrain.checkpoint import run as ck
+    from pipetrain.runtime.dtensors import whole
 
     def state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         named = list(pipe.named_parameters())

@@ -28,8 +28,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pipetrain.lazy import NamedInit, is_meta
 from pipetrain.pipeline import Pipeline
+from pipetrain.split.lazy import NamedInit, is_meta
 from pipetrain.testing import reference_step
 
 __all__ = ["Row", "Verification", "VerificationFailed", "default_loss", "default_tolerance",
@@ -310,7 +310,7 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _batch_size(inputs: Any, dim: int) -> int:
-    from pipetrain.microbatch import batch_size
+    from pipetrain.runtime.microbatch import batch_size
 
     return batch_size(inputs, dim)
 

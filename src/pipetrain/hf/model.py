@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.autosplit import cut_points, units
-from pipetrain.dtensors import copy_whole_
+from pipetrain.runtime.dtensors import copy_whole_
+from pipetrain.split.autosplit import cut_points, units
 
 __all__ = ["HFModel", "LoadReport", "load_weights", "open_model", "split_points"]
 
@@ -157,6 +157,21 @@ def _weight_files(root: Path, renamings: list[tuple[str, str]]) -> dict[str, tup
     return {}
 
 
+def load_tokenizer(root: str | Path) -> Any:
+    """The tokenizer saved in ``root`` (``AutoTokenizer``, local files only).
+
+    Raises:
+        FileNotFoundError: when ``root`` has no tokenizer files, saying how to add them.
+    """
+    tf = transformers()
+    try:
+        return tf.AutoTokenizer.from_pretrained(Path(root), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise FileNotFoundError(
+            f"--hf {str(root)!r}: no tokenizer could be loaded from it ({e}); save the "
+            "model's tokenizer there too (tokenizer.save_pretrained(dir))") from None
+
+
 def split_points(model: nn.Module, n_stages: int, example: dict[str, Any] | None = None
                  ) -> list[str]:
     """The units to group into ``n_stages`` stages: the decoder layers, or every unit.
@@ -165,9 +180,9 @@ def split_points(model: nn.Module, n_stages: int, example: dict[str, Any] | None
     ``model.layers.0`` .. ``model.layers.31``) are the units when there are at least
     ``n_stages`` of them: the embedding goes with the first, the final norm and head with the
     last. A model with fewer layers than stages is cut at every unit instead, in the order
-    ``forward`` runs them on ``example`` (:func:`pipetrain.autosplit.cut_points`: a rotary
+    ``forward`` runs them on ``example`` (:func:`pipetrain.split.autosplit.cut_points`: a rotary
     table registered after the final norm runs before the first layer); without ``example``,
-    in registration order (:func:`pipetrain.autosplit.units`).
+    in registration order (:func:`pipetrain.split.autosplit.units`).
 
     Raises:
         ValueError: when the model has fewer units than stages.

@@ -116,11 +116,10 @@ def export_checkpoint(checkpoint: Path, out: Path, *, shard_bytes: int = 2 << 30
     Raises:
         CheckpointError: when ``checkpoint`` is not a committed checkpoint of an ``--hf`` run.
     """
-    from pipetrain import checkpoint as ckpt
-    from pipetrain import checkpoint_store as store
+    from pipetrain.checkpoint import run as ckpt
+    from pipetrain.checkpoint import store as store
     from pipetrain.errors import CheckpointError
-    from pipetrain.hf.model import transformers
-    from pipetrain.hf.tokens import load_tokenizer
+    from pipetrain.hf.model import load_tokenizer, transformers
 
     opened = store.open_checkpoint(Path(checkpoint))
     model = opened.meta.get("model") or {}

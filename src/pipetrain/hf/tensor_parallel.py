@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from pipetrain.tensor_parallel import keep_slice
+from pipetrain.parallel.tensor_parallel import keep_slice
 
 __all__ = ["STYLES", "model_plan", "require_weights", "shrink", "TracedTensorParallel"]
 

@@ -12,7 +12,7 @@ them (:func:`pipetrain.train.elastic.worker`).
     $ torchrun --nproc-per-node 4 -m pipetrain train --pp 2 --dp 2
 
 With ``--verify`` (and ``--hf``) the model is first checked against one process at a small
-width under the run's pipeline layout (:func:`pipetrain.train.verify_cli.before_training`).
+width under the run's pipeline layout (:func:`pipetrain.train.verify_hf.before_training`).
 
 Exit codes: 0 the run finished, 1 it failed on some rank (or ``--verify`` found a difference:
 nothing was started), 2 bad arguments or config.
@@ -27,7 +27,6 @@ import difflib
 import inspect
 import re
 import sys
-import textwrap
 import types
 import typing
 from pathlib import Path
@@ -40,8 +39,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["HELP", "configure", "run", "resolve", "load_toml", "field_docs", "format_config",
-           "config_toml"]
+__all__ = ["HELP", "configure", "run", "resolve", "load_toml", "field_docs"]
 
 HELP = ("train a pipelined GPT, or a local Hugging Face checkpoint with --hf (local processes, "
         "or one worker under torchrun)")
@@ -176,8 +174,8 @@ def check(cfg: TrainConfig) -> None:
     Raises:
         ValueError: naming the setting, its value and what to use instead.
     """
-    from pipetrain.generators import REGISTRY, _load_builtin
-    from pipetrain.gpt import PRESETS
+    from pipetrain.models.gpt import PRESETS
+    from pipetrain.schedules.generators import REGISTRY, _load_builtin
 
     _load_builtin()
     if cfg.hf and not Path(cfg.hf, "config.json").is_file():
@@ -190,7 +188,7 @@ def check(cfg: TrainConfig) -> None:
                          f"{sorted(REGISTRY)}, or give a schedule file")
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
-    from pipetrain.sharded import RESHARD
+    from pipetrain.parallel.sharded import RESHARD
 
     if cfg.fsdp_reshard not in RESHARD:
         raise ValueError(f"--fsdp-reshard must be one of {', '.join(RESHARD)}, "
@@ -205,37 +203,6 @@ def check(cfg: TrainConfig) -> None:
         raise ValueError(f"--max-restarts must be 0 or more, got {cfg.max_restarts}")
     if not cfg.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {cfg.timeout}")
-
-
-def format_config(cfg: TrainConfig, *, world: int | None = None, width: int = 100) -> str:
-    """The resolved config as wrapped ``key=value`` lines, printed at the start of a run."""
-    head = "pipetrain train" + (f": {world} processes" if world is not None else "")
-    pairs = [f"{f.name}={_shown(getattr(cfg, f.name))}" for f in dataclasses.fields(TrainConfig)]
-    body = textwrap.wrap("  ".join(pairs), width - 2, break_on_hyphens=False)
-    return "\n".join([f"{head}; config:", *("  " + line for line in body)])
-
-
-def config_toml(cfg: TrainConfig) -> str:
-    """The resolved config as a TOML file that ``--config`` reads back (None fields left out)."""
-    lines = ["# pipetrain train --config FILE"]
-    for f in dataclasses.fields(TrainConfig):
-        value = getattr(cfg, f.name)
-        lines.append(f"# {f.name}: automatic" if value is None
-                     else f"{f.name} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _shown(value: object) -> str:
-    return "auto" if value is None else str(value) if not isinstance(value, str) else (
-        value if value and " " not in value else repr(value))
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
 
 
 # ------------------------------------------------------------------------------------- run
@@ -265,16 +232,16 @@ def run(args: argparse.Namespace) -> int:
 
 def _verified(cfg: TrainConfig) -> bool:
     """``--verify``: check the run's model and layout at a small width before starting any
-    worker (:func:`pipetrain.train.verify_cli.before_training`); print the table (on global
+    worker (:func:`pipetrain.train.verify_hf.before_training`); print the table (on global
     rank 0 under torchrun, where every worker checks) and say whether it passed."""
     import os
 
     from pipetrain.errors import PipelineError
-    from pipetrain.train import verify_cli
+    from pipetrain.train import verify_hf
 
     shown = os.environ.get("RANK", "0") == "0"
     try:
-        result = verify_cli.before_training(cfg, _say if shown else None)
+        result = verify_hf.before_training(cfg, _say if shown else None)
     except PipelineError as e:
         print(f"pipetrain train: --verify failed, not training: the pipelined step failed "
               f"where one process did not: {e}", file=sys.stderr, flush=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import textwrap
 from dataclasses import dataclass
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "config_toml", "format_config"]
 
 
 @dataclass
@@ -18,7 +20,7 @@ class TrainConfig:
 
     # model and data
     preset: str = "tiny"
-    """GPT preset (:data:`pipetrain.gpt.PRESETS`)."""
+    """GPT preset (:data:`pipetrain.models.gpt.PRESETS`)."""
     hf: str = ""
     """A local Hugging Face ``save_pretrained`` directory (config, safetensors weights or none,
     tokenizer) to train instead of the preset; empty: the preset."""
@@ -116,3 +118,34 @@ class TrainConfig:
     """Seconds any wait for a peer may last before every rank stops with an error."""
     progress: bool = True
     """A live progress bar on rank 0 (JSON logs are written either way)."""
+
+
+def format_config(cfg: TrainConfig, *, world: int | None = None, width: int = 100) -> str:
+    """The resolved config as wrapped ``key=value`` lines, printed at the start of a run."""
+    head = "pipetrain train" + (f": {world} processes" if world is not None else "")
+    pairs = [f"{f.name}={_shown(getattr(cfg, f.name))}" for f in dataclasses.fields(TrainConfig)]
+    body = textwrap.wrap("  ".join(pairs), width - 2, break_on_hyphens=False)
+    return "\n".join([f"{head}; config:", *("  " + line for line in body)])
+
+
+def config_toml(cfg: TrainConfig) -> str:
+    """The resolved config as a TOML file that ``--config`` reads back (None fields left out)."""
+    lines = ["# pipetrain train --config FILE"]
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        lines.append(f"# {f.name}: automatic" if value is None
+                     else f"{f.name} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _shown(value: object) -> str:
+    return "auto" if value is None else str(value) if not isinstance(value, str) else (
+        value if value and " " not in value else repr(value))
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)

@@ -2,7 +2,8 @@
 
 A local launch (:func:`launch_local`) hands ``--nproc`` workers to torch's elastic agent
 (``torch.distributed.launcher.api.elastic_launch``), which forks them from a server that
-imported torch and pipetrain once (:func:`~pipetrain.launch.start_context`). It looks at them
+imported torch and pipetrain once (:func:`~pipetrain.runtime.launch.start_context`). It looks at
+them
 every ``MONITOR_S``, stops all of them once one has failed, and restarts the whole group up
 to ``max_restarts`` times (each restart resumes from the newest committed checkpoint, because
 ``resume`` is on by default).
@@ -14,7 +15,8 @@ the same command line scales out unchanged::
 
 Security: torch.distributed has no authentication, so a local launch listens on 127.0.0.1
 only. The agent's TCPStore would bind every interface (it ignores the host it is given), so
-:func:`~pipetrain.launch.loopback_store` binds a socket to 127.0.0.1 first and hands its file
+:func:`~pipetrain.runtime.launch.loopback_store` binds a socket to 127.0.0.1 first and hands its
+file
 descriptor to a multi-tenant TCPStore, which the agent's static rendezvous then reuses.
 Gloo and NCCL listen on the interface named by ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``,
 set to the loopback interface unless the user chose one.
@@ -48,13 +50,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]  # not in __all__
 
-from pipetrain import news
 from pipetrain.errors import PipelineError
-from pipetrain.launch import loopback_store, start_context
+from pipetrain.runtime import news
+from pipetrain.runtime.launch import loopback_store, start_context
+from pipetrain.runtime.watchdog import job_store
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.events import NullReporter, Reporter
-from pipetrain.watchdog import job_store
 
 __all__ = ["JobFailed", "RunFn", "under_torchrun", "launch_local", "worker", "backend_for",
            "SHUTDOWN_GRACE"]
@@ -217,7 +219,7 @@ def _failure_report(failures: dict[int, Any], max_restarts: int) -> str:
 
 
 def _watchdog_finding(message: str) -> str | None:
-    """The ``watchdog:`` line of a timeout's message (:func:`pipetrain.watchdog.diagnosed`)."""
+    """The ``watchdog:`` line of a timeout's message (``runtime.watchdog.diagnosed``)."""
     for line in message.splitlines():
         if line.strip().startswith("watchdog: "):
             return line.strip()[len("watchdog: "):]
@@ -340,7 +342,7 @@ def _init_group(backend: str, rank: int, timeout: timedelta) -> None:
 def _reporter(cfg: TrainConfig, rank: int) -> Reporter:
     if rank != 0:
         return NullReporter()
-    from pipetrain.train.cli import config_toml, format_config
+    from pipetrain.train.config import config_toml, format_config
     from pipetrain.train.report import ProgressReporter
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

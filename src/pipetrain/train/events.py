@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pipetrain.simulate import Simulation
-from pipetrain.timeline import Timeline
+from pipetrain.schedules.simulate import Simulation
+from pipetrain.schedules.timeline import Timeline
 
 __all__ = ["Reporter", "NullReporter"]
 

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         CheckpointError: the checkpoint is missing, uncommitted, damaged or not of ``--hf``.
         ValueError: a bad ``--shard-size``.
     """
-    from pipetrain import checkpoint
+    from pipetrain.checkpoint import run as checkpoint
     from pipetrain.errors import CheckpointError
     from pipetrain.hf.save import export_checkpoint
 

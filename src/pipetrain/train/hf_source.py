@@ -4,7 +4,7 @@ The model comes from ``DIR/config.json`` on ``meta`` (:mod:`pipetrain.hf.model`)
 decoder layers, which ``--balance`` groups into the schedule's stages, and each rank
 materialises its own stages by name from ``--seed`` and then reads their stored values, if DIR
 has weights, straight from the safetensors files. Text goes through DIR's tokenizer
-(:mod:`pipetrain.hf.tokens`); the pipeline's input is ``{"input_ids": ids}``, and the loss is
+(:mod:`pipetrain.train.tokens`); the pipeline's input is ``{"input_ids": ids}``, and the loss is
 the mean next-token cross-entropy of the output's ``logits``, which is what
 ``model(input_ids, labels=...)`` computes on the same tokens.
 """
@@ -22,18 +22,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.data import Corpus
-from pipetrain.gpt import lm_loss
-from pipetrain.hf.model import load_weights, open_model, share_bytes, split_points
+from pipetrain.hf.model import load_tokenizer, load_weights, open_model, share_bytes, split_points
 from pipetrain.hf.save import save_pretrained
-from pipetrain.hf.tokens import load_tokenizer, token_corpus
-from pipetrain.lazy import NamedInit, is_meta
-from pipetrain.partition import even_balance
+from pipetrain.models.gpt import lm_loss
 from pipetrain.pipeline import Pipeline
-from pipetrain.schedule import Schedule
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.split.lazy import NamedInit, is_meta
+from pipetrain.split.partition import even_balance
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.data import Corpus
 from pipetrain.train.optim import no_decay_names
 from pipetrain.train.source import LossWrap, Source, parse_balance
+from pipetrain.train.tokens import token_corpus
 
 __all__ = ["HFSource", "causal_lm_loss", "hf_pipeline", "peak_rss_bytes"]
 

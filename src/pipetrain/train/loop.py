@@ -9,7 +9,7 @@ every rank in the same sequence, because every branch depends only on values all
     [3] dp all-reduce of gradients       mean over the replicas (sum, then / dp); a stage's
                                          starts when the step reports its gradients final,
                                          overlapping the cool-down (with --fsdp: FSDP2's
-                                         reduce-scatter, pipetrain.sharded)
+                                         reduce-scatter, pipetrain.parallel.sharded)
     [4] unscale (fp16)                   gradients of the true loss
     [5] verdict over the world           OK / overflow / non-finite: all go, skip or stop
     [6] global norm over the pp group    clip every rank's gradients by the same factor
@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from pipetrain.data import decode, encode
-from pipetrain.dtensors import whole
-from pipetrain.timeline import Timeline
+from pipetrain.runtime.dtensors import whole
+from pipetrain.schedules.timeline import Timeline
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.data import decode, encode
 from pipetrain.train.events import Reporter
 from pipetrain.train.infer import eval_loss, generate
 from pipetrain.train.memory import MemoryMeter

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pipetrain.profile import storages
+from pipetrain.split.profile import storages
 
 __all__ = ["MemoryMeter", "tensor_bytes"]
 

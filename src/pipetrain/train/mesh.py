@@ -15,11 +15,11 @@ what one pipeline computes on the concatenated batch when the micro-batch sums l
 
 With ``fsdp`` shards each replica's ranks are split further: the ``fsdp`` ranks of a shard
 group hold the same stages, each a slice of every weight, its gradient and its optimizer state
-(FSDP2, :mod:`pipetrain.sharded`), and each trains on its own rows. Data-parallel ranks are
+(FSDP2, :mod:`pipetrain.parallel.sharded`), and each trains on its own rows. Data-parallel ranks are
 then ``dp x fsdp``; FSDP2 averages the gradients over the shards, not the reducer, and with
 ``dp > 1`` too (HSDP) over the replicas: it reduce-scatters over ``dp_shard`` and all-reduces
 over ``dp_replicate``. With ``tp`` each pipeline rank is ``tp`` ranks that split its layers
-(:mod:`pipetrain.tensor_parallel`) and see the same rows; each runs its own copy of the
+(:mod:`pipetrain.parallel.tensor_parallel`) and see the same rows; each runs its own copy of the
 pipeline's point-to-point traffic with the same tensor-parallel rank of the next stage. Global
 rank ``((replica * fsdp + shard) * pp + pipeline rank) * tp + tensor-parallel rank`` (tp
 innermost, as it talks most), from one ``init_device_mesh`` with dimensions
@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipetrain import news
-from pipetrain.dtensors import local_shard
+from pipetrain.runtime import news
+from pipetrain.runtime.dtensors import local_shard
 
 __all__ = ["Mesh", "build_mesh", "GradReducer"]
 

@@ -23,8 +23,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from pipetrain import news
 from pipetrain.errors import PipelineError
+from pipetrain.runtime import news
 
 if TYPE_CHECKING:
     from pipetrain.pipeline import Pipeline

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain import news
-from pipetrain.dtensors import local_shard
-from pipetrain.gpt import Embedding
+from pipetrain.models.gpt import Embedding
 from pipetrain.pipeline import Pipeline
+from pipetrain.runtime import news
+from pipetrain.runtime.dtensors import local_shard
 
 __all__ = ["lr_at", "no_decay_names", "param_groups", "build_optimizer", "set_lr",
            "counted_parameters", "grad_square_sum", "global_grad_norm", "clip_grads_"]

@@ -36,9 +36,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from pipetrain import draw
-from pipetrain.simulate import Simulation
-from pipetrain.timeline import Timeline
+from pipetrain.schedules import draw
+from pipetrain.schedules.simulate import Simulation
+from pipetrain.schedules.timeline import Timeline
 from pipetrain.train.config import TrainConfig
 
 __all__ = ["ProgressReporter", "describe_layout", "latest_run", "read_log", "save_loss_png",

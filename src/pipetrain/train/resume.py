@@ -1,5 +1,5 @@
 """Resume: a training run's checkpoint (model, optimizer, loss scale, RNG, data position), saved
-and restored through :mod:`pipetrain.checkpoint`.
+and restored through :mod:`pipetrain.checkpoint.run`.
 
 Tensors are keyed by the original parameter names, so a run saved at one layout (pp, dp,
 schedule) resumes at another. The rest is plain metadata: the step (which is also the data
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipetrain import checkpoint
+from pipetrain.checkpoint import run as checkpoint
 from pipetrain.errors import CheckpointError
 from pipetrain.train.setup import Trainer
 

@@ -17,23 +17,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.data import Batches, Corpus
 from pipetrain.errors import ScheduleError
-from pipetrain.generators import REGISTRY, _load_builtin, make_schedule
-from pipetrain.gpt import PRESETS
-from pipetrain.parallelize import Composed
+from pipetrain.models.gpt import PRESETS
+from pipetrain.parallel.parallelize import Composed
+from pipetrain.parallel.sharded import ShardedStages
 from pipetrain.pipeline import Pipeline
-from pipetrain.schedule import Schedule
-from pipetrain.sharded import ShardedStages
+from pipetrain.schedules.generators import REGISTRY, _load_builtin, make_schedule
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.validate import validate
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.data import Batches, Corpus
+from pipetrain.train.hf_source import HFSource
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
 from pipetrain.train.nonfinite import NaNInjector
 from pipetrain.train.optim import build_optimizer, counted_parameters
 from pipetrain.train.precision import PRECISIONS, LossScale
-from pipetrain.train.source import Source, source_for
-from pipetrain.validate import validate
+from pipetrain.train.source import GPTSource, Source
 
-__all__ = ["Trainer", "build", "check_config"]
+__all__ = ["Trainer", "build", "check_config", "source_for"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -110,6 +111,13 @@ class Trainer:
         n = batch[0].size(0) // self.mesh.dp
         lo = self.mesh.dp_rank * n
         return batch[0][lo:lo + n], batch[1][lo:lo + n]
+
+
+def source_for(cfg: TrainConfig) -> Source:
+    """The run's model: ``--hf DIR`` when given, else the GPT preset."""
+    if cfg.hf:
+        return HFSource(cfg)
+    return GPTSource(cfg)
 
 
 def run_schedule(cfg: TrainConfig, pp: int) -> Schedule:

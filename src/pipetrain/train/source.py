@@ -17,15 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.balance import plan_balance
-from pipetrain.data import ByteCorpus, Corpus, decode, default_corpus, encode
-from pipetrain.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
-from pipetrain.partition import check_balance, even_balance, stage_bounds
+from pipetrain.models.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
 from pipetrain.pipeline import Pipeline
-from pipetrain.schedule import Schedule
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.split.balance import plan_balance
+from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.data import ByteCorpus, Corpus, decode, default_corpus, encode
 
-__all__ = ["GPTSource", "Source", "parse_balance", "source_for"]
+__all__ = ["GPTSource", "Source", "parse_balance"]
 
 
 LossWrap = Callable[[Callable[[Any, Any], torch.Tensor]], Callable[[Any, Any], torch.Tensor]]
@@ -36,7 +36,7 @@ class Source(ABC):
     """The model of a run: built into this rank's pipeline, fed token ids, read as text."""
 
     model: Any
-    """What the run trains: a :class:`~pipetrain.gpt.GPTConfig` or a Hugging Face model."""
+    """What the run trains: a :class:`~pipetrain.models.gpt.GPTConfig` or a Hugging Face model."""
     n_params: int
     """Parameters of the whole model (a tied weight once)."""
     no_decay: set[str]
@@ -78,8 +78,8 @@ class Source(ABC):
 
     def tensor_parallel(self, cfg: TrainConfig, mesh: Any) -> Any:
         """The ``parallelize`` hook that splits this model's layers over ``mesh`` (call
-        before :meth:`pipeline`): the GPT plan of :mod:`pipetrain.tensor_parallel`."""
-        from pipetrain.tensor_parallel import TensorParallel
+        before :meth:`pipeline`): the GPT plan of :mod:`pipetrain.parallel.tensor_parallel`."""
+        from pipetrain.parallel.tensor_parallel import TensorParallel
 
         return TensorParallel(mesh, sequence_parallel=cfg.sequence_parallel)
 
@@ -122,15 +122,6 @@ class GPTSource(Source):
 
     def decode(self, ids: Sequence[int]) -> str:
         return decode(ids)
-
-
-def source_for(cfg: TrainConfig) -> Source:
-    """The run's model: ``--hf DIR`` when given, else the GPT preset."""
-    if cfg.hf:
-        from pipetrain.train.hf_source import HFSource
-
-        return HFSource(cfg)
-    return GPTSource(cfg)
 
 
 def _no_decay(model: nn.Module) -> set[str]:

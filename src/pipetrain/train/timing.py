@@ -2,19 +2,19 @@
 simulator's prediction from them.
 
 The picture of a run's last step shows its measured timeline next to what
-:func:`pipetrain.simulate` predicts for the same schedule when every action of stage ``s``
+:func:`pipetrain.schedules.simulate` predicts for the same schedule when every action of stage ``s``
 with op ``o`` takes the median measured duration of that stage's ``o`` actions and every
-message between ranks the median hop (:mod:`pipetrain.calibrate`), both read off the step
+message between ranks the median hop (:mod:`pipetrain.schedules.calibrate`), both read off the step
 before it: the prediction is not fitted to the step it predicts. What remains between the two
 is step-to-step and per-action variation, and waits the hop's median does not cover.
 """
 
 from __future__ import annotations
 
-from pipetrain.calibrate import calibrate, stage_costs
-from pipetrain.schedule import Schedule
-from pipetrain.simulate import Costs, Simulation
-from pipetrain.timeline import Timeline
+from pipetrain.schedules.calibrate import calibrate, stage_costs
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.simulate import Costs, Simulation
+from pipetrain.schedules.timeline import Timeline
 
 __all__ = ["measured_costs", "predict"]
 

@@ -1,0 +1,379 @@
+"""``pipetrain plan``: profile the model, calibrate on the ranks, search layouts, write the best.
+
+    $ pipetrain plan --preset small --nproc 4 --memory-limit 64MiB
+    $ pipetrain plan --hf llama-local --data notes.txt --nproc 4 --memory-limit 16GiB
+
+0. Layouts: every ``pp x dp x fsdp x tp = nproc`` (pp at least 2; FSDP under each reshard)
+   that the flags given pin and ``pipetrain train`` accepts (:func:`candidate_layouts`).
+1. Profile every layer in this process on one micro-batch of each size the search tries
+   (:func:`pipetrain.split.profile.profile_layers`): the GPT preset's blocks, or the decoder layers
+   of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts);
+   under tensor parallelism one rank's share of each (the GPT plan's,
+   :func:`pipetrain.parallel.tensor_parallel.local_layer`, or a Hugging Face model's own,
+   :func:`pipetrain.hf.tensor_parallel.shrink`), with the bytes it all-reduces.
+2. Calibrate: train 3 steps of zb-h1, of 1f1b, and of 1f1b recomputed on the ranks (one
+   local launch, as ``pipetrain train``, at the fewest pipeline ranks searched, the rest
+   replicas); the measured/profiled ratio of each op, the hop delay, the step's time outside
+   the schedule, the runtime's cost per action and what recomputation adds scale every
+   prediction (:mod:`pipetrain.schedules.calibrate`); then time all-reduce, all-gather and
+   reduce-scatter over groups of each size the layouts use (:mod:`pipetrain.plan.shardcost`).
+3. Search (:func:`pipetrain.plan.planner.search`) each layout, print the best candidates, and
+   write the best
+   one's predicted timeline (``plan.png``) and a config that ``pipetrain train --config``
+   runs as it is (``plan.toml``) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.parallel.sharded import RESHARD
+from pipetrain.train.config import TrainConfig
+
+__all__ = ["HELP", "configure", "run"]
+
+HELP = ("choose the fastest layout (pp x dp x fsdp x tp, schedule, micro-batches, balance, "
+        "recompute) that fits memory")
+EXIT_OK, EXIT_NONE_FITS = 0, 3
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    parser.add_argument("--memory-limit", required=True, metavar="SIZE",
+                        help="bytes each device may hold, e.g. 64MiB or 16GiB")
+    parser.add_argument("--preset", default=d.preset, help="GPT preset (default: %(default)s)")
+    parser.add_argument("--hf", default=d.hf, metavar="DIR",
+                        help="a local Hugging Face save_pretrained directory instead of --preset")
+    parser.add_argument("--data", default=d.data, metavar="PATH",
+                        help="text the calibration steps train on (default: the stdlib's sources)")
+    parser.add_argument("--token-cache", default=d.token_cache, metavar="DIR",
+                        help="with --hf: where tokenized corpora are kept (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len, metavar="N")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, metavar="N",
+                        help="sequences per step over all replicas (default: %(default)s)")
+    parser.add_argument("--nproc", type=int, default=d.nproc, metavar="N")
+    parser.add_argument("--pp", type=int, metavar="N",
+                        help="pipeline ranks (default: search, at least 2)")
+    parser.add_argument("--dp", type=int, metavar="N", help="data-parallel replicas "
+                        "(default: search, with --fsdp and --tp, what nproc/pp leaves)")
+    parser.add_argument("--fsdp", type=int, metavar="N", help="FSDP shards (default: search)")
+    parser.add_argument("--tp", type=int, metavar="N",
+                        help="tensor-parallel ranks (default: search; not with --hf)")
+    parser.add_argument("--fsdp-reshard", choices=RESHARD, metavar="WHEN",
+                        help="FSDP's reshard: step, layer or part (default: search)")
+    parser.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    parser.add_argument("--schedules", metavar="NAMES",
+                        help="comma-separated schedules to consider (default: all)")
+    parser.add_argument("--top", type=int, default=8, metavar="N",
+                        help="candidates to show (default: %(default)s)")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="predict from the profile alone (faster, less accurate)")
+    parser.add_argument("--out", type=Path, default=Path("runs/plan"), metavar="DIR",
+                        help="where plan.toml and plan.png go (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan; exit 3 when no candidate fits the limit (the fastest is still written)."""
+    from pipetrain.plan.calibrate import calibrate_on_ranks, on_cuda, shared_cores
+    from pipetrain.plan.planner import SCHEDULES, Scale, ranked, search
+    from pipetrain.plan.shardcost import Collectives
+    from pipetrain.train.cli import check
+    from pipetrain.train.export_cli import size_bytes
+
+    limit = size_bytes(args.memory_limit, "--memory-limit")
+    cfg = TrainConfig(preset=args.preset, hf=args.hf, data=args.data,
+                      token_cache=args.token_cache, seq_len=args.seq_len,
+                      batch_size=args.batch_size, nproc=args.nproc, device=args.device, out="",
+                      progress=False, sample_tokens=0, eval_batches=1)
+    check(cfg)
+    layouts = candidate_layouts(cfg, args.pp, args.dp, args.fsdp, args.tp, args.fsdp_reshard)
+    schedules = _schedules(args.schedules, SCHEDULES)
+    calib = _calibration_layout(layouts, cfg.nproc)
+    profiles = profile_layouts(cfg, [*layouts, calib])
+    cores = shared_cores(cfg)
+    scale, collectives = ((Scale(cores=cores), Collectives.default()) if args.no_calibrate
+                          else calibrate_on_ranks(cfg, calib, profiles, cores, layouts))
+    scale = dataclasses.replace(scale, foreach=on_cuda(cfg))  # AdamW's kernels there
+    found = []
+    for pp, sharding in layouts:
+        found += search(profiles[pp, sharding.tp], pp, cfg.batch_size // sharding.data, limit,
+                        scale, schedules=schedules, sharding=sharding,
+                        collectives=collectives)
+    candidates = ranked(found)
+    if not candidates:
+        raise ValueError("no layout is possible: the model has fewer layers than stages; "
+                         "use fewer pipeline ranks (--pp)")
+    best = candidates[0]
+    toml_path, png_path = _write(args.out, cfg, best)
+    report = {"best": best.to_dict(), "candidates": [c.to_dict() for c in candidates],
+              "config": str(toml_path), "png": str(png_path), "memory_limit": limit,
+              "scale": dataclasses.asdict(scale), "collectives": collectives.fitted}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print(candidates[:args.top], limit, cfg, toml_path, png_path)
+    return EXIT_OK if best.fits else EXIT_NONE_FITS
+
+
+Layout = tuple[int, Any]
+"""(pipeline ranks, :class:`pipetrain.plan.shardcost.Sharding` of each)."""
+
+
+def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: int | None,
+                      tp: int | None, reshard: str | None) -> list[Layout]:
+    """Every ``pp x dp x fsdp x tp = nproc`` the flags given allow and ``pipetrain train``
+    accepts for ``cfg`` (pp at least 2 unless given; with ``--hf``, tp only for a model that
+    declares a plan whose heads split, and whose weights are stored).
+
+    Raises:
+        ValueError: when none does, saying why (the first of them's reason).
+    """
+    from pipetrain.plan.shardcost import Sharding
+    from pipetrain.train.mesh import layout
+    from pipetrain.train.setup import check_config
+
+    n, out, why = cfg.nproc, [], None
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    for p, d, s, t in itertools.product(divisors, repeat=4):
+        if p * d * s * t != n or (pp is None and p < 2 and n > 1) or any(
+                given is not None and given != v for given, v in
+                ((pp, p), (dp, d), (fsdp, s), (tp, t))):
+            continue
+        trial = dataclasses.replace(cfg, pp=p, dp=d, fsdp=s, tp=t, microbatches=1,
+                                    sequence_parallel=bool(cfg.seq_len % t == 0))
+        try:
+            check_config(trial, n)
+            _check_hf_tp(cfg, t)
+        except ValueError as e:
+            why = why or e
+            continue
+        for when in (RESHARD if s > 1 and reshard is None else (reshard or "part",)):
+            out.append((p, Sharding(d, s, t, when)))
+    if not out:
+        if why is None:
+            layout(n, dp or 1, pp, fsdp or 1, tp or 1)  # raises, naming the mismatch
+        raise ValueError(f"no layout of {n} processes is possible with these flags: {why}")
+    return out
+
+
+def _check_hf_tp(cfg: TrainConfig, tp: int) -> None:
+    """What ``pipetrain train --hf --tp`` would refuse, raised here (ValueError)."""
+    if not cfg.hf or tp == 1:
+        return
+    from pipetrain.hf.model import open_model
+    from pipetrain.hf.tensor_parallel import require_weights, shrink
+
+    opened = open_model(Path(cfg.hf))
+    shrink(opened.model, tp)
+    require_weights(bool(opened.weights), cfg.hf)
+
+
+def _calibration_layout(layouts: list[Layout], nproc: int) -> Layout:
+    """What the calibration trains: the fewest pipeline ranks searched, replicated."""
+    from pipetrain.plan.shardcost import Sharding
+
+    pp = min(p for p, _ in layouts)
+    return pp, Sharding(dp=nproc // pp)
+
+
+def _schedules(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    if text is None:
+        return known
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"--schedules: unknown {unknown}; choose among {list(known)}")
+    return names
+
+
+# -- 1. profile ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """The layers the balance groups into stages, as ``pipetrain train`` cuts the model (one
+    tensor-parallel rank's share of each)."""
+
+    layers: list[torch.nn.Module]
+    feed: Callable[[torch.Tensor], Any]
+    """Token ids -> the first layer's input."""
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    traffic: Callable[[torch.nn.Module, Any, torch.Tensor], tuple[tuple[int, ...], ...]]
+    """(layer, its input, the token ids) -> the bytes it all-reduces over tp in F and in I."""
+
+
+def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
+    """The GPT preset's layers, or ``--hf``'s units: its decoder layers (the embedding with the
+    first, norm and head with the last) captured with torch.export, materialised from the seed
+    (values do not change the times); under ``tp``, one rank's share: the GPT plan's
+    (:func:`pipetrain.parallel.tensor_parallel.local_layer`), or the model's own plan's
+    (:func:`pipetrain.hf.tensor_parallel.shrink`, before the capture, as ``train`` does)."""
+    if not cfg.hf:
+        from pipetrain.models.gpt import gpt_layers, lm_loss
+        from pipetrain.parallel.tensor_parallel import gpt_plan, local_layer, traffic
+        from pipetrain.train.source import GPTSource
+
+        plan = gpt_plan(False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            layers = [local_layer(layer, plan, tp) for layer in gpt_layers(GPTSource(cfg).model)]
+        return Units(layers, lambda ids: ids, lm_loss,
+                     lambda layer, x, ids: traffic(layer, plan, x) if tp > 1 else ((), ()))
+    from pipetrain.hf.model import open_model, split_points
+    from pipetrain.hf.tensor_parallel import shrink
+    from pipetrain.split.layers import packed, trace_stages
+    from pipetrain.split.lazy import NamedInit
+    from pipetrain.train.hf_source import causal_lm_loss
+
+    meta = open_model(Path(cfg.hf)).model
+    splits = shrink(meta, tp) if tp > 1 else {}
+    model: torch.nn.Module = NamedInit(meta, cfg.seed).materialize(meta)
+    # 2 rows: export specializes a dimension of size 1, and the capture serves every size
+    example = {"input_ids": torch.zeros(2, cfg.seq_len, dtype=torch.long)}
+    # a balance mode: the units are grouped later, so they may outnumber the stages
+    traced = trace_stages(model, split_points(model, pp, example), example, "time", pp)
+    return Units(list(traced.stages), lambda ids: packed(traced, {"input_ids": ids}),
+                 causal_lm_loss, lambda layer, x, ids: _split_traffic(layer, splits, ids))
+
+
+def _split_traffic(layer: torch.nn.Module, splits: dict[str, Any], ids: torch.Tensor
+                   ) -> tuple[tuple[int, ...], ...]:
+    """What a traced unit's split matrices all-reduce (:mod:`pipetrain.hf.tensor_parallel`):
+    in F each row-wise one's output, in I each column-wise one's input gradient (fp32)."""
+    f: list[int] = []
+    i: list[int] = []
+    for name, p in layer.named_parameters():
+        style, whole = splits.get(name, ("", ()))
+        if name.endswith("weight") and style:
+            out_features, in_features = whole
+            sizes = f if style == "rowwise" else i
+            sizes.append(ids.numel() * (out_features if style == "rowwise" else in_features)
+                         * p.element_size())
+    return tuple(f), tuple(i)
+
+
+def profile_layouts(cfg: TrainConfig, layouts: list[Layout]) -> dict[tuple[int, int], list[Any]]:
+    """Per (pp, tp) of ``layouts``, the layers (a tensor-parallel rank's share of each)
+    profiled on one micro-batch of every size the search tries there."""
+    from pipetrain.plan.planner import microbatch_choices
+
+    rows: dict[tuple[int, int], set[int]] = {}
+    for pp, sharding in layouts:
+        per_replica = cfg.batch_size // sharding.data
+        rows.setdefault((pp, sharding.tp), set()).update(
+            per_replica // m for m in microbatch_choices(per_replica, pp))
+    return {(pp, tp): profile_model(cfg, model_units(cfg, pp, tp), tp, sorted(sizes))
+            for (pp, tp), sizes in sorted(rows.items())}
+
+
+def profile_model(cfg: TrainConfig, units: Units, tp: int, sizes: list[int]) -> list[Any]:
+    """``units``' layers (one of ``tp`` ranks' share of each) profiled on one micro-batch of
+    each of ``sizes`` rows."""
+    from pipetrain.plan.planner import Profiled
+    from pipetrain.split.profile import profile_layers
+
+    out = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of a CPU run computes
+    try:
+        for size in sizes:
+            ids = torch.zeros(size, cfg.seq_len, dtype=torch.long)
+            x = units.feed(ids)
+            costs = profile_layers(units.layers, x, loss_fn=units.loss, sample_target=ids,
+                                   repeats=2, reuse=True)
+            inputs, comm = _walk(units, x, ids)
+            out.append(Profiled(size, tuple(costs), inputs, comm, tp))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _walk(units: Units, x: Any, ids: torch.Tensor) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """Per layer, the bytes of its input and its traffic (:class:`LayerComm`)."""
+    from pipetrain.parallel.sharded import unit_bytes
+    from pipetrain.plan.shardcost import LayerComm
+    from pipetrain.runtime.payload import flatten
+    from pipetrain.train.memory import tensor_bytes
+
+    sizes, comm = [], []
+    with torch.no_grad():
+        for layer in units.layers:
+            sizes.append(tensor_bytes(flatten(x)[0]))
+            f, i = units.traffic(layer, x, ids)
+            comm.append(LayerComm(unit_bytes(layer), f, i))
+            x = layer(x)
+    return tuple(sizes), tuple(comm)
+
+
+# -- 2. report ------------------------------------------------------------------------------
+
+
+def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
+    from pipetrain.schedules import draw
+    from pipetrain.train.config import config_toml
+
+    out.mkdir(parents=True, exist_ok=True)
+    schedule = best.schedule
+    if "schedule_text" in best.to_dict():  # a searched schedule: train runs this very one
+        schedule = str(out / "plan.schedule.csv")
+        Path(schedule).write_text(best.to_dict()["schedule_text"])
+    chosen = dataclasses.replace(
+        cfg, schedule=schedule, stages_per_rank=best.stages_per_rank,
+        microbatches=best.microbatches, balance=",".join(map(str, best.balance)),
+        recompute=best.recompute, out="runs/pipetrain", progress=True,
+        sample_tokens=TrainConfig.sample_tokens, eval_batches=TrainConfig.eval_batches,
+        pp=best.simulation.schedule.n_ranks, dp=best.sharding.dp, fsdp=best.sharding.fsdp,
+        tp=best.sharding.tp, fsdp_reshard=best.sharding.reshard,
+        sequence_parallel=cfg.seq_len % best.sharding.tp == 0)
+    toml_path, png_path = out / "plan.toml", out / "plan.png"
+    toml_path.write_text(config_toml(chosen))
+    draw.save_png(best.simulation.timeline, png_path,
+                  title=f"plan: {_layout(best)}, {best.schedule} m={best.microbatches} balance "
+                        f"{list(best.balance)} recompute {best.recompute} (predicted)")
+    return toml_path, png_path
+
+
+def _print(shown: list[Any], limit: int, cfg: TrainConfig, toml_path: Path,
+           png_path: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    tokens = cfg.batch_size * cfg.seq_len
+    table = Table(title=f"pipetrain plan: {cfg.preset}, memory limit {_mib(limit)} per rank",
+                  title_justify="left")
+    for name in ("layout", "schedule", "v", "m", "balance", "recompute", "step s", "tokens/s",
+                 "peak per rank (MiB)", "fits"):
+        table.add_column(name, justify="right" if name in ("v", "m", "step s", "tokens/s")
+                         else "left")
+    for c in shown:
+        table.add_row(_layout(c), c.schedule, str(c.stages_per_rank), str(c.microbatches),
+                      ",".join(map(str, c.balance)), c.recompute, f"{c.predicted_step_s:.3f}",
+                      f"{tokens / c.predicted_step_s:,.0f}",
+                      " ".join(f"{b / 2**20:.1f}" for b in c.predicted_peak_bytes),
+                      "yes" if c.fits else "NO")
+    console = Console()
+    console.print(table)
+    print(f"best: {toml_path} (pipetrain train --config {toml_path}); timeline {png_path}")
+    if not shown[0].fits:
+        print("no layout fits: raise --memory-limit, add ranks (--nproc), or shorten "
+              "--seq-len / --batch-size", file=sys.stderr)
+
+
+def _layout(c: Any) -> str:
+    """``pp2``, ``pp2 fsdp2 part``, ``pp2 tp2``."""
+    sharded = c.sharding.label()
+    return f"pp{c.simulation.schedule.n_ranks}" + ("" if sharded == "-" else f" {sharded}")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"

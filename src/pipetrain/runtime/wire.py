@@ -1,0 +1,255 @@
+"""Wire: the byte layout of one stage-to-stage message: a header, and its payload right behind it.
+
+Every message starts with a fixed-size header; its payload follows in the same buffer when it
+fits the room the receiver has posted (the direction's *capacity*), else as a second message::
+
+    message  [header: 256 x int64 | payload, up to the capacity]     (one send)
+         or  [header: 256 x int64]  then  [payload]                    (two sends: too large,
+                                                                        or on a GPU)
+    header   [magic, kind, step, mb, src_stage, dst_stage, src_rank, n_tensors,
+              spec_bytes, payload_bytes, op, on_device, inline, one_tensor, 0, 0,  per tensor:
+              present, dtype, requires_grad, ndim, dim0..dim7]
+    payload  [JSON spec | pad | tensor 0 bytes | pad | tensor 1 bytes | ...]   (16-byte aligned)
+
+(``one_tensor``: the payload is one tensor, the usual activation or gradient, and its spec is
+implied.) gloo moves a send's bytes only into a matching receive that is already posted, and a
+send larger than that receive kills the process, so the receiver posts the receive of a peer's
+next message ahead of need, sized header + capacity, and the sender never puts more behind the
+header than the same capacity. Both ends compute it alike, by construction: a :class:`Capacity`
+per direction of each rank pair, fed the same history (the sender the headers it sent, the
+receiver the headers it received, in the one order gloo delivers them on a tag). A payload
+larger than the capacity travels as a second message, and raises the capacity for the next
+ones. Nothing is pickled: the payload's structure travels as JSON, tensors as raw bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from pipetrain.errors import CommError
+from pipetrain.runtime.payload import DTYPES, dtype_code, spec_from_bytes, spec_to_bytes
+
+__all__: list[str] = []
+
+HEADER_LEN = 256
+HEADER_BYTES = HEADER_LEN * 8
+INLINE_BYTES = 6144  # the least capacity: every small message (and every ABORT) fits
+FRAME_BYTES = HEADER_BYTES + INLINE_BYTES  # the least receive a receiver ever posts
+WINDOW = 8  # a capacity covers the largest of the direction's last WINDOW payloads
+_FIXED = 16
+_PER_TENSOR = 12
+MAX_TENSORS = (HEADER_LEN - _FIXED) // _PER_TENSOR
+MAX_DIMS = 8
+MAGIC = 0x70697065  # "pipe"
+ACT, GRAD, DONE, ABORT = 1, 2, 3, 4
+KIND_NAMES = {ACT: "activation", GRAD: "gradient", DONE: "end-of-step", ABORT: "abort"}
+OPS = "FBIW"
+
+_HEAD = struct.Struct("<14q")
+_DESC = [struct.Struct(f"<{4 + n}q") for n in range(MAX_DIMS + 1)]
+_ONE_TENSOR = {"t": 0}  # the spec of a payload that is one tensor: the common case
+
+
+class Key(NamedTuple):
+    """Identity of one message: what it carries, for which step, micro-batch and stages."""
+
+    kind: int
+    step: int
+    mb: int
+    src_stage: int
+    dst_stage: int
+
+    def describe(self) -> str:
+        name = KIND_NAMES.get(self.kind, f"kind {self.kind}")
+        if self.kind == DONE:
+            return f"{name} message of rank {self.mb} (step {self.step})"
+        return (f"{name} of mb {self.mb} from stage {self.src_stage} to stage {self.dst_stage} "
+                f"(step {self.step})")
+
+
+@dataclass
+class Message:
+    """A received or to-be-sent message: tensors (None where absent) and a payload spec."""
+
+    key: Key
+    tensors: list[torch.Tensor | None]
+    spec: Any = None
+    requires_grad: list[bool] = field(default_factory=list)
+
+
+class Capacity:
+    """Payload bytes that travel behind the header in one send, for one direction of a pair.
+
+    It is the largest CPU payload among the direction's last ``WINDOW`` messages (at least
+    ``INLINE_BYTES``): a function of headers both ends see in the same order, so the sender's
+    and the receiver's copies always agree, and the next message's receive, posted before it
+    exists, is never smaller than what the sender puts in it.
+    """
+
+    def __init__(self) -> None:
+        self.recent: deque[int] = deque(maxlen=WINDOW)
+        self.bytes = INLINE_BYTES
+
+    def record(self, payload_bytes: int, on_device: bool) -> None:
+        """One more message of this direction went through (as its checked header says)."""
+        self.recent.append(0 if on_device else payload_bytes)
+        self.bytes = max(INLINE_BYTES, max(self.recent))
+
+
+def _pad(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTES
+           ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``msg`` as (its first send, its separate payload or None, its payload bytes).
+
+    The first send is the header with the payload behind it when the payload is on the CPU
+    and at most ``capacity`` bytes, else the header alone.
+
+    Raises:
+        CommError: for more than ``MAX_TENSORS`` tensors or a tensor of more than 8 dims.
+    """
+    tensors, k = msg.tensors, msg.key
+    if len(tensors) > MAX_TENSORS:
+        raise CommError(f"a {k.describe()} holds {len(tensors)} tensors; at most "
+                        f"{MAX_TENSORS} fit one message (pack them into fewer tensors)")
+    one_tensor = msg.spec == _ONE_TENSOR
+    spec = b"" if msg.spec is None or one_tensor else spec_to_bytes(msg.spec)
+    head = bytearray(HEADER_BYTES)
+    raws: list[tuple[int, torch.Tensor]] = []
+    offset = _pad(len(spec))
+    device = torch.device("cpu")
+    flags = msg.requires_grad
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        ndim = t.dim()
+        if ndim > MAX_DIMS:
+            raise CommError(f"a {k.describe()} holds a {ndim}-d tensor; at most {MAX_DIMS} dims")
+        rg = int(flags[i]) if i < len(flags) else 0
+        _DESC[ndim].pack_into(head, (_FIXED + i * _PER_TENSOR) * 8, 1, dtype_code(t.dtype), rg,
+                              ndim, *t.shape)
+        if not raws:
+            device = t.device
+        raw = t.detach().contiguous().view(-1).view(torch.uint8)
+        raws.append((offset, raw))
+        offset += _pad(raw.numel())
+    inline = offset <= capacity and device.type == "cpu"
+    _HEAD.pack_into(head, 0, MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank,
+                    len(tensors), len(spec), offset, op, int(device.type != "cpu"), int(inline),
+                    int(one_tensor))
+    if not inline:
+        return torch.frombuffer(head, dtype=torch.uint8), _payload(spec, raws, offset, device,
+                                                                   0), offset
+    body = _payload(spec, raws, HEADER_BYTES + offset, device, HEADER_BYTES)
+    body[:HEADER_BYTES].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    return body, None, offset
+
+
+def _payload(spec: bytes, raws: list[tuple[int, torch.Tensor]], size: int,
+             device: torch.device, start: int) -> torch.Tensor:
+    """A buffer of ``size`` bytes holding the spec and the tensors from byte ``start`` on."""
+    out = torch.empty(size, dtype=torch.uint8, device=device)
+    end = start
+    if spec:
+        out[start:start + len(spec)] = torch.frombuffer(bytearray(spec), dtype=torch.uint8
+                                                        ).to(device)
+        end = start + len(spec)
+    for at, raw in raws:
+        if end < start + at:
+            out[end:start + at].zero_()  # the padding: no stale bytes on the wire
+        end = start + at + raw.numel()
+        out[start + at:end].copy_(raw)
+    if end < size:
+        out[end:].zero_()
+    return out
+
+
+def new_frame(capacity: int = INLINE_BYTES) -> torch.Tensor:
+    """An empty buffer to receive a header and up to ``capacity`` payload bytes into.
+
+    Its header is zeroed: a send too short to hold a header leaves no stale one to be read.
+    """
+    frame = torch.empty(HEADER_BYTES + capacity, dtype=torch.uint8)
+    frame[:HEADER_BYTES].zero_()
+    return frame
+
+
+def read_header(frame: torch.Tensor) -> list[int]:
+    """The header integers at the start of a received buffer."""
+    values: list[int] = frame[:HEADER_BYTES].view(torch.int64).tolist()
+    return values
+
+
+def expected_bytes(header: Sequence[int]) -> int:
+    """Payload size implied by the header's tensor descriptions (to cross-check its claim).
+
+    Returns -1 for a header that describes no valid payload (too many tensors, a negative
+    spec length, an unknown dtype code, a bad number of dims or a negative dim).
+    """
+    if not (0 <= header[7] <= MAX_TENSORS) or header[8] < 0:
+        return -1
+    total = _pad(header[8])
+    for i in range(header[7]):
+        base = _FIXED + i * _PER_TENSOR
+        if not header[base]:
+            continue
+        code, ndim = header[base + 1], header[base + 3]
+        if not (0 <= code < len(DTYPES)) or not (0 <= ndim <= MAX_DIMS):
+            return -1
+        numel = 1
+        for d in header[base + 4: base + 4 + ndim]:
+            if d < 0:
+                return -1
+            numel *= d
+        total += _pad(numel * DTYPES[code].itemsize)
+    return total
+
+
+def inline_payload(header: Sequence[int], frame: torch.Tensor) -> torch.Tensor | None:
+    """The payload bytes behind the header in ``frame``, or None when it travels separately.
+
+    Raises:
+        CommError: when the header claims more bytes behind it than ``frame`` has room for.
+    """
+    if not header[12]:
+        return None
+    if header[9] > frame.numel() - HEADER_BYTES:
+        raise CommError(f"the header claims {header[9]} payload bytes in the same message, but "
+                        f"only {frame.numel() - HEADER_BYTES} were agreed")
+    return frame[HEADER_BYTES:HEADER_BYTES + header[9]]
+
+
+def decode(header: Sequence[int], payload: torch.Tensor) -> Message:
+    """Rebuild the message from a validated header and its payload (views, no copies)."""
+    key = Key(header[1], header[2], header[3], header[4], header[5])
+    spec_len = header[8]
+    spec = ({"t": 0} if header[13] else
+            spec_from_bytes(bytes(payload[:spec_len].cpu().tolist())) if spec_len else None)
+    offset = _pad(spec_len)
+    tensors: list[torch.Tensor | None] = []
+    flags: list[bool] = []
+    for i in range(header[7]):
+        base = _FIXED + i * _PER_TENSOR
+        if not header[base]:
+            tensors.append(None)
+            flags.append(False)
+            continue
+        dtype, ndim = DTYPES[header[base + 1]], header[base + 3]
+        shape = header[base + 4: base + 4 + ndim]
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        tensors.append(payload[offset: offset + nbytes].view(dtype).view(shape))
+        flags.append(bool(header[base + 2]))
+        offset += _pad(nbytes)
+    return Message(key, tensors, spec, flags)
+

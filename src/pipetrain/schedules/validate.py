@@ -1,0 +1,251 @@
+"""Validation: prove a schedule is well-formed, complete, locally ordered and deadlock-free.
+
+Four checks run in order and the first one that fails raises a single
+:class:`~pipetrain.errors.ScheduleError` listing every problem of that kind:
+
+    1. shape       placement ranks exist; every action's stage is placed on the rank whose
+                   list holds it; every mb is in 0 .. n_microbatches-1
+    2. complete    every (stage, mb) has exactly one F and either one B or one I and one W
+    3. local order on its rank W(s, mb) follows I(s, mb) and B/I(s, mb) follows F(s, mb);
+                   when stages s-1 and s share a rank, F(s-1, mb) precedes F(s, mb), and when
+                   stages s and s+1 share a rank, B/I(s+1, mb) precedes B/I(s, mb)
+    4. deadlock    :func:`pipetrain.schedules.dataflow.walk` finishes every rank's list
+
+Check 3 is implied by check 4; it runs first because "W before I on rank 0" says more than
+"rank 0 is stuck". Every message names rank, step (index in that rank's list) and action, and
+ends with the rank-by-step grid with the offending cells marked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from pipetrain.errors import ScheduleError
+from pipetrain.schedules import dataflow
+from pipetrain.schedules.action import Action, Op
+from pipetrain.schedules.schedule import Schedule
+
+__all__ = ["validate", "format_grid"]
+
+Cell = tuple[int, int]  # (rank, step)
+Problem = tuple[str, set[Cell]]  # one message line, the cells it marks
+
+_MARK = "<<"
+_ROW_MARK = "<-- ERROR HERE"
+_MAX_LISTED = 12  # problems listed per error; the rest are counted
+_FULL_GRID_ROWS = 60  # longer grids are shown only around the marked rows
+_CONTEXT_ROWS = 4
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise if ``schedule`` cannot run correctly; return None if it can.
+
+    Args:
+        schedule: the schedule to check.
+
+    Raises:
+        ScheduleError: naming rank, step and action of every problem of the first failing
+            check (shape, completeness, local order, deadlock), followed by the grid.
+
+    Example:
+        >>> from pipetrain import make_schedule
+        >>> validate(make_schedule("1f1b", 4, 8))  # passes silently
+    """
+    checks = (("malformed", _check_shape), ("incomplete", _check_complete),
+              ("out of order", _check_local_order), ("deadlocks", _check_deadlock))
+    for verdict, check in checks:
+        problems = check(schedule)
+        if problems:
+            raise ScheduleError(_message(schedule, verdict, problems))
+
+
+def format_grid(
+    schedule: Schedule, marks: set[Cell] | frozenset[Cell] = frozenset(),
+    *, context: int | None = None,
+) -> str:
+    """The rank-by-step grid, one column per rank and one numbered row per step.
+
+    Args:
+        schedule: the schedule to draw.
+        marks: ``(rank, step)`` cells to flag with ``<<``; their rows end in ``<-- ERROR HERE``.
+        context: if given, show only rows within ``context`` steps of a mark (``...`` between).
+
+    Example:
+        >>> from pipetrain import make_schedule
+        >>> print(format_grid(make_schedule("gpipe", 2, 1), {(1, 1)}))
+        step  rank 0  rank 1
+           0  0F0     1F0
+           1  0B0     1B0<<   <-- ERROR HERE
+    """
+    depth = max((len(acts) for acts in schedule.actions), default=0)
+    width = max([len(f"rank {schedule.n_ranks - 1}")]
+                + [len(str(a)) + len(_MARK) for acts in schedule.actions for a in acts])
+    lines = ["step  " + "  ".join(f"rank {r}".ljust(width) for r in range(schedule.n_ranks))]
+    shown = _shown_rows(depth, {step for _, step in marks}, context)
+    previous = -1
+    for step in shown:
+        if step > previous + 1:
+            lines.append("   ...")
+        lines.append(_grid_row(schedule, step, marks, width))
+        previous = step
+    if shown and shown[-1] < depth - 1:
+        lines.append("   ...")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _grid_row(schedule: Schedule, step: int, marks: set[Cell] | frozenset[Cell],
+              width: int) -> str:
+    cells = []
+    for rank, acts in enumerate(schedule.actions):
+        text = str(acts[step]) if step < len(acts) else "."
+        cells.append((text + (_MARK if (rank, step) in marks else "")).ljust(width))
+    row_marked = any((rank, step) in marks for rank in range(schedule.n_ranks))
+    return f"{step:>4}  " + "  ".join(cells) + ("  " + _ROW_MARK if row_marked else "")
+
+
+def _shown_rows(depth: int, marked: set[int], context: int | None) -> list[int]:
+    if context is None or not marked:
+        return list(range(depth))
+    return [s for s in range(depth) if any(abs(s - m) <= context for m in marked)]
+
+
+def _message(schedule: Schedule, verdict: str, problems: list[Problem]) -> str:
+    marks = set().union(*(cells for _, cells in problems))
+    lines = [f"schedule {schedule.name!r} {verdict}:"]
+    lines += [f"  - {text}" for text, _ in problems[:_MAX_LISTED]]
+    if len(problems) > _MAX_LISTED:
+        lines.append(f"  ... and {len(problems) - _MAX_LISTED} more")
+    head = "\n".join(lines)
+    depth = max((len(acts) for acts in schedule.actions), default=0)
+    context = None if depth <= _FULL_GRID_ROWS else _CONTEXT_ROWS
+    return f"{head}\n\n{format_grid(schedule, marks, context=context)}"
+
+
+def _cells(schedule: Schedule) -> Iterable[tuple[int, int, Action]]:
+    for rank, acts in enumerate(schedule.actions):
+        for step, action in enumerate(acts):
+            yield rank, step, action
+
+
+# -- 1. shape ------------------------------------------------------------------------------
+
+
+def _check_shape(schedule: Schedule) -> list[Problem]:
+    p, n_stages, m = schedule.n_ranks, schedule.n_stages, schedule.n_microbatches
+    problems: list[Problem] = []
+    if p < 1 or n_stages < 1 or m < 1:
+        return [(f"schedule {schedule.name!r} has {p} ranks, {n_stages} stages and {m} "
+                 "micro-batches; each must be at least 1", set())]
+    for stage, rank in enumerate(schedule.placement):
+        if not 0 <= rank < p:
+            problems.append((f"placement puts stage {stage} on rank {rank}, but ranks are "
+                             f"0..{p - 1}", set()))
+    for rank, step, a in _cells(schedule):
+        where = f"rank {rank}, step {step}: {a}"
+        if not 0 <= a.stage < n_stages:
+            problems.append((f"{where} names stage {a.stage}, but stages are "
+                             f"0..{n_stages - 1}", {(rank, step)}))
+        elif schedule.placement[a.stage] != rank:
+            problems.append((f"{where} runs stage {a.stage}, which is placed on rank "
+                             f"{schedule.placement[a.stage]}; move it to that rank's list",
+                             {(rank, step)}))
+        if not 0 <= a.mb < m:
+            problems.append((f"{where} names mb {a.mb}, but micro-batches are 0..{m - 1}",
+                             {(rank, step)}))
+    return problems
+
+
+# -- 2. completeness -----------------------------------------------------------------------
+
+
+def _check_complete(schedule: Schedule) -> list[Problem]:
+    where: dict[Action, list[Cell]] = {}
+    for rank, step, a in _cells(schedule):
+        where.setdefault(a, []).append((rank, step))
+    problems: list[Problem] = []
+    for action, cells in where.items():
+        if len(cells) > 1:
+            at = ", ".join(f"rank {r} step {s}" for r, s in cells)
+            problems.append((f"duplicate {action}: appears {len(cells)} times ({at})",
+                             set(cells)))
+    for stage in range(schedule.n_stages):
+        for mb in range(schedule.n_microbatches):
+            problems += _stage_mb_problems(schedule, stage, mb, where)
+    return problems
+
+
+def _stage_mb_problems(schedule: Schedule, stage: int, mb: int,
+                       where: dict[Action, list[Cell]]) -> list[Problem]:
+    count = Counter({op: len(where.get(Action(stage, op, mb), [])) for op in Op})
+    rank = schedule.placement[stage]
+    if count[Op.B] and (count[Op.I] or count[Op.W]):
+        cells = {c for op in (Op.B, Op.I, Op.W) for c in where.get(Action(stage, op, mb), [])}
+        return [(f"stage {stage}, mb {mb} has both a fused B and a split I/W backward on "
+                 f"rank {rank}; use either {stage}B{mb} or {stage}I{mb} + {stage}W{mb}",
+                 cells)]
+    wanted = [Op.F] + ([Op.B] if count[Op.B] or not (count[Op.I] or count[Op.W])
+                       else [Op.I, Op.W])
+    return [(f"missing {Action(stage, op, mb)} on rank {rank} (no step runs it): every "
+             "(stage, mb) needs one F and either one B or one I and one W", set())
+            for op in wanted if count[op] == 0]
+
+
+# -- 3. local order ------------------------------------------------------------------------
+
+
+def _check_local_order(schedule: Schedule) -> list[Problem]:
+    problems: list[Problem] = []
+    for rank, acts in enumerate(schedule.actions):
+        step_of = {a: step for step, a in enumerate(acts)}
+        for step, action in enumerate(acts):
+            for before, why in _must_precede(action, schedule.n_stages):
+                other = step_of.get(before)
+                if other is not None and other > step:
+                    problems.append((f"rank {rank}, step {step}: {action} runs before "
+                                     f"{before} (step {other}); {why}",
+                                     {(rank, step), (rank, other)}))
+    return problems
+
+
+def _must_precede(action: Action, n_stages: int) -> list[tuple[Action, str]]:
+    """Actions that, when on the same rank as ``action``, must come earlier in its list."""
+    s, mb = action.stage, action.mb
+    if action.op is Op.W:
+        return [(Action(s, Op.I, mb), "W needs the input gradient that I computes")]
+    if action.op is Op.F:
+        return [(Action(s - 1, Op.F, mb), "F needs the previous stage's activation")] if s else []
+    own_f = (Action(s, Op.F, mb), f"{action.op.value} needs this stage's forward")
+    if s == n_stages - 1:
+        return [own_f]
+    reason = f"{action.op.value} needs the next stage's input gradient"
+    return [own_f, (Action(s + 1, Op.B, mb), reason), (Action(s + 1, Op.I, mb), reason)]
+
+
+# -- 4. deadlock ---------------------------------------------------------------------------
+
+
+def _check_deadlock(schedule: Schedule) -> list[Problem]:
+    result = dataflow.walk(schedule)
+    if result.complete:
+        return []
+    producer = {dataflow.produces(a): (r, s) for r, s, a in _cells(schedule)}
+    problems: list[Problem] = []
+    for rank, step in enumerate(result.stuck):
+        if step == len(schedule.actions[rank]):
+            continue  # this rank finished its list
+        action = schedule.actions[rank][step]
+        unmet = [producer[k] for k in dataflow.needs(action, schedule.n_stages)
+                 if producer[k][1] >= result.stuck[producer[k][0]]]
+        waits = " and ".join(_describe_wait(schedule, cell, result.stuck) for cell in unmet)
+        problems.append((f"rank {rank}, step {step}: {action} waits for {waits}",
+                         {(rank, step)}))
+    return problems
+
+
+def _describe_wait(schedule: Schedule, cell: Cell, stuck: tuple[int, ...]) -> str:
+    # The completeness check guarantees every awaited key has exactly one producer.
+    rank, step = cell
+    blocked = schedule.actions[rank][stuck[rank]]
+    return (f"{schedule.actions[rank][step]} on rank {rank} (its step {step}, but rank {rank} "
+            f"is stuck at step {stuck[rank]} on {blocked})")
