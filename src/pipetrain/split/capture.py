@@ -34,10 +34,13 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
 from pipetrain.errors import PartitionError
+from pipetrain.split import recall
 from pipetrain.split.lazy import is_meta
 
 __all__ = ["Captured", "Packed", "capture", "move_graph"]
 
+RECALL = recall.Recall()
+"""This process's captures, by what each depends on."""
 _DROPPED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
             "aten.sym_constrain_range_for_size.default"}
 
@@ -231,18 +234,31 @@ def _check_leaf(leaf: Leaf, value: Any) -> None:
 def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any]) -> Captured:
     """Record ``model.forward`` on ``example`` (positional tuple or keyword dict).
 
-    A model on the ``meta`` device is captured on meta copies of the example's tensors.
+    A model on the ``meta`` device is captured on meta copies of the example's tensors. A
+    model of a structure this process captured before on inputs of the same shapes reuses
+    that capture, with its own parameters and buffers (:mod:`pipetrain.split.recall`).
 
     Raises:
         PartitionError: when the example does not fit ``forward`` or torch.export cannot
             capture it; the message shows the user's source line and what to do.
     """
-    import time
-
     signature = inspect.signature(model.forward)
     if is_meta(model):  # no values to run on: the inputs become meta tensors too
         example = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), example)
     bound = _bind(signature, example)
+    k = recall.key(model, example)
+    kept = RECALL.get(k, model)
+    if kept is not None:
+        return kept  # type: ignore[no-any-return]
+    captured = _capture(model, signature, bound)
+    RECALL.put(k, captured, model)
+    return captured
+
+
+def _capture(model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments
+             ) -> Captured:
+    import time
+
     start = time.perf_counter()
     try:
         program = torch.export.export(model, bound.args, bound.kwargs, strict=False,
