@@ -2,8 +2,9 @@
 
 ``layers.py`` is what a Pipeline cuts: a layer list, or a model captured once by torch.export
 (``capture.py``) and cut into stages (``trace.py``, ``autosplit.py``) whose dataflow is proven
-(``provenance.py``). ``partition.py``, ``balance.py``, ``minmax.py`` and ``profile.py`` choose
-the layers per stage; ``lazy.py`` builds only a rank's own layers.
+(``provenance.py``), its step input read as ``forward`` takes it (``inputs.py``).
+``partition.py``, ``balance.py``, ``minmax.py`` and ``profile.py`` choose the layers per stage;
+``lazy.py`` builds only a rank's own layers; ``recall.py`` reuses a capture in a process.
 
 May import: :mod:`pipetrain.errors`, :mod:`pipetrain.schedules`, :mod:`pipetrain.runtime`.
 """

@@ -24,7 +24,6 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +34,10 @@ from torch.export import Dim, ShapesCollection
 
 from pipetrain.errors import PartitionError
 from pipetrain.split import recall
+from pipetrain.split.inputs import Packed
 from pipetrain.split.lazy import is_meta
 
-__all__ = ["Captured", "Packed", "capture", "move_graph"]
+__all__ = ["Captured", "capture", "move_graph"]
 
 RECALL = recall.Recall()
 """This process's captures, by what each depends on."""
@@ -91,78 +91,6 @@ class Captured:
         """
         return Packed(self.signature.bind(*args, **kwargs).arguments)
 
-    def payload(self, inputs: Any) -> Packed:
-        """Stage 0's payload for a step's ``inputs``, in whichever form ``forward`` takes them.
-
-        ``inputs`` is what :meth:`pack` made, a dict of keyword arguments, a tuple of
-        positional arguments, or the one positional argument itself; of the forms ``inputs``
-        can be read as, the one with the structure of the capture is taken (a dict is the
-        only argument of a ``forward(batch)`` captured with a dict, else keywords).
-
-        Raises:
-            ValueError: when no form matches the capture; it names the argument that differs,
-                what was captured and what was given.
-        """
-        if isinstance(inputs, Packed):
-            return inputs
-        forms: list[tuple[str, Callable[[], Packed]]] = []
-        if isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs):
-            forms.append(("keyword arguments", lambda: self.pack(**inputs)))
-        if isinstance(inputs, tuple):
-            forms.append(("positional arguments", lambda: self.pack(*inputs)))
-        forms.append(("the first argument", lambda: self.pack(inputs)))
-        tried: list[tuple[str, Packed | TypeError]] = []
-        for form, bind in forms:
-            try:
-                packed = bind()
-            except TypeError as e:
-                tried.append((form, e))
-                continue
-            if self._structure(packed) == self.in_spec:
-                return packed
-            tried.append((form, packed))
-        raise ValueError(self._mismatch(inputs, tried))
-
-    def _structure(self, payload: dict[str, Any]) -> pytree.TreeSpec:
-        bound = inspect.BoundArguments(self.signature, payload)
-        return pytree.tree_flatten((bound.args, bound.kwargs))[1]
-
-    def _mismatch(self, inputs: Any, tried: list[tuple[str, Packed | TypeError]]) -> str:
-        """Why no reading of ``inputs`` fits the capture: per form, the argument that differs."""
-        lines = [f"the model was captured with {_show_call(self.given, self._example)}; this "
-                 f"step gives {_shape(inputs)}, which fits no form of that call:"]
-        for form, got in tried:
-            if isinstance(got, TypeError):
-                lines.append(f"  - as {form}: {got}")
-                continue
-            lines.append(f"  - as {form}: {self._differs(got)}")
-        lines.append("pass the inputs as forward takes them (a tensor, a tuple of positional "
-                     "arguments, a dict of keyword arguments, or pipe.pack(*args, **kwargs)) "
-                     "with the arguments and structure of example_inputs, or capture again "
-                     "with example_inputs of this form")
-        return "\n".join(lines)
-
-    def _differs(self, payload: dict[str, Any]) -> str:
-        missing = [n for n in self.given if n not in payload]
-        extra = [n for n in payload if n not in self.given]
-        if missing or extra:
-            parts = ([f"{', '.join(missing)} missing (captured with it)"] if missing else []) + (
-                [f"{', '.join(extra)} given (not captured)"] if extra else [])
-            return "; ".join(parts)
-        for name in self.given:
-            want, got = self._example.get(name), payload[name]
-            if pytree.tree_structure(want) != pytree.tree_structure(got):
-                return (f"argument {name!r} was captured as {_shape(want)} and is given as "
-                        f"{_shape(got)}")
-        return "the arguments are bound in another order than at capture"
-
-    @property
-    def _example(self) -> dict[str, Any]:
-        """The captured arguments by name, each leaf standing for what it was at capture."""
-        args, kwargs = pytree.tree_unflatten([_Captured(leaf) for leaf in self.inputs],
-                                             self.in_spec)
-        return dict(self.signature.bind(*args, **kwargs).arguments)
-
     def leaves(self, payload: dict[str, Any]) -> list[Any]:
         """The flattened inputs of the graph for stage 0's ``payload``, checked.
 
@@ -184,34 +112,6 @@ class Captured:
     def output(self, flat: list[Any]) -> Any:
         """The model's output, rebuilt from the graph's flattened output."""
         return pytree.tree_unflatten(flat, self.out_spec)
-
-
-class Packed(dict[str, Any]):
-    """Stage 0's payload of a captured model: ``forward``'s argument names -> values."""
-
-
-class _Captured:
-    """A captured input in an error message: shows as what it was at capture."""
-
-    def __init__(self, leaf: Leaf) -> None:
-        self.leaf = leaf
-
-
-def _shape(value: Any) -> str:
-    """``a Tensor``, ``a tuple of 2``, ``a dict with keys ['x']``: a value's form, briefly."""
-    if isinstance(value, _Captured):
-        return "a Tensor" if value.leaf.tensor else repr(value.leaf.constant)
-    if isinstance(value, torch.Tensor):
-        return f"a Tensor of shape {tuple(value.shape)}"
-    if isinstance(value, dict):
-        return f"a dict with keys {list(value)}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return repr(value)
-
-
-def _show_call(given: tuple[str, ...], example: dict[str, Any]) -> str:
-    return "forward(" + ", ".join(f"{n}={_shape(example.get(n))}" for n in given) + ")"
 
 
 def _check_leaf(leaf: Leaf, value: Any) -> None:

@@ -54,7 +54,8 @@ from torch import fx, nn
 from pipetrain.errors import PartitionError
 from pipetrain.runtime import rng
 from pipetrain.runtime.routes import Routes, direct
-from pipetrain.split.capture import Captured, Packed, capture
+from pipetrain.split.capture import Captured, capture
+from pipetrain.split.inputs import Packed, read
 from pipetrain.split.provenance import Write, prove_routes, prove_writes, writes, written_inputs
 
 __all__ = ["TracedSplit", "split_model"]  # public: split_model and its result
@@ -97,8 +98,8 @@ class TracedSplit:
     def payload(self, inputs: Any) -> Packed:
         """Stage 0's payload for ``inputs`` given as ``forward`` takes them: a tensor, a tuple
         of positional arguments, a dict of keyword arguments, or what :meth:`pack` made
-        (:meth:`~pipetrain.split.capture.Captured.payload`)."""
-        return self.captured.payload(inputs)
+        (:func:`pipetrain.split.inputs.read`)."""
+        return read(self.captured, inputs)
 
     def run(self, payload: dict[str, Any]) -> Any:
         """Run the stages one after another on stage 0's payload; returns the model output."""
