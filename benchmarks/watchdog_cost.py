@@ -2,9 +2,8 @@
 
 Every pipeline rank runs a daemon thread that checks the job's store twice a second for a probe
 and for news (:mod:`pipetrain.runtime.watchdog`, :mod:`pipetrain.runtime.news`), records its
-current action
-(two updates per action: a clock read and a few attribute writes each), and, under data
-parallelism, waits for gradient all-reduces by polling so that news can interrupt them. This
+current action (two updates per action: a clock read and a few attribute writes each), and, under
+data parallelism, waits for gradient all-reduces by polling so that news can interrupt them. This
 script measures what that costs: the same job, alternating rounds with ``PIPETRAIN_WATCHDOG=0``
 (off) and without (on), median step time per round, on a 4-rank pipeline (1F1B) and on dp 2 x
 pp 2 (ZB-V, gradients averaged by ``GradReducer``).

@@ -4,8 +4,7 @@ One local launch (as ``pipetrain train``) at the calibration layout (the fewest 
 searched, the rest replicas) trains 3 steps each of zb-h1, 1f1b and 1f1b recomputed: the
 measured/profiled ratio of each op, the hop delay, the step's time outside the schedule, the
 runtime's cost per action and what recomputation adds (:mod:`pipetrain.schedules.calibrate`); the
-same
-launch then times all-reduce, all-gather and reduce-scatter over groups of each size the
+same launch then times all-reduce, all-gather and reduce-scatter over groups of each size the
 layouts use (:func:`pipetrain.plan.shardcost.measure_collectives`). When the layouts shard, one more
 launch each trains 3 steps of 1f1b under tensor parallelism and under FSDP (reshard "part"),
 and the measured/predicted cost of their collectives is fitted (``Scale.tp_talk``,

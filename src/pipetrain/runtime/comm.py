@@ -2,9 +2,8 @@
 
 The receiver knows, from the schedule, the exact sequence of messages each peer sends it in a
 step (:mod:`pipetrain.runtime.wire` gives their byte layout). One long-lived receiver thread per
-peer
-(:mod:`pipetrain.runtime.receiver`) is handed that sequence at the start of each step; it keeps the
-receive of the peer's next message posted ahead of need (communication overlaps compute), sized
+peer (:mod:`pipetrain.runtime.receiver`) is handed that sequence at the start of each step; it keeps
+the receive of the peer's next message posted ahead of need (communication overlaps compute), sized
 by the direction's agreed capacity, so a message that fits arrives in one transfer. It checks
 every header against what it expects before touching the payload, and leaves the decoded
 message in a mailbox::
@@ -16,8 +15,7 @@ message in a mailbox::
 
 Headers and CPU payloads travel over two gloo groups, one for messages to a higher rank and one
 for those to a lower rank (:func:`~pipetrain.runtime.groups.twin_group`); payloads on a GPU travel
-over
-one NCCL group per direction of each rank pair, so that a posted receive can never block a
+over one NCCL group per direction of each rank pair, so that a posted receive can never block a
 send queued behind it on the same NCCL stream. Sends are asynchronous. The main thread waits
 for a message with a deadline, so a dead, stuck or failed peer becomes a :class:`CommError`
 instead of a hang. A rank that fails sends an ABORT frame to every peer, which makes them fail

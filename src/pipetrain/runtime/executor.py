@@ -10,14 +10,12 @@ For every action of its list, in order, a rank does exactly this::
 
 That is the chain of a layer list; a traced model's stages take and send one message per
 route instead (:mod:`pipetrain.runtime.routes`: F takes a message from each earlier stage whose
-values
-it uses and sends one to each later stage using its values; B/I likewise for gradients).
+values it uses and sends one to each later stage using its values; B/I likewise for gradients).
 A hand-off to a stage on the same process is a dictionary entry; to another rank it is a
 :class:`~pipetrain.runtime.comm.P2P` message. Local mode runs every rank's list in one process in an
 order :func:`~pipetrain.schedules.dataflow.walk` proves runnable. Nothing here knows schedule
-names: even
-the point after which a stage's weight gradients are final (for ``on_grads_ready``) is read off
-the lists.
+names: even the point after which a stage's weight gradients are final (for ``on_grads_ready``) is
+read off the lists.
 """
 
 from __future__ import annotations
@@ -263,8 +261,7 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True,
     Each entry is ``(kind, mb, src_stage, dst_stage)``; ``routes`` (default: a chain) says
     which stages an action sends to, in the order :class:`Executor` sends. Every peer ends its
     step with an end-of-step message (:func:`pipetrain.runtime.finish.done_key`), not listed: the
-    end
-    of the step receives it directly.
+    end of the step receives it directly.
     """
     ports = (chain(schedule.n_stages) if routes is None else routes).ports
     mine = [[d for d, _ in p.act_out if schedule.rank_of(d) == rank] for p in ports]

@@ -11,8 +11,7 @@ it received that a later stage used too) and returns the gradients of its inputs
 the stage each goes back to.
 
 Layers marked for recomputation (GPipe's re-materialisation, :mod:`pipetrain.runtime.recompute`)
-keep
-only their input in F; right before the backward (the runtime calls
+keep only their input in F; right before the backward (the runtime calls
 :meth:`Stage.prepare_backward` before it waits for the gradient) they run again from it under
 the same RNG state, and B, or I then W, use what that replay saved: one recomputation. When
 the stage's last layer is recomputed, the stage keeps its outputs' autograd edges, not their

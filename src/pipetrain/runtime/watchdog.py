@@ -12,15 +12,13 @@ collective, the watchdog follows the pipeline's wait-for chain to its end::
 Each rank's main thread records what it does in an :class:`Activity` (two updates per action, a
 clock read and a few attribute writes each). One daemon thread per rank looks in the job's
 ``torch.distributed`` store for a probe, and for the job's news (:mod:`pipetrain.runtime.news`),
-twice
-a second (two small requests: the steady state pays nothing else). When a rank times out it
+twice a second (two small requests: the steady state pays nothing else). When a rank times out it
 posts a probe, every rank's thread answers with its activity, and the chain is followed from
 the peer that was waited for: to a rank computing (stuck in its own stage code), to a rank
 between steps (stuck in its caller's code), to a rank that does not answer (dead or frozen), or
 round a cycle (ranks waiting for each other). A rank found dead or hung is counted out of the
 failure by the rank that found it (:func:`pipetrain.runtime.news.count_out`): no process waits for
-it
-to say what it saw.
+it to say what it saw.
 """
 
 from __future__ import annotations

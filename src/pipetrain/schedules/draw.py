@@ -1,8 +1,7 @@
 """Draw: a timeline as text, as a PNG, or as a Chrome/Perfetto trace.
 
 Every picture is made from a :class:`~pipetrain.schedules.timeline.Timeline` alone, so a simulated
-run
-(cost units, starting at 0) and a measured one (seconds, arbitrary start) draw the same way:
+run (cost units, starting at 0) and a measured one (seconds, arbitrary start) draw the same way:
 times are shifted to start at 0 and the timeline's own ``unit`` labels the axis.
 
     >>> from pipetrain.schedules.simulate import simulate

@@ -5,9 +5,9 @@ most ``cores`` of them are busy; with ``k > cores`` busy ranks, each advances at
 its speed (the scheduler's fair share: processor sharing). A pipeline's bubble is then not all
 lost: while some ranks wait, the others run faster. GPUs, one rank each, share nothing.
 
-:func:`shared_walk` is :func:`pipetrain.schedules.dataflow.walk` under that rule: an action's
-duration is
-its work at full speed, and it ends when that work is done at the rates it met::
+:func:`shared_walk` is :func:`pipetrain.schedules.dataflow.walk` under that rule: an
+action's duration is its work at full speed, and it ends when that work is done at the rates
+it met::
 
     cores = 1; two ranks, one action of work 2 each, rank 1's inputs arrive at time 1:
     rank 0  [ full: 1 ][ half: 1 of work ]              ends at 3

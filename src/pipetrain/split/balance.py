@@ -64,8 +64,7 @@ def stage_peaks(sim: Simulation) -> tuple[float, ...]:
     """Per stage, the most of its own micro-batch activations alive at once in ``sim``.
 
     :mod:`pipetrain.schedules.simulate`'s memory model (``w_share`` and ``i_held`` included)
-    applied to
-    one stage's spans; with one stage per rank it equals ``peak_activations``.
+    applied to one stage's spans; with one stage per rank it equals ``peak_activations``.
     """
     held = held_per_stage(sim.i_held, sim.schedule.n_stages)
     return tuple(peak_units(spans, sim.w_share, held) for spans in _by_stage(sim))
@@ -75,8 +74,7 @@ def stage_pairs(sim: Simulation) -> tuple[tuple[tuple[float, float], ...], ...]:
     """Per stage, the Pareto-maximal (units, I-held count) pairs alive at once in ``sim``.
 
     See :func:`pipetrain.schedules.simulate.peak_pairs`; ``sim.i_held`` is not used (the count is
-    kept
-    apart so that a caller can weigh it by bytes).
+    kept apart so that a caller can weigh it by bytes).
     """
     return tuple(peak_pairs(spans, sim.w_share) for spans in _by_stage(sim))
 

@@ -4,8 +4,8 @@ A captured graph is one program; cut into stages, each value a stage reads must 
 reads on one device. Three ways it could be another, each checked here:
 
 * **Routing**: a value read from the payload must arrive in a message from the stage whose part
-  made it, once (:func:`prove_routes`; :mod:`pipetrain.runtime.routes` builds them so, this proves
-  it).
+  made it, once (:func:`prove_routes`; :mod:`pipetrain.runtime.routes` builds them so, this
+  proves it).
 * **In-place writes**: an op that writes into a tensor (``add_``, ``copy_``, ``index_put_``, a
   batch norm's running statistics) changes it for every later reader on one device. Across
   stages a later reader holds its own copy (sent before the write, or a buffer of its own

@@ -23,8 +23,7 @@ a value made in stage 1 and used in stage 3 passes through stage 2. ``Pipeline(m
 split_points=...)`` does not relay it: from :attr:`TracedSplit.made_in` and
 :attr:`TracedSplit.used_in` it derives :meth:`TracedSplit.routes`, and stage 1 sends the value
 to stage 3 directly (:mod:`pipetrain.runtime.routes`). A stage carries on a value it neither makes
-nor
-uses only when its payload holds it, so the same stages serve both ways.
+nor uses only when its payload holds it, so the same stages serve both ways.
 
 Stages hold the model's own Parameters and buffers under the model's names (no copies); a weight
 used by two stages (a tied embedding and LM head) is the same Parameter in both, and a buffer

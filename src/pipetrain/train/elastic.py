@@ -3,8 +3,7 @@
 A local launch (:func:`launch_local`) hands ``--nproc`` workers to torch's elastic agent
 (``torch.distributed.launcher.api.elastic_launch``), which forks them from a server that
 imported torch and pipetrain once (:func:`~pipetrain.runtime.launch.start_context`). It looks at
-them
-every ``MONITOR_S``, stops all of them once one has failed, and restarts the whole group up
+them every ``MONITOR_S``, stops all of them once one has failed, and restarts the whole group up
 to ``max_restarts`` times (each restart resumes from the newest committed checkpoint, because
 ``resume`` is on by default).
 Under ``torchrun`` the agent is torchrun's and :func:`worker` runs directly in each process, so
@@ -16,8 +15,7 @@ the same command line scales out unchanged::
 Security: torch.distributed has no authentication, so a local launch listens on 127.0.0.1
 only. The agent's TCPStore would bind every interface (it ignores the host it is given), so
 :func:`~pipetrain.runtime.launch.loopback_store` binds a socket to 127.0.0.1 first and hands its
-file
-descriptor to a multi-tenant TCPStore, which the agent's static rendezvous then reuses.
+file descriptor to a multi-tenant TCPStore, which the agent's static rendezvous then reuses.
 Gloo and NCCL listen on the interface named by ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``,
 set to the loopback interface unless the user chose one.
 

@@ -20,8 +20,8 @@ class Target:
 
     Attributes:
         memory_limit: the most stage-activations any rank may hold, in the simulator's count
-            (:mod:`pipetrain.schedules.simulate`) at ``w_share``; None lets the generator pick its
-            own.
+            (:mod:`pipetrain.schedules.simulate`) at ``w_share``; None lets the generator
+            pick its own.
         costs: op costs per stage per micro-batch; None means F = I = W = 1.
         comm: the delay of every message between ranks.
         w_share: share of an activation kept from I until W (the simulator's ``w_share``).
@@ -64,8 +64,8 @@ def make_schedule(
     """Generate the named schedule for ``n_ranks`` ranks and ``n_microbatches`` micro-batches.
 
     Args:
-        name: one of ``pipetrain.schedules.generators.REGISTRY`` (``pipetrain schedules`` lists
-        them).
+        name: one of ``pipetrain.schedules.generators.REGISTRY`` (``pipetrain schedules``
+            lists them).
         n_ranks: ranks in the pipeline (p).
         n_microbatches: micro-batches per step (m).
         stages_per_rank: model stages held by each rank (v); None takes the schedule's own.

@@ -1,8 +1,7 @@
 """Controllable-memory V schedules: V-Half and V-Min, less activation memory for some bubble.
 
 Both use the V placement of :mod:`pipetrain.schedules.generators.vshape` (rank r holds stage r, the
-down
-leg, and stage 2p-1-r, the up leg) and split backward (F, I, W). They are built from a
+down leg, and stage 2p-1-r, the up leg) and split backward (F, I, W). They are built from a
 *building block*: the F's and I's of one micro-batch on every rank, each at a fixed slot
 (one slot = one pass at F = I = W). The block repeats every 6 slots, one copy per micro-batch,
 and each rank's four passes fall on four different residues mod 6, so copies never collide and

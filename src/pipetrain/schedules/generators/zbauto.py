@@ -33,8 +33,7 @@ ours and lowers a few of its ZB-2p bubbles (by up to 0.0005 of the step on Table
                    permitting (the estimate ignores that forwards wait for their input)
 
 Times follow :mod:`pipetrain.schedules.simulate` (an op starts when its rank is free and its input
-has
-arrived, ``comm`` after it was produced on the neighbouring rank), so the chosen lists
+has arrived, ``comm`` after it was produced on the neighbouring rank), so the chosen lists
 simulate exactly as planned. Memory is counted in the simulator's units: F takes 1 unit when
 it starts, I frees ``1 - w_share``, W frees ``w_share``; no rank ever holds more than
 ``memory_limit`` (compared with a 1e-9 tolerance, for fractional shares). With the paper's
