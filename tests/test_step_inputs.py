@@ -88,3 +88,23 @@ def test_hf_gpt2_captured_from_a_tuple_steps_with_a_tensor() -> None:
     got = pipe.step(ids, ids).loss
     want = reference_step(ref, ids, ids, lm_loss, 4)
     assert got is not None and torch.allclose(got, want, rtol=1e-6)
+
+
+class DictIn(nn.Module):
+    """A ``forward(batch)`` that takes one dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.lin(batch["x"])  # type: ignore[no-any-return]
+
+
+def test_the_reference_gives_a_dict_as_keywords_only_where_forward_takes_them() -> None:
+    x, y = _xy()
+    one, keywords = DictIn(), Scaled()
+    assert torch.equal(reference_step(one, {"x": x}, y, LOSS, 1),
+                       LOSS(one({"x": x}), y))  # the dict, whole
+    assert torch.equal(reference_step(keywords, {"x": x}, y, LOSS, 1),
+                       LOSS(keywords(x), y))

@@ -7,6 +7,7 @@ parameter's gradient must be *bitwise* equal to it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from typing import Any
@@ -43,15 +44,24 @@ def reference_step(
     for i, (x, y, n) in enumerate(zip(xs, ys, sizes)):
         weight = n / total_size if loss_reduction == "mean" else 1.0
         with streams.stream(dev, streams.start(base, i, dev), []) if rng else nullcontext():
-            keywords = isinstance(x, dict) and isinstance(model, nn.Module) and not isinstance(
-                model, nn.Sequential)
-            out = model(**x) if keywords else model(x)
+            out = model(**x) if _keywords(model, x) else model(x)
             loss = loss_fn(out, y) * weight
             loss.backward()  # type: ignore[no-untyped-call]
         total = loss.detach() if total is None else total + loss.detach()
     if total is None:
         raise ValueError("no micro-batches")
     return total
+
+
+def _keywords(model: Callable[..., Any], x: Any) -> bool:
+    """Whether ``x`` is a dict of ``model``'s keyword arguments (else its one argument)."""
+    if not isinstance(x, dict):
+        return False
+    try:
+        inspect.signature(model.forward if isinstance(model, nn.Module) else model).bind(**x)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def grad_mismatches(

@@ -204,14 +204,15 @@ def verify_with(build: Build, model: nn.Module, inputs: Any, targets: Any = None
     """
     start = time.perf_counter()
     pipe = build(_copy(model, dtype))
-    if pipe.loss_fn is None:
+    loss_fn = pipe.loss_fn
+    if loss_fn is None:
         raise ValueError("the pipeline to verify has no loss_fn: give it one")
     inputs = _cast(inputs, dtype)
     if targets is None:
         targets = torch.zeros(_batch_size(inputs, pipe.split_dim))
     targets = _cast(targets, dtype)
     reference = _reference(model, dtype, seed)
-    want = _one_process(reference, pipe, inputs, targets, seed)
+    want = _one_process(reference, pipe, loss_fn, inputs, targets, seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         result = pipe.step(inputs, targets)
@@ -233,14 +234,13 @@ def default_tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-9, torch.float32: 1e-5}.get(dtype, 1e-2)
 
 
-def _one_process(reference: nn.Module, pipe: Pipeline, inputs: Any, targets: Any,
-                 seed: int) -> torch.Tensor:
+def _one_process(reference: nn.Module, pipe: Pipeline, loss_fn: Callable[[Any, Any], Any],
+                 inputs: Any, targets: Any, seed: int) -> torch.Tensor:
     """The reference step, its gradients left in ``reference``; its failure as a ValueError."""
-    assert pipe.loss_fn is not None
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return reference_step(reference, inputs, targets, pipe.loss_fn,
+            return reference_step(reference, inputs, targets, loss_fn,
                                   pipe.schedule.n_microbatches, split_dim=pipe.split_dim,
                                   loss_reduction=pipe.loss_reduction, rng=pipe.rng)
     except Exception as e:  # noqa: BLE001  (the model's own error, said to be so)
