@@ -74,3 +74,20 @@ def test_the_cache_keeps_no_model_alive() -> None:
     del model
     gc.collect()
     assert alive() is None
+
+
+def test_a_second_hf_gpt2_recalls_the_capture_and_steps_like_a_fresh_one() -> None:
+    pytest.importorskip("transformers")
+    from hf import gpt2, lm_loss
+
+    ids = torch.randint(1, 64, (8, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for fresh in (True, False):
+        if fresh:
+            RECALL.clear()
+        torch.manual_seed(0)
+        pipe = pt.Pipeline(gpt2(), "zbv", 4, lm_loss, local_ranks=2, split_points="auto",
+                           example_inputs=(ids[:2],))
+        assert pipe.traced is not None and (pipe.traced.captured.seconds > 0) is fresh
+        losses.append(pipe.step(ids, ids).loss)
+    assert losses[0] is not None and losses[1] is not None and torch.equal(*losses)
