@@ -54,11 +54,12 @@ def reference_step(
 
 
 def _keywords(model: Callable[..., Any], x: Any) -> bool:
-    """Whether ``x`` is a dict of ``model``'s keyword arguments (else its one argument)."""
-    if not isinstance(x, dict):
+    """Whether ``x`` is a dict of a module's keyword arguments (else its one argument; a
+    function, such as ``lambda x: ref(**x)``, always gets the dict whole)."""
+    if not isinstance(x, dict) or not isinstance(model, nn.Module):
         return False
     try:
-        inspect.signature(model.forward if isinstance(model, nn.Module) else model).bind(**x)
+        inspect.signature(model.forward).bind(**x)
     except (TypeError, ValueError):
         return False
     return True
