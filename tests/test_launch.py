@@ -29,3 +29,15 @@ def test_each_launch_hands_its_ranks_the_environment_of_the_moment(
     assert pt.launch(_env, 2, "PIPETRAIN_TEST_VALUE") == [(0, "second", 1), (1, "second", 1)]
     monkeypatch.delenv("PIPETRAIN_TEST_VALUE")
     assert pt.launch(_env, 2, "PIPETRAIN_TEST_VALUE", threads=2) == [(0, None, 2), (1, None, 2)]
+
+
+def test_a_free_port_is_one_the_kernel_never_hands_to_an_outgoing_connection() -> None:
+    import socket
+
+    from pipetrain.runtime.launch import _first_ephemeral, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= p < _first_ephemeral() for p in ports), ports
+    for port in ports:  # each one binds
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import random
 import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,10 +67,36 @@ class RankContext:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+    """A TCP port on 127.0.0.1 that is free right now, outside the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) is one it may hand out again at once, as the
+    local end of any outgoing connection: a rank that dials the store before it listens can
+    even connect the store's port to itself. Either way the store's bind fails with
+    EADDRINUSE. Ports below the ephemeral range are never handed out by the kernel.
+    """
+    rng = random.Random()
+    for _ in range(200 if _first_ephemeral() > _FIRST_FREE + 1000 else 0):
+        port = rng.randrange(_FIRST_FREE, _first_ephemeral())
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((_LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below: any
+        s.bind((_LOOPBACK, 0))
         return int(s.getsockname()[1])
+
+
+_FIRST_FREE = 20000  # above the registered services most machines run
+
+
+def _first_ephemeral() -> int:
+    """The kernel's first port for outgoing connections (Linux's default where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @contextlib.contextmanager
