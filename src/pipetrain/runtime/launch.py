@@ -36,7 +36,10 @@ from pipetrain.runtime.news import STORE_HOST_ENV
 __all__ = ["RankContext", "launch", "free_port", "loopback_store", "start_context"]
 
 _LOOPBACK = "127.0.0.1"
-PRELOAD = ("__main__", "pipetrain")
+RANK_MODULES = ("torch._dynamo", "torch.export._trace", "torch.fx.experimental.symbolic_shapes")
+"""torch's modules every pipeline rank imports anyway: capture exports, and the first backward
+imports symbolic shapes (with sympy). About 1-2 s of each rank's start, paid once instead."""
+PRELOAD = ("__main__", "pipetrain", *RANK_MODULES)
 """What the forkserver imports once for every rank it starts (``__main__`` only when it is a
 script, whose functions the ranks then find as they would under spawn)."""
 
@@ -46,14 +49,21 @@ def start_context(preload: tuple[str, ...] = PRELOAD) -> Any:
     starts in about 0.1 s instead of importing them again (2-4 s each, which on a laptop is
     most of a small job's start); spawn where there is no forkserver (Windows).
 
+    The server starts at the first launch of the process and serves every later one: it
+    imports what every call before that start asked for.
+
     A forked rank inherits the server's environment, not the caller's: :func:`launch` hands
     each rank the caller's environment of the moment explicitly.
     """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))  # takes effect when the server first starts
+    _ASKED.update(dict.fromkeys(preload))
+    ctx.set_forkserver_preload(list(_ASKED))  # takes effect when the server first starts
     return ctx
+
+
+_ASKED: dict[str, None] = {}  # the modules asked for so far, in order
 
 
 @dataclass(frozen=True)

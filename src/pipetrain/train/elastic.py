@@ -50,7 +50,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 
 from pipetrain.errors import PipelineError
 from pipetrain.runtime import news
-from pipetrain.runtime.launch import loopback_store, start_context
+from pipetrain.runtime.launch import RANK_MODULES, loopback_store, start_context
 from pipetrain.runtime.watchdog import job_store
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
@@ -153,9 +153,13 @@ def _elastic(cfg: TrainConfig, port: int, logs: str) -> Any:
 
 
 def _start_method(cfg: TrainConfig) -> str:
-    """forkserver, whose server imports torch, pipetrain's training loop (and transformers for
-    ``--hf``) once for every worker and restart, or spawn where there is none."""
-    modules = ("pipetrain.train.loop", *(("transformers",) if cfg.hf else ()))
+    """forkserver, whose server imports torch, pipetrain's training loop, torch's capture
+    modules (and for ``--hf`` transformers with the model's modeling module, which this
+    process opened) once for every worker and restart, or spawn where there is none."""
+    modeling = sorted(m for m in sys.modules if m.startswith("transformers.models.")
+                      and ".modeling_" in m) if cfg.hf else []
+    modules = ("pipetrain.train.loop", *RANK_MODULES,
+               *(("transformers", *modeling) if cfg.hf else ()))
     return str(start_context(modules).get_start_method())
 
 
