@@ -21,6 +21,7 @@ import torch
 from hf import python_text, save_dir
 from pipetrain.checkpoint import run as checkpoint
 from pipetrain.checkpoint import store as checkpoint_store
+from pipetrain.cli import main
 
 pytest.importorskip("transformers")
 
@@ -48,12 +49,22 @@ def _env(faults: str | None = None) -> dict[str, str]:
 
 def _train(place: Path, name: str, out: str, *args: str, launcher: list[str] | None = None,
            faults: str | None = None) -> dict[str, Any]:
-    command = [*(launcher or [sys.executable, "-m", "pipetrain"]), "train", "--hf",
-               str(place / name), "--data", str(place / "data.py"), "--token-cache",
-               str(place / "tokens"), *COMMON, "--out", str(place / out), *args]
-    done = subprocess.run(command, env=_env(faults), capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """``pipetrain train --hf``: through ``launcher`` (torchrun) in a process of its own, else
+    the command's ``main`` in this process (what ``python -m pipetrain`` calls; its ranks
+    start from this session's forkserver, which has imported torch and transformers)."""
+    argv = ["train", "--hf", str(place / name), "--data", str(place / "data.py"),
+            "--token-cache", str(place / "tokens"), *COMMON, "--out", str(place / out), *args]
+    if launcher:
+        done = subprocess.run([*launcher, *argv], env=_env(faults), capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    else:
+        with pytest.MonkeyPatch.context() as env:
+            for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
+                env.delenv(key)
+            if faults:
+                env.setenv("PIPETRAIN_FAULTS", faults)
+            assert main(argv) == 0
     return json.loads((place / out / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
@@ -144,10 +155,8 @@ def test_every_feature_at_once_then_a_torchrun_resume_at_another_layout(place: P
     assert _records(out, "start")[-1]["start_step"] == 4
     assert second["sample"] is not None and second["sample"].startswith("def ")
     exported = place / "exported"
-    done = subprocess.run([sys.executable, "-m", "pipetrain", "export-hf",
-                           str(out / "checkpoints"), str(exported), "--shard-size", "40KB"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    assert main(["export-hf", str(out / "checkpoints"), str(exported),
+                 "--shard-size", "40KB"]) == 0
     assert len(list(exported.glob("model-*.safetensors"))) > 1
     a, b = _hf_model(exported).state_dict(), _hf_model(out / "hf").state_dict()
     assert [n for n in a if not torch.equal(a[n], b[n])] == []
