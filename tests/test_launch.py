@@ -41,3 +41,21 @@ def test_a_free_port_is_one_the_kernel_never_hands_to_an_outgoing_connection() -
     for port in ports:  # each one binds
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))
+
+
+def _preloaded(ctx: pt.RankContext) -> list[bool]:
+    import sys
+
+    from pipetrain.runtime.launch import RANK_MODULES
+
+    return [name in sys.modules for name in RANK_MODULES]
+
+
+def test_a_rank_starts_with_torchs_capture_modules_imported_by_the_forkserver() -> None:
+    import multiprocessing
+
+    from pipetrain.runtime.launch import RANK_MODULES
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no forkserver: spawned ranks import what they use")
+    assert pt.launch(_preloaded, 2) == [[True] * len(RANK_MODULES)] * 2
