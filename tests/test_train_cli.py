@@ -178,3 +178,46 @@ class _Lines:
 
     def flush(self) -> None:
         return None
+
+
+# ------------------------------------------------------------- docs/cli.md, as printed now
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+
+
+def _console_block(starting: str) -> list[str]:
+    """The lines of docs/cli.md's console block that begins with ``starting``, to its fence."""
+    lines = DOCS.read_text().splitlines()
+    first = lines.index(starting)
+    return lines[first + 1:lines.index("```", first)]
+
+
+def test_docs_help_excerpt_is_what_train_help_prints(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["train", "--help"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    at = 0
+    for line in _console_block("$ pipetrain train --help"):
+        if line == "...":
+            continue
+        assert line in printed[at:], f"docs/cli.md shows {line!r}; --help no longer prints it"
+        at = printed.index(line, at) + 1
+
+
+def test_docs_example_run_prints_the_config_train_resolves(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    toml = _console_block("$ cat run.toml")
+    run = toml[:toml.index("$ pipetrain train --config run.toml --steps 30 --no-progress")]
+    (tmp_path / "run.toml").write_text("\n".join(run) + "\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = _resolve(["--config", "run.toml", "--steps", "30", "--no-progress"])
+    shown = toml[len(run) + 1:]
+    config = shown[:next(i for i, x in enumerate(shown) if x.startswith("start: "))]
+    assert "\n".join(config) == format_config(cfg, world=2)
+
+
+def test_docs_command_table_names_every_command() -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    table = [x for x in DOCS.read_text().splitlines() if x.startswith("| `pipetrain ")]
+    assert sorted(x.split()[2].strip("`") for x in table) == sorted(sub.choices)
