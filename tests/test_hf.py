@@ -39,6 +39,8 @@ def differences(pipe: pt.Pipeline, ref: nn.Module, rtol: float) -> list[str]:
     for name, b in pipe.named_buffers():
         if not torch.equal(b, refs[name]):
             bad.append(f"buffer {name} differs")
+    held = {name for name, _ in pipe.named_parameters()}
+    bad += [f"{name}: in no stage" for name, _ in ref.named_parameters() if name not in held]
     return bad
 
 
@@ -83,7 +85,10 @@ def test_memory_controlled_schedules_are_bitwise_on_models_we_did_not_write(
 def test_gpt2_fp32_bitwise_except_the_tied_embedding() -> None:
     got, want, bad = run_case("gpt2", "dualpipev", torch.float32)
     assert torch.equal(got, want)
-    assert [b.split(":")[0] for b in bad] in ([], ["transformer.wte.weight"])
+    # the tied table's two gradients are summed in another order: to rounding (measured
+    # 7.5e-9), and never missing
+    tied = "transformer.wte.weight: max diff "
+    assert all(b.startswith(tied) and float(b[len(tied):]) <= 1e-7 for b in bad), bad
 
 
 def test_llama_fp32_is_bitwise_to_its_capture_and_rounding_to_eager() -> None:
