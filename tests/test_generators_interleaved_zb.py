@@ -8,10 +8,12 @@ from collections.abc import Iterator
 import pytest
 
 from pipetrain import make_schedule
+from pipetrain.schedules import simulate as sim
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.generators import REGISTRY
 from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.validate import validate
 
 # p: ranks, m: micro-batches, v: stages per rank; f, b, i, w: per-stage costs of F, B, I, W.
 SPLIT = ("zb-h1", "zb-h2", "interleaved-zb")
@@ -86,7 +88,6 @@ def test_complete_ordered_and_deadlock_free(name: str) -> None:
 
 @pytest.mark.parametrize("name", ALL)
 def test_passes_validate(name: str) -> None:
-    validate = pytest.importorskip("pipetrain.schedules.validate").validate
     for p, m, v in grid(name):
         validate(build(name, p, m, v))
 
@@ -227,7 +228,6 @@ def test_in_flight_of_one_f_one_b_bounds_zb_h1() -> None:
 # --- the simulator agrees ----------------------------------------------------------------
 
 def test_simulate_matches_closed_forms() -> None:
-    sim = pytest.importorskip("pipetrain.schedules.simulate")
     p, m = 4, 12
     run = sim.simulate(make_schedule("interleaved-1f1b", p, m, 3), sim.Costs(F=1.0, B=2.0))
     assert run.makespan == pytest.approx(m * 3 * 3.0 + (p - 1) * 3.0)

@@ -86,8 +86,8 @@ def _sharded(ctx: pt.RankContext) -> list[str]:
             sharded.finish()
             opt.step()
             opt.zero_grad()
-            if got.loss is not None and float(got.loss) != want_losses[step][shard]:
-                problems.append(f"{name} step {step}: loss {float(got.loss)} != "
+            if got.loss is None or float(got.loss) != want_losses[step][shard]:
+                problems.append(f"{name} step {step}: loss {got.loss} != "
                                 f"{want_losses[step][shard]}")
         for n, p in pipe.named_parameters():
             value = p.full_tensor() if isinstance(p, DTensor) else p
@@ -190,8 +190,8 @@ def _foreign(ctx: pt.RankContext) -> list[str]:
         got = pipe.step(pipe.pack(**x), y, on_grads_ready=sharded.reduce)
         sharded.finish()
         want = losses[shard]
-        if got.loss is not None and not math.isclose(float(got.loss), want, rel_tol=1e-12):
-            problems.append(f"{name}: loss {float(got.loss)} != {want}")
+        if got.loss is None or not math.isclose(float(got.loss), want, rel_tol=1e-12):
+            problems.append(f"{name}: loss {got.loss} != {want}")
         for n, p in pipe.named_parameters():
             g = _full(p.grad)
             if not torch.allclose(g, mean[n], rtol=1e-9, atol=1e-12):
