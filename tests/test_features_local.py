@@ -139,3 +139,18 @@ def test_per_layer_policy_errors() -> None:
     for bad in (("every", 0), ("each", 2), ("every", 1.5)):
         with pytest.raises(ValueError, match=r"per-layer recompute policy is \('every', k\)"):
             pt.Pipeline(mlp(), "1f1b", 2, LOSS, local_ranks=2, recompute=bad)  # type: ignore[arg-type]
+
+
+def test_grad_mismatches_names_a_stage_left_out() -> None:
+    ref, model = dropout_mlp(0.0), dropout_mlp(0.0)
+    x, y = batch(12)
+    reference_step(ref, x, y, LOSS, 4)
+    pipe = pt.Pipeline(model, "1f1b", 4, LOSS, local_ranks=2)
+    pipe.step(x, y)
+    named = list(pipe.named_parameters())
+    assert grad_mismatches(named, ref) == []
+    first_half = [(n, p) for n, p in named if int(n.split(".")[0]) < 4]  # stage 1 left out
+    assert grad_mismatches(first_half, ref) == [f"{n}: held by no stage" for n, _ in named
+                                                if int(n.split(".")[0]) >= 4]
+    assert grad_mismatches(named, ref, skip={"0.0.weight"}) == []
+    assert grad_mismatches(named[1:], ref, skip={"0.0.weight"}) == []  # compared elsewhere

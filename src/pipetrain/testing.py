@@ -8,7 +8,7 @@ parameter's gradient must be *bitwise* equal to it.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -66,12 +66,23 @@ def _keywords(model: Callable[..., Any], x: Any) -> bool:
 
 
 def grad_mismatches(
-    pipeline_params: Iterable[tuple[str, nn.Parameter]], reference: nn.Module
+    pipeline_params: Iterable[tuple[str, nn.Parameter]], reference: nn.Module, *,
+    skip: Collection[str] = ()
 ) -> list[str]:
-    """Names of parameters whose ``.grad`` differs (bitwise) from the reference model's."""
+    """Names of parameters whose ``.grad`` differs (bitwise) from the reference model's, and
+    of the reference's parameters that ``pipeline_params`` lacks (a stage left out).
+
+    ``pipeline_params`` is every stage's (a local pipeline's ``named_parameters()``, or the
+    ranks' together); ``skip`` names parameters the caller compares itself (a tied weight
+    whose parts add in another order).
+    """
     ref = dict(reference.named_parameters())
     bad = []
+    seen = set(skip)
     for name, p in pipeline_params:
+        seen.add(name)
+        if name in skip:
+            continue
         q = ref.get(name)
         if q is None:
             bad.append(f"{name}: not a parameter name of the reference model")
@@ -81,7 +92,7 @@ def grad_mismatches(
         elif p.grad is not None and q.grad is not None and not torch.equal(p.grad.cpu(), q.grad):
             diff = (p.grad.cpu() - q.grad).abs().max().item()
             bad.append(f"{name}: max abs difference {diff:.3g}")
-    return bad
+    return bad + [f"{name}: held by no stage" for name in ref if name not in seen]
 
 
 def reload_mismatches(path: Any, want: dict[str, torch.Tensor],
