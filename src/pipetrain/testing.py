@@ -69,11 +69,11 @@ def grad_mismatches(
     pipeline_params: Iterable[tuple[str, nn.Parameter]], reference: nn.Module, *,
     skip: Collection[str] = ()
 ) -> list[str]:
-    """Names of parameters whose ``.grad`` differs (bitwise) from the reference model's, and
-    of the reference's parameters that ``pipeline_params`` lacks (a stage left out).
+    """Names of parameters whose ``.grad`` differs (bitwise) from the reference model's.
 
-    ``pipeline_params`` is every stage's (a local pipeline's ``named_parameters()``, or the
-    ranks' together); ``skip`` names parameters the caller compares itself (a tied weight
+    Outside a ``torch.distributed`` job, where one process holds every stage, also the
+    reference's parameters that ``pipeline_params`` lacks (a stage left out); in a job, each
+    rank passes its own. ``skip`` names parameters the caller compares itself (a tied weight
     whose parts add in another order).
     """
     ref = dict(reference.named_parameters())
@@ -92,6 +92,8 @@ def grad_mismatches(
         elif p.grad is not None and q.grad is not None and not torch.equal(p.grad.cpu(), q.grad):
             diff = (p.grad.cpu() - q.grad).abs().max().item()
             bad.append(f"{name}: max abs difference {diff:.3g}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return bad  # this rank's stages only
     return bad + [f"{name}: held by no stage" for name in ref if name not in seen]
 
 
