@@ -101,7 +101,8 @@ def _grads_ready(ctx: pt.RankContext) -> list[str]:
 
 
 def _two_ranks(ctx: pt.RankContext) -> list[str]:
-    return (_all_schedules(ctx, [1, 3, 4]) + _structured(ctx) + _features(ctx)
+    # m below p, at p, above and not a multiple, above and a multiple
+    return (_all_schedules(ctx, [1, 2, 3, 4]) + _structured(ctx) + _features(ctx)
             + _grads_ready(ctx))
 
 
