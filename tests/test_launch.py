@@ -36,6 +36,8 @@ def test_a_free_port_is_one_the_kernel_never_hands_to_an_outgoing_connection() -
 
     from pipetrain.runtime.launch import _first_ephemeral, free_port
 
+    if _first_ephemeral() <= 20000:
+        pytest.skip("this kernel's ephemeral range leaves no ports below it")
     ports = {free_port() for _ in range(20)}
     assert all(20000 <= p < _first_ephemeral() for p in ports), ports
     for port in ports:  # each one binds

@@ -43,6 +43,7 @@ imports symbolic shapes (with sympy). About 1.1 s of each rank's start (0.95 s t
 PRELOAD = ("__main__", "pipetrain", *RANK_MODULES)
 """What the forkserver imports once for every rank it starts (``__main__`` only when it is a
 script, whose functions the ranks then find as they would under spawn)."""
+_ASKED: dict[str, None] = {}  # the modules asked for so far, in order
 
 
 def start_context(preload: tuple[str, ...] = PRELOAD) -> Any:
@@ -64,9 +65,6 @@ def start_context(preload: tuple[str, ...] = PRELOAD) -> Any:
     return ctx
 
 
-_ASKED: dict[str, None] = {}  # the modules asked for so far, in order
-
-
 @dataclass(frozen=True)
 class RankContext:
     """What each launched process learns about itself."""
@@ -85,9 +83,8 @@ def free_port() -> int:
     even connect the store's port to itself. Either way the store's bind fails with
     EADDRINUSE. Ports below the ephemeral range are never handed out by the kernel.
     """
-    rng = random.Random()
-    for _ in range(200 if _first_ephemeral() > _FIRST_FREE + 1000 else 0):
-        port = rng.randrange(_FIRST_FREE, _first_ephemeral())
+    below = range(_FIRST_FREE, _first_ephemeral())
+    for port in random.sample(below, min(200, len(below))):  # none where the range is low
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((_LOOPBACK, port))
