@@ -168,28 +168,28 @@ def test_the_command_passes_on_a_shrunk_saved_llama(saved: Path,
     assert "units per stage 1,1,1,1" in out and "PASS" in out
 
 
-def _readme() -> str:
-    return (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def _page() -> str:
+    return (Path(__file__).resolve().parents[1] / "docs" / "verify.md").read_text()
 
 
-def test_the_readme_command_passes_as_written(saved: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's ``pipetrain verify`` line, on this smaller saved Llama: same layout."""
-    readme = _readme()
-    line = next(x for x in readme.splitlines() if x.startswith("$ python3 -m pipetrain verify"))
+def test_the_docs_command_passes_as_written(saved: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/verify.md's ``pipetrain verify`` line, on this smaller saved Llama: same layout."""
+    page = _page()
+    line = next(x for x in page.splitlines() if x.startswith("$ python3 -m pipetrain verify"))
     argv = line.split()[5:]
     assert argv[:2] == ["--hf", "tiny-llama"], line
     assert main(["verify", "--hf", str(saved), *argv[2:]]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[2] in readme and out[-1].startswith("PASS"), out  # the layout line
+    assert out[2] in page and out[-1].startswith("PASS"), out  # the layout line
 
 
-def test_the_readme_snippet_passes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_docs_snippet_passes(capsys: pytest.CaptureFixture[str]) -> None:
     import re
 
-    code = next(b for b in re.findall(r"```python\n(.*?)```", _readme(), re.S)
+    code = next(b for b in re.findall(r"```python\n(.*?)```", _page(), re.S)
                 if "pt.verify(" in b)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/verify.md", "exec"), {})
     assert capsys.readouterr().out.startswith("PASS: the loss and all 16 gradients")
 
 

@@ -7,10 +7,10 @@ float64), and the pipeline's parameter names exactly the model's, so that a stag
 parameters went missing fails. One model per family also runs on 2 gloo processes.
 
 Each ``Arch`` declares its expected outcome (a tolerance, or a failure with its reason, run as
-a strict expected failure), and README's table "Architectures checked" is rendered from ``ZOO``
-(``test_readme_table_is_rendered_from_the_zoo`` keeps the two equal). To regenerate it:
+a strict expected failure), and the table of docs/models.md is rendered from ``ZOO``
+(``test_docs_table_is_rendered_from_the_zoo`` keeps the two equal). To regenerate it:
 ``python3 tests/test_zoo.py`` prints the table; ``python3 tests/test_zoo.py --write`` puts it
-into README.md between its markers.
+into docs/models.md between its markers.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pipetrain.testing import reference_step
 tf = pytest.importorskip("transformers")
 
 M, ROWS, SEQ, V, LAYERS = 4, 8, 12, 64, 2  # 2 layers: encoder-decoders 2 each
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 BEGIN = "<!-- begin zoo table: rendered by tests/test_zoo.py (python3 tests/test_zoo.py) -->"
 END = "<!-- end zoo table -->"
 SLOW = os.environ.get("PIPETRAIN_ZOO_SLOW") == "1"
@@ -445,7 +445,7 @@ def result(arch: Arch) -> str:
 
 
 def render() -> str:
-    """README's table of architectures, one row per entry of ``ZOO``."""
+    """docs/models.md's table of architectures, one row per entry of ``ZOO``."""
     rows = ["| family | model class | what it exercises | stages | dtype | tolerance | result "
             "| 2 processes |", "|---|---|---|---|---|---|---|---|"]
     for a in ZOO:
@@ -457,19 +457,19 @@ def render() -> str:
 
 
 def _readme_span() -> re.Match[str]:
-    found = re.search(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), README.read_text(), re.S)
-    assert found is not None, f"README.md has no {BEGIN!r} ... {END!r} section"
+    found = re.search(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), PAGE.read_text(), re.S)
+    assert found is not None, f"docs/models.md has no {BEGIN!r} ... {END!r} section"
     return found
 
 
-def test_readme_table_is_rendered_from_the_zoo() -> None:
+def test_docs_table_is_rendered_from_the_zoo() -> None:
     assert _readme_span().group(1) == render() + "\n", \
-        "README's table is stale: python3 tests/test_zoo.py --write"
+        "docs/models.md's table is stale: python3 tests/test_zoo.py --write"
 
 
 def _write_readme() -> None:
-    span, text = _readme_span(), README.read_text()
-    README.write_text(text[:span.start()] + f"{BEGIN}\n{render()}\n{END}" + text[span.end():])
+    span, text = _readme_span(), PAGE.read_text()
+    PAGE.write_text(text[:span.start()] + f"{BEGIN}\n{render()}\n{END}" + text[span.end():])
 
 
 if __name__ == "__main__":
