@@ -343,3 +343,19 @@ def test_the_hf_page_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.Mon
     load = console_line(page, "from_pretrained").split(" -c ")[1].strip("'\"")
     exec(compile(load, "load.py", "exec"), {"__name__": "__main__"})
     assert "LlamaForCausalLM" in capsys.readouterr().out
+
+
+def test_readme_schedule_table_is_what_the_simulator_says() -> None:
+    """README's table of schedules: p = 4, m = 8, F = I = W = 1, no delay; every figure."""
+    import pipetrain as pt
+
+    rows = re.findall(r"^\| `([\w-]+)` \| (.*) \|$", (ROOT / "README.md").read_text(), re.M)
+    assert len(rows) >= 12, rows
+    for name, rest in rows:
+        per_rank, makespan, fraction, rate, peaks, minimum = rest.split(" | ")
+        sim = pt.simulate(pt.make_schedule(name, 4, 8))
+        got = [str(sim.schedule.n_stages // 4), f"{sim.makespan:g}",
+               f"{sim.bubble_fraction:.3f}", f"{sim.bubble_rate:.3f}",
+               ", ".join(f"{x:g}" for x in sim.peak_activations)]
+        assert got == [per_rank, makespan, fraction, rate, peaks], (name, got)
+        pt.make_schedule(name, 4, int(minimum))  # the smallest m it accepts builds
