@@ -358,8 +358,8 @@ def _explain(model: nn.Module, e: BaseException) -> str:
 def _user_frame(e: BaseException) -> str:
     """`` at file:line (`code`)`` of the innermost frame outside torch and pipetrain."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not f.filename.startswith(skip)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__)  # "<string>": generated code
+              if not f.filename.startswith(skip) and not f.filename.startswith("<")]
     if not frames:
         return ""
     f = frames[-1]
