@@ -82,6 +82,11 @@ def test_bad_toml_is_exit_2_naming_the_key(tmp_path: Path, text: str, message: s
     (["--timeout", "0"], "--timeout must be a positive number"),
     (["--steps", "many"], "invalid int value: 'many'"),
     (["--config", "no/such.toml"], "no/such.toml"),
+    # found before any worker starts, as the workers would find them
+    (["--nonfinite", "bogus"], "nonfinite must be 'skip' or 'abort', got 'bogus'"),
+    (["--precision", "fp8"], "precision must be one of"),
+    (["--nproc", "3", "--dp", "2"], "which dp=2 does not divide"),
+    (["--batch-size", "6"], "batch_size=6 must split into dp=1 equal batches"),
 ])
 def test_bad_flags_are_exit_2(argv: list[str], message: str,
                               capsys: pytest.CaptureFixture[str]) -> None:

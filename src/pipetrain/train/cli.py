@@ -25,6 +25,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import os
 import re
 import sys
 import types
@@ -216,7 +217,11 @@ def run(args: argparse.Namespace) -> int:
     """
     cfg = resolve(args)
     from pipetrain.train import elastic
+    from pipetrain.train.setup import check_config
 
+    # what the workers would refuse, refused before any starts (exit 2)
+    world = int(os.environ["WORLD_SIZE"]) if elastic.under_torchrun() else cfg.nproc
+    check_config(cfg, world)
     if cfg.verify and not _verified(cfg):
         return EXIT_FAILED
     if elastic.under_torchrun():
