@@ -3,6 +3,15 @@
 ``planner.py`` predicts a layout's step time and peak bytes per rank and searches the layouts;
 ``shardcost.py`` adds what dp, FSDP and tensor parallelism cost; ``cli.py`` is ``pipetrain
 plan`` (it profiles the model), ``calibrate.py`` measures collectives on the ranks.
+``custom.py`` plans a user's own module (:func:`plan_module`; ``pipetrain plan --module``,
+``custom_cli.py``); ``budget.py`` turns a memory budget in bytes into the stage-activations
+of a :class:`~pipetrain.schedules.generators.Target` (:func:`memory_target`).
 
 May import: every rung below it, :mod:`pipetrain.train` included.
 """
+
+from pipetrain.plan.budget import memory_target, stage_activations
+from pipetrain.plan.custom import ModulePlan, plan_module
+from pipetrain.plan.custom_cli import read_plan
+
+__all__ = ["ModulePlan", "memory_target", "plan_module", "read_plan", "stage_activations"]

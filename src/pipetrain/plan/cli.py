@@ -2,6 +2,7 @@
 
     $ pipetrain plan --preset small --nproc 4 --memory-limit 64MiB
     $ pipetrain plan --hf llama-local --data notes.txt --nproc 4 --memory-limit 16GiB
+    $ pipetrain plan --module train.py:build --pp 4 --memory-limit 1TiB   # custom_cli.py
 
 0. Layouts: every ``pp x dp x fsdp x tp = nproc`` (pp at least 2; FSDP under each reshard)
    that the flags given pin and ``pipetrain train`` accepts (:func:`candidate_layouts`).
@@ -53,6 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=d.preset, help="GPT preset (default: %(default)s)")
     parser.add_argument("--hf", default=d.hf, metavar="DIR",
                         help="a local Hugging Face save_pretrained directory instead of --preset")
+    parser.add_argument("--module", metavar="SPEC", help="your own model instead: "
+                        "path/to/file.py:function or package.module:function returning a dict "
+                        "of model, example_inputs, loss_fn, target (pipetrain.plan.custom_cli)")
     parser.add_argument("--data", default=d.data, metavar="PATH",
                         help="text the calibration steps train on (default: the stdlib's sources)")
     parser.add_argument("--token-cache", default=d.token_cache, metavar="DIR",
@@ -84,6 +88,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan; exit 3 when no candidate fits the limit (the fastest is still written)."""
+    if args.module:
+        from pipetrain.plan.custom_cli import run_module
+
+        return run_module(args)
     from pipetrain.plan.calibrate import calibrate_on_ranks, on_cuda, shared_cores
     from pipetrain.plan.planner import SCHEDULES, Scale, ranked, search
     from pipetrain.plan.shardcost import Collectives
@@ -349,8 +357,8 @@ def _print(shown: list[Any], limit: int, cfg: TrainConfig, toml_path: Path,
     from rich.table import Table
 
     tokens = cfg.batch_size * cfg.seq_len
-    table = Table(title=f"pipetrain plan: {cfg.preset}, memory limit {_mib(limit)} per rank",
-                  title_justify="left")
+    table = Table(title=f"pipetrain plan: {cfg.hf or cfg.preset}, memory limit {_mib(limit)} "
+                        "per rank", title_justify="left")
     for name in ("layout", "schedule", "v", "m", "balance", "recompute", "step s", "tokens/s",
                  "peak per rank (MiB)", "fits"):
         table.add_column(name, justify="right" if name in ("v", "m", "step s", "tokens/s")

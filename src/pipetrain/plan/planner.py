@@ -62,7 +62,7 @@ from pipetrain.split.partition import stage_bounds
 from pipetrain.split.profile import LayerCost
 
 __all__ = ["Profiled", "Scale", "Candidate", "SCHEDULES", "RECOMPUTE", "MARGIN", "search",
-           "ranked", "microbatch_choices", "actions_per_rank"]
+           "ranked", "microbatch_choices", "actions_per_rank", "stage_bytes"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2",
              "interleaved-zb", "zbv", "v-half", "v-min", "dualpipev", "zb-auto")
@@ -310,11 +310,7 @@ def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, i
                sharding: Sharding = ONE) -> list[float]:
     """Per rank, the predicted peak bytes (the terms of the module docstring)."""
     layers, comms = prof.layers, prof.comms()
-    full = [sum(c.activation_bytes for c in layers[a:e]) for a, e in bounds]
-    given = [prof.input_bytes[a] for a, _ in bounds]  # received (or fed), kept for backward
-    kept = [x + y for x, y in zip(full, given, strict=True)] if policy == "never" else given
-    replay = [0.0] * len(full) if policy == "never" else full  # rebuilt by I or B
-    held = [0.0] + [float(sum(c.i_held_bytes for c in layers[a:e])) for a, e in bounds[1:]]
+    full, kept, replay, held = stage_bytes(prof, bounds, policy)
     peaks = []
     for rank in range(schedule.n_ranks):
         spans = [slice(*bounds[s]) for s in schedule.stages_of(rank)]
@@ -325,6 +321,21 @@ def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, i
         state = state_bytes(mine, [c for sl in spans for c in comms[sl]], sharding)
         peaks.append(state + max(alive + work, step_temporaries(mine, sharding, foreach)))
     return peaks
+
+
+def stage_bytes(prof: Profiled, bounds: Sequence[tuple[int, int]], policy: str
+                ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per stage of one micro-batch: its activations (``full``), what its F keeps until the
+    backward (``kept``: activations and input, or the input alone when recomputed), what a
+    recomputed backward rebuilds (``replay``) and what I keeps until W (``held``; none on
+    stage 0, which is fed data)."""
+    layers = prof.layers
+    full = [float(sum(c.activation_bytes for c in layers[a:e])) for a, e in bounds]
+    given = [float(prof.input_bytes[a]) for a, _ in bounds]  # received (or fed), kept
+    kept = [x + y for x, y in zip(full, given, strict=True)] if policy == "never" else given
+    replay = [0.0] * len(full) if policy == "never" else full  # rebuilt by I or B
+    held = [0.0] + [float(sum(c.i_held_bytes for c in layers[a:e])) for a, e in bounds[1:]]
+    return full, kept, replay, held
 
 
 def _fitted_zb_auto(prof: Profiled, balance: Sequence[int], policy: str, p: int, m: int,

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 __all__ = ["HELP", "configure", "run"]
 
 HELP = "write a --hf run's checkpoint as a Hugging Face save_pretrained directory"
-_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10**3,
-          "MB": 10**6, "GB": 10**9}
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -34,16 +35,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def size_bytes(text: str, flag: str = "--shard-size") -> int:
-    """``2GiB``, ``500MB``, ``4096``: a size in bytes.
+    """``2GiB``, ``500MB``, ``1TiB``, ``4096``: a size in bytes (B, KiB, MiB, GiB, TiB or
+    KB, MB, GB, TB; any case), rounded down to a whole byte.
 
     Raises:
         ValueError: for anything else, or a size under 1 byte.
     """
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).upper() if match else ""
-    if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
-        raise ValueError(f"{flag} {text!r}: give a size such as 500MB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    if match is None or unit not in _UNITS or Fraction(match.group(1)) * _UNITS[unit] < 1:
+        raise ValueError(f"{flag} {text!r}: give a size such as 500MB, 2GiB or 1TiB")
+    return int(Fraction(match.group(1)) * _UNITS[unit])  # exact, however large
 
 
 def run(args: argparse.Namespace) -> int:
