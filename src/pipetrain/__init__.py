@@ -17,12 +17,14 @@ from pipetrain.verify import Verification, VerificationFailed, verify
 __all__ = [
     "Action", "Costs", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext", "Schedule",
     "ShardedStages", "StepResult", "Target", "TensorParallel", "Verification",
-    "VerificationFailed", "build_layers", "calibrate", "launch", "make_schedule", "simulate",
-    "verify",
+    "VerificationFailed", "build_layers", "calibrate", "launch", "make_schedule", "plan_module",
+    "simulate", "verify",
 ]
 _LAZY = {"ShardedStages": "pipetrain.parallel.sharded",
-         "TensorParallel": "pipetrain.parallel.tensor_parallel"}
-"""Imported on first use: they import torch.distributed's FSDP and DTensor (half a second)."""
+         "TensorParallel": "pipetrain.parallel.tensor_parallel",
+         "plan_module": "pipetrain.plan.custom"}
+"""Imported on first use: FSDP and DTensor take half a second to import, and the planner
+sits at the top of the package's ladder."""
 
 
 def __getattr__(name: str) -> Any:
