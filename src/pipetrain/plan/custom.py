@@ -131,7 +131,7 @@ def plan_module(model: nn.Module | Sequence[nn.Module], example_inputs: Any, los
         model: an ``nn.Module`` (captured with torch.export as ``Pipeline(model,
             split_points="auto")`` captures it), or a list of layers (an ``nn.Sequential`` or
             ``nn.ModuleList`` too) run one after another.
-        example_inputs: ONE WHOLE STEP's batch, as ``Pipeline.step`` takes it: a tensor, a
+        example_inputs: one whole step's batch, as ``Pipeline.step`` takes it: a tensor, a
             tuple of positional or a dict of keyword arguments of ``forward`` (for a layer
             list: the first layer's input).
         loss_fn: ``loss_fn(output, target) -> scalar``, applied per micro-batch.

@@ -8,7 +8,7 @@ no arguments and returns a dict (the contract, :data:`REQUIRED` and :data:`OPTIO
     def build():
         model = MyModel()
         return {"model": model,                  # an nn.Module, or a list of layers
-                "example_inputs": batch,         # ONE WHOLE STEP's inputs, as forward takes
+                "example_inputs": batch,         # one whole step's inputs, as forward takes
                 "loss_fn": loss_fn,              # loss_fn(output, target) -> scalar
                 "target": targets}               # that step's targets
                 # optional: "split_dim": 1 (the batch dimension; default 0)
