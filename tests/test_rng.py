@@ -185,7 +185,7 @@ def _two_ranks(ctx: pt.RankContext) -> list[str]:
         want = reference_step(ref, x, y, LOSS, 4, rng=True)
         if got is None or not torch.equal(got, want):
             problems.append(f"{name}: loss {got} != {want}")
-        problems += [f"{name}: {m}" for m in grad_mismatches(pipe.named_parameters(), ref)]
+        problems += [f"{name}: {m}" for m in grad_mismatches(pipe, ref)]
     model, ref = _t5(), _t5()
     example = {k: v[:2] for k, v in _t5_batch().items()}
     pipe = pt.Pipeline(model, "zbv", 4, _own_loss, split_points="auto", example_inputs=example,

@@ -32,8 +32,7 @@ def _case(name: str, m: int, v: int, n_layers: int, steps: int = 2) -> list[str]
         got = pipe.step(x, y)
         if got.loss is None or not torch.equal(got.loss, want.to(got.loss.dtype)):
             problems.append(f"{name} m={m} v={v} step {step}: loss {got.loss} != {want}")
-        problems += [f"{name} m={m} v={v} step {step}: {b}"
-                     for b in grad_mismatches(pipe.named_parameters(), ref)]
+        problems += [f"{name} m={m} v={v} step {step}: {b}" for b in grad_mismatches(pipe, ref)]
         opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
     return problems
 
@@ -61,7 +60,7 @@ def _structured(ctx: pt.RankContext) -> list[str]:
     timeline = got.timeline
     if {s.rank for s in timeline.spans} != {0, 1} or not 0 <= got.bubble_fraction < 1:
         problems.append(f"timeline incomplete: {timeline}")
-    return problems + grad_mismatches(pipe.named_parameters(), ref)
+    return problems + grad_mismatches(pipe, ref)
 
 
 def _features(ctx: pt.RankContext) -> list[str]:
@@ -80,8 +79,7 @@ def _features(ctx: pt.RankContext) -> list[str]:
             got = pipe.step(x, y)
             if got.loss is None or not torch.equal(got.loss, want):
                 problems.append(f"{name} {what}: loss {got.loss} != {want}")
-            problems += [f"{name} {what}: {b}" for b in grad_mismatches(pipe.named_parameters(),
-                                                                          ref)]
+            problems += [f"{name} {what}: {b}" for b in grad_mismatches(pipe, ref)]
     return problems
 
 

@@ -1,5 +1,6 @@
 """pipetrain: pipeline-parallel training of PyTorch models, every schedule as data."""
 
+import sys
 from typing import Any
 
 from pipetrain._version import __version__ as __version__
@@ -33,3 +34,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")
+
+
+if "pdoc" in sys.modules:  # the API reference is being built: let it see every public name
+    globals().update({name: __getattr__(name) for name in _LAZY})

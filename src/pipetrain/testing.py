@@ -2,7 +2,9 @@
 
 The reference runs the same micro-batches one after another through the unsplit model, each
 loss weighted as the pipeline weights it, so on fp32 CPU the pipeline's loss and every
-parameter's gradient must be *bitwise* equal to it.
+parameter's gradient must be *bitwise* equal to it. Inside a ``torch.distributed`` job the
+comparison also gathers which parameters each rank of the pipeline holds, so that a stage no
+rank holds fails it too.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from pipetrain.pipeline import Pipeline
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as streams
 
@@ -66,20 +70,47 @@ def _keywords(model: Callable[..., Any], x: Any) -> bool:
 
 
 def grad_mismatches(
-    pipeline_params: Iterable[tuple[str, nn.Parameter]], reference: nn.Module, *,
-    skip: Collection[str] = ()
+    pipeline: Pipeline | Iterable[tuple[str, nn.Parameter]], reference: nn.Module, *,
+    skip: Collection[str] = (), group: dist.ProcessGroup | None = None,
 ) -> list[str]:
-    """Names of parameters whose ``.grad`` differs (bitwise) from the reference model's.
+    """Problems with the pipeline's gradients against the reference model's, one line each.
 
-    Outside a ``torch.distributed`` job, where one process holds every stage, also the
-    reference's parameters that ``pipeline_params`` lacks (a stage left out); in a job, each
-    rank passes its own. ``skip`` names parameters the caller compares itself (a tied weight
-    whose parts add in another order).
+    ``pipeline`` is a :class:`~pipetrain.Pipeline` (its ``named_parameters()``) or this
+    process's ``(name, parameter)`` pairs. Each line names a parameter whose ``.grad``
+    differs (bitwise) from the reference's, a name the reference lacks, or a reference
+    parameter that no stage holds (a stage left out). ``skip`` names parameters the caller
+    compares itself (a tied weight whose parts add in another order); they count as held.
+
+    Which stages must hold every parameter between them:
+
+    * one process holding every stage (no ``torch.distributed`` job, or a pipeline built
+      with ``local_ranks``): the parameters given here;
+    * a pipeline in a job: the parameters of all its ranks, gathered over its own process
+      group, so this is a collective: every rank of the pipeline calls it, each with its own
+      parameters, and each gets the parameters that no rank holds. Data-parallel replicas
+      each check their own pipeline;
+    * pairs in a job: those of every rank of ``group`` (default: the world), all of which
+      call it. With data-parallel replicas pass the pipeline itself, or its group: over the
+      world, one replica's parameters would cover another's missing ones.
+
+    Raises:
+        ValueError: ``group`` given with a Pipeline (which checks over its own group).
     """
+    named: Iterable[tuple[str, nn.Parameter]]
+    if isinstance(pipeline, Pipeline):
+        if group is not None:
+            raise ValueError("grad_mismatches: pass group= only with (name, parameter) pairs; "
+                             "a Pipeline is checked over its own process group")
+        named, one_process = pipeline.named_parameters(), pipeline.transport is None
+        if pipeline.transport is not None:
+            group = pipeline.transport.cpu_group  # gloo (under NCCL too): the pipeline's ranks
+    else:
+        named = pipeline
+        one_process = not (dist.is_available() and dist.is_initialized())
     ref = dict(reference.named_parameters())
     bad = []
     seen = set(skip)
-    for name, p in pipeline_params:
+    for name, p in named:
         seen.add(name)
         if name in skip:
             continue
@@ -92,9 +123,19 @@ def grad_mismatches(
         elif p.grad is not None and q.grad is not None and not torch.equal(p.grad.cpu(), q.grad):
             diff = (p.grad.cpu() - q.grad).abs().max().item()
             bad.append(f"{name}: max abs difference {diff:.3g}")
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return bad  # this rank's stages only
-    return bad + [f"{name}: held by no stage" for name in ref if name not in seen]
+    if one_process:
+        return bad + [f"{name}: held by no stage" for name in ref if name not in seen]
+    held = _held_by_ranks(sorted(seen), group)
+    return bad + [f"{name}: held by no stage on the pipeline's ranks {sorted(held)}"
+                  for name in ref if not any(name in names for names in held.values())]
+
+
+def _held_by_ranks(names: list[str], group: dist.ProcessGroup | None) -> dict[int, set[str]]:
+    """The names each rank of ``group`` holds, by its rank in the job (a collective)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, names, group=group)
+    return {r if group is None else dist.get_global_rank(group, r): set(g)
+            for r, g in enumerate(gathered)}
 
 
 def reload_mismatches(path: Any, want: dict[str, torch.Tensor],

@@ -36,7 +36,7 @@ def train(ctx: pt.RankContext, schedule: str, steps: int) -> str:
         result = pipe.step(x, y)  # the same call on every rank
         if step == 0:  # gradients equal single-device training, bitwise
             reference_step(reference, x, y, nn.MSELoss(), 8)
-            mismatches = grad_mismatches(pipe.named_parameters(), reference)
+            mismatches = grad_mismatches(pipe, reference)  # on every rank: a collective
         opt.step()
         opt.zero_grad()
         if ctx.rank == 0 and (step % 10 == 0 or step == steps - 1):
