@@ -22,9 +22,10 @@ import contextlib
 import importlib
 import inspect
 import io
+import json
+import os
 import re
 import shlex
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -303,32 +304,41 @@ def test_the_schedules_snippet_prints_what_the_page_says(capsys: pytest.CaptureF
     assert out == said[:2], (out, said)
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 240) -> str:
-    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+def _launch(code: str, tmp_path: Path, name: str) -> Any:
+    """A snippet that ends ``print(pt.launch(train, nprocs=2))``, run in this process: imported
+    as a module, its ``train`` launched as its main block would (the ranks start from this
+    session's forkserver, which has imported torch and transformers)."""
+    main = code.split('if __name__ == "__main__":')[1].split("#")[0].strip()
+    assert main == "print(pt.launch(train, nprocs=2))", main
+    (tmp_path / f"{name}.py").write_text(code)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module(name)
+        return module.pt.launch(module.train, nprocs=2)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
 
 
 def test_the_own_model_snippet_trains_on_two_processes(tmp_path: Path) -> None:
     page = ROOT / "docs" / "own-model.md"
-    code = python_blocks(page)[0]
-    (tmp_path / "own.py").write_text(code)
-    out = _run([sys.executable, "own.py"], tmp_path).strip()
-    assert out == _printed(page, "def train(ctx)"), out
+    losses = _launch(python_blocks(page)[0], tmp_path, "own_snippet")
+    assert str(losses) == _printed(page, "def train(ctx)"), losses
 
 
 def test_the_own_model_hf_snippet_trains_a_llama(tmp_path: Path) -> None:
     page = ROOT / "docs" / "own-model.md"
     code = next(b for b in python_blocks(page) if "LlamaForCausalLM" in b)
-    (tmp_path / "hf_snippet.py").write_text(code)
-    losses = eval(_run([sys.executable, "hf_snippet.py"], tmp_path).strip())
+    losses = _launch(code, tmp_path, "hf_snippet")
     assert len(losses) == 2 and losses[0] == losses[1] and 0 < losses[0] < 6
 
 
 def test_the_hf_page_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/hf.md's snippet that saves a tiny Llama, its ``--hf`` training command, and
-    loading ``OUT/hf`` back with transformers."""
+                                         capfd: pytest.CaptureFixture[str]) -> None:
+    """docs/hf.md's snippet that saves a tiny Llama, its ``--hf`` training command (the
+    command's ``main``, in this process), and loading ``OUT/hf`` back with transformers."""
+    from pipetrain.cli import main
+
     page = ROOT / "docs" / "hf.md"
     code = next(b for b in python_blocks(page) if 'save_pretrained("tiny-llama")' in b)
     monkeypatch.chdir(tmp_path)  # the snippets run here, in this process, as written
@@ -338,11 +348,18 @@ def test_the_hf_page_runs_at_a_tiny_size(tmp_path: Path, monkeypatch: pytest.Mon
     tiny = ["--steps", "2", "--batch-size", "8", "--microbatches", "4", "--eval-batches", "1",
             "--sample-tokens", "4", "--token-cache", str(tmp_path / "tokens"), "--data",
             str(ROOT / "README.md"), "--no-progress"]
-    out = _run([sys.executable, *command[1:], *tiny], tmp_path)
-    assert "rank 1: weights stored" in out and "hf  step 2" in out, out
+    for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
+        monkeypatch.delenv(key)
+    assert main([*command[3:], *tiny]) == 0
+    out = Path(command[command.index("--out") + 1])
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    start = next(r for r in records if r["kind"] == "start")
+    assert [load["weights"] for load in start["load"]] == ["stored", "stored"], start
+    assert any(r["kind"] == "hf" and r["step"] == 2 for r in records), records
+    capfd.readouterr()
     load = console_line(page, "from_pretrained").split(" -c ")[1].strip("'\"")
     exec(compile(load, "load.py", "exec"), {"__name__": "__main__"})
-    assert "LlamaForCausalLM" in capsys.readouterr().out
+    assert "LlamaForCausalLM" in capfd.readouterr().out
 
 
 def test_readme_schedule_table_is_what_the_simulator_says() -> None:

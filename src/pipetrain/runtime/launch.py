@@ -151,6 +151,11 @@ def _worker(fn: Callable[..., Any], rank: int, nprocs: int, port: int, backend: 
         store = TCPStore(_LOOPBACK, port, nprocs, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs,
                                 timeout=timeout)
+        if backend == "gloo":
+            # gloo's mesh is whole on one side before the other: a rank whose fn returns at
+            # once would close its sockets under a peer still connecting ("Connection closed
+            # by peer" in init_process_group)
+            dist.barrier()
         value = fn(RankContext(rank, nprocs, device, backend), *args)
         results.put((rank, True, value))
     except BaseException as e:  # noqa: BLE001  (reported to the parent)
