@@ -41,8 +41,9 @@ def _pipeline(group: dist.ProcessGroup | None, schedule: str, n_stages: int, how
 
 def _dp_case(how: str, culprit: int) -> str:
     """dp 2 x pp 2 (fresh groups: a failed job's groups hold unfinished collectives): a good
-    step, then one where global rank ``culprit``'s stage fails ``how``."""
-    mesh = build_mesh(2, 2)
+    step, then one where global rank ``culprit``'s stage fails ``how``. Placed dp-outer
+    (replica 0 is ranks 0 and 1), the ranks the test names."""
+    mesh = build_mesh(2, 2, order="dp-outer")
     pp_ranks = [mesh.global_rank(mesh.dp_rank, p) for p in range(2)]
     pipe, _ = _pipeline(mesh.pp_group, "1f1b", 2, how, pp_ranks)
     reducer = GradReducer({s: list(st.parameters()) for s, st in pipe.stages.items()},
@@ -68,7 +69,7 @@ def _dp_llama_case(culprit: int) -> str:
     fails inside the captured graph."""
     import hf
 
-    mesh = build_mesh(2, 2)
+    mesh = build_mesh(2, 2, order="dp-outer")
     torch.manual_seed(0)
     inputs, targets = hf.batch("llama", rows=8, seq=10)
     pipe = pt.Pipeline(hf.llama(), "1f1b", 4, hf.LOSSES["llama"], group=mesh.pp_group,

@@ -191,18 +191,19 @@ def test_a_failed_rank_stops_every_rank_within_the_bound(tmp_path: Path, fault: 
 
 
 def test_dp2_pp2_hang_is_named_and_restarts_resume(tmp_path: Path) -> None:
-    # rank 3 (pipeline rank 1 of replica 1) hangs between steps: its pipeline peer times out
-    # and names it; replica 0, waiting in the gradient all-reduce, reads the news; the agent
-    # restarts the job, which resumes from step 2's checkpoint and finishes
+    # rank 3 (pipeline rank 1 of replica 1 under the default pp-outer placement, whose
+    # pipelines are ranks {0, 2} and {1, 3}) hangs between steps: its pipeline peer, rank 1,
+    # times out and names it; replica 0, waiting in the gradient all-reduce, reads the news;
+    # the agent restarts the job, which resumes from step 2's checkpoint and finishes
     args = ["--nproc", "4", "--dp", "2", "--pp", "2", "--steps", "4", "--timeout", "3",
             "--checkpoint-every", "1", "--max-restarts", "1", "--eval-every", "0"]
     proc = _start(tmp_path, *args, faults="hang@rank3:step2")
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     named = "rank 3 (rank 1 of its pipeline) is outside the pipeline for"
-    assert "timed out" in err and named in err, err  # rank 2 timed out and named rank 3
-    for rank in (0, 1):  # the other replica stopped on the news, not on its own timeout
-        assert f"JobFailed: [rank {rank}] the gradient all-reduce over replicas: rank 2" in err
+    assert "timed out" in err and named in err, err  # rank 1 timed out and named rank 3
+    for rank in (0, 2):  # the other replica stopped on the news, not on its own timeout
+        assert f"JobFailed: [rank {rank}] the gradient all-reduce over replicas: rank 1" in err
     assert "restart 1 of 1" in out + err and "resuming at step 2" in out and "step 3/4" in out
 
 
@@ -241,7 +242,8 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: P
 
 def test_two_torchrun_agents_rendezvous_and_train_pp_by_fsdp_to_the_end(tmp_path: Path) -> None:
     """Two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1), two ranks each,
-    train pp=2 x fsdp=2 to the end: the multi-node launch, on one machine."""
+    train pp=2 x fsdp=2 to the end: the multi-node launch, on one machine; rank 0 prints and
+    logs where the ranks landed, the stages across the agents and the shards within each."""
     from pipetrain.runtime.launch import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
@@ -259,3 +261,21 @@ def test_two_torchrun_agents_rendezvous_and_train_pp_by_fsdp_to_the_end(tmp_path
     assert summary["steps"] == 3 and summary["layout"]["world"] == 4
     assert (summary["layout"]["pp"], summary["layout"]["fsdp"]) == (2, 2)
     assert len(summary["peak_memory_bytes"]) == 4
+    # pp-outer placement: each pipeline spans the two "nodes" (agents: torchrun's GROUP_RANK,
+    # as both share one host), each FSDP shard group stays on one
+    start = next(r for r in report.read_log(out / "log.jsonl") if r["kind"] == "start")
+    ranks = start["ranks"]
+    assert [e["rank"] for e in ranks] == [0, 1, 2, 3] and start["layout"]["mesh_order"] == \
+        "pp-outer"
+    assert [(e["node"], e["local_rank"]) for e in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    pipelines: dict[tuple[int, int, int], set[int]] = {}
+    shards: dict[tuple[int, int, int], set[int]] = {}
+    for e in ranks:
+        pipelines.setdefault((e["dp"], e["shard"], e["tp"]), set()).add(e["node"])
+        shards.setdefault((e["pp"], e["dp"], e["tp"]), set()).add(e["node"])
+    assert list(pipelines.values()) == [{0, 1}, {0, 1}], ranks
+    assert sorted(map(sorted, shards.values())) == [[0], [1]], ranks
+    printed = "".join(stdout for stdout, _ in ends)  # global rank 0's agent printed the map
+    host = ranks[0]["host"]
+    assert f"  node 0 ({host}): r0 L0 pp0 s0 | r1 L1 pp0 s1\n" in printed, printed[-3000:]
+    assert f"  node 1 ({host}): r2 L0 pp1 s0 | r3 L1 pp1 s1\n" in printed, printed[-3000:]

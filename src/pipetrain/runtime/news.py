@@ -4,12 +4,13 @@ A pipeline's ABORT frames reach the ranks of that pipeline only. The ranks of th
 data-parallel replicas exchange no pipeline messages with it: they would sit in their gradient
 all-reduce until the process group's timeout. So the first rank to fail also posts its failure
 in the job's ``torch.distributed`` store, under the pipeline's generation (the n-th pipeline
-each replica built); each rank's watchdog thread looks for it twice a second::
+each replica built); each rank's watchdog thread looks for it twice a second (dp 2 x pp 2,
+placed pipeline-outermost: replica 0 is ranks 0 and 2, replica 1 ranks 1 and 3)::
 
     rank 1 fails ──► store["pipetrain/runtime/news/0"] = {rank 1, 1F3, step 4, RuntimeError(...)}
                                   ▲ read every 0.5 s by each rank's watchdog thread
-    rank 3 (replica 1), waiting in a receive ──► its mailbox fails with the news
-    rank 2 (replica 1), in a dp all-reduce    ──► :func:`wait` raises the news
+    rank 3 (replica 1, as rank 1), waiting in a receive ──► its mailbox fails with the news
+    rank 2 (replica 0), in a dp all-reduce               ──► :func:`wait` raises the news
 
 Nothing is read or written on the steady path but the watchdog thread's one small request;
 a collective waited for through :func:`wait` polls a process-local value.

@@ -1,12 +1,22 @@
-"""Mesh: the dp x fsdp x pp x tp layout of a training job and the data-parallel all-reduce.
+"""Mesh: the pp x dp x fsdp x tp layout of a training job and the data-parallel all-reduce.
 
-The world is a ``(dp, pp)`` grid of ranks, row-major: global rank ``r`` is pipeline rank
-``r % pp`` of data-parallel replica ``r // pp``. Each replica is a whole pipeline (its own
-``pp`` group); the ranks holding the same stages in different replicas form a ``dp`` group::
+The world is a grid of ranks: ``pp`` pipeline ranks, each held by ``dp`` data-parallel ranks.
+Ranks that hold the same stages in different replicas form a ``dp`` group; the ranks of one
+replica, one per pipeline rank, form its ``pp`` group (a whole pipeline). By default the
+pipeline is the outermost dimension (``--mesh-order pp-outer``, as in torchtitan and
+Megatron): global rank ``r`` is pipeline rank ``r // dp`` of replica ``r % dp``, so a stage's
+data-parallel ranks are consecutive (launchers number ranks node by node: one node) and the
+pipeline crosses nodes. ``dp-outer`` (the only order before ``--mesh-order``) keeps each
+replica's pipeline on consecutive ranks instead: ``r`` is pipeline rank ``r % pp`` of replica
+``r // pp``::
 
-    dp=2, pp=2          pp group        dp groups
-    replica 0:  0 1     {0, 1}          {0, 2}  (stage-0 holders)
-    replica 1:  2 3     {2, 3}          {1, 3}  (stage-1 holders)
+    dp=2, pp=2        pp-outer (default)    dp-outer
+    stage 0 held by   ranks 0, 1            ranks 0, 2
+    stage 1 held by   ranks 2, 3            ranks 1, 3
+    pp groups         {0, 2} {1, 3}         {0, 1} {2, 3}
+    dp groups         {0, 1} {2, 3}         {0, 2} {1, 3}
+
+:mod:`pipetrain.train.placement` holds both formulas and the groups they make.
 
 After each pipeline step every replica holds the gradient of its own part of the batch; the
 :class:`GradReducer` sums them over the dp group and then divides by ``dp`` (sum, then scale:
@@ -21,9 +31,11 @@ then ``dp x fsdp``; FSDP2 averages the gradients over the shards, not the reduce
 over ``dp_replicate``. With ``tp`` each pipeline rank is ``tp`` ranks that split its layers
 (:mod:`pipetrain.parallel.tensor_parallel`) and see the same rows; each runs its own copy of the
 pipeline's point-to-point traffic with the same tensor-parallel rank of the next stage. Global
-rank ``((replica * fsdp + shard) * pp + pipeline rank) * tp + tensor-parallel rank`` (tp
-innermost, as it talks most), from one ``init_device_mesh`` with dimensions
-``(dp_replicate, dp_shard, pp, tp)`` whenever ``fsdp`` or ``tp`` is more than 1.
+rank ``((pipeline rank * dp + replica) * fsdp + shard) * tp + tensor-parallel rank`` (tp
+innermost, as it talks most; then the shards, whose all-gathers and reduce-scatters move the
+most bytes), from one ``init_device_mesh`` with dimensions ``(pp, dp_replicate, dp_shard, tp)``
+whenever ``fsdp`` or ``tp`` is more than 1; ``dp-outer`` makes it ``(dp_replicate, dp_shard,
+pp, tp)``, rank ``((replica * fsdp + shard) * pp + pipeline rank) * tp + tensor-parallel rank``.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipetrain.runtime import news
 from pipetrain.runtime.dtensors import local_shard
+from pipetrain.train.placement import MESH_ORDERS, Placement
 
 __all__ = ["Mesh", "build_mesh", "GradReducer"]
 
@@ -48,7 +61,7 @@ BUCKET_BYTES = 25 << 20
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place in the dp x pp grid and the groups it communicates over."""
+    """This rank's place in the pp x dp grid and the groups it communicates over."""
 
     dp: int
     """Data-parallel ranks that hold the same stages (replicas x shards)."""
@@ -77,20 +90,31 @@ class Mesh:
     tp_rank: int = 0
     tp_mesh: DeviceMesh | None = None
     """With ``tp > 1``: the mesh the layers are split over (``tp``)."""
+    order: str = MESH_ORDERS[0]
+    """How global ranks map to coordinates: ``pp-outer`` or ``dp-outer`` (the module's)."""
 
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.tp
 
+    @property
+    def placement(self) -> Placement:
+        """The whole mesh's placement (every rank's coordinates and groups)."""
+        return Placement(self.pp, self.dp // self.fsdp, self.fsdp, self.tp, self.order)
+
     def global_rank(self, dp_rank: int, pp_rank: int) -> int:
         """The rank at (dp_rank, pp_rank) with this rank's tensor-parallel rank."""
-        return (dp_rank * self.pp + pp_rank) * self.tp + self.tp_rank
+        return self.placement.rank(pp_rank, dp_rank // self.fsdp, dp_rank % self.fsdp,
+                                   self.tp_rank)
 
-    def describe(self) -> dict[str, int]:
+    def describe(self) -> dict[str, int | str]:
+        """The layout's degrees (those above 1 of fsdp and tp), and the mesh order where the
+        orders place ranks differently (a resume at another order restores no RNG stream)."""
         shards = {"fsdp": self.fsdp} if self.fsdp > 1 else {}
         split = {"tp": self.tp} if self.tp > 1 else {}
+        order = {"mesh_order": self.order} if self.placement.matters else {}
         return {"world": self.world, "dp": self.dp // self.fsdp, **shards, "pp": self.pp,
-                **split}
+                **split, **order}
 
     def tp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's tensor-parallel group (split slices)."""
@@ -154,7 +178,7 @@ def layout(world: int, dp: int, pp: int | None, fsdp: int = 1, tp: int = 1) -> t
 
 
 def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
-               tp: int = 1) -> Mesh:
+               tp: int = 1, order: str = MESH_ORDERS[0]) -> Mesh:
     """The mesh of the current ``torch.distributed`` job (call on every rank at once).
 
     Args:
@@ -163,10 +187,12 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
         device: ``auto`` (CUDA under NCCL, else CPU), ``cpu`` or ``cuda``.
         fsdp: shards of each weight within a replica (FSDP2).
         tp: ranks that split each layer (tensor parallel), the innermost dimension.
+        order: ``pp-outer`` (pipeline outermost, the default) or ``dp-outer`` (each
+            replica's pipeline on consecutive ranks); see the module.
 
     Raises:
-        ValueError: when the world is not ``dp x fsdp x pp x tp`` ranks, or CUDA is asked for
-            but absent.
+        ValueError: when the world is not ``dp x fsdp x pp x tp`` ranks, the order is
+            unknown, or CUDA is asked for but absent.
         RuntimeError: when torch.distributed is not initialised.
     """
     if not dist.is_initialized():
@@ -174,29 +200,26 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
                            "`pipetrain train` (or torchrun), or pt.launch in tests")
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, pp = layout(world, dp, pp, fsdp, tp)
+    place = Placement(pp, dp, fsdp, tp, order)
     nccl = dist.get_backend() == "nccl"
     where = _device(device, nccl, rank)
     shard_mesh, shard_group, tp_mesh = None, None, None
     if fsdp > 1 or tp > 1:  # before any other group: see _my_group
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(where.type, (dp, fsdp, pp, tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
+        mesh = init_device_mesh(where.type, place.sizes, mesh_dim_names=place.names)
         # replicas of sharded stages (HSDP): FSDP2 shards over dp_shard, all-reduces over
         # dp_replicate
         if fsdp > 1:
             shard_mesh = mesh["dp_replicate", "dp_shard"] if dp > 1 else mesh["dp_shard"]
             shard_group = mesh["dp_shard"].get_group()
         tp_mesh = mesh["tp"] if tp > 1 else None
-    data = dp * fsdp
-    cell = rank // tp  # the (data, pipeline) cell; tensor-parallel ranks share it
-    pp_group = _my_group([[(d * pp + p) * tp + t for p in range(pp)]
-                          for d in range(data) for t in range(tp)], rank)
-    dp_group = _my_group([[(d * pp + p) * tp + t for d in range(data)]
-                          for p in range(pp) for t in range(tp)], rank)
-    return Mesh(data, pp, rank, cell // pp, cell % pp, pp_group, dp_group, where,
-                where if nccl else torch.device("cpu"), fsdp, shard_mesh, shard_group,
-                tp, rank % tp, tp_mesh)
+    pp_group = _my_group(place.groups("pp"), rank)
+    dp_group = _my_group(place.groups("dp_replicate", "dp_shard"), rank)
+    at = place.coords(rank)
+    return Mesh(dp * fsdp, pp, rank, at.replica * fsdp + at.shard, at.pp, pp_group, dp_group,
+                where, where if nccl else torch.device("cpu"), fsdp, shard_mesh, shard_group,
+                tp, at.tp, tp_mesh, order)
 
 
 def _my_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup:
