@@ -51,3 +51,32 @@ def _nccl(ctx: pt.RankContext) -> str:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_nccl_two_gpus() -> None:
     assert pt.launch(_nccl, 2, backend="nccl", timeout=300) == ["cuda:0", "cuda:1"]
+
+
+@needs_cuda
+def test_a_captured_hf_llama_in_local_mode_on_one_gpu() -> None:
+    """A model we did not write, captured and split into 4 stages on 2 local ranks, on the
+    GPU: the loss and every gradient equal the same micro-batches run through it unsplit."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, use_cache=False)
+    ref = transformers.LlamaForCausalLM(cfg).cuda()
+    model = transformers.LlamaForCausalLM(cfg).cuda()
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 128, (8, 16), device="cuda")
+
+    def loss_fn(out: object, target: torch.Tensor) -> torch.Tensor:
+        logits = out.logits[:, :-1]  # type: ignore[attr-defined]
+        return nn.functional.cross_entropy(logits.reshape(-1, 128), target[:, 1:].reshape(-1))
+
+    want = reference_step(ref, {"input_ids": ids}, ids, loss_fn, 4)
+    pipe = pt.Pipeline(model, "zbv", 4, loss_fn, split_points="auto", local_ranks=2,
+                       example_inputs={"input_ids": ids[:2]}, device="cuda")
+    got = pipe.step({"input_ids": ids}, ids)
+    assert got.loss is not None
+    torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-6)
+    grads = dict(pipe.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -77,6 +77,40 @@ def test_bad_flags_exit_2(argv: list[str], match: str, tmp_path: Path,
     assert re.search(match, capsys.readouterr().err)
 
 
+def test_memory_limit_defaults_to_the_device(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from pipetrain.cli import build_parser
+    from pipetrain.plan import limit
+
+    assert build_parser().parse_args(["plan"]).memory_limit is None  # no longer required
+    assert limit.memory_limit("16GiB", "auto", 4) == (16 * 2**30, None)  # given: as it is
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16777216 kB\nMemFree:         1048576 kB\n"
+                       "MemAvailable:    8388608 kB\n")
+    monkeypatch.setattr(limit, "MEMINFO", meminfo)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cpu", "auto"):  # on CPU the ranks share the RAM available
+        assert limit.memory_limit(None, device, 4) == (
+            2 * 2**30, f"--memory-limit not given: 2.0 GiB, the available RAM (8.0 GiB, "
+                       f"MemAvailable, {meminfo}) / 4 local ranks")
+    meminfo.unlink()  # no /proc/meminfo: the free pages
+    ram, source = limit.available_ram() or (0, "")
+    assert ram > 0 and source == "free pages, sysconf"
+    # a GPU each: the GPU's total memory (not a rank's share of the RAM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": 80 * 2**30, "name": "H100"}))
+    assert limit.memory_limit(None, "auto", 4) == (
+        80 * 2**30, "--memory-limit not given: 80.0 GiB, the total memory of GPU 0 (H100), "
+                    "one GPU per rank")
+    assert limit.memory_limit(None, "cpu", 4)[0] == ram // 4
+    with pytest.raises(ValueError, match="found 4 GPUs on this node but 8 local ranks"):
+        limit.memory_limit(None, "auto", 8)
+
+
 def test_plan_of_a_hugging_face_llama_cuts_its_decoder_layers(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
@@ -96,6 +130,8 @@ def test_plan_of_a_hugging_face_llama_cuts_its_decoder_layers(
     assert {c["stages_per_rank"] for c in report["candidates"]} == {1, 2}  # 6 layers: zbv too
     toml = load_toml(Path(report["config"]))
     assert toml["hf"] == str(llama) and toml["seq_len"] == 32
+    # stored weights: train --config plan.toml chooses the fine-tuning optimiser settings
+    assert not {"lr", "min_lr", "warmup", "weight_decay"} & set(toml)
     # the profile saw the layers' sizes: the last stage holds the head, the first the table
     assert all(b > 0 for c in report["candidates"] for b in c["predicted_peak_bytes"])
     # 4 processes at pp 2: Llama's own tensor-parallel plan is searched too

@@ -11,7 +11,7 @@ import pytest
 
 from pipetrain.cli import build_parser, main
 from pipetrain.train import cli as train_cli
-from pipetrain.train import elastic, report
+from pipetrain.train import elastic, finetune, report
 from pipetrain.train.config import TrainConfig, config_toml, format_config
 
 
@@ -54,6 +54,115 @@ def test_written_config_reads_back(tmp_path: Path) -> None:
     path.write_text(config_toml(cfg))
     assert _resolve(["--config", str(path)]) == cfg
     assert "schedule=zbv" in format_config(cfg, world=2)
+
+
+# ------------------------------------------------- --hf with stored weights: fine-tuning defaults
+
+SCRATCH = {name: getattr(TrainConfig, name) for name in finetune.SETTINGS}  # today's defaults
+
+
+def _hf_dir(root: Path, weights: str | None = "model.safetensors") -> str:
+    """A directory resolve() takes for --hf: config.json, and the weights file if named (its
+    presence is what counts; no model is opened to resolve the settings)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text("{}")
+    if weights:
+        (root / weights).write_text("{}")
+    return str(root)
+
+
+def _settings(cfg: TrainConfig) -> dict[str, object]:
+    return {name: getattr(cfg, name) for name in finetune.SETTINGS}
+
+
+def _resolved(argv: list[str]) -> tuple[TrainConfig, tuple[str, ...]]:
+    return train_cli.resolved(build_parser().parse_args(["train", *argv]))
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "model.safetensors.index.json"])
+def test_stored_weights_take_the_fine_tuning_defaults(tmp_path: Path, weights: str) -> None:
+    hf = _hf_dir(tmp_path / "m", weights)
+    cfg, tuned = _resolved(["--hf", hf])
+    assert _settings(cfg) == {"lr": 2e-5, "min_lr": 2e-6, "warmup": 45, "weight_decay": 0.0}
+    assert tuned == finetune.SETTINGS
+    # everything else as from scratch
+    assert dataclasses.replace(cfg, **SCRATCH) == TrainConfig(hf=hf)
+    assert train_cli.resolve(build_parser().parse_args(["train", "--hf", hf])) == cfg
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--lr", "1e-4"], {"lr": 1e-4, "min_lr": 1e-5}),  # min_lr follows the lr given
+    (["--min-lr", "0"], {"min_lr": 0.0}),
+    (["--warmup", "100"], {"warmup": 100}),
+    (["--weight-decay", "0.1"], {"weight_decay": 0.1}),
+    (["--steps", "200"], {"warmup": 6}),  # 3 % of the steps given
+    (["--lr", "0.01", "--min-lr", "3e-4", "--warmup", "50", "--weight-decay", "0.1"], SCRATCH),
+], ids=["lr", "min-lr", "warmup", "weight-decay", "steps", "all"])
+def test_a_flag_overrides_its_fine_tuning_default(tmp_path: Path, argv: list[str],
+                                                  expected: dict[str, object]) -> None:
+    cfg, tuned = _resolved(["--hf", _hf_dir(tmp_path / "m"), *argv])
+    want = {"lr": 2e-5, "min_lr": 2e-6, "warmup": 45, "weight_decay": 0.0, **expected}
+    assert _settings(cfg) == want
+    given = {a[2:].replace("-", "_") for a in argv if a.startswith("--")}
+    assert tuned == tuple(n for n in finetune.SETTINGS if n not in given)
+
+
+def test_a_config_key_overrides_a_fine_tuning_default_and_a_flag_the_key(
+        tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(f'hf = "{_hf_dir(tmp_path / "m")}"\nlr = 3e-5\nwarmup = 0\n')
+    cfg, tuned = _resolved(["--config", str(path)])
+    assert _settings(cfg) == {"lr": 3e-5, "min_lr": 3e-6, "warmup": 0, "weight_decay": 0.0}
+    assert tuned == ("min_lr", "weight_decay")
+    cfg, tuned = _resolved(["--config", str(path), "--warmup", "7", "--weight-decay", "0.01"])
+    assert _settings(cfg) == {"lr": 3e-5, "min_lr": 3e-6, "warmup": 7, "weight_decay": 0.01}
+    assert tuned == ("min_lr",)
+
+
+def test_no_stored_weights_keep_the_from_scratch_defaults(tmp_path: Path) -> None:
+    bare = _hf_dir(tmp_path / "bare", weights=None)  # config and tokenizer: trains from --seed
+    assert _resolved(["--hf", bare]) == (TrainConfig(hf=bare), ())
+    assert _resolved([]) == (TrainConfig(), ())  # a preset
+    assert _settings(TrainConfig()) == {"lr": 1e-2, "min_lr": 3e-4, "warmup": 50,
+                                        "weight_decay": 0.1}
+
+
+def test_the_printed_config_marks_the_fine_tuning_defaults(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    hf = _hf_dir(tmp_path / "m")
+    launched: list[tuple[TrainConfig, tuple[str, ...]]] = []
+    monkeypatch.setattr(elastic, "launch_local",
+                        lambda cfg, tuned=(): launched.append((cfg, tuned)))
+    assert main(["train", "--hf", hf, "--lr", "1e-4", "--no-progress"]) == 0
+    [(cfg, tuned)] = launched  # the launcher hands them to the workers
+    assert tuned == ("min_lr", "warmup", "weight_decay")
+    # what rank 0's worker prints at the start
+    monkeypatch.setattr(elastic.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(report, "ProgressReporter", lambda cfg: elastic.NullReporter())
+    elastic._reporter(dataclasses.replace(cfg, out=""), 0, tuned)
+    printed = capsys.readouterr().out
+    assert printed == format_config(dataclasses.replace(cfg, out=""), world=2,
+                                    fine_tuned=tuned) + "\n"
+    pairs = printed.split()
+    assert {"lr=0.0001", "min_lr=1e-05*", "warmup=45*", "weight_decay=0.0*"} <= set(pairs)
+    assert " ".join(printed.split()).endswith(
+        "* the fine-tuning defaults, as --hf has stored weights (--help says how each is "
+        "chosen); a flag or --config key overrides each")
+    assert "*" not in format_config(TrainConfig())  # a from-scratch run: no marks
+
+
+def test_a_plan_toml_leaves_the_fine_tuning_defaults_to_train(tmp_path: Path) -> None:
+    """pipetrain plan --hf writes plan.toml with the optimiser settings as comments, so that
+    train --config plan.toml takes the fine-tuning ones, not lr=1e-2 written out."""
+    hf = _hf_dir(tmp_path / "m")
+    path = tmp_path / "plan.toml"
+    path.write_text(config_toml(TrainConfig(hf=hf, pp=2),
+                                left_out=finetune.fine_tuning_defaults({"hf": hf})))
+    assert "# lr: the default" in path.read_text()
+    cfg, tuned = _resolved(["--config", str(path), "--steps", "100"])
+    assert _settings(cfg) == {"lr": 2e-5, "min_lr": 2e-6, "warmup": 3, "weight_decay": 0.0}
+    assert tuned == finetune.SETTINGS and cfg.pp == 2
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -103,6 +212,34 @@ def test_bad_flags_are_exit_2(argv: list[str], message: str,
 ])
 def test_torchrun_detection(env: dict[str, str], expected: bool) -> None:
     assert elastic.under_torchrun(env) is expected
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 4])
+def test_auto_device_refuses_a_node_with_too_few_gpus(gpus: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipetrain.runtime import launch
+
+    monkeypatch.setattr(elastic.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(elastic.torch.cuda, "device_count", lambda: gpus)
+    assert elastic.backend_for("cpu", 4) == "gloo"
+    if gpus == 0:  # no GPU at all: CPU and gloo, as before
+        assert elastic.backend_for("auto", 4) == "gloo" == launch._backend(4, None)
+    elif gpus >= 4:
+        assert elastic.backend_for("auto", 4) == "nccl" == launch._backend(4, None)
+    else:
+        s = "s" if gpus > 1 else ""
+        with pytest.raises(ValueError, match=(
+                f"--device auto found {gpus} GPU{s} on this node but 4 local ranks, and each "
+                f"rank needs its own GPU: pass --device cpu to run on CPU \\(gloo\\), or "
+                f"start at most {gpus} process{'es' * (gpus > 1)} per node")):
+            elastic.backend_for("auto", 4)
+        with pytest.raises(ValueError, match="device='cuda' needs one GPU per local rank"):
+            elastic.backend_for("cuda", 4)
+        with pytest.warns(UserWarning, match=f"launch found {gpus} GPU{s} for 4 processes.*"
+                                             "the ranks run on CPU with gloo"):
+            assert launch._backend(4, None) == "gloo"
+        assert launch._backend(4, "gloo") == "gloo"
+        assert elastic.backend_for("auto", gpus) == "nccl"  # fewer ranks: one GPU each
 
 
 def test_backend_choice() -> None:

@@ -45,6 +45,9 @@ QUOTED = [  # (a fragment the page quotes, the source file under src/pipetrain t
     ("does not answer (its process died or is frozen)", "runtime/watchdog.py"),
     ("the gradient all-reduce over replicas", "train/mesh.py"),
     ("failed first: ", "train/elastic.py"),
+    (" local ranks, and each rank needs its own GPU: pass --device cpu to run on CPU (gloo), or "
+     "start at most ", "train/elastic.py"),
+    ("the ranks run on CPU with gloo", "runtime/launch.py"),
     ("the cause, found by rank ", "train/elastic.py"),
     ("every worker was stopped (rerun the same command to resume from the newest checkpoint)",
      "train/elastic.py"),

@@ -198,7 +198,7 @@ def test_train_verify_checks_before_it_starts_the_workers(
     from pipetrain.train import elastic, verify_hf
 
     started: list[Any] = []
-    monkeypatch.setattr(elastic, "launch_local", lambda cfg: started.append(cfg))
+    monkeypatch.setattr(elastic, "launch_local", lambda cfg, **_: started.append(cfg))
     monkeypatch.setattr(verify_hf, "WIDTH", 16)
     argv = ["train", "--hf", str(saved), "--verify", "--schedule", "1f1b", "--balance", "even",
             "--microbatches", "2", "--seq-len", "16", "--batch-size", "4"]

@@ -25,7 +25,7 @@ from torch import nn
 from pipetrain.runtime.dtensors import copy_whole_
 from pipetrain.split.autosplit import cut_points, units
 
-__all__ = ["HFModel", "LoadReport", "load_weights", "open_model", "split_points"]
+__all__ = ["HFModel", "LoadReport", "has_weights", "load_weights", "open_model", "split_points"]
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -133,6 +133,12 @@ def _renamed(name: str, renamings: list[tuple[str, str]]) -> str:
     for pattern, replacement in renamings:
         name = re.sub(pattern, replacement, name)
     return name
+
+
+def has_weights(root: str | Path) -> bool:
+    """Whether directory ``root`` stores safetensors weights (the single file, or the index of
+    shards) that :func:`open_model` reads; without them a run starts from ``--seed``."""
+    return (Path(root) / INDEX).is_file() or (Path(root) / SINGLE).is_file()
 
 
 def _weight_files(root: Path, renamings: list[tuple[str, str]]) -> dict[str, tuple[Path, str]]:

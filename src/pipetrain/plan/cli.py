@@ -49,8 +49,9 @@ EXIT_OK, EXIT_NONE_FITS = 0, 3
 
 def configure(parser: argparse.ArgumentParser) -> None:
     d = TrainConfig()
-    parser.add_argument("--memory-limit", required=True, metavar="SIZE",
-                        help="bytes each device may hold, e.g. 64MiB or 16GiB")
+    parser.add_argument("--memory-limit", metavar="SIZE",
+                        help="bytes each device may hold, e.g. 64MiB or 16GiB (default: the "
+                             "GPU's total memory; on CPU the available RAM / the local ranks)")
     parser.add_argument("--preset", default=d.preset, help="GPT preset (default: %(default)s)")
     parser.add_argument("--hf", default=d.hf, metavar="DIR",
                         help="a local Hugging Face save_pretrained directory instead of --preset")
@@ -93,12 +94,14 @@ def run(args: argparse.Namespace) -> int:
 
         return run_module(args)
     from pipetrain.plan.calibrate import calibrate_on_ranks, on_cuda, shared_cores
+    from pipetrain.plan.limit import memory_limit
     from pipetrain.plan.planner import SCHEDULES, Scale, ranked, search
     from pipetrain.plan.shardcost import Collectives
     from pipetrain.train.cli import check
-    from pipetrain.train.export_cli import size_bytes
 
-    limit = size_bytes(args.memory_limit, "--memory-limit")
+    limit, chosen = memory_limit(args.memory_limit, args.device, args.nproc)
+    if chosen:
+        print(f"pipetrain plan: {chosen}", file=sys.stderr, flush=True)
     cfg = TrainConfig(preset=args.preset, hf=args.hf, data=args.data,
                       token_cache=args.token_cache, seq_len=args.seq_len,
                       batch_size=args.batch_size, nproc=args.nproc, device=args.device, out="",
@@ -329,6 +332,7 @@ def _walk(units: Units, x: Any, ids: torch.Tensor) -> tuple[tuple[int, ...], tup
 def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
     from pipetrain.schedules import draw
     from pipetrain.train.config import config_toml
+    from pipetrain.train.finetune import fine_tuning_defaults
 
     out.mkdir(parents=True, exist_ok=True)
     schedule = best.schedule
@@ -344,7 +348,8 @@ def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
         tp=best.sharding.tp, fsdp_reshard=best.sharding.reshard,
         sequence_parallel=cfg.seq_len % best.sharding.tp == 0)
     toml_path, png_path = out / "plan.toml", out / "plan.png"
-    toml_path.write_text(config_toml(chosen))
+    # with --hf weights, train picks the fine-tuning optimiser settings itself (not lr=1e-2)
+    toml_path.write_text(config_toml(chosen, left_out=fine_tuning_defaults({"hf": cfg.hf})))
     draw.save_png(best.simulation.timeline, png_path,
                   title=f"plan: {_layout(best)}, {best.schedule} m={best.microbatches} balance "
                         f"{list(best.balance)} recompute {best.recompute} (predicted)")

@@ -52,10 +52,9 @@ _LOADED = itertools.count()
 def run_module(args: argparse.Namespace) -> int:
     """Plan ``args.module``; exit 3 when no candidate fits (the fastest is still written)."""
     from pipetrain.plan.custom import plan_module
+    from pipetrain.plan.limit import memory_limit
     from pipetrain.plan.planner import SCHEDULES
-    from pipetrain.train.export_cli import size_bytes
 
-    limit = size_bytes(args.memory_limit, "--memory-limit")
     others = [f"--{flag.replace('_', '-')}" for flag in ("hf", "dp", "fsdp", "tp",
                                                          "fsdp_reshard")
               if getattr(args, flag) not in (None, "", 1)]
@@ -63,6 +62,9 @@ def run_module(args: argparse.Namespace) -> int:
         raise ValueError(f"--module plans pipeline ranks only (--pp, default --nproc); drop "
                          f"{' '.join(others)}")
     ranks = args.nproc if args.pp is None else args.pp
+    limit, chosen = memory_limit(args.memory_limit, args.device, ranks)
+    if chosen:
+        print(f"pipetrain plan: {chosen}", file=sys.stderr, flush=True)
     schedules = SCHEDULES if args.schedules is None else tuple(
         n.strip() for n in args.schedules.split(",") if n.strip())
     given = load_spec(args.module)

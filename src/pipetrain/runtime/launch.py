@@ -1,7 +1,8 @@
 """Launch: start N local processes, one pipeline rank each, and collect what each returns.
 
-``launch(fn, nprocs)`` spawns processes, initialises ``torch.distributed`` in each (gloo on CPU,
-NCCL when every rank can have its own GPU) with the rendezvous bound to 127.0.0.1, calls
+``launch(fn, nprocs)`` spawns processes, initialises ``torch.distributed`` in each (NCCL when
+every rank can have its own GPU, else gloo on CPU, with a warning when there are GPUs but too
+few) with the rendezvous bound to 127.0.0.1, calls
 ``fn(ctx)`` and returns the per-rank results. A rank that raises or dies makes ``launch`` stop
 the others and raise a :class:`PipelineError` with each failing rank's traceback.
 
@@ -19,6 +20,7 @@ import random
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -129,9 +131,18 @@ def loopback_store() -> Iterator[int]:
 
 
 def _backend(nprocs: int, backend: str | None) -> str:
+    """``backend``, or when None: ``nccl`` with a GPU per process, else ``gloo`` (warning when
+    there are GPUs, but fewer than ``nprocs``: the ranks then compute on CPU)."""
     if backend is not None:
         return backend
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= nprocs:
+        return "nccl"
+    if gpus:
+        warnings.warn(f"launch found {gpus} GPU{'s' * (gpus != 1)} for {nprocs} processes, "
+                      "and NCCL needs one GPU per process: the ranks run on CPU with gloo; "
+                      f"pass backend='gloo' to say so, or start at most {gpus}", stacklevel=3)
+    return "gloo"
 
 
 def _worker(fn: Callable[..., Any], rank: int, nprocs: int, port: int, backend: str,

@@ -3,7 +3,8 @@
 Every field of :class:`~pipetrain.train.config.TrainConfig` is a flag (``seq_len`` →
 ``--seq-len``, booleans as ``--progress`` / ``--no-progress``) with the field's docstring as
 help, and a key of the TOML file given by ``--config``. Flags on the command line override
-the file; the file overrides the defaults. Outside torchrun the command starts ``--nproc``
+the file; the file overrides the defaults (for ``--hf`` with stored weights, the fine-tuning
+ones of :mod:`pipetrain.train.finetune`). Outside torchrun the command starts ``--nproc``
 local processes (:func:`pipetrain.train.elastic.launch_local`); under torchrun it is one of
 them (:func:`pipetrain.train.elastic.worker`).
 
@@ -40,7 +41,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["HELP", "configure", "run", "resolve", "load_toml", "field_docs"]
+__all__ = ["HELP", "configure", "run", "resolve", "resolved", "load_toml", "field_docs"]
 
 HELP = ("train a pipelined GPT, or a local Hugging Face checkpoint with --hf (local processes, "
         "or one worker under torchrun)")
@@ -98,11 +99,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, metavar="FILE", default=argparse.SUPPRESS,
                         help="TOML file of settings (keys as the flags, with _ or -); "
                              "flags given on the command line override it")
+    from pipetrain.train.finetune import SHOWN
+
     docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
         base, optional = _field_type(f.name)
         shown = repr(f.default) if isinstance(f.default, str) else f.default
-        help_text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")
+        tuned = f"; {SHOWN[f.name]} when --hf has weights" if f.name in SHOWN else ""
+        help_text = f"{docs.get(f.name, '')} (default: {shown}{tuned})".replace("%", "%%")
         if base is bool:
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
@@ -114,17 +118,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def resolve(args: argparse.Namespace) -> TrainConfig:
     """The run's config: defaults, then the ``--config`` file, then the flags given.
 
+    The defaults are TrainConfig's, except that with ``--hf DIR`` holding weights the
+    optimiser settings given neither in the file nor as flags take the fine-tuning defaults
+    (:func:`pipetrain.train.finetune.fine_tuning_defaults`); :func:`resolved` also says which.
+
     Raises:
         ValueError: the file is not valid TOML, has an unknown key or a value of the wrong
             type, or a setting is out of range.
         OSError: the file cannot be read.
     """
-    values = load_toml(args.config) if getattr(args, "config", None) else {}
+    return resolved(args)[0]
+
+
+def resolved(args: argparse.Namespace) -> tuple[TrainConfig, tuple[str, ...]]:
+    """:func:`resolve`'s config, and the names of the settings that took the fine-tuning
+    defaults (empty for a preset, or ``--hf`` without weights).
+
+    The flags default to "not given" (argparse.SUPPRESS), so what the file and the command
+    line set is exactly the namespace's fields and the file's keys: only the others can take
+    a default.
+    """
+    from pipetrain.train.finetune import fine_tuning_defaults
+
+    given = load_toml(args.config) if getattr(args, "config", None) else {}
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    values.update({k: v for k, v in vars(args).items() if k in names})
-    cfg = TrainConfig(**values)
+    given.update({k: v for k, v in vars(args).items() if k in names})
+    tuned = fine_tuning_defaults(given)
+    cfg = TrainConfig(**{**tuned, **given})
     check(cfg)
-    return cfg
+    return cfg, tuple(tuned)
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -215,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError, OSError: bad flags or config file (the command line turns them into exit 2).
     """
-    cfg = resolve(args)
+    cfg, tuned = resolved(args)
     from pipetrain.train import elastic
     from pipetrain.train.setup import check_config
 
@@ -225,10 +247,10 @@ def run(args: argparse.Namespace) -> int:
     if cfg.verify and not _verified(cfg):
         return EXIT_FAILED
     if elastic.under_torchrun():
-        elastic.worker(cfg)  # exits 1 itself on failure, after naming the rank
+        elastic.worker(cfg, tuned=tuned)  # exits 1 itself on failure, naming the rank
         return EXIT_OK
     try:
-        elastic.launch_local(cfg)
+        elastic.launch_local(cfg, tuned=tuned)
     except elastic.JobFailed as e:
         print(f"pipetrain train: {e}", file=sys.stderr)
         return EXIT_FAILED

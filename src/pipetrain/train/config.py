@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+from collections.abc import Collection
 from dataclasses import dataclass
 
 __all__ = ["TrainConfig", "config_toml", "format_config"]
@@ -25,7 +26,14 @@ class TrainConfig:
     """A local Hugging Face ``save_pretrained`` directory (config, safetensors weights or none,
     tokenizer) to train instead of the preset; empty: the preset."""
     data: str | None = None
-    """A text file or directory; None uses the default corpus (the stdlib's own sources)."""
+    """A text file or directory; None uses the default corpus (the stdlib's own sources). With
+    ``hf``, also a data set of examples: a .jsonl, .json, .parquet or .csv file or a
+    ``save_to_disk`` directory, one example per row (needs ``pip install -e ".[data]"``)."""
+    text_field: str = "text"
+    """With a data set as ``data``: the column of text to train on."""
+    chat: bool = False
+    """With a data set as ``data``: train on its ``messages`` column (lists of {role, content})
+    rendered by the tokenizer's chat template, the loss on the assistant's tokens only."""
     seq_len: int = 64
     """Tokens per training sequence."""
     token_cache: str = "~/.cache/pipetrain/tokens"
@@ -48,6 +56,11 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel ranks per pipeline rank: they split each block's attention heads and
     MLP (Megatron style), see the same rows, and each hold a slice of those weights."""
+    mesh_order: str = "pp-outer"
+    """Rank placement: ``pp-outer`` (pipeline outermost, as torchtitan and Megatron: the stages
+    cross nodes, a stage's FSDP shards and tensor-parallel ranks stay on one node) or
+    ``dp-outer`` (each replica's whole pipeline on consecutive ranks: for pipelines that fit
+    in a node)."""
     sequence_parallel: bool = True
     """With --tp: split the activations between the split matrices along the sequence too
     (layer norms, residuals and the messages between stages; seq_len must divide by tp)."""
@@ -120,20 +133,32 @@ class TrainConfig:
     """A live progress bar on rank 0 (JSON logs are written either way)."""
 
 
-def format_config(cfg: TrainConfig, *, world: int | None = None, width: int = 100) -> str:
-    """The resolved config as wrapped ``key=value`` lines, printed at the start of a run."""
+def format_config(cfg: TrainConfig, *, world: int | None = None, width: int = 100,
+                  fine_tuned: Collection[str] = ()) -> str:
+    """The resolved config as wrapped ``key=value`` lines, printed at the start of a run.
+
+    ``fine_tuned``: the settings that took the fine-tuning defaults
+    (:mod:`pipetrain.train.finetune`), marked ``*`` and explained on a last line.
+    """
     head = "pipetrain train" + (f": {world} processes" if world is not None else "")
-    pairs = [f"{f.name}={_shown(getattr(cfg, f.name))}" for f in dataclasses.fields(TrainConfig)]
+    pairs = [f"{f.name}={_shown(getattr(cfg, f.name))}" + "*" * (f.name in fine_tuned)
+             for f in dataclasses.fields(TrainConfig)]
     body = textwrap.wrap("  ".join(pairs), width - 2, break_on_hyphens=False)
+    if fine_tuned:
+        body += textwrap.wrap("* the fine-tuning defaults, as --hf has stored weights (--help "
+                              "says how each is chosen); a flag or --config key overrides each",
+                              width - 2, break_on_hyphens=False)
     return "\n".join([f"{head}; config:", *("  " + line for line in body)])
 
 
-def config_toml(cfg: TrainConfig) -> str:
-    """The resolved config as a TOML file that ``--config`` reads back (None fields left out)."""
+def config_toml(cfg: TrainConfig, *, left_out: Collection[str] = ()) -> str:
+    """The resolved config as a TOML file that ``--config`` reads back (None fields left out,
+    and those of ``left_out``, as comments: ``pipetrain train`` chooses them itself)."""
     lines = ["# pipetrain train --config FILE"]
     for f in dataclasses.fields(TrainConfig):
         value = getattr(cfg, f.name)
         lines.append(f"# {f.name}: automatic" if value is None
+                     else f"# {f.name}: the default" if f.name in left_out
                      else f"{f.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 

@@ -82,30 +82,44 @@ def under_torchrun(env: dict[str, str] | None = None) -> bool:
 def backend_for(device: str, local_world_size: int) -> str:
     """``nccl`` when the job computes on GPUs (one per local rank), else ``gloo``.
 
+    ``auto`` is ``nccl`` with a GPU for every local rank and ``gloo`` on a node without any
+    GPU; a node with some GPUs, but fewer than its ranks, is an error rather than a silent
+    CPU run.
+
     Raises:
-        ValueError: ``device`` is unknown, or ``cuda`` without enough GPUs.
+        ValueError: ``device`` is unknown, or ``cuda`` or ``auto`` with at least one GPU but
+            fewer GPUs than local ranks (the message says what to pass instead).
     """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cpu" or (device == "auto" and gpus < local_world_size):
+    if device == "cpu" or (device == "auto" and gpus == 0):
         return "gloo"
-    if device in ("auto", "cuda"):
-        if gpus < local_world_size:
-            raise ValueError(f"device='cuda' needs one GPU per local rank: {local_world_size} "
-                             f"ranks but {gpus} GPUs; start fewer processes or use "
-                             "--device cpu")
+    if gpus >= local_world_size:
         return "nccl"
-    raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "auto":
+        raise ValueError(f"--device auto found {gpus} GPU{'s' * (gpus != 1)} on this node but "
+                         f"{local_world_size} local ranks, and each rank needs its own GPU: "
+                         f"pass --device cpu to run on CPU (gloo), or start at most {gpus} "
+                         f"process{'es' * (gpus != 1)} per node (--nproc, torchrun's "
+                         "--nproc-per-node)")
+    raise ValueError(f"device='cuda' needs one GPU per local rank: {local_world_size} "
+                     f"ranks but {gpus} GPUs; start fewer processes or use "
+                     "--device cpu")
 
 
 # -------------------------------------------------------------------------------- launcher
 
 
-def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
+def launch_local(cfg: TrainConfig, run: RunFn | None = None, *,
+                 tuned: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run ``cfg`` on ``cfg.nproc`` local processes; return rank 0's summary.
 
     Args:
         cfg: the run; ``nproc``, ``max_restarts``, ``device`` and ``out`` shape the launch.
         run: the training function (module-level, picklable); None: ``loop.run``.
+        tuned: the settings that took the fine-tuning defaults, marked in the printed config
+            (:func:`pipetrain.train.cli.resolved`).
 
     Raises:
         JobFailed: a rank failed and no restart was left; the message names the rank that
@@ -126,7 +140,7 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None) -> dict[str, Any]:
           tempfile.TemporaryDirectory(prefix="pipetrain-launch-") as logs):
         launcher = _elastic(cfg, port, logs)
         try:
-            results = launcher(cfg, run, dict(os.environ))
+            results = launcher(cfg, run, dict(os.environ), tuned)
         except ChildFailedError as e:
             raise JobFailed(_failure_report(e.failures, cfg.max_restarts)) from None
         except SignalException as e:  # Ctrl-C or kill: the agent has stopped every worker
@@ -248,15 +262,16 @@ def _how(failure: Any) -> str:
 # ---------------------------------------------------------------------------------- worker
 
 
-def worker(cfg: TrainConfig, run: RunFn | None = None,
-           env: dict[str, str] | None = None) -> dict[str, Any]:
+def worker(cfg: TrainConfig, run: RunFn | None = None, env: dict[str, str] | None = None,
+           tuned: tuple[str, ...] = ()) -> dict[str, Any]:
     """One rank of the job: join the group, train, leave; runs in every worker process.
 
     Expects the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``, ``MASTER_PORT``). Prints the resolved config on global rank 0, builds the
     progress reporter there, calls ``run(cfg, reporter)`` (default ``loop.run``) and returns
     its summary. ``env``: the launching process's environment, for a worker forked from a
-    server started earlier (:func:`_inherit`).
+    server started earlier (:func:`_inherit`). ``tuned``: the settings that took the
+    fine-tuning defaults, marked in the printed config.
 
     Raises:
         SystemExit: code 1 after any exception, once its message is printed (naming the rank)
@@ -268,7 +283,7 @@ def worker(cfg: TrainConfig, run: RunFn | None = None,
     rank = int(os.environ.get("RANK", "0"))
     joined: list[Any] = []  # the job's store, once joined
     try:
-        return _work(cfg, run, rank, joined)
+        return _work(cfg, run, rank, joined, tuned)
     except BaseException as e:  # noqa: BLE001  (every failure becomes a clean exit 1)
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
@@ -278,8 +293,8 @@ def worker(cfg: TrainConfig, run: RunFn | None = None,
         raise SystemExit(1) from None
 
 
-def _work(cfg: TrainConfig, run: RunFn | None, rank: int, joined: list[Any]
-          ) -> dict[str, Any]:
+def _work(cfg: TrainConfig, run: RunFn | None, rank: int, joined: list[Any],
+          tuned: tuple[str, ...] = ()) -> dict[str, Any]:
     if cfg.out and os.environ.get(faults.ENV):  # once per job: restarts keep the run id
         job = os.environ.get("TORCHELASTIC_RUN_ID", "job")
         os.environ.setdefault(faults.DIR_ENV, str(Path(cfg.out) / "faults" / job))
@@ -290,7 +305,7 @@ def _work(cfg: TrainConfig, run: RunFn | None, rank: int, joined: list[Any]
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     _init_group(backend, rank, timedelta(seconds=cfg.timeout))
     joined += [store for store in (job_store(),) if store is not None]
-    reporter = _reporter(cfg, rank)
+    reporter = _reporter(cfg, rank, tuned)
     try:
         return (run or _default_run())(cfg, reporter)
     finally:
@@ -341,7 +356,7 @@ def _init_group(backend: str, rank: int, timeout: timedelta) -> None:
                             rank=rank, world_size=world, timeout=timeout)
 
 
-def _reporter(cfg: TrainConfig, rank: int) -> Reporter:
+def _reporter(cfg: TrainConfig, rank: int, tuned: tuple[str, ...] = ()) -> Reporter:
     if rank != 0:
         return NullReporter()
     from pipetrain.train.config import config_toml, format_config
@@ -353,7 +368,7 @@ def _reporter(cfg: TrainConfig, rank: int) -> Reporter:
               f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS')}, resuming from the newest "
               f"committed checkpoint under {cfg.out} (if any)", flush=True)
     else:
-        print(format_config(cfg, world=dist.get_world_size()), flush=True)
+        print(format_config(cfg, world=dist.get_world_size(), fine_tuned=tuned), flush=True)
         if cfg.out:  # empty: no files
             Path(cfg.out).mkdir(parents=True, exist_ok=True)
             (Path(cfg.out) / "config.toml").write_text(config_toml(cfg))

@@ -16,7 +16,8 @@ class Reporter(Protocol):
     Record kinds and their fields (every record also has ``"kind"`` and ``"time"``):
     ``start`` (config, world, layout, balance, params), ``step`` (step, loss, lr, grad_norm,
     tokens_per_s, bubble, skipped), ``eval`` (step, eval_loss), ``checkpoint`` (step, path),
-    ``sample`` (text), ``end`` (summary fields).
+    ``sample`` (text), ``end`` (summary fields); with a data set as ``--data``, ``data`` after
+    ``start`` (what is trained on: :func:`pipetrain.train.examples.example_batches`).
     """
 
     def record(self, kind: str, fields: dict[str, Any]) -> None:

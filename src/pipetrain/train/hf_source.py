@@ -6,7 +6,10 @@ materialises its own stages by name from ``--seed`` and then reads their stored 
 has weights, straight from the safetensors files. Text goes through DIR's tokenizer
 (:mod:`pipetrain.train.tokens`); the pipeline's input is ``{"input_ids": ids}``, and the loss is
 the mean next-token cross-entropy of the output's ``logits``, which is what
-``model(input_ids, labels=...)`` computes on the same tokens.
+``model(input_ids, labels=...)`` computes on the same tokens. A data set as ``--data``
+(:mod:`pipetrain.train.examples`) feeds padded examples, ``{"input_ids", "attention_mask"}``,
+and the loss is the mean over the trained tokens, as ``model(..., labels=...)`` with -100 on
+the others.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from pipetrain.split.lazy import NamedInit, is_meta
 from pipetrain.split.partition import even_balance
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data import Corpus
+from pipetrain.train.examples import ExampleCorpus, example_corpus, masked_lm_loss
 from pipetrain.train.optim import no_decay_names
+from pipetrain.train.records import is_dataset
 from pipetrain.train.source import LossWrap, Source, parse_balance
 from pipetrain.train.tokens import token_corpus
 
@@ -50,23 +55,31 @@ def peak_rss_bytes() -> int:
 
 
 def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: int,
-                wrap: LossWrap, **where: Any) -> Pipeline:
+                wrap: LossWrap, *, examples: bool = False, **where: Any) -> Pipeline:
     """``model`` (on ``meta`` or real) cut as ``pipetrain train --hf`` cuts it: at its decoder
     layers, which ``cfg.balance`` groups into the schedule's stages (``even``: equal counts),
     ``rows`` sequences of ``cfg.seq_len`` tokens per micro-batch; ``where`` as in
     :meth:`Source.pipeline` (or ``local_ranks``). The profiling balances (``time``,
     ``memory``) run every layer, so under them a ``meta`` model is materialised whole first.
+
+    ``examples``: the input is padded examples (:mod:`pipetrain.train.examples`): captured
+    with an ``attention_mask``, the loss :func:`~pipetrain.train.examples.masked_lm_loss`
+    summed over the micro-batches.
     """
     example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
+    if examples:
+        example["attention_mask"] = torch.ones(rows, cfg.seq_len, dtype=torch.long)
     points = split_points(model, schedule.n_stages, example)
     balance = parse_balance(cfg.balance)
     if balance is None:
         balance = even_balance(len(points) + 1, schedule.n_stages)
     if isinstance(balance, str) and balance != "params" and is_meta(model):
         model = NamedInit(model, cfg.seed).materialize(model)
-    return Pipeline(model, schedule, cfg.microbatches, wrap(causal_lm_loss),
+    return Pipeline(model, schedule, cfg.microbatches,
+                    wrap(masked_lm_loss if examples else causal_lm_loss),
                     split_points=points, balance=balance, recompute=cfg.recompute,
-                    init_seed=cfg.seed, example_inputs=example, **where)
+                    init_seed=cfg.seed, example_inputs=example,
+                    loss_reduction="sum" if examples else "mean", **where)
 
 
 class HFSource(Source):
@@ -85,6 +98,8 @@ class HFSource(Source):
         self.model = self.hf
         self.n_params = self.hf.n_params
         self.tokenizer = load_tokenizer(self.root)
+        self.examples = is_dataset(cfg.data)
+        """``--data`` is a data set of examples (padded rows, masked loss), not text."""
         self.no_decay = no_decay_names(self.hf.model)
         vocab = int(self.hf.config.vocab_size)
         if len(self.tokenizer) > vocab:
@@ -106,7 +121,8 @@ class HFSource(Source):
         The profiling balances (``time``, ``memory``) run every layer, so under them the
         whole model is materialised on every rank first.
         """
-        return hf_pipeline(self.hf.model, cfg, schedule, rows, wrap, **where)
+        return hf_pipeline(self.hf.model, cfg, schedule, rows, wrap, examples=self.examples,
+                           **where)
 
     def loaded(self, pipe: Pipeline) -> dict[str, Any]:
         """Read this rank's tensors from the safetensors files; what it read, and this
@@ -132,11 +148,20 @@ class HFSource(Source):
         return TracedTensorParallel(mesh, shrink(self.hf.model, mesh.size(),
                                                  mesh.get_local_rank()))
 
-    def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus:
+    def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus | ExampleCorpus:
+        if self.examples and cfg.data:
+            return example_corpus(self.tokenizer, self.root, cfg.data, cfg.token_cache,
+                                  text_field=cfg.text_field, chat=cfg.chat, progress=progress)
         return token_corpus(self.tokenizer, self.root, cfg.data, cfg.token_cache,
                             progress=progress)
 
-    def feed(self, ids: torch.Tensor) -> Any:
+    def feed(self, ids: Any) -> Any:
+        """``{"input_ids": ids}``; padded examples come as such a dict already, and text for
+        a pipeline captured with a mask (a sample) gets one of ones."""
+        if isinstance(ids, dict):
+            return ids
+        if self.examples:
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         return {"input_ids": ids}
 
     def logits(self, outputs: Any) -> torch.Tensor:

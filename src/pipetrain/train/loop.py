@@ -39,6 +39,7 @@ from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data import decode, encode
 from pipetrain.train.events import Reporter
+from pipetrain.train.examples import describe as describe_data
 from pipetrain.train.infer import eval_loss, generate
 from pipetrain.train.memory import MemoryMeter
 from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
@@ -142,6 +143,10 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     resumed = restore(trainer)
     reporter.record("start", {**_start_fields(trainer),
                               "resumed_from": None if resumed is None else str(resumed)})
+    if trainer.data:  # a data set of examples: what is trained on, and how it is laid out
+        reporter.record("data", trainer.data)
+        if trainer.mesh.rank == 0:
+            print(describe_data(trainer.data), flush=True)
     tally = Tally()
     saved = resumed
     meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step)
@@ -284,7 +289,8 @@ def _last(trainer: Trainer) -> int:
 
 def _start_fields(trainer: Trainer) -> dict[str, Any]:
     return {"config": dataclasses.asdict(trainer.cfg), "world": trainer.mesh.dp * trainer.mesh.pp,
-            "layout": trainer.layout(), "balance": list(trainer.pipe.balance),
+            "layout": trainer.layout(), "ranks": trainer.ranks,
+            "balance": list(trainer.pipe.balance),
             "params": _n_params(trainer), "start_step": trainer.step,
             "run_id": _run_id(), **({"load": _every_rank(trainer.loaded)} if trainer.loaded
                                      else {})}

@@ -40,6 +40,7 @@ from pipetrain.schedules import draw
 from pipetrain.schedules.simulate import Simulation
 from pipetrain.schedules.timeline import Timeline
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.placement import format_rank_map
 
 __all__ = ["ProgressReporter", "describe_layout", "latest_run", "read_log", "save_loss_png",
            "save_timeline_png", "timeline_trace"]
@@ -123,6 +124,9 @@ class ProgressReporter:
         if fields.get("start_step"):
             parts.append(f"resuming at step {fields['start_step']}")
         self._print("start: " + ", ".join(p for p in parts if p))
+        order = fields.get("layout", {}).get("mesh_order")
+        for line in format_rank_map(fields.get("ranks") or [], order):
+            self._print(line)
         for rank, load in enumerate(fields.get("load") or []):
             grew = (load["peak_rss_bytes"] - load["rss_before_bytes"]) / 2**20
             self._print(f"rank {rank}: weights {load['weights']}, read "
@@ -317,13 +321,15 @@ def timeline_trace(measured: Timeline, simulated: Timeline) -> dict[str, object]
 
 
 def describe_layout(layout: dict[str, Any]) -> str:
-    """``2 ranks (dp 1 x pp 2), zbv, 8 micro-batches, 4 stages (2 per rank), ...``."""
+    """``2 ranks (dp 1 x pp 2), zbv, 8 micro-batches, 4 stages (2 per rank), ...`` (the mesh
+    order after the degrees, where it places the ranks: ``4 ranks (dp 2 x pp 2, pp-outer)``)."""
     parts = []
     if {"world", "dp", "pp"} <= layout.keys():
         shards = f" x fsdp {layout['fsdp']}" if "fsdp" in layout else ""
         split = f" x tp {layout['tp']}" if "tp" in layout else ""
+        order = f", {layout['mesh_order']}" if "mesh_order" in layout else ""
         parts.append(f"{layout['world']} ranks (dp {layout['dp']}{shards} x pp {layout['pp']}"
-                     f"{split})")
+                     f"{split}{order})")
     if "schedule" in layout:
         parts.append(str(layout["schedule"]))
     if "microbatches" in layout:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from pipetrain.errors import ScheduleError
@@ -27,16 +28,19 @@ from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.validate import validate
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data import Batches, Corpus
+from pipetrain.train.examples import ExampleBatches, ExampleCorpus, data_problems, example_batches
 from pipetrain.train.hf_source import HFSource
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
 from pipetrain.train.nonfinite import NaNInjector
 from pipetrain.train.optim import build_optimizer, counted_parameters
+from pipetrain.train.placement import check_order, gather_rank_map
 from pipetrain.train.precision import PRECISIONS, LossScale
 from pipetrain.train.source import GPTSource, Source
 
 __all__ = ["Trainer", "build", "check_config", "source_for"]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[Any, Any]
+"""(inputs, targets): token ids, or padded examples' dicts (:mod:`pipetrain.train.examples`)."""
 
 
 @dataclass
@@ -51,7 +55,7 @@ class Trainer:
     optimizer: torch.optim.AdamW
     scale: LossScale
     reducer: GradReducer
-    batches: Batches
+    batches: Batches | ExampleBatches
     """The global training batches (every replica draws all of them, then takes its rows)."""
     eval_set: list[Batch]
     """This replica's rows of the held-out batches."""
@@ -76,6 +80,12 @@ class Trainer:
     tensor_parallel: Any = None
     """With ``--tp``: the split of the layers (the GPT plan, or a Hugging Face model's own),
     whose ``finish()`` settles partial gradient sums."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """With a data set as ``--data``: what the run trains on (the ``data`` record:
+    :func:`pipetrain.train.examples.example_batches`); empty for text."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Where every rank landed (node, host, local rank, coordinates), by global rank:
+    :func:`pipetrain.train.placement.gather_rank_map`."""
 
     @property
     def on_grads_ready(self) -> Any:
@@ -108,9 +118,10 @@ class Trainer:
         return ids if self.source is None else self.source.feed(ids)
 
     def rows(self, batch: Batch) -> Batch:
-        n = batch[0].size(0) // self.mesh.dp
+        n = pytree.tree_leaves(batch)[0].size(0) // self.mesh.dp
         lo = self.mesh.dp_rank * n
-        return batch[0][lo:lo + n], batch[1][lo:lo + n]
+        taken: Batch = pytree.tree_map(lambda t: t[lo:lo + n], batch)
+        return taken
 
 
 def source_for(cfg: TrainConfig) -> Source:
@@ -173,6 +184,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
             problems.append(f"seq_len={cfg.seq_len} must divide by tp={cfg.tp} under sequence "
                             "parallelism; change --seq-len, or pass --no-sequence-parallel")
+    try:
+        check_order(cfg.mesh_order)
+    except ValueError as e:
+        problems.append(str(e))
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.nonfinite not in ("skip", "abort"):
@@ -185,6 +200,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.steps < 1 or cfg.seq_len < 1 or cfg.warmup < 0 or cfg.eval_batches < 1:
         problems.append("steps, seq_len and eval_batches must be >= 1 and warmup >= 0 (got "
                         f"{cfg.steps}, {cfg.seq_len}, {cfg.eval_batches}, {cfg.warmup})")
+    problems += data_problems(cfg.data, cfg.hf, cfg.text_field, cfg.chat)
     if problems:
         raise ValueError("invalid training configuration:\n" + "\n".join(
             f"  - {p}" for p in problems))
@@ -198,7 +214,8 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     import torch.distributed as dist
 
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp, cfg.tp)
+    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp, cfg.tp, cfg.mesh_order)
+    ranks = gather_rank_map(mesh.placement)
     source = source_for(cfg)
     schedule = run_schedule(cfg, mesh.pp)
     scale = LossScale(enabled=cfg.precision == "fp16")
@@ -213,7 +230,14 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
                            (hooks[0] if hooks else None))
     loaded = source.loaded(pipe)
     corpus = source.corpus(cfg, progress=progress and mesh.rank == 0)
-    batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+    data: dict[str, Any] = {}
+    batches: Batches | ExampleBatches
+    if isinstance(corpus, ExampleCorpus):  # a data set: padded examples, held-out ones too
+        batches, held_out, data = example_batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                                  mesh.dp, cfg.eval_batches)
+    else:
+        batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+        held_out = _eval_batches(corpus, cfg)
     params = [p for p in pipe.parameters() if p.requires_grad]
     trainer = Trainer(
         cfg, mesh, source.model, pipe,
@@ -223,8 +247,9 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
                            mesh.dp if sharded is None else 1), batches, [],
         NaNInjector.for_pipeline(pipe),
         params, *_tp_split(counted_parameters(pipe), split is not None), source=source,
-        loaded=loaded, sharded=sharded, tensor_parallel=split)
-    trainer.eval_set = [trainer.rows(b) for b in _eval_batches(corpus, cfg)]
+        loaded=loaded, sharded=sharded, tensor_parallel=split, ranks=ranks)
+    trainer.eval_set = [trainer.rows(b) for b in held_out]
+    trainer.data = data
     return trainer
 
 

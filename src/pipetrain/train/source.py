@@ -24,6 +24,7 @@ from pipetrain.split.balance import plan_balance
 from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data import ByteCorpus, Corpus, decode, default_corpus, encode
+from pipetrain.train.examples import ExampleCorpus
 
 __all__ = ["GPTSource", "Source", "parse_balance"]
 
@@ -53,8 +54,9 @@ class Source(ABC):
         holds the pipeline's ``group``, ``device``, ``timeout`` and ``parallelize``."""
 
     @abstractmethod
-    def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus:
-        """The token ids of ``cfg.data`` (its last part held out)."""
+    def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus | ExampleCorpus:
+        """The token ids of ``cfg.data`` (its last part held out), or its examples when it is
+        a data set (:mod:`pipetrain.train.examples`)."""
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:

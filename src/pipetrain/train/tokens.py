@@ -8,10 +8,14 @@ files, the data files' names, sizes and modification times, and the byte limit, 
 corpus or tokenizer is tokenized again and an unchanged one never is. Later runs, and every
 rank of a job, map that file (``torch.from_file``) instead of reading it.
 
-One process tokenizes while the others wait: the first to create ``<key>.lock`` writes the ids
-(touching the lock as it goes, with a progress bar when asked), then renames the finished file
-into place; a lock left by a process that stopped touching it for :data:`STALE_S` is taken over.
-The last ``eval_fraction`` of the tokens is held out, as for bytes.
+One process tokenizes while the others wait (:func:`fill_once`): the first to create
+``<key>.lock`` writes its host and pid into it, writes the ids (touching the lock as it goes,
+with a progress bar when asked), then renames the finished file into place; a lock left by a
+process that stopped touching it for :data:`STALE_S`, or whose process on this host exited, is
+taken over. A waiter says which host and pid hold the lock and how to clear it: at once when
+that is another host sharing the cache directory. The last ``eval_fraction`` of the tokens is
+held out, as for bytes. Data sets of examples (JSONL, Parquet, chat) are cached the same way
+by :mod:`pipetrain.train.examples`.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import array
 import hashlib
 import json
 import os
+import socket
+import sys
 import sysconfig
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +36,12 @@ import torch
 
 from pipetrain.train.data import DEFAULT_MAX_BYTES, Corpus, text_files
 
-__all__ = ["token_corpus", "cache_key", "STALE_S"]
+__all__ = ["token_corpus", "cache_key", "fill_once", "STALE_S"]
 
 STALE_S = 120.0
 """A lock file not touched for this long belongs to a tokenizer that stopped."""
+TELL_S = 10.0
+"""A wait for a process on this host is explained after this many seconds."""
 PIECE = 1 << 20
 """Text is encoded in pieces of about this many characters, cut at line ends."""
 _TOKENIZER_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens")
@@ -68,15 +76,9 @@ def token_corpus(tokenizer: Any, tokenizer_dir: str | Path, data: str | None,
     directory = Path(cache).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     tokens, info = directory / f"{key}.tokens", directory / f"{key}.json"
-    while not info.is_file():
-        if _take_lock(directory / f"{key}.lock"):
-            try:
-                _tokenize(tokenizer, root, files, limit, tokens, info, directory / f"{key}.lock",
-                          progress)
-            finally:
-                (directory / f"{key}.lock").unlink(missing_ok=True)
-        else:
-            time.sleep(0.2)
+    lock = directory / f"{key}.lock"
+    fill_once(lock, info, lambda: _tokenize(tokenizer, root, files, limit, tokens, info, lock,
+                                            progress), what=f"--data {root}")
     return _mapped(tokens, json.loads(info.read_text()), eval_fraction)
 
 
@@ -94,18 +96,85 @@ def cache_key(tokenizer_dir: str | Path, root: Path, files: Sequence[Path],
     return h.hexdigest()
 
 
+def fill_once(lock: Path, done: Path, fill: Callable[[], None], *, what: str,
+              say: Callable[[str], None] | None = None) -> None:
+    """Run ``fill`` (which writes ``done``) in one process; the others wait until ``done`` is.
+
+    The process that creates ``lock`` writes its host and pid into it and fills; the lock is
+    deleted after. A waiter takes over a lock not touched for :data:`STALE_S`, or one whose
+    process on this host has exited. It says what it waits for (on stderr, or ``say``) when
+    the holder is on another host (a shared filesystem) at once, and after :data:`TELL_S`
+    otherwise: which host and pid hold the lock, and how to clear it.
+    """
+    told, began = False, time.monotonic()
+    while not done.is_file():
+        if _take_lock(lock):
+            try:
+                fill()
+            finally:
+                lock.unlink(missing_ok=True)
+            continue
+        holder = _holder(lock)
+        elsewhere = holder.get("host") not in (None, socket.gethostname())
+        if not told and lock.exists() and (elsewhere or time.monotonic() - began > TELL_S):
+            (say or _say)(_waiting(lock, holder, what))
+            told = True
+        time.sleep(0.2)
+
+
 def _take_lock(lock: Path) -> bool:
-    """Create ``lock`` (this process tokenizes), or clear one that went stale."""
+    """Create ``lock`` (this process fills), or clear one that went stale or lost its process."""
     try:
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         try:
-            if time.time() - lock.stat().st_mtime > STALE_S:
+            holder = _holder(lock)
+            if time.time() - lock.stat().st_mtime > STALE_S or _gone(holder):
                 lock.unlink(missing_ok=True)
         except FileNotFoundError:
             pass
         return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}, f)
+    return True
+
+
+def _holder(lock: Path) -> dict[str, Any]:
+    """Who wrote ``lock``: host, pid and since when ({} while unwritten or unreadable)."""
+    try:
+        found = json.loads(lock.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _gone(holder: dict[str, Any]) -> bool:
+    """The lock's process was on this host and has exited."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def _waiting(lock: Path, holder: dict[str, Any], what: str) -> str:
+    try:
+        age = f"{time.time() - lock.stat().st_mtime:.0f} s ago"
+    except FileNotFoundError:
+        age = "just now"
+    who = (f"pid {holder['pid']} on host {holder['host']}" if holder.get("host")
+           else "a process that did not write its host (an older pipetrain)")
+    return (f"pipetrain: waiting for {who} to tokenize {what}: it holds {lock} (last touched "
+            f"{age}; taken over after {STALE_S:.0f} s untouched). If that process is gone, "
+            f"delete {lock} and this run goes on")
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _tokenize(tokenizer: Any, root: Path, files: Sequence[Path], limit: int | None,
