@@ -153,16 +153,20 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None, *,
 
 def _elastic(cfg: TrainConfig, port: int, logs: str) -> Any:
     """The agent's launcher; its error files go to ``logs`` (read back into JobFailed)."""
+    import dataclasses
+
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # torch before 2.13 has no shutdown_timeout: its agent waits its own default grace
+    grace: dict[str, Any] = ({"shutdown_timeout": SHUTDOWN_GRACE}
+             if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {})
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc, run_id=uuid.uuid4().hex[:12],
         rdzv_backend="static", rdzv_endpoint=f"{_LOOPBACK}:{port}",
         rdzv_configs={"rank": 0, "timeout": max(60, int(cfg.timeout))},
         max_restarts=cfg.max_restarts, monitor_interval=MONITOR_S, start_method=_start_method(cfg),
-        local_addr=_LOOPBACK, logs_specs=DefaultLogsSpecs(log_dir=logs),
-        shutdown_timeout=SHUTDOWN_GRACE)
+        local_addr=_LOOPBACK, logs_specs=DefaultLogsSpecs(log_dir=logs), **grace)
     return elastic_launch(config, worker)
 
 
