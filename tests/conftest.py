@@ -32,7 +32,9 @@ SLOWEST_FIRST = [  # measured on 2 cores, about 15 s to 80 s each
     "test_readme.py", "test_zoo.py", "test_failures_job_dist.py", "test_benchmarks_compute.py",
     "test_soak.py", "test_failures_scale_dist.py", "test_failures_exit_dist.py",
     "test_hf_dist.py", "test_sharded_dist.py", "test_tensor_parallel_dist.py",
-    "test_plan_cli.py", "test_rng.py", "test_failures_dist.py", "test_meta_dist.py"]
+    "test_plan_cli.py", "test_rng.py", "test_failures_dist.py", "test_meta_dist.py",
+    "test_instruct_demo.py", "test_examples_train_dist.py", "test_docs.py", "test_api_docs.py",
+    "test_plan_module.py", "test_placement_dist.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
