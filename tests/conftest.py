@@ -28,7 +28,8 @@ start_context(("pytest", "transformers", "transformers.models.llama.modeling_lla
                "pipetrain.parallel.tensor_parallel", "pipetrain.checkpoint.run"))
 
 SLOWEST_FIRST = [  # measured on 2 cores, about 15 s to 80 s each
-    "test_hf_train_dist.py", "test_train_launch.py", "test_train_dist.py", "test_benchmarks.py",
+    "test_hf_train_all.py", "test_train_torchrun.py", "test_hf_train_dist.py",
+    "test_train_launch.py", "test_train_dist.py", "test_benchmarks.py",
     "test_readme.py", "test_zoo.py", "test_failures_job_dist.py", "test_benchmarks_compute.py",
     "test_soak.py", "test_failures_scale_dist.py", "test_failures_exit_dist.py",
     "test_hf_dist.py", "test_sharded_dist.py", "test_tensor_parallel_dist.py",

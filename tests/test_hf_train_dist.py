@@ -2,16 +2,13 @@
 train on 2 processes (zbv) and on 4 (1f1b), come back as ``OUT/hf`` that transformers loads,
 and end with the same weights (Llama bitwise; GPT-2, whose tied table is summed in another
 order, to rounding); the step-0 loss logged is the one ``model(input_ids, labels=...)`` gives.
-Then every feature at once: dp 2 x pp 2, bf16, recomputation, a skipped NaN step, a killed
-rank and its restart, checkpoints and ``OUT/hf`` every 2 steps, a resume under torchrun at
-another layout, and ``pipetrain export-hf`` of the last checkpoint, equal to ``OUT/hf``."""
+Every feature at once is tests/test_hf_train_all.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,35 +128,6 @@ def test_two_layouts_end_with_the_same_weights_that_transformers_loads(place: Pa
     logged = _records(place / f"{name}-pp2", "step")[0]["loss"]
     assert logged == pytest.approx(_transformers_loss(place, name), rel=1e-5)
     assert two["sample"].startswith("def ")
-
-
-def test_every_feature_at_once_then_a_torchrun_resume_at_another_layout(place: Path) -> None:
-    first = _train(place, "llama", "all", "--nproc", "4", "--dp", "2", "--schedule", "zbv",
-                   "--batch-size", "16", "--steps", "4", "--precision", "bf16",
-                   "--recompute", "always", "--checkpoint-every", "2", "--save-hf-every", "2",
-                   "--eval-every", "2", "--max-restarts", "1", "--grad-clip", "1.0",
-                   faults="nan@rank0:step1,kill@rank1:step3")
-    out = place / "all"
-    assert first["steps"] == 4 and first["skipped"] == 1, first
-    assert first["layout"]["dp"] == 2 and first["layout"]["precision"] == "bf16"
-    starts = _records(out, "start")
-    assert [s["start_step"] for s in starts] == [0, 2], starts  # killed at 3, resumed at 2
-    assert [r["step"] for r in _records(out, "hf")][-2:] == [2, 4]
-    assert all(f in first["files"] for f in ("loss.png", "timeline.png"))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--standalone", "-m", "pipetrain"]
-    second = _train(place, "llama", "all", "--pp", "2", "--schedule", "1f1b",
-                    "--batch-size", "16", "--steps", "6", "--precision", "bf16",
-                    launcher=torchrun)
-    assert second["steps"] == 6 and second["layout"]["pp"] == 2
-    assert _records(out, "start")[-1]["start_step"] == 4
-    assert second["sample"] is not None and second["sample"].startswith("def ")
-    exported = place / "exported"
-    assert main(["export-hf", str(out / "checkpoints"), str(exported),
-                 "--shard-size", "40KB"]) == 0
-    assert len(list(exported.glob("model-*.safetensors"))) > 1
-    a, b = _hf_model(exported).state_dict(), _hf_model(out / "hf").state_dict()
-    assert [n for n in a if not torch.equal(a[n], b[n])] == []
 
 
 def test_fsdp_trains_a_stored_llama_like_dp_and_writes_it_whole(place: Path) -> None:

@@ -6,7 +6,6 @@ import functools
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -28,18 +27,24 @@ def _script() -> ModuleType:
     return module
 
 
-def test_tiny_run_answers_before_and_after_training(tmp_path: Path) -> None:
+def test_tiny_run_answers_before_and_after_training(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The script's main in this process (its ranks start from the session's forkserver,
+    which finds the script's module through sys.path)."""
     work = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--out", str(work)],
-                          capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
     demo = _script()
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    monkeypatch.chdir(ROOT)
+    assert demo.main(["--tiny", "--out", str(work)]) == 0
+    out = capsys.readouterr().out
     steps, n_test = demo.TINY.steps, demo.TINY.test_prompts
     # the training run went through pipetrain train and wrote OUT/hf, which was answered from
     assert re.search(r"^running: pipetrain train --hf .* --chat --nproc 2 --schedule zbv ", out,
                      re.MULTILINE)
-    assert f"hf  step {steps}  {work / 'run' / 'hf'}" in out
+    records = [json.loads(line) for line in (work / "run" / "log.jsonl").read_text().splitlines()]
+    assert {"kind": "hf", "step": steps} in [{k: r.get(k) for k in ("kind", "step")}
+                                            for r in records if r["kind"] == "hf"]
     assert (work / "run" / "hf" / "config.json").is_file()
     rows = [json.loads(line) for line in (work / "train.jsonl").read_text().splitlines()]
     assert len(rows) == demo.TINY.train_examples
