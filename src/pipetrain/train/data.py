@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["Batches", "ByteCorpus", "Corpus", "decode", "default_corpus", "encode",
+__all__ = ["Batches", "Positioned", "ByteCorpus", "Corpus", "decode", "default_corpus", "encode",
            "text_files"]
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -152,7 +153,38 @@ def _read(files: Sequence[Path], max_bytes: int | None) -> tuple[bytes, int]:
     return b"".join(parts), len(parts)
 
 
-class Batches:
+B = TypeVar("B")
+
+
+class Positioned(Generic[B]):
+    """Batches that depend only on ``(seed, step)``: iterate them, and save and restore where
+    the iteration is (a resumed run takes the batch an uninterrupted one takes next)."""
+
+    seed: int
+    step: int
+
+    def batch(self, step: int) -> B:
+        """Batch number ``step``, without moving the position."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Positioned[B]:
+        return self
+
+    def __next__(self) -> B:
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: the seed and the number of batches already taken."""
+        return {"seed": self.seed, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state``: the next batch is the one an uninterrupted run takes next."""
+        self.seed, self.step = int(state["seed"]), int(state["step"])
+
+
+class Batches(Positioned[tuple[torch.Tensor, torch.Tensor]]):
     """Random windows of ``seq_len + 1`` bytes as (inputs, targets), batch ``k`` from (seed, k).
 
     Args:
@@ -189,22 +221,6 @@ class Batches:
         starts = torch.randint(self.data.numel() - self.seq_len, (self.batch_size,), generator=g)
         windows = self.data[starts[:, None] + torch.arange(self.seq_len + 1)].long()
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        """The position: the seed and the number of batches already taken."""
-        return {"seed": self.seed, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state``: the next batch is the one an uninterrupted run takes next."""
-        self.seed, self.step = int(state["seed"]), int(state["step"])
 
     def eval_batches(self, n_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``n_batches`` batches, the same on every call (for a held-out loss)."""

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pipetrain.train.data import Positioned
 from pipetrain.train.records import Encoder, is_dataset, read_rows
 from pipetrain.train.tokens import _bar, cache_key, fill_once
 
@@ -192,7 +193,7 @@ def _mapped(base: Path, info: dict[str, Any], eval_fraction: float, pad: int) ->
         offsets, n - n_eval, info["source"], tuple(info["files"]), info["kind"], pad)
 
 
-class ExampleBatches:
+class ExampleBatches(Positioned[Batch]):
     """Batches of whole examples, right-padded: batch ``k`` from ``(seed, k)``.
 
     Args:
@@ -254,22 +255,6 @@ class ExampleBatches:
         return ({"input_ids": window[:, :-1].contiguous(),
                  "attention_mask": real[:, :-1].long()},
                 {"labels": labels, "weight": weight})
-
-    def __iter__(self) -> ExampleBatches:
-        return self
-
-    def __next__(self) -> Batch:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        """The position: the seed and the number of batches already taken."""
-        return {"seed": self.seed, "step": self.step}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state``: the next batch is the one an uninterrupted run takes next."""
-        self.seed, self.step = int(state["seed"]), int(state["step"])
 
     def eval_batches(self, n_batches: int) -> list[Batch]:
         """The first ``n_batches`` batches, the same on every call (for a held-out loss)."""
