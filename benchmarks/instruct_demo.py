@@ -64,7 +64,7 @@ class Settings:
 
 
 FULL = Settings(steps=1500, train_examples=4000, test_prompts=200)
-TINY = Settings(steps=8, train_examples=200, test_prompts=8, warmup=2)
+TINY = Settings(steps=4, train_examples=64, test_prompts=4, warmup=1)
 
 
 # --------------------------------------------------------------------------- model and task
