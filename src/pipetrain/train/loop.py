@@ -39,7 +39,6 @@ from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data import decode, encode
 from pipetrain.train.events import Reporter
-from pipetrain.train.examples import describe as describe_data
 from pipetrain.train.infer import eval_loss, generate
 from pipetrain.train.memory import MemoryMeter
 from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
@@ -145,8 +144,6 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
                               "resumed_from": None if resumed is None else str(resumed)})
     if trainer.data:  # a data set of examples: what is trained on, and how it is laid out
         reporter.record("data", trainer.data)
-        if trainer.mesh.rank == 0:
-            print(describe_data(trainer.data), flush=True)
     tally = Tally()
     saved = resumed
     meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step)

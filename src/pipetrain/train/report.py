@@ -161,6 +161,11 @@ class ProgressReporter:
             self._print(f"step {step:>{len(str(self.cfg.steps))}}/{self.cfg.steps}  loss {loss}"
                         f"{skipped}  {rate} tok/s  bubble {bubble}")
 
+    def _on_data(self, fields: dict[str, Any]) -> None:
+        from pipetrain.train.examples import describe
+
+        self._print(describe(fields))
+
     def _on_eval(self, fields: dict[str, Any]) -> None:
         self._print(f"eval  step {fields.get('step')}  loss {_fmt(fields.get('eval_loss'), '.4f')}")
 
