@@ -73,9 +73,11 @@ print(f"{name}: measured bf16 matmul {measured / 1e12:.0f} TFLOP/s; spec dense b
       f"{peak / 1e12 if peak else float('nan'):.0f} TFLOP/s")
 for run, (layers, width, seq) in runs.items():
     summary = json.load(open(f"{sys.argv[1]}/{run}/summary.json"))
-    params, tps = summary["params"], summary["tokens_per_s"]
-    flops = (6 * params + 12 * layers * width * seq) * tps
-    print(f"{run}: {params:,} parameters, {tps:,.0f} tokens/s, {flops / 1e12:.1f} TFLOP/s: "
-          f"MFU {flops / peak if peak else float('nan'):.3f} of spec, "
-          f"{flops / measured:.3f} of the measured matmul")
+    params, per_token = summary["params"], 6 * summary["params"] + 12 * layers * width * seq
+    median = 64 * seq / summary["step_s"]  # tokens per step / the median step after the first
+    for what, tps in (("mean of all steps", summary["tokens_per_s"]), ("median step", median)):
+        flops = per_token * tps
+        print(f"{run} ({what}): {params:,} parameters, {tps:,.0f} tokens/s, "
+              f"{flops / 1e12:.1f} TFLOP/s: MFU {flops / peak if peak else float('nan'):.3f} "
+              f"of spec, {flops / measured:.3f} of the measured matmul")
 EOF
