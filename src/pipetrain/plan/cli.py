@@ -358,24 +358,10 @@ def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
 
 def _print(shown: list[Any], limit: int, cfg: TrainConfig, toml_path: Path,
            png_path: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from pipetrain.plan.table import print_candidates
 
-    tokens = cfg.batch_size * cfg.seq_len
-    table = Table(title=f"pipetrain plan: {cfg.hf or cfg.preset}, memory limit {_mib(limit)} "
-                        "per rank", title_justify="left")
-    for name in ("layout", "schedule", "v", "m", "balance", "recompute", "step s", "tokens/s",
-                 "peak per rank (MiB)", "fits"):
-        table.add_column(name, justify="right" if name in ("v", "m", "step s", "tokens/s")
-                         else "left")
-    for c in shown:
-        table.add_row(_layout(c), c.schedule, str(c.stages_per_rank), str(c.microbatches),
-                      ",".join(map(str, c.balance)), c.recompute, f"{c.predicted_step_s:.3f}",
-                      f"{tokens / c.predicted_step_s:,.0f}",
-                      " ".join(f"{b / 2**20:.1f}" for b in c.predicted_peak_bytes),
-                      "yes" if c.fits else "NO")
-    console = Console()
-    console.print(table)
+    print_candidates(shown, f"pipetrain plan: {cfg.hf or cfg.preset}, memory limit "
+                     f"{_mib(limit)} per rank", _layout, tokens=cfg.batch_size * cfg.seq_len)
     print(f"best: {toml_path} (pipetrain train --config {toml_path}); timeline {png_path}")
     if not shown[0].fits:
         print("no layout fits: raise --memory-limit, add ranks (--nproc), or shorten "

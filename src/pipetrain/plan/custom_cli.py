@@ -214,22 +214,11 @@ def _toml(value: object) -> str:
 
 
 def _print(shown: list[Any], limit: int, spec: str, toml_path: Path, png_path: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from pipetrain.plan.table import print_candidates
 
-    table = Table(title=f"pipetrain plan: {spec}, memory limit {_size(limit)} per rank",
-                  title_justify="left", caption="predicted from the profile alone (no "
-                  "calibration on the ranks)", caption_justify="left")
-    for name in ("layout", "schedule", "v", "m", "balance", "recompute", "step s",
-                 "peak per rank (MiB)", "fits"):
-        table.add_column(name, justify="right" if name in ("v", "m", "step s") else "left")
-    for p in shown:
-        table.add_row(f"pp{len(p.predicted_peak_bytes)}", p.schedule, str(p.stages_per_rank),
-                      str(p.microbatches), ",".join(map(str, p.balance)), p.recompute,
-                      f"{p.predicted_step_s:.4f}",
-                      " ".join(f"{b / 2**20:.1f}" for b in p.predicted_peak_bytes),
-                      "yes" if p.fits else "NO")
-    Console().print(table)
+    print_candidates(shown, f"pipetrain plan: {spec}, memory limit {_size(limit)} per rank",
+                     lambda p: f"pp{len(p.predicted_peak_bytes)}", step_digits=4,
+                     caption="predicted from the profile alone (no calibration on the ranks)")
     print(f"best: {toml_path} (pipetrain.plan.read_plan gives pt.Pipeline its arguments); "
           f"timeline {png_path}")
     if not shown[0].fits:
