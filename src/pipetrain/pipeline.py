@@ -26,7 +26,14 @@ from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.delivery import Proofs, delivery_proofs
-from pipetrain.runtime.executor import Executor, GradsReady, StepData, grad_links, message_plans
+from pipetrain.runtime.executor import (
+    Executor,
+    GradsReady,
+    Loop,
+    StepData,
+    grad_links,
+    message_plans,
+)
 from pipetrain.runtime.finish import StepTimes, done_key, exchange, total_loss
 from pipetrain.runtime.receiver import PeerFailed
 from pipetrain.runtime.recompute import Policy, layer_flags
@@ -196,8 +203,10 @@ class Pipeline:
                                  linked, deferred, routes=self.routes)
         self.watchdog = None if self.transport is None else Watchdog.of(
             self.transport, self.executor.activity)
-        self._plans: dict[bool, dict[int, list[tuple[int, int, int, int]]]] = {}
-        self._proofs: dict[bool, Proofs] = {}  # sends that each received message proves done
+        self._plans: dict[tuple[bool, Schedule | None],
+                          dict[int, list[tuple[int, int, int, int]]]] = {}
+        self._proofs: dict[tuple[bool, Schedule | None], Proofs] = {}
+        self._decoder: Executor | None = None  # sends that each received message proves done
         self._step = 0
         self._broken: str | None = None
 
@@ -334,9 +343,41 @@ class Pipeline:
         with torch.no_grad():
             return self._run(inputs, targets, train=False, keep_outputs=True, number=step)
 
+    def decode(self, schedule: Schedule, inputs: Sequence[Any], loop: Loop, *,
+               step: int | None = None) -> StepResult:
+        """Run a decoding schedule (:mod:`pipetrain.schedules.generators.decode`): forward
+        only, the last stage's tokens fed back to stage 0 through ``loop``.
+
+        ``inputs[mb]`` is stage 0's input of every micro-batch not fed back (prefill slices);
+        the rest come from ``loop.feed``. :class:`pipetrain.generation.Generator` drives it.
+
+        Raises:
+            ValueError: for a schedule without feedback or placed otherwise than this one.
+        """
+        if schedule.feedback is None or schedule.placement != self.schedule.placement:
+            raise ValueError(f"decode() runs a decoding schedule placed like the pipeline's "
+                             f"({self.schedule.placement}); got {schedule.name!r} placed "
+                             f"{schedule.placement} with feedback {schedule.feedback}")
+        with torch.no_grad():
+            return self._run(list(inputs), None, train=False, keep_outputs=False, number=step,
+                             decoding=(schedule, loop))
+
+    def _executor(self, schedule: Schedule) -> Executor:
+        """The executor of ``schedule``: the pipeline's own, or one kept per decoding run."""
+        if schedule is self.schedule:
+            return self.executor
+        if self._decoder is None or self._decoder.schedule != schedule:
+            self._decoder = Executor(schedule, self.stages, self.hosted, self.transport,
+                                     routes=self.routes)
+            if self.watchdog is not None:
+                self._decoder.activity = self.executor.activity  # what the watchdog reads
+        return self._decoder
+
     def _run(self, inputs: Any, targets: Any, *, train: bool, keep_outputs: bool,
-             on_grads_ready: GradsReady | None = None, number: int | None = None
-             ) -> StepResult:
+             on_grads_ready: GradsReady | None = None, number: int | None = None,
+             decoding: tuple[Schedule, Loop] | None = None) -> StepResult:
+        schedule = self.schedule if decoding is None else decoding[0]
+        executor = self._executor(schedule)
         if self._broken is not None:
             raise PipelineError(f"[rank {self.rank}] this pipeline failed earlier and cannot run "
                                 f"again: {self._broken}")
@@ -344,26 +385,32 @@ class Pipeline:
             raise TypeError(f"step must be an int (the caller's step number), got {number!r}")
         step = self._step if number is None else number
         self._step += 1
-        data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready)
+        data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready,
+                        loop=None if decoding is None else decoding[1])
         if self.transport is not None:
-            if train not in self._plans:  # per peer, what it sends this rank in a step
-                self._plans[train] = message_plans(self.schedule, self.rank, train,
-                                                    self.routes)
-                self._proofs[train] = delivery_proofs(self.schedule, self.rank, train,
-                                                      self.routes)
-            self.transport.start_step(step, self._plans[train],
-                                      {p: done_key(step, p) for p in self._plans[train]},
-                                      self._proofs[train])
+            key = (train, None if decoding is None else schedule)
+            if key not in self._plans:  # per peer, what it sends this rank in a step
+                if decoding is not None:  # one decoding schedule kept at a time
+                    self._plans = {k: v for k, v in self._plans.items() if k[1] is None}
+                self._plans[key] = message_plans(schedule, self.rank, train, self.routes)
+                self._proofs[key] = delivery_proofs(schedule, self.rank, train, self.routes)
+            self.transport.start_step(step, self._plans[key],
+                                      {p: done_key(step, p) for p in self._plans[key]},
+                                      self._proofs[key])
         try:
             self._copies.refresh()
-            self._prepare(data, inputs, targets)
-            self.executor.run(data)
-            loss, times = self._finish(data)
+            if decoding is None:
+                self._prepare(data, inputs, targets)
+            else:
+                data.inputs, data.targets = inputs, [None] * schedule.n_microbatches
+                data.weights = [1.0] * schedule.n_microbatches
+            executor.run(data)
+            loss, times = self._finish(data, executor, schedule)
         except BaseException as e:
             error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
             if self.watchdog is not None:
                 self.watchdog.failed(error)
-            self._fail(step, error, data.done_sent)
+            self._fail(step, error, data.done_sent, executor)
             if error is e:
                 raise
             raise error from e
@@ -401,15 +448,16 @@ class Pipeline:
                 if self.loss_reduction == "mean":
                     data.weights = [n / total for n in sizes]
 
-    def _finish(self, data: StepData) -> tuple[torch.Tensor | None, StepTimes]:
-        own = self.executor.executed(data.train)
+    def _finish(self, data: StepData, executor: Executor, schedule: Schedule
+                ) -> tuple[torch.Tensor | None, StepTimes]:
+        own = executor.executed(data.train)
         if self.transport is None:
-            loss, times = total_loss(data), StepTimes(self.schedule, data.train, own, data.times)
+            loss, times = total_loss(data), StepTimes(schedule, data.train, own, data.times)
         else:
-            self.executor.activity.waiting("the end-of-step exchange", tuple(
-                r for r in range(self.schedule.n_ranks) if r != self.rank), data.step)
-            loss, times = exchange(self.transport, self.schedule, self.rank, data, own)
-            self.executor.activity.idle()
+            executor.activity.waiting("the end-of-step exchange", tuple(
+                r for r in range(schedule.n_ranks) if r != self.rank), data.step)
+            loss, times = exchange(self.transport, schedule, self.rank, data, own)
+            executor.activity.idle()
         if data.train:
             self._copies.merge_grads()
         if data.train and self._tied_grads is not None:
@@ -418,7 +466,8 @@ class Pipeline:
             self.executor.grads_ready(self.rank, None, self.executor.deferred, data)
         return loss, times
 
-    def _fail(self, step: int, error: BaseException, done_sent: bool) -> None:
+    def _fail(self, step: int, error: BaseException, done_sent: bool, executor: Executor
+              ) -> None:
         for stage in self.stages.values():
             stage.clear()
         self._broken = f"{type(error).__name__}: {error}"
@@ -427,7 +476,7 @@ class Pipeline:
         self.transport.discard()
         if done_sent:  # every peer has (or gets) this rank's end-of-step message: it is done
             return
-        current = self.executor.current
+        current = executor.current
         where = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
                  ) if current else (-1, -1, 0)
         self.transport.abort(step, *where, f"{type(error).__name__}: {error}",

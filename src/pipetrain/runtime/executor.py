@@ -8,6 +8,10 @@ For every action of its list, in order, a rank does exactly this::
                s > 0: send input gradients to s-1                      (I defers the W part)
     W(s, mb):  weight gradients deferred by I(s, mb)
 
+A decoding schedule (``schedule.feedback``) closes the chain into a ring: the last stage's F
+hands its outputs to ``data.loop.pick``, which picks the tokens, and sends them to stage 0,
+whose F on the fed micro-batch takes its input from ``data.loop.feed`` (:class:`Loop`).
+
 That is the chain of a layer list; a traced model's stages take and send one message per
 route instead (:mod:`pipetrain.runtime.routes`: F takes a message from each earlier stage whose
 values it uses and sends one to each later stage using its values; B/I likewise for gradients).
@@ -23,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
@@ -45,6 +49,20 @@ __all__: list[str] = []
 GradsReady = Callable[[int], None]
 
 
+class Loop(Protocol):
+    """What a decoding run adds to forward-only steps (:mod:`pipetrain.generation`)."""
+
+    def enter(self, stage: int, mb: int) -> None:
+        """Called before ``stage`` runs micro-batch ``mb`` (swaps in its group's KV cache)."""
+
+    def pick(self, mb: int, outputs: Any) -> torch.Tensor:
+        """On the last stage: the tokens that the model's ``outputs`` for ``mb`` give."""
+
+    def feed(self, mb: int, tokens: torch.Tensor) -> Any:
+        """On stage 0: the input of ``mb`` from the tokens picked for the micro-batch it
+        follows (:meth:`Schedule.fed_back`)."""
+
+
 @dataclass
 class StepData:
     """The inputs of one step: per-micro-batch inputs, targets and loss weights."""
@@ -61,6 +79,7 @@ class StepData:
     times: list[float] = field(default_factory=list)  # start, end of each action run, in order
     done_sent: bool = False  # this rank sent its end-of-step message
     rng: Sequence[str] = ()  # stage 0: each micro-batch's starting random state (rng.py)
+    loop: Loop | None = None  # a decoding run's token picking and feeding
 
 
 class Executor:
@@ -106,6 +125,9 @@ class Executor:
         """The stages whose messages ``a`` consumes."""
         if a.op is Op.W:
             return ()
+        fed = self.schedule.fed_back(a)
+        if fed is not None:
+            return (fed.stage,)
         return self._act_in[a.stage] if a.op is Op.F else self._grad_in[a.stage]
 
     def executed(self, train: bool) -> list[tuple[int, Action]]:
@@ -180,7 +202,13 @@ class Executor:
     def _forward(self, rank: int, stage: Stage, a: Action, msgs: list[Message],
                  data: StepData) -> None:
         inputs: list[Incoming]
-        if a.stage == 0:
+        loop = data.loop
+        if loop is not None:
+            loop.enter(a.stage, a.mb)
+        if a.stage == 0 and loop is not None and self.schedule.fed_back(a) is not None:
+            tensors, spec = flatten(loop.feed(a.mb, _present(msgs[0].tensors[0], msgs[0].key)))
+            inputs = [(tensors, spec, [False] * len(tensors))]
+        elif a.stage == 0:
             tensors, spec = flatten(data.inputs[a.mb])
             inputs = [(tensors, spec, [False] * len(tensors))]
         else:
@@ -195,10 +223,21 @@ class Executor:
                 data.outputs[a.mb] = _detach(raw)
             if loss is not None:
                 data.losses[a.mb] = loss.detach()
+            if loop is not None:
+                self._feed_back(rank, a, loop.pick(a.mb, raw), data.step)
             return
         for dst, (flat, spec) in zip(self._act_out[a.stage], sends):
             self._put(rank, Message(Key(ACT, data.step, a.mb, a.stage, dst), list(flat), spec,
                                     [t.requires_grad for t in flat]))
+
+    def _feed_back(self, rank: int, a: Action, tokens: torch.Tensor, step: int) -> None:
+        """Send the tokens of ``a`` (the last stage's F) to stage 0, for the mb they feed."""
+        if self.schedule.feedback is None:
+            return
+        lag, start = self.schedule.feedback
+        fed = a.mb + lag
+        if start <= fed < self.schedule.n_microbatches:
+            self._put(rank, Message(Key(ACT, step, fed, a.stage, 0), [tokens], None, [False]))
 
     def _put(self, rank: int, msg: Message) -> None:
         dst = msg.key.dst_stage
@@ -267,6 +306,8 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True,
     mine = [[d for d, _ in p.act_out if schedule.rank_of(d) == rank] for p in ports]
     back = [[d for d, _ in p.grad_out if schedule.rank_of(d) == rank] for p in ports]
     out: dict[int, list[tuple[int, int, int, int]]] = {}
+    last, lag, start = schedule.n_stages - 1, *(schedule.feedback or (0, 0))
+    fed = schedule.feedback is not None and schedule.rank_of(0) == rank
     for peer, acts in enumerate(schedule.actions):
         if peer == rank:
             continue
@@ -274,6 +315,8 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True,
         for a in acts:
             if a.op is Op.F:
                 plan += [(ACT, a.mb, a.stage, d) for d in mine[a.stage]]
+                if fed and a.stage == last and start <= a.mb + lag < schedule.n_microbatches:
+                    plan.append((ACT, a.mb + lag, last, 0))
             elif train and a.op is not Op.W:
                 plan += [(GRAD, a.mb, a.stage, d) for d in back[a.stage]]
         out[peer] = plan

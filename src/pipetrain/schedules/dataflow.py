@@ -5,6 +5,7 @@ The rules, shared by the validator, the simulator and the runtime's local mode:
     F(s, mb)    waits for F(s-1, mb)                      (activation from the previous stage)
     B/I(s, mb)  waits for F(s, mb) and B/I(s+1, mb)       (gradient from the next stage)
     W(s, mb)    waits for I(s, mb)
+    F(0, mb)    of a decoding schedule, also waits for F(last, mb - lag) (its fed-back token)
 
 A rank executes its list strictly in order; sends never block (the runtime buffers every
 message it receives), so the only way to deadlock is a cycle of these waits.
@@ -30,10 +31,14 @@ def produces(action: Action) -> Key:
     return (kind, action.stage, action.mb)
 
 
-def needs(action: Action, n_stages: int) -> list[Key]:
-    """The keys ``action`` waits for (possibly produced on another rank)."""
+def needs(action: Action, n_stages: int, schedule: Schedule | None = None) -> list[Key]:
+    """The keys ``action`` waits for (possibly produced on another rank); ``schedule`` adds
+    its decoding feedback (:attr:`Schedule.feedback`)."""
     s, mb = action.stage, action.mb
     if action.op is Op.F:
+        fed = None if schedule is None else schedule.fed_back(action)
+        if fed is not None:
+            return [produces(fed)]
         return [("F", s - 1, mb)] if s > 0 else []
     if action.op is Op.W:
         return [("G", s, mb)]
@@ -83,7 +88,7 @@ def walk(
         for rank, acts in enumerate(schedule.actions):
             while pos[rank] < len(acts):
                 action = acts[pos[rank]]
-                deps = needs(action, n_stages)
+                deps = needs(action, n_stages, schedule)
                 if any(d not in ready for d in deps):
                     break
                 t = free[rank]

@@ -11,8 +11,12 @@ Glossary (one word per concept, used everywhere in pipetrain):
 A schedule never refers to modules, devices or process groups: it is generated from integers,
 printed, parsed back, validated and simulated, and the runtime executes exactly these lists.
 
+A decoding schedule (:mod:`pipetrain.schedules.generators.decode`) adds one more rule, its
+``feedback``: the token the last stage picks for one micro-batch is the input of a later one.
+
 Text form (CSV, one column per rank; ``#`` lines are comments; empty, ``.`` or ``-`` cells are
-padding; columns may also be separated by whitespace instead of commas)::
+padding; columns may also be separated by whitespace instead of commas; a decoding schedule
+has a ``# feedback: lag=L start=S`` line)::
 
     # schedule: 1f1b
     rank 0,rank 1
@@ -23,6 +27,7 @@ padding; columns may also be separated by whitespace instead of commas)::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,14 +52,27 @@ class Schedule:
     n_microbatches: int
     placement: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
+    feedback: tuple[int, int] | None = None
+    """Autoregressive decoding, as ``(lag, start)``: the forward of stage 0 on micro-batch
+    ``mb >= start`` takes the output of the last stage's forward on ``mb - lag`` (the token it
+    picked). Such a schedule is forward-only. None: micro-batches are independent."""
 
     @classmethod
     def from_lists(
         cls, name: str, n_microbatches: int, placement: Sequence[int],
-        actions: Sequence[Sequence[Action]],
+        actions: Sequence[Sequence[Action]], feedback: tuple[int, int] | None = None,
     ) -> Schedule:
         """Freeze plain lists into a schedule (no validation beyond shape; see ``validate``)."""
-        return cls(name, n_microbatches, tuple(placement), tuple(tuple(a) for a in actions))
+        return cls(name, n_microbatches, tuple(placement), tuple(tuple(a) for a in actions),
+                   feedback)
+
+    def fed_back(self, action: Action) -> Action | None:
+        """The last stage's forward whose output ``action`` takes as its input (decoding's
+        feedback), or None."""
+        if self.feedback is None or action.op is not Op.F or action.stage != 0:
+            return None
+        lag, start = self.feedback
+        return Action(self.n_stages - 1, Op.F, action.mb - lag) if action.mb >= start else None
 
     @property
     def n_ranks(self) -> int:
@@ -80,6 +98,8 @@ class Schedule:
         """The CSV grid: a comment line, a header of ranks, then one row per step."""
         depth = max((len(a) for a in self.actions), default=0)
         lines = [f"# schedule: {self.name}"]
+        if self.feedback is not None:
+            lines.append(f"# feedback: lag={self.feedback[0]} start={self.feedback[1]}")
         lines.append(",".join(f"rank {r}" for r in range(self.n_ranks)))
         for step in range(depth):
             cells = [str(a[step]) if step < len(a) else "." for a in self.actions]
@@ -100,6 +120,7 @@ class Schedule:
             ScheduleError: on an unparsable cell or a stage appearing on two ranks.
         """
         found_name, rows = _grid_rows(text)
+        feedback = _feedback(text)
         if not rows:
             raise ScheduleError("schedule text has no rank header and no actions")
         header, body = rows[0][1], rows[1:]
@@ -121,7 +142,8 @@ class Schedule:
                     raise ScheduleError(f"line {line_no}, rank {rank}: {e}") from None
         placement = _infer_placement(columns)
         n_mb = 1 + max((a.mb for col in columns for a in col), default=-1)
-        return cls.from_lists(name or found_name or "custom", n_mb, placement, columns)
+        return cls.from_lists(name or found_name or "custom", n_mb, placement, columns,
+                              feedback)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_text())
@@ -150,6 +172,20 @@ def _grid_rows(text: str) -> tuple[str | None, list[tuple[int, list[str]]]]:
             cells = [c for c in cells if c] if "," in line else _merge_rank_words(cells)
         rows.append((line_no, cells))
     return name, rows
+
+
+def _feedback(text: str) -> tuple[int, int] | None:
+    """The ``# feedback: lag=L start=S`` line's integers, or None without one."""
+    for raw in text.splitlines():
+        key, _, value = raw.strip().lstrip("#").partition(":")
+        if not raw.strip().startswith("#") or key.strip() != "feedback":
+            continue
+        found = re.fullmatch(r"\s*lag\s*=\s*(\d+)\s+start\s*=\s*(\d+)\s*", value)
+        if found is None:
+            raise ScheduleError(f"cannot parse {raw.strip()!r}: expected '# feedback: lag=L "
+                                "start=S' with two integers")
+        return int(found.group(1)), int(found.group(2))
+    return None
 
 
 def _is_action_row(cells: list[str]) -> bool:

@@ -79,7 +79,7 @@ class _Walker:
         if rank in self.left or self.pos[rank] == len(acts):
             return None
         t = self.free[rank]
-        for dep in needs(acts[self.pos[rank]], self.schedule.n_stages):
+        for dep in needs(acts[self.pos[rank]], self.schedule.n_stages, self.schedule):
             if dep not in self.ready:
                 return None
             t_dep, r_dep = self.ready[dep]

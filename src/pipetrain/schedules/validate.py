@@ -6,6 +6,7 @@ Four checks run in order and the first one that fails raises a single
     1. shape       placement ranks exist; every action's stage is placed on the rank whose
                    list holds it; every mb is in 0 .. n_microbatches-1
     2. complete    every (stage, mb) has exactly one F and either one B or one I and one W
+                   (a decoding schedule, forward-only, has exactly one F and nothing else)
     3. local order on its rank W(s, mb) follows I(s, mb) and B/I(s, mb) follows F(s, mb);
                    when stages s-1 and s share a rank, F(s-1, mb) precedes F(s, mb), and when
                    stages s and s+1 share a rank, B/I(s+1, mb) precedes B/I(s, mb)
@@ -137,6 +138,10 @@ def _check_shape(schedule: Schedule) -> list[Problem]:
     if p < 1 or n_stages < 1 or m < 1:
         return [(f"schedule {schedule.name!r} has {p} ranks, {n_stages} stages and {m} "
                  "micro-batches; each must be at least 1", set())]
+    if schedule.feedback is not None and not 1 <= schedule.feedback[0] <= schedule.feedback[1]:
+        problems.append((f"feedback (lag, start) = {schedule.feedback}: the lag must be at "
+                         "least 1 and at most start (a micro-batch is fed by an earlier one)",
+                         set()))
     for stage, rank in enumerate(schedule.placement):
         if not 0 <= rank < p:
             problems.append((f"placement puts stage {stage} on rank {rank}, but ranks are "
@@ -184,6 +189,13 @@ def _stage_mb_problems(schedule: Schedule, stage: int, mb: int,
         return [(f"stage {stage}, mb {mb} has both a fused B and a split I/W backward on "
                  f"rank {rank}; use either {stage}B{mb} or {stage}I{mb} + {stage}W{mb}",
                  cells)]
+    if schedule.feedback is not None:  # decoding: forward only
+        extra = {c for op in (Op.B, Op.I, Op.W) for c in where.get(Action(stage, op, mb), [])}
+        if extra:
+            return [(f"stage {stage}, mb {mb} has a backward action in a decoding schedule "
+                     "(its feedback makes it forward-only)", extra)]
+        return [] if count[Op.F] else [(f"missing {Action(stage, Op.F, mb)} on rank {rank} "
+                                        "(no step runs it)", set())]
     wanted = [Op.F] + ([Op.B] if count[Op.B] or not (count[Op.I] or count[Op.W])
                        else [Op.I, Op.W])
     return [(f"missing {Action(stage, op, mb)} on rank {rank} (no step runs it): every "
@@ -199,7 +211,9 @@ def _check_local_order(schedule: Schedule) -> list[Problem]:
     for rank, acts in enumerate(schedule.actions):
         step_of = {a: step for step, a in enumerate(acts)}
         for step, action in enumerate(acts):
-            for before, why in _must_precede(action, schedule.n_stages):
+            fed = schedule.fed_back(action)
+            fed_rule = [] if fed is None else [(fed, "F needs the token its feedback takes")]
+            for before, why in _must_precede(action, schedule.n_stages) + fed_rule:
                 other = step_of.get(before)
                 if other is not None and other > step:
                     problems.append((f"rank {rank}, step {step}: {action} runs before "
@@ -235,7 +249,7 @@ def _check_deadlock(schedule: Schedule) -> list[Problem]:
         if step == len(schedule.actions[rank]):
             continue  # this rank finished its list
         action = schedule.actions[rank][step]
-        unmet = [producer[k] for k in dataflow.needs(action, schedule.n_stages)
+        unmet = [producer[k] for k in dataflow.needs(action, schedule.n_stages, schedule)
                  if producer[k][1] >= result.stuck[producer[k][0]]]
         waits = " and ".join(_describe_wait(schedule, cell, result.stuck) for cell in unmet)
         problems.append((f"rank {rank}, step {step}: {action} waits for {waits}",

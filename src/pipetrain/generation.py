@@ -1,0 +1,339 @@
+"""Generator: text from a causal LM split into stages, a KV cache per stage, the pipeline kept full.
+
+    gen = Generator(model, rows=4, length=256)           # the same call on every rank
+    out = gen.generate([[1, 5, 9], [1, 7]], max_new_tokens=32)   # new tokens per prompt
+
+The model is captured once with a static KV cache (:class:`pipetrain.hf.cache.CachedLM`) and cut
+at its decoder layers into one stage per rank, each holding its own layers' caches. A batch of
+prompts is split into groups of ``rows`` sequences, padded on the left to the longest prompt
+as ``transformers``' ``generate`` pads them. Every group has a cache of its own on every stage
+(swapped in before the stage runs one of its micro-batches), so the groups take turns through
+the stages like the micro-batches of training; the schedule
+(:func:`~pipetrain.schedules.generators.decode.decode_schedule`) says who runs what, and the
+last stage's picked token goes back to stage 0 as the schedule's feedback::
+
+    prompt ──► prefill slices (``prefill`` positions each) ──► token 1
+           ──► decode steps: one position per step, cost flat in the context ──► token 2, 3 ...
+
+Tokens are decided in windows of ``window`` decode steps; after each, every rank holds the
+window's tokens (the streaming callback runs), and generation stops early when every
+sequence has met an end token. Greedy decoding picks the argmax of float32 logits, as
+``generate(do_sample=False)``; sampling (temperature, top-k, top-p) draws from a generator
+seeded by (seed, sequence, token index), so the text is the same under every layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.pipeline import Pipeline
+from pipetrain.schedules.generators.decode import decode_schedule
+from pipetrain.split.lazy import is_meta
+from pipetrain.split.partition import even_balance
+
+__all__ = ["Generator", "Sampling"]
+
+OnTokens = Callable[[list[list[int]]], None]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen from the logits of the last position.
+
+    ``temperature`` 0 is greedy (argmax); otherwise the logits are divided by it, cut to the
+    ``top_k`` most likely (0: all) and to the smallest set whose probability reaches
+    ``top_p`` (1.0: all), and one token is drawn.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1, "
+                             f"got {self.temperature}, {self.top_k}, {self.top_p}")
+
+    def pick(self, logits: torch.Tensor, row: int, index: int) -> int:
+        """The token for sequence ``row``'s ``index``-th new token from its (vocab,) logits."""
+        scores = logits.float()
+        if self.temperature == 0:
+            return int(scores.argmax())
+        scores = scores / self.temperature
+        if self.top_k:
+            kth = scores.topk(min(self.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1:
+            ordered, order = scores.sort(descending=True)
+            cumulative = ordered.softmax(-1).cumsum(-1)
+            drop = cumulative - ordered.softmax(-1) >= self.top_p  # keep the first above p
+            scores = scores.scatter(0, order, ordered.masked_fill(drop, float("-inf")))
+        generator = torch.Generator().manual_seed(hash((self.seed, row, index)) & (2**62 - 1))
+        return int(torch.multinomial(scores.softmax(-1).cpu(), 1, generator=generator))
+
+
+class Generator:
+    """Generate with ``model`` (a decoder-only Hugging Face causal LM) cut into one stage per
+    rank, each with a KV cache of its layers.
+
+    Args:
+        model: the model, real or on ``meta`` (then load its weights into :attr:`pipe`'s
+            ``state_dict()`` before generating, as :meth:`from_pretrained` does). It is put in
+            eval mode: generation never drops out.
+        rows: sequences per group (each group has its own cache; a batch is padded with
+            copies of its first prompt to whole groups).
+        length: the most positions a sequence may reach (longest prompt + new tokens - 1).
+        prefill: prompt positions per prefill step (a longer prompt takes several).
+        window: decode steps between two synchronisations (streaming, early stop).
+        group, local_ranks, device, timeout, balance: as for :class:`Pipeline`; the cuts
+            are at the decoder layers, ``balance`` (default: even) groups them.
+
+    Raises:
+        ValueError: for an encoder-decoder or counts below 1.
+    """
+
+    def __init__(self, model: nn.Module, *, rows: int = 1, length: int = 256,
+                 prefill: int = 256, window: int = 16, group: dist.ProcessGroup | None = None,
+                 local_ranks: int | None = None, device: torch.device | str | None = None,
+                 timeout: float = 60.0, balance: Sequence[int] | str | None = None,
+                 init_seed: int = 0) -> None:
+        from pipetrain.hf.cache import CachedLM
+        from pipetrain.hf.model import split_points
+
+        if min(rows, length, prefill, window) < 1:
+            raise ValueError(f"rows, length, prefill and window must be >= 1, got {rows}, "
+                             f"{length}, {prefill}, {window}")
+        self.rows, self.length, self.prefill, self.window = rows, length, prefill, window
+        self.group = group
+        n_ranks = local_ranks or (dist.get_world_size(group) if dist.is_initialized() else 1)
+        model.eval()
+        wrapped = CachedLM(model, rows, length)
+        example = {"input_ids": torch.zeros(rows, 2, dtype=torch.long),
+                   "attention_mask": torch.ones(rows, length, dtype=torch.long),
+                   "position_ids": torch.zeros(rows, 2, dtype=torch.long)}
+        points = ["model." + p for p in split_points(model, n_ranks, example)]
+        if balance is None:
+            balance = even_balance(len(points) + 1, n_ranks)
+        kinds = {id(t): i % 3 for i, t in enumerate(wrapped.cache_tensors())}
+        names = {id(b): n for n, b in wrapped.named_buffers()}
+        cache_names = {names[i] for i in kinds if i in names}
+        with torch.no_grad():  # the cache's writes must not record autograd history
+            self.pipe = Pipeline(wrapped, decode_schedule(n_ranks, 1, 1), split_points=points,
+                                 example_inputs=example, balance=balance, group=group,
+                                 local_ranks=local_ranks, device=device, timeout=timeout,
+                                 init_seed=init_seed, rng=False)
+        self.meta = is_meta(model)
+        self.caches = {s: [b for n, b in self.pipe.named_buffers(s) if n in cache_names]
+                       for s in self.pipe.stages}
+        """Per hosted stage, the cache tensors its graph reads and writes."""
+        self._groups: list[dict[int, list[torch.Tensor]]] = []
+        self._run: _Run | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> Generator:
+        """A ``save_pretrained`` directory: each rank builds and reads only its own stage's
+        tensors (:mod:`pipetrain.hf.model`); ``kwargs`` as for the constructor.
+
+        Raises:
+            FileNotFoundError, ValueError: as :func:`pipetrain.hf.model.open_model` and
+                :func:`~pipetrain.hf.model.load_weights` do.
+        """
+        from pathlib import Path
+
+        from pipetrain.hf.model import load_weights, open_model
+
+        hf = open_model(Path(path))
+        gen = cls(hf.model, **kwargs)
+        state = {name.removeprefix("model."): t for name, t in gen.pipe.state_dict().items()}
+        load_weights(hf, state)
+        return gen
+
+    # -- caches ------------------------------------------------------------------------------
+    def _caches(self, groups: int) -> None:
+        """A zeroed cache per group on every hosted stage (kept between calls when enough)."""
+        while len(self._groups) < groups:
+            self._groups.append({s: [torch.zeros_like(t) for t in ts]
+                                 for s, ts in self.caches.items()})
+        for group in self._groups[:groups]:
+            for tensors in group.values():
+                for t in tensors:
+                    t.zero_()
+
+    def enter(self, stage: int, mb: int) -> None:
+        """Point ``stage``'s cache tensors at the cache of ``mb``'s group (no copy)."""
+        if self._run is None:
+            raise RuntimeError("enter() runs inside generate()")
+        own = self._groups[mb % self._run.groups][stage]
+        for t, store in zip(self.caches[stage], own):
+            t.set_(store)
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 sampling: Sampling | None = None, eos_token_id: int | Sequence[int] | None = None,
+                 pad_token_id: int = 0, on_tokens: OnTokens | None = None) -> list[list[int]]:
+        """Up to ``max_new_tokens`` new tokens after each prompt (the same on every rank).
+
+        A sequence ends after an end token (included); ``on_tokens`` gets each window's new
+        tokens per prompt, on every rank, as soon as they are decided.
+
+        Raises:
+            ValueError: for an empty prompt, or a prompt plus its new tokens longer than
+                ``length``.
+        """
+        if max_new_tokens < 1 or not prompts:
+            return [[] for _ in prompts]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens - 1 > self.length:
+            raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones needs "
+                             f"{longest + max_new_tokens - 1} cached positions; the generator "
+                             f"holds {self.length} (length=)")
+        run = _Run(self, prompts, max_new_tokens, sampling or Sampling(), eos_token_id,
+                   pad_token_id)
+        self._caches(run.groups)
+        self._run = run
+        try:
+            return run.go(on_tokens)
+        finally:
+            self._run = None
+
+
+class _Run:
+    """One ``generate`` call: the padded prompts, the windows, the tokens so far."""
+
+    def __init__(self, gen: Generator, prompts: Sequence[Sequence[int]], new: int,
+                 sampling: Sampling, eos: int | Sequence[int] | None, pad: int) -> None:
+        self.gen, self.new, self.sampling, self.pad = gen, new, sampling, pad
+        self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        self.n = len(prompts)
+        rows = gen.rows
+        self.groups = -(-self.n // rows)
+        padded = list(prompts) + [prompts[0]] * (self.groups * rows - self.n)
+        self.width = max(len(p) for p in padded)
+        device = gen.pipe.device
+        ids = torch.full((len(padded), self.width), pad, dtype=torch.long)
+        mask = torch.zeros(len(padded), gen.length, dtype=torch.long)
+        for i, p in enumerate(padded):
+            ids[i, self.width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, self.width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        self.ids, self.mask, self.positions = ids.to(device), mask.to(device), positions.to(device)
+        self.prefill_steps = -(-self.width // gen.prefill)
+        self.tokens: list[list[int]] = [[] for _ in padded]
+        self.done = [False] * len(padded)
+        self.start = 0  # the first step (of a group's steps) of the current window
+        self.picked: dict[int, torch.Tensor] = {}
+
+    def _rows(self, g: int) -> slice:
+        return slice(g * self.gen.rows, (g + 1) * self.gen.rows)
+
+    def _payload(self, g: int, ids: torch.Tensor, lo: int, hi: int) -> Any:
+        """Stage 0's input for group ``g``: ``ids`` at cache positions ``lo .. hi-1``."""
+        rows = self._rows(g)
+        traced = self.gen.pipe.traced
+        assert traced is not None  # built with split_points
+        return traced.payload({"input_ids": ids, "attention_mask": self.mask[rows],
+                               "position_ids": self.positions[rows, lo:hi]})
+
+    def _slot(self, step: int) -> int:
+        """The cache position of a decode step's input token."""
+        return self.width + step - self.prefill_steps
+
+    def feed(self, mb: int, tokens: torch.Tensor) -> Any:
+        step, g = self.start + mb // self.groups, mb % self.groups
+        slot = self._slot(step)
+        return self._payload(g, tokens.reshape(-1, 1).to(self.gen.pipe.device), slot, slot + 1)
+
+    def enter(self, stage: int, mb: int) -> None:
+        self.gen.enter(stage, mb)
+
+    def pick(self, mb: int, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each row of ``mb``'s group (an end token makes the rest pad)."""
+        step, g = self.start + mb // self.groups, mb % self.groups
+        index = step - self.prefill_steps + 1  # this step's token number
+        if index < 0:
+            return torch.zeros(0, dtype=torch.long, device=logits.device)  # mid-prompt
+        out = []
+        for i, row in enumerate(range(*self._rows(g).indices(len(self.tokens)))):
+            token = self.pad if self.done[row] else self.sampling.pick(logits[i, -1], row, index)
+            self.done[row] = self.done[row] or token in self.eos
+            out.append(token)
+        picked = torch.tensor(out, dtype=torch.long, device=logits.device)
+        self.picked[mb] = picked
+        return picked
+
+    def _window(self, first: bool) -> tuple[int, list[Any]]:
+        """The steps of the next window and stage 0's inputs of its non-fed micro-batches."""
+        gen, rows = self.gen, self.gen.rows
+        if first:
+            steps = self.prefill_steps + min(gen.window, self.new - 1)
+            inputs = []
+            for k in range(self.prefill_steps):
+                lo, hi = k * gen.prefill, min((k + 1) * gen.prefill, self.width)
+                inputs += [self._payload(g, self.ids[self._rows(g), lo:hi], lo, hi)
+                           for g in range(self.groups)]
+            return steps, inputs
+        left = self.new - len(self.tokens[0])
+        slot = self._slot(self.start)
+        last = torch.tensor([t[-1] for t in self.tokens], dtype=torch.long,
+                            device=gen.pipe.device)
+        inputs = [self._payload(g, last[g * rows:(g + 1) * rows, None], slot, slot + 1)
+                  for g in range(self.groups)]
+        return min(gen.window, left), inputs
+
+    def go(self, on_tokens: OnTokens | None) -> list[list[int]]:
+        first = True
+        while first or (len(self.tokens[0]) < self.new and not all(self.done[:self.n])):
+            steps, inputs = self._window(first)
+            fed_from = self.prefill_steps if first else 1
+            schedule = decode_schedule(self.gen.pipe.schedule.n_ranks, self.groups, steps,
+                                       fed_from=min(fed_from, steps))
+            self.picked = {}
+            self.gen.pipe.decode(schedule, inputs, self)
+            new = self._share(steps, first)
+            if on_tokens is not None:
+                on_tokens(new[:self.n])
+            self.start += steps
+            first = False
+        return [self._cut(t) for t in self.tokens[:self.n]]
+
+    def _share(self, steps: int, first: bool) -> list[list[int]]:
+        """This window's new tokens per row, from the last stage's rank to every rank."""
+        made = steps - (self.prefill_steps - 1 if first else 0)  # tokens per row
+        table = torch.zeros(len(self.tokens), made, dtype=torch.long)
+        pipe = self.gen.pipe
+        last = pipe.schedule.n_stages - 1
+        if last in pipe.stages:
+            for mb, picked in self.picked.items():
+                step, g = mb // self.groups, mb % self.groups
+                column = step - (self.prefill_steps - 1 if first else 0)
+                if picked.numel() and 0 <= column < made:
+                    table[self._rows(g), column] = picked.cpu()
+        if not pipe.local:
+            holder = pipe.schedule.rank_of(last)
+            device = pipe.transport.device if pipe.transport is not None else torch.device("cpu")
+            shared = table.to(device)
+            src = holder if self.gen.group is None else dist.get_global_rank(self.gen.group,
+                                                                               holder)
+            dist.broadcast(shared, src=src, group=self.gen.group)
+            table = shared.cpu()
+        new = table.tolist()
+        for row, tokens in enumerate(new):
+            self.tokens[row] += tokens
+            self.done[row] = self.done[row] or any(t in self.eos for t in tokens)
+        return new
+
+    def _cut(self, tokens: list[int]) -> list[int]:
+        """``tokens`` up to and including the first end token."""
+        for i, t in enumerate(tokens):
+            if t in self.eos:
+                return tokens[:i + 1]
+        return tokens

@@ -1,0 +1,76 @@
+"""Cache: a Hugging Face causal LM with a static KV cache that torch.export records in place.
+
+transformers' ``StaticCache`` preallocates every layer's keys and values (``rows`` sequences
+of ``length`` positions) and writes a step's keys into them with ``index_copy_`` at the
+positions its ``cumulative_length`` counter gives: in-place writes that the capture keeps
+(:mod:`pipetrain.split.capture`). Each layer's cache is read and written only inside that
+layer, so cut at the decoder layers every stage holds the caches of its own layers and a
+decode step sends one token's hidden state from stage to stage, not the context. The model
+keeps its own attention code; this module only hands it the cache, as transformers' own
+``TorchExportableModuleWithStaticCache`` (its ExecuTorch recipe) does, with two differences:
+the attention mask and positions are inputs (prompts of different lengths, padded on the
+left, as ``generate`` pads them), and the counters are not reset inside ``forward``
+(:class:`~pipetrain.generation.Generator` swaps whole caches in and out per group instead).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CachedLM"]
+
+
+class CachedLM(nn.Module):
+    """``model`` called with a static KV cache of ``rows`` sequences and ``length`` positions.
+
+    ``forward(input_ids, attention_mask, position_ids)`` returns the logits; the cache is
+    written in place. ``attention_mask`` covers all ``length`` positions (0 where a prompt is
+    padded); ``position_ids`` are each token's position in its own sequence.
+
+    Raises:
+        ValueError: for a model whose cache transformers cannot make static (a sliding window
+            that the model also relies on, an encoder-decoder).
+    """
+
+    def __init__(self, model: nn.Module, rows: int, length: int) -> None:
+        super().__init__()
+        from transformers.cache_utils import StaticCache, StaticLayer
+        from transformers.configuration_utils import get_head_shapes
+
+        config = model.config.get_text_config()
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"{type(model).__name__} is an encoder-decoder; generation through "
+                             "the pipeline takes decoder-only causal LMs")
+        self.model = model
+        self.cache = StaticCache(max_cache_len=length, config=config)
+        for i, layer in enumerate(self.cache.layers):
+            if type(layer) is not StaticLayer:  # a sliding window decides on the counter:
+                window = getattr(config, "sliding_window", None)  # only exact below the window
+                if window is not None and window < length:
+                    raise ValueError(f"{type(model).__name__} attends over a sliding window of "
+                                     f"{window} positions, shorter than {length}: generate at "
+                                     "most that many positions")
+                self.cache.layers[i] = StaticLayer(length)
+        heads, head_dim = get_head_shapes(config)
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.cache.early_initialization(rows, heads, head_dim, dtype, device)
+        for i, layer in enumerate(self.cache.layers):  # buffers, so that a meta model's are
+            self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)  # its own
+            self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+            self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length,
+                                 persistent=False)
+
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache: per layer its keys, values and position counter."""
+        return [t for layer in self.cache.layers
+                for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor) -> Any:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, cache=self.cache, use_cache=True)
+        return out.logits
