@@ -198,3 +198,56 @@ def save_dir(name: str, path: Any, text: str, *, weights: bool = True, seed: int
         config.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory
+
+
+# ---------------------------------------------------------------- generation
+
+GENERATING = ("llama", "gpt2", "mixtral", "qwen2")
+"""Causal LM families the generation tests cover: dense (Llama, Qwen2), learned positions and
+a tied head (GPT-2), a mixture of experts (Mixtral)."""
+
+
+def causal_lm(name: str, seed: int = 0) -> nn.Module:
+    """A tiny causal LM of family ``name`` (:data:`GENERATING`), in eval mode."""
+    tf = _quiet()
+    torch.manual_seed(seed)
+    dec = dict(num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+               max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if name == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**dec))
+    elif name == "gpt2":
+        model = gpt2()
+    elif name == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(**dec, num_local_experts=4,
+                                                       num_experts_per_tok=2))
+    else:
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**dec))
+    return model.eval()
+
+
+def prompts(lengths: tuple[int, ...] = (5, 3, 8, 2, 6), seed: int = 1) -> list[list[int]]:
+    """Token-id prompts of ``lengths`` (no pad or special ids)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_generate(model: nn.Module, batch: list[list[int]], new: int,
+                eos: int | None = None) -> list[list[int]]:
+    """transformers' own greedy ``generate`` on the batch padded on the left; each row's new
+    tokens up to and including its first ``eos``."""
+    width = max(len(p) for p in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    import copy
+
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = eos  # None: no end token (not the config's)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                         do_sample=False, pad_token_id=0, generation_config=config,
+                         use_cache=True)[:, width:].tolist()
+    return [row[:row.index(eos) + 1] if eos is not None and eos in row else row
+            for row in out]

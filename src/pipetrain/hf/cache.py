@@ -45,6 +45,7 @@ class CachedLM(nn.Module):
             raise ValueError(f"{type(model).__name__} is an encoder-decoder; generation through "
                              "the pipeline takes decoder-only causal LMs")
         self.model = model
+        self.config = model.config  # with _init_weights: a meta model is built by name
         self.cache = StaticCache(max_cache_len=length, config=config)
         for i, layer in enumerate(self.cache.layers):
             if type(layer) is not StaticLayer:  # a sliding window decides on the counter:
@@ -63,6 +64,10 @@ class CachedLM(nn.Module):
             self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
             self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length,
                                  persistent=False)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """The model's own initialisation (:class:`pipetrain.split.lazy.NamedInit` runs it)."""
+        self.model._init_weights(module)  # type: ignore[operator]
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache: per layer its keys, values and position counter."""

@@ -69,14 +69,17 @@ class Recall:
         if kept is None:
             return None
         self._kept.move_to_end(k)
-        attrs = {t: _own(model, t, v) for t, v in kept.attrs.items()}
+        attrs = {t: _own(model, v.name, None) if isinstance(v, _Named) else _own(model, t, v)
+                 for t, v in kept.attrs.items()}
         return dataclasses.replace(kept, attrs=attrs, seconds=0.0)
 
     def put(self, k: Hashable, captured: Any, model: nn.Module) -> None:
         """Keep ``captured`` (a :class:`~pipetrain.split.capture.Captured` of ``model``)
         without ``model``'s tensors."""
-        owned = {id(t) for t in (*model.parameters(), *model.buffers())}
-        attrs = {t: None if id(v) in owned else v for t, v in captured.attrs.items()}
+        owned = {id(t): name for name, t in (*model.named_parameters(),
+                                              *model.named_buffers())}
+        attrs = {t: (None if owned[id(v)] == t else _Named(owned[id(v)])) if id(v) in owned
+                 else v for t, v in captured.attrs.items()}
         self._kept[k] = dataclasses.replace(captured, graph=_detached(captured.graph),
                                             attrs=attrs)
         while len(self._kept) > SIZE:
@@ -84,6 +87,14 @@ class Recall:
 
     def clear(self) -> None:
         self._kept.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Named:
+    """A model tensor that the graph reads under another target than its name: a buffer that
+    ``forward`` reaches through a plain object (a KV cache), which export lifts as a constant."""
+
+    name: str
 
 
 def _own(model: nn.Module, target: str, kept: Any) -> Any:

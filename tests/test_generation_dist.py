@@ -1,0 +1,49 @@
+"""Generation across processes (gloo): on 2 and 4 ranks, each holding one stage and its KV
+caches, the greedy tokens of Llama, GPT-2, Mixtral (MoE) and Qwen2 equal transformers' own
+``generate(do_sample=False)`` on one process, on every rank; seeded sampling gives the tokens
+of a one-process run; a saved checkpoint is read by each rank for its own stage only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import pipetrain as pt
+from hf import GENERATING, causal_lm, hf_generate, prompts
+from pipetrain.generation import Generator, Sampling
+
+pytest.importorskip("transformers")
+
+NEW = 12
+SAMPLING = Sampling(temperature=0.9, top_k=16, top_p=0.95, seed=5)
+
+
+def _ranks(ctx: pt.RankContext, directory: str) -> dict[str, object]:
+    batch = prompts()
+    out: dict[str, object] = {}
+    for name in GENERATING:
+        gen = Generator(causal_lm(name), rows=2, length=32, prefill=4, window=5)
+        out[name] = gen.generate(batch, NEW)
+    out["sampled"] = gen.generate(batch, NEW, sampling=SAMPLING)
+    saved = Generator.from_pretrained(directory, rows=3, length=32)
+    out["saved"] = saved.generate(batch, NEW)
+    out["read"] = sorted(saved.pipe.state_dict())
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_generation_across_processes(n: int, tmp_path: Path) -> None:
+    stored = causal_lm("llama", seed=4)
+    stored.save_pretrained(tmp_path)
+    results = pt.launch(_ranks, n, str(tmp_path), timeout=300)
+    batch = prompts()
+    for name in GENERATING:
+        want = hf_generate(causal_lm(name), batch, NEW)
+        assert all(r[name] == want for r in results), name
+    local = Generator(causal_lm(GENERATING[-1]), rows=5, length=32, local_ranks=1)
+    assert all(r["sampled"] == local.generate(batch, NEW, sampling=SAMPLING) for r in results)
+    assert all(r["saved"] == hf_generate(stored, batch, NEW) for r in results)
+    held = [set(r["read"]) for r in results]  # type: ignore[arg-type]
+    assert all(a.isdisjoint(b) for i, a in enumerate(held) for b in held[i + 1:])
+    assert any("layers.0." in k for k in held[0]) and not any("layers.0." in k for k in held[-1])
