@@ -1,7 +1,8 @@
 """`pipetrain train --hf`: a tiny Llama and a tiny GPT-2, saved by transformers with a tokenizer,
 train on 2 processes (zbv) and on 4 (1f1b), come back as ``OUT/hf`` that transformers loads,
 and end with the same weights (Llama bitwise; GPT-2, whose tied table is summed in another
-order, to rounding); the step-0 loss logged is the one ``model(input_ids, labels=...)`` gives.
+order, to rounding); the step-0 loss logged is the one ``model(input_ids, labels=...)`` gives,
+and the greedy sample at the end is transformers' ``generate`` of ``OUT/hf``.
 Every feature at once is tests/test_hf_train_all.py."""
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def test_two_layouts_end_with_the_same_weights_that_transformers_loads(place: Pa
                                                                         name: str) -> None:
     import transformers as tf
 
-    two = _train(place, name, f"{name}-pp2", "--nproc", "2", "--schedule", "zbv")
+    two = _train(place, name, f"{name}-pp2", "--nproc", "2", "--schedule", "zbv",
+                 "--sample-top-k", "0")  # greedy: the sample is transformers' own
     four = _train(place, name, f"{name}-pp4", "--nproc", "4" if name == "llama" else "2",
                   "--schedule", "1f1b")  # GPT-2: its tie within a rank, then across ranks
     assert two["layout"]["pp"] == 2 and four["layout"]["pp"] == (4 if name == "llama" else 2)
@@ -127,7 +129,13 @@ def test_two_layouts_end_with_the_same_weights_that_transformers_loads(place: Pa
         assert same and moved > 0, f"{name} {n}: pp=2 zbv and pp=4 1f1b end elsewhere"
     logged = _records(place / f"{name}-pp2", "step")[0]["loss"]
     assert logged == pytest.approx(_transformers_loss(place, name), rel=1e-5)
-    assert two["sample"].startswith("def ")
+    prompt = tok("def ", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    config = a.generation_config
+    config.eos_token_id = None  # the sample runs its 6 tokens
+    greedy = a.generate(input_ids=prompt, max_new_tokens=6, do_sample=False,
+                        generation_config=config, pad_token_id=0)[0]
+    assert two["sample"] == tok.decode(greedy)
+    assert _records(place / f"{name}-pp2", "sample")[0]["kv_cache"]  # from OUT/hf, cached
 
 
 def test_fsdp_trains_a_stored_llama_like_dp_and_writes_it_whole(place: Path) -> None:

@@ -10,6 +10,7 @@ peak above ``--memory-limit``.
     $ pipetrain simulate -s zb-auto -p 4 -m 8 --memory-limit 4 --w-share 0.5
     $ pipetrain validate my_schedule.csv --cost F=1,I=1,W=1
     $ pipetrain verify --hf tiny-llama --schedule zbv --pp 2
+    $ pipetrain generate --hf tiny-llama --nproc 2 --prompt "def "
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import Costs, Simulation, simulate
 from pipetrain.schedules.validate import format_grid, validate
 from pipetrain.train import cli as train_cli
-from pipetrain.train import export_cli, verify_cli
+from pipetrain.train import export_cli, generate_cli, verify_cli
 
 __all__ = ["Subcommand", "subcommands", "build_parser", "main"]
 
@@ -62,6 +63,7 @@ def subcommands() -> dict[str, Subcommand]:
         "export-hf": Subcommand(export_cli.HELP, export_cli.configure, export_cli.run),
         "plan": Subcommand(plan_cli.HELP, plan_cli.configure, plan_cli.run),
         "verify": Subcommand(verify_cli.HELP, verify_cli.configure, verify_cli.run),
+        "generate": Subcommand(generate_cli.HELP, generate_cli.configure, generate_cli.run),
     }
 
 

@@ -24,6 +24,7 @@ seeded by (seed, sequence, token index), so the text is the same under every lay
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,11 +125,15 @@ class Generator:
         kinds = {id(t): i % 3 for i, t in enumerate(wrapped.cache_tensors())}
         names = {id(b): n for n, b in wrapped.named_buffers()}
         cache_names = {names[i] for i in kinds if i in names}
+        export_log = logging.getLogger("torch._export.non_strict_utils")
+        level = export_log.level  # rows = 1 fixes the batch size, as the cache does anyway
+        export_log.setLevel(logging.ERROR)
         with torch.no_grad():  # the cache's writes must not record autograd history
             self.pipe = Pipeline(wrapped, decode_schedule(n_ranks, 1, 1), split_points=points,
                                  example_inputs=example, balance=balance, group=group,
                                  local_ranks=local_ranks, device=device, timeout=timeout,
                                  init_seed=init_seed, rng=False)
+        export_log.setLevel(level)
         self.meta = is_meta(model)
         self.caches = {s: [b for n, b in self.pipe.named_buffers(s) if n in cache_names]
                        for s in self.pipe.stages}
@@ -150,6 +155,11 @@ class Generator:
         from pipetrain.hf.model import load_weights, open_model
 
         hf = open_model(Path(path))
+        limit, length = hf.max_positions, kwargs.get("length", 256)
+        if limit is not None and length > limit:
+            raise ValueError(f"{path}: {length} positions asked for (length=, the longest prompt "
+                             f"plus the new tokens) but {type(hf.model).__name__} has "
+                             f"{limit} (max_position_embeddings)")
         gen = cls(hf.model, **kwargs)
         state = {name.removeprefix("model."): t for name, t in gen.pipe.state_dict().items()}
         load_weights(hf, state)

@@ -309,7 +309,8 @@ def _work(cfg: TrainConfig, run: RunFn | None, rank: int, joined: list[Any],
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     _init_group(backend, rank, timedelta(seconds=cfg.timeout))
     joined += [store for store in (job_store(),) if store is not None]
-    reporter = _reporter(cfg, rank, tuned)
+    quiet = not getattr(run, "reports", True)  # a job that is not training (generate)
+    reporter = NullReporter() if quiet else _reporter(cfg, rank, tuned)
     try:
         return (run or _default_run())(cfg, reporter)
     finally:

@@ -172,7 +172,8 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
                           predict(basis.timeline, trainer.pipe.schedule), basis.step)
     text = sample(trainer)
     if text is not None:
-        reporter.record("sample", {"text": text})
+        cached = _cache_length(trainer, _prompt(trainer)) is not None
+        reporter.record("sample", {"text": text, "kv_cache": cached})
     summary = {**_summary(trainer, tally, elapsed, final_eval, text),
                "peak_memory_bytes": _every_rank_value(meter.peak_bytes),
                "checkpoint": None if saved is None else str(saved)}
@@ -267,9 +268,10 @@ def sample(trainer: Trainer) -> str | None:
     cfg = trainer.cfg
     if cfg.sample_tokens <= 0:
         return None
-    source = trainer.source
-    prompt = (source.encode(cfg.prompt) if source is not None else encode(cfg.prompt).tolist()
-              ) or [NEWLINE]
+    source, prompt = trainer.source, _prompt(trainer)
+    ids = _cached_sample(trainer, prompt)
+    if ids is not None:
+        return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
     with autocast(cfg.precision, trainer.mesh.device):
         ids = generate(trainer.pipe, trainer.mesh, prompt, cfg.sample_tokens,
                        context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
@@ -277,6 +279,40 @@ def sample(trainer: Trainer) -> str | None:
                        logits=source.logits if source is not None else None,
                        multiple=trainer.mesh.tp if _split_sequence(trainer) else 1)
     return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
+
+
+def _cached_sample(trainer: Trainer, prompt: list[int]) -> list[int] | None:
+    """The sample of an ``--hf`` run with an ``out``, generated with a KV cache per stage from
+    the ``<out>/hf`` just written (:class:`pipetrain.generation.Generator`, each pipeline rank
+    reading its own stage); None where there is none, or the model's positions are too few
+    (then the whole window is run again per token, :func:`pipetrain.train.infer.generate`)."""
+    cfg, mesh = trainer.cfg, trainer.mesh
+    length = _cache_length(trainer, prompt)
+    if length is None:
+        return None
+    from pipetrain.generation import Generator, Sampling
+
+    torch.distributed.barrier()  # every shard of <out>/hf written
+    gen = Generator.from_pretrained(str(Path(cfg.out) / "hf"), rows=1, length=length, group=mesh.pp_group,
+                                    timeout=cfg.timeout, device=mesh.device)
+    sampling = Sampling(1.0 if cfg.sample_top_k > 0 else 0.0, max(cfg.sample_top_k, 0),
+                        seed=cfg.seed)
+    return gen.generate([prompt], cfg.sample_tokens, sampling=sampling)[0]
+
+
+def _cache_length(trainer: Trainer, prompt: list[int]) -> int | None:
+    """The positions a cached sample of ``prompt`` needs, or None when it cannot have one."""
+    cfg, source = trainer.cfg, trainer.source
+    hf = getattr(source, "hf", None)
+    length = len(prompt) + cfg.sample_tokens - 1
+    if not cfg.out or hf is None or (hf.max_positions is not None and length > hf.max_positions):
+        return None
+    return length
+
+
+def _prompt(trainer: Trainer) -> list[int]:
+    source, text = trainer.source, trainer.cfg.prompt
+    return (source.encode(text) if source is not None else encode(text).tolist()) or [NEWLINE]
 
 
 def _last(trainer: Trainer) -> int:
