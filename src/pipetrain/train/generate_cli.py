@@ -8,6 +8,7 @@ train`` does); under torchrun it is one of them.
 
     $ pipetrain generate --hf tiny-llama --nproc 2 --prompt "def " --max-new-tokens 40
     $ pipetrain generate --hf tiny-llama --nproc 4 --prompts prompts.txt --batch 2 --json
+    $ pipetrain generate --hf tiny-llama --prompt "def " --temperature 0.8 --top-p 0.9 --out a.jsonl
     $ torchrun --nproc-per-node 2 -m pipetrain generate --hf tiny-llama --prompt "def "
 
 Exit codes: 0 done, 1 a rank failed, 2 bad arguments.
@@ -65,6 +66,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds any wait for a peer may last (default: 60)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON line per prompt (prompt, text, tokens) instead")
+    parser.add_argument("--out", metavar="FILE",
+                        help="also write those JSON lines to FILE")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class Request:
     window: int
     timeout: float
     json: bool
+    out: str | None
     reports = False  # the worker prints no training config or progress (elastic._work)
 
     def __call__(self, cfg: Any, reporter: Any) -> dict[str, Any]:
@@ -128,7 +132,7 @@ def _request(args: argparse.Namespace) -> Request:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     return Request(args.hf, tuple(prompts), args.max_new_tokens, args.batch, args.temperature,
                    args.top_k, args.top_p, args.seed, args.prefill, args.window, args.timeout,
-                   args.json)
+                   args.json, args.out)
 
 
 def generate(request: Request) -> dict[str, Any]:
@@ -190,9 +194,7 @@ class _Printer:
             if 0 not in self.printed:
                 print(self.request.prompts[0], end="", flush=True)
                 self.printed.add(0)
-            text = self._text(0, self.made[0])
-            print(text[len(self.shown[0]):], end="", flush=True)
-            self.shown[0] = text
+            self._stream(final=False)
             return
         for row, tokens in enumerate(self.made):
             if row not in self.printed and self.eos is not None and self.eos in tokens:
@@ -201,19 +203,32 @@ class _Printer:
     def finish(self, tokens: list[list[int]]) -> None:
         if not self.speaks:
             return
+        lines = [json.dumps({"prompt": self.request.prompts[row],
+                             "text": self._text(row, made), "tokens": made})
+                 for row, made in enumerate(tokens)]
+        if self.request.out:
+            Path(self.request.out).write_text("".join(line + "\n" for line in lines))
         if self.request.json:
-            for row, made in enumerate(tokens):
-                print(json.dumps({"prompt": self.request.prompts[row],
-                                  "text": self._text(row, made), "tokens": made}), flush=True)
+            print("\n".join(lines), flush=True)
         elif len(self.ids) == 1:
+            self._stream(final=True)
             print(flush=True)
         else:
             for row, made in enumerate(tokens):
                 if row not in self.printed:
                     self._block(row, made)
 
+    def _stream(self, final: bool) -> None:
+        """Print what the one prompt's text gained; a character whose bytes are not all
+        there yet (U+FFFD at the end) waits for the next window."""
+        text = self._text(0, self.made[0])
+        if not final and text.endswith("\ufffd"):
+            return
+        print(text[len(self.shown[0]):], end="", flush=True)
+        self.shown[0] = text
+
     def _text(self, row: int, made: list[int]) -> str:
-        kept = [t for t in made if t != self.eos]
+        kept = made[:made.index(self.eos)] if self.eos in made else made  # pads after it
         return str(self.tok.decode(kept, skip_special_tokens=True))
 
     def _block(self, row: int, made: list[int]) -> None:
