@@ -47,7 +47,9 @@ from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.timeline import Timeline
 from pipetrain.split.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
 from pipetrain.split.layers import Layers, packed, profiling_sample, trace_stages
+from pipetrain.split.capture import move_graph
 from pipetrain.split.lazy import LayerSpec
+from pipetrain.split.modes import depends_on_mode, eval_mode, eval_split, share
 from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.split.trace import TracedSplit
 
@@ -158,6 +160,9 @@ class Pipeline:
         n_stages = self.schedule.n_stages
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
             model, split_points, example_inputs, balance, n_stages)
+        modal = None if self.traced is None or parallelize is not None else (
+            eval_split(model, self.traced, example_inputs)  # type: ignore[arg-type]
+            if depends_on_mode(model, self.traced) else None)  # type: ignore[arg-type]
         source = Layers(model, self.traced, init_seed)
         layers = source.items
         self.rng = _carries_rng(rng, self.traced, layers)
@@ -201,14 +206,42 @@ class Pipeline:
         deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  linked, deferred, routes=self.routes)
+        self.evaluator = None if modal is None else self._evaluator(modal)
+        """The executor of ``eval_step`` when the model was captured in training mode into a
+        graph that eval changes (dropout, batch norm): the eval graph, sharing the tensors
+        (:mod:`pipetrain.split.modes`); None: eval runs the training stages."""
         self.watchdog = None if self.transport is None else Watchdog.of(
             self.transport, self.executor.activity)
-        self._plans: dict[tuple[bool, Schedule | None],
+        self._plans: dict[tuple[bool, Schedule | str | None],
                           dict[int, list[tuple[int, int, int, int]]]] = {}
-        self._proofs: dict[tuple[bool, Schedule | None], Proofs] = {}
+        self._proofs: dict[tuple[bool, Schedule | str | None], Proofs] = {}
         self._decoder: Executor | None = None  # sends that each received message proves done
         self._step = 0
         self._broken: str | None = None
+
+    @property
+    def _draws_in_eval(self) -> bool:
+        """Whether ``eval_step``'s stages carry random streams: not those of a traced model's
+        eval graph (it draws nothing); a layer list's do (in eval mode they draw nothing)."""
+        return self.evaluator is None
+
+    def _evaluator(self, split: TracedSplit) -> Executor:
+        """The eval graph's stages on this rank's tensors, and their executor."""
+        routes = split.routes(self.balance)
+        stages: dict[int, Stage] = {}
+        for s, (lo, hi) in enumerate(stage_bounds(self.balance)):
+            if s in self.stages:
+                units = [share(split.stages[i], m).to(self.device)  # type: ignore[arg-type]
+                         for i, (_, m) in zip(range(lo, hi), self._stage_layers[s])]
+                for unit in units:
+                    move_graph(unit, self.device)
+                stages[s] = Stage(s, units, is_last=self.stages[s].is_last,
+                                  loss_fn=self.loss_fn, device=self.device,
+                                  split_dim=self.split_dim,
+                                  ports=routes.ports[s] if routes.keyed else None)
+        executor = Executor(self.schedule, stages, self.hosted, self.transport, routes=routes)
+        executor.activity = self.executor.activity  # the one the watchdog reads
+        return executor
 
     def _plan(self, layers: list[tuple[str, nn.Module | LayerSpec]], mode: Any,
               sample: Any, group: dist.ProcessGroup | None) -> BalancePlan:
@@ -378,6 +411,9 @@ class Pipeline:
              decoding: tuple[Schedule, Loop] | None = None) -> StepResult:
         schedule = self.schedule if decoding is None else decoding[0]
         executor = self._executor(schedule)
+        tag: Schedule | str | None = None if decoding is None else schedule
+        if decoding is None and not train and self.evaluator is not None:
+            executor, tag = self.evaluator, "eval"
         if self._broken is not None:
             raise PipelineError(f"[rank {self.rank}] this pipeline failed earlier and cannot run "
                                 f"again: {self._broken}")
@@ -388,12 +424,14 @@ class Pipeline:
         data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready,
                         loop=None if decoding is None else decoding[1])
         if self.transport is not None:
-            key = (train, None if decoding is None else schedule)
+            key = (train, tag)
             if key not in self._plans:  # per peer, what it sends this rank in a step
                 if decoding is not None:  # one decoding schedule kept at a time
-                    self._plans = {k: v for k, v in self._plans.items() if k[1] is None}
-                self._plans[key] = message_plans(schedule, self.rank, train, self.routes)
-                self._proofs[key] = delivery_proofs(schedule, self.rank, train, self.routes)
+                    self._plans = {k: v for k, v in self._plans.items()
+                                   if not isinstance(k[1], Schedule)}
+                self._plans[key] = message_plans(schedule, self.rank, train, executor.routes)
+                self._proofs[key] = delivery_proofs(schedule, self.rank, train,
+                                                    executor.routes)
             self.transport.start_step(step, self._plans[key],
                                       {p: done_key(step, p) for p in self._plans[key]},
                                       self._proofs[key])
@@ -404,7 +442,9 @@ class Pipeline:
             else:
                 data.inputs, data.targets = inputs, [None] * schedule.n_microbatches
                 data.weights = [1.0] * schedule.n_microbatches
-            executor.run(data)
+            modal = [] if train or self.traced is not None else self._hosted_layers()
+            with eval_mode(m for _, m in modal):  # a layer list: eval() while it runs
+                executor.run(data)
             loss, times = self._finish(data, executor, schedule)
         except BaseException as e:
             error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
@@ -433,7 +473,7 @@ class Pipeline:
                 except ValueError as e:
                     raise ValueError(f"{where}, stage 0: {e}") from None
             data.inputs = microbatch.split(inputs, m, self.split_dim)
-            if self.rng:
+            if self.rng and (data.train or self._draws_in_eval):
                 base = rng_streams.draw_base()
                 data.rng = [rng_streams.start(base, i, self.device) for i in range(m)]
         data.targets, data.weights = [None] * m, [1.0] * m

@@ -83,6 +83,8 @@ class TracedSplit:
     """Per stage: whether it draws random numbers (dropout; :mod:`pipetrain.runtime.rng`)."""
     writes: tuple[Write, ...] = ()
     """In-place writes that a later stage reads after (:mod:`pipetrain.split.provenance`)."""
+    points: tuple[str, ...] = ()
+    """The split points the stages start at (what :func:`split_model` was given)."""
 
     def pack(self, *args: Any, **kwargs: Any) -> Packed:
         """Stage 0's payload for ``model(*args, **kwargs)``: argument name -> value.
@@ -189,7 +191,7 @@ def split_model(
     names = [{n: canonical[id(p)] for n, p in s.named_parameters()} for s in stages]
     split = TracedSplit(list(stages), names, list(captured.given), boundaries, captured,
                         *uses, tuple(rng.graph_draws(stage) for stage in stages),
-                        tuple(found))
+                        tuple(found), tuple(points))
     return split
 
 

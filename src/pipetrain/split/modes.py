@@ -1,0 +1,115 @@
+"""Modes: the evaluation graph of a model captured in training mode, sharing its tensors.
+
+Capture takes a model's Python-level decisions once (:mod:`pipetrain.split.trace`): a model in
+training mode records dropout that draws, and batch norms that normalise by the batch and
+update their running statistics. ``eval_step`` must run what ``model.eval()`` runs, so when
+the training graph depends on the mode, the model is captured a second time in eval mode and
+cut at the same split points (:func:`eval_split`). After the pipeline has built this rank's
+stages, :func:`share` points every tensor of the eval units at the training units' own (the
+materialised parameters and buffers, by the model's names): one copy of the weights, two
+graphs. Anything else that ``self.training`` decides (an MoE router's jitter) follows too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from pipetrain.errors import PartitionError
+from pipetrain.split.trace import TracedSplit, split_model
+
+__all__: list[str] = []
+
+_TRAINING_NORMS = {"aten.batch_norm.default": 5, "aten.native_batch_norm.default": 5,
+                   "aten._native_batch_norm_legit.default": 5,
+                   "aten._native_batch_norm_legit_functional.default": 5}
+"""Batch-norm ops and the index of their ``training`` argument."""
+
+
+def depends_on_mode(model: nn.Module, traced: TracedSplit) -> bool:
+    """Whether ``model`` was captured in training mode into a graph that eval would change:
+    one that draws random numbers, or normalises by the batch."""
+    if not any(m.training for m in model.modules()):
+        return False
+    return any(traced.draws) or any(_normalises_by_batch(n) for stage in traced.stages
+                                    for m in stage.modules() if isinstance(m, fx.GraphModule)
+                                    for n in m.graph.nodes)
+
+
+def _normalises_by_batch(node: fx.Node) -> bool:
+    index = _TRAINING_NORMS.get(str(node.target))
+    return node.op == "call_function" and index is not None and len(node.args) > index \
+        and node.args[index] is True
+
+
+@contextmanager
+def eval_mode(models: nn.Module | Iterable[nn.Module]) -> Iterator[None]:
+    """``models`` in eval mode inside, every module's own flag restored after."""
+    roots = [models] if isinstance(models, nn.Module) else list(models)
+    flags = [(m, m.training) for root in roots for m in root.modules()]
+    for root in roots:
+        root.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def eval_split(model: nn.Module, traced: TracedSplit, example_inputs: Any) -> TracedSplit:
+    """``model`` captured in eval mode and cut where ``traced`` was cut.
+
+    Raises:
+        PartitionError: when the eval graph cuts into another number of units.
+    """
+    with eval_mode(model), torch.no_grad():
+        split = split_model(model, list(traced.points), example_inputs)
+    if len(split.stages) != len(traced.stages):
+        raise PartitionError(f"the model captured in eval mode cuts into {len(split.stages)} "
+                             f"units at {list(traced.points)}, in training mode into "
+                             f"{len(traced.stages)}")
+    return split
+
+
+def share(unit: fx.GraphModule, trained: nn.Module) -> fx.GraphModule:
+    """``unit`` (an eval unit) reading the tensors of ``trained`` (the same unit built for
+    training) wherever it has them, by name; in place.
+
+    Raises:
+        PartitionError: for a tensor the eval graph makes that is still on ``meta``.
+    """
+    for node in unit.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        target = str(node.target)
+        own = _get(trained, target)
+        if own is not None:
+            _set(unit, target, own)
+        elif isinstance(_get(unit, target), torch.Tensor) and _get(unit, target).is_meta:
+            raise PartitionError(f"the eval graph reads {target!r}, which the training graph "
+                                 "lacks and a model described on meta holds no values of")
+    return unit
+
+
+def _get(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+def _set(module: nn.Module, target: str, value: Any) -> None:
+    *path, name = target.split(".")
+    owner: Any = module
+    for part in path:
+        owner = getattr(owner, part)
+    if isinstance(value, nn.Parameter) or name not in getattr(owner, "_buffers", {}):
+        setattr(owner, name, value)
+    else:
+        owner._buffers[name] = value
