@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.pipeline import Pipeline
+from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.schedules.generators.decode import decode_schedule
 from pipetrain.split.lazy import is_meta
 from pipetrain.split.partition import even_balance
@@ -140,6 +140,9 @@ class Generator:
         """Per hosted stage, the cache tensors its graph reads and writes."""
         self._groups: list[dict[int, list[torch.Tensor]]] = []
         self._run: _Run | None = None
+        self.windows: list[StepResult] = []
+        """The last ``generate`` call's windows, each a :class:`StepResult` whose timeline
+        has every rank's forwards (``bubble_fraction``: the share of idle time)."""
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> Generator:
@@ -209,7 +212,7 @@ class Generator:
         run = _Run(self, prompts, max_new_tokens, sampling or Sampling(), eos_token_id,
                    pad_token_id)
         self._caches(run.groups)
-        self._run = run
+        self._run, self.windows = run, []
         try:
             return run.go(on_tokens)
         finally:
@@ -307,7 +310,7 @@ class _Run:
             schedule = decode_schedule(self.gen.pipe.schedule.n_ranks, self.groups, steps,
                                        fed_from=min(fed_from, steps))
             self.picked = {}
-            self.gen.pipe.decode(schedule, inputs, self)
+            self.gen.windows.append(self.gen.pipe.decode(schedule, inputs, self))
             new = self._share(steps, first)
             if on_tokens is not None:
                 on_tokens(new[:self.n])

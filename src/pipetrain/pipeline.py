@@ -371,7 +371,11 @@ class Pipeline:
                   step: int | None = None) -> StepResult:
         """Forward only, without autograd: the loss (if targets are given) and the outputs.
 
-        ``step`` as in :meth:`step` (several eval steps may share one number).
+        It runs what ``model.eval()`` runs: a layer list in eval mode while it lasts; a model
+        captured in training mode whose graph draws (dropout) or normalises by the batch, its
+        eval graph (:attr:`evaluator`, :mod:`pipetrain.split.modes`), except under
+        ``parallelize=``, where the stages it wraps are the training graph's. ``step`` as in
+        :meth:`step` (several eval steps may share one number).
         """
         with torch.no_grad():
             return self._run(inputs, targets, train=False, keep_outputs=True, number=step)
