@@ -15,10 +15,12 @@ Figures (medians of ``--repeat`` runs, after a warm-up):
                 tokens, ``--new`` new tokens each)
     TTFT        seconds to the first new token (the prefill), ``generate(..., 1)``
     ms/token    one decode step of the whole batch, (t(new) - t(1)) / (new - 1), at prompts of
-                64, 256 and 1024 tokens: flat where the cache works, growing where it does not
+                64, 256 and 1024 tokens, each with a cache of prompt + new positions; and
+                what re-running the whole window costs per token instead
     bubble      the idle share of the ranks in a window of decode steps, measured from the
                 window's timeline, next to the simulator's for the same schedule with the
-                measured forward time per stage (``cores`` = this machine's)
+                measured forward time per stage and message delay (the median wait of an
+                action for a message from another rank), ``cores`` = this machine's
 
     python benchmarks/generate.py                       # small and medium, p = 2 and 4
     python benchmarks/generate.py --configs small --ranks 2 --quick
@@ -103,14 +105,14 @@ def transformers_side(args: argparse.Namespace, name: str) -> dict[str, Any]:
 def _pipeline_rank(ctx: pt.RankContext, args: argparse.Namespace, name: str
                    ) -> dict[str, Any]:
     from pipetrain.generation import Generator
+    from pipetrain.schedules.calibrate import hop_delays
     from pipetrain.schedules.simulate import Costs, simulate
 
     model = build(name, max(args.contexts) + args.new + 8)
     vocab = model.config.vocab_size
     p = ctx.world_size
     rows = max(args.batch // p, 1)
-    length = max(args.contexts) + args.new
-    gen = Generator(model, rows=rows, length=length, prefill=args.prefill,
+    gen = Generator(model, rows=rows, length=args.prompt + args.new, prefill=args.prefill,
                     window=args.new // 2)
     batch = prompts(args.batch, args.prompt, vocab)
     one = _timed(lambda: gen.generate(batch, 1), args.repeat)
@@ -120,16 +122,21 @@ def _pipeline_rank(ctx: pt.RankContext, args: argparse.Namespace, name: str
     cost = tuple(statistics.median(x.end - x.start for x in timeline.spans
                                    if x.action.stage == s) for s in range(schedule.n_stages))
     cores = os.cpu_count() or p
-    simulated = simulate(schedule, Costs(F=cost), cores=cores if cores < p else None)
+    delays = hop_delays(timeline, schedule)  # each message's wait, the fed-back tokens too
+    comm = statistics.median(delays) if delays else 0.0
+    simulated = simulate(schedule, Costs(F=cost), comm=comm, cores=cores if cores < p else None)
     per_token = {}
-    for c in args.contexts:
+    for c in args.contexts:  # a cache sized as the run needs, as generate sizes its own
+        sized = Generator(model, rows=rows, length=c + args.new, prefill=args.prefill,
+                          window=args.new)
         b = prompts(args.batch, c, vocab)
-        t1 = _timed(lambda b=b: gen.generate(b, 1), args.repeat)
-        tn = _timed(lambda b=b: gen.generate(b, args.new), args.repeat)
+        t1 = _timed(lambda b=b, g=sized: g.generate(b, 1), args.repeat)
+        tn = _timed(lambda b=b, g=sized: g.generate(b, args.new), args.repeat)
         per_token[c] = 1e3 * (tn - t1) / (args.new - 1)
     return {"ttft": one, "tok_s": args.batch * args.new / full, "ms_token": per_token,
             "bubble": timeline.bubble_fraction, "bubble_sim": simulated.bubble_fraction,
-            "groups": -(-args.batch // rows), "forward_ms": [1e3 * c for c in cost]}
+            "groups": -(-args.batch // rows), "forward_ms": [1e3 * c for c in cost],
+            "comm_ms": 1e3 * comm}
 
 
 def rerun_rank(ctx: pt.RankContext, args: argparse.Namespace, name: str) -> dict[int, float]:
@@ -195,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "ms/token " + ", ".join(f"{c}: {v:.2f}" for c, v in got["ms_token"].items())
                   + "; re-run per token " + ", ".join(f"{c}: {v:.1f}" for c, v in old.items())
                   + f"; bubble {got['bubble']:.3f} measured, {got['bubble_sim']:.3f} simulated"
-                  f" (forward {', '.join(f'{x:.2f}' for x in got['forward_ms'])} ms per stage)",
+                  f" (forward {', '.join(f'{x:.2f}' for x in got['forward_ms'])} ms per stage,"
+                  f" messages {got['comm_ms']:.2f} ms)",
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:

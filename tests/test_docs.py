@@ -376,3 +376,36 @@ def test_readme_schedule_table_is_what_the_simulator_says() -> None:
                ", ".join(f"{x:g}" for x in sim.peak_activations)]
         assert got == [per_rank, makespan, fraction, rate, peaks], (name, got)
         pt.make_schedule(name, 4, int(minimum))  # the smallest m it accepts builds
+
+
+def test_the_generate_snippet_gives_transformers_tokens(tmp_path: Path) -> None:
+    """docs/generate.md's snippet on two processes: transformers' own greedy tokens."""
+    from hf import hf_generate
+
+    page = ROOT / "docs" / "generate.md"
+    code = next(b for b in python_blocks(page) if "def generate(ctx)" in b)
+    (tmp_path / "gen_snippet.py").write_text(code)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module("gen_snippet")
+        got = module.pt.launch(module.generate, nprocs=2)
+        tf = module.tf
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gen_snippet", None)
+    module.torch.manual_seed(0)  # the snippet's model, in this process
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2)).eval()
+    prompts = [[1, 5, 9, 4], [1, 7], [1, 3, 3], [1, 8, 2, 6, 5]]
+    assert got[0] == got[1] == hf_generate(model, prompts, 8)
+
+
+def test_the_decode_schedule_prints_what_the_page_says(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    page = ROOT / "docs" / "generate.md"
+    code = next(b for b in python_blocks(page) if "decode_schedule" in b)
+    exec(compile(code, str(page), "exec"), {"__name__": "__main__"})
+    text = page.read_text()
+    shown = text[text.index("prints\n\n```\n") + len("prints\n\n```\n"):]
+    assert capsys.readouterr().out.strip() == shown[:shown.index("```")].strip()

@@ -5,6 +5,7 @@ from typing import Any
 
 from pipetrain._version import __version__ as __version__
 from pipetrain.errors import PipelineError
+from pipetrain.generation import Generator, Sampling
 from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.runtime.launch import RankContext, launch
 from pipetrain.schedules.action import Action, Op
@@ -16,8 +17,8 @@ from pipetrain.split.lazy import LayerSpec, build_layers
 from pipetrain.verify import Verification, VerificationFailed, verify
 
 __all__ = [
-    "Action", "Costs", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext", "Schedule",
-    "ShardedStages", "StepResult", "Target", "TensorParallel", "Verification",
+    "Action", "Costs", "Generator", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext",
+    "Sampling", "Schedule", "ShardedStages", "StepResult", "Target", "TensorParallel", "Verification",
     "VerificationFailed", "build_layers", "calibrate", "launch", "make_schedule", "plan_module",
     "simulate", "verify",
 ]

@@ -47,9 +47,8 @@ from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.timeline import Timeline
 from pipetrain.split.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
 from pipetrain.split.layers import Layers, packed, profiling_sample, trace_stages
-from pipetrain.split.capture import move_graph
 from pipetrain.split.lazy import LayerSpec
-from pipetrain.split.modes import depends_on_mode, eval_mode, eval_split, share
+from pipetrain.split.modes import depends_on_mode, eval_mode, eval_split, eval_stages
 from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.split.trace import TracedSplit
 
@@ -227,19 +226,10 @@ class Pipeline:
 
     def _evaluator(self, split: TracedSplit) -> Executor:
         """The eval graph's stages on this rank's tensors, and their executor."""
-        routes = split.routes(self.balance)
-        stages: dict[int, Stage] = {}
-        for s, (lo, hi) in enumerate(stage_bounds(self.balance)):
-            if s in self.stages:
-                units = [share(split.stages[i], m).to(self.device)  # type: ignore[arg-type]
-                         for i, (_, m) in zip(range(lo, hi), self._stage_layers[s])]
-                for unit in units:
-                    move_graph(unit, self.device)
-                stages[s] = Stage(s, units, is_last=self.stages[s].is_last,
-                                  loss_fn=self.loss_fn, device=self.device,
-                                  split_dim=self.split_dim,
-                                  ports=routes.ports[s] if routes.keyed else None)
-        executor = Executor(self.schedule, stages, self.hosted, self.transport, routes=routes)
+        stages = eval_stages(split, self.balance, self.stages, self._stage_layers, self.device,
+                             self.loss_fn, self.split_dim)
+        executor = Executor(self.schedule, stages, self.hosted, self.transport,
+                            routes=split.routes(self.balance))
         executor.activity = self.executor.activity  # the one the watchdog reads
         return executor
 

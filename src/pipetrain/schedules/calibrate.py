@@ -127,16 +127,19 @@ def hop_delays(timelines: Timeline | Sequence[Timeline], schedule: Schedule) -> 
         for rank in range(step.n_ranks):
             idle_since = -math.inf
             for span in step.of_rank(rank):
-                source = _last_input(span, made, schedule.n_stages)
+                source = _last_input(span, made, schedule)
                 if source is not None and source.rank != rank and source.end > idle_since:
                     out.append(span.start - source.end)
                 idle_since = span.end
     return out
 
 
-def _last_input(span: Span, made: dict[tuple[str, int, int], Span], n_stages: int) -> Span | None:
-    """The input of ``span``'s action that was ready last (None when it needs none)."""
-    inputs = [made[key] for key in needs(span.action, n_stages) if key in made]
+def _last_input(span: Span, made: dict[tuple[str, int, int], Span], schedule: Schedule
+                ) -> Span | None:
+    """The input of ``span``'s action that was ready last (None when it needs none); a
+    decoding schedule's fed-back token is one."""
+    inputs = [made[key] for key in needs(span.action, schedule.n_stages, schedule)
+              if key in made]
     return max(inputs, key=lambda s: s.end, default=None)
 
 

@@ -12,7 +12,7 @@ graphs. Anything else that ``self.training`` decides (an MoE router's jitter) fo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,6 +20,9 @@ import torch
 from torch import fx, nn
 
 from pipetrain.errors import PartitionError
+from pipetrain.runtime.stage import Stage
+from pipetrain.split.capture import move_graph
+from pipetrain.split.partition import stage_bounds
 from pipetrain.split.trace import TracedSplit, split_model
 
 __all__: list[str] = []
@@ -73,6 +76,25 @@ def eval_split(model: nn.Module, traced: TracedSplit, example_inputs: Any) -> Tr
                              f"units at {list(traced.points)}, in training mode into "
                              f"{len(traced.stages)}")
     return split
+
+
+def eval_stages(split: TracedSplit, balance: Sequence[int], trained: Mapping[int, Stage],
+                layers: Mapping[int, Sequence[tuple[str, nn.Module]]], device: torch.device,
+                loss_fn: Any, split_dim: int) -> dict[int, Stage]:
+    """The stages of ``split`` (the eval capture) that this rank holds in ``trained``, each
+    unit reading the tensors of its training twin in ``layers`` (:func:`share`)."""
+    routes = split.routes(balance)
+    stages: dict[int, Stage] = {}
+    for s, (lo, hi) in enumerate(stage_bounds(balance)):
+        if s not in trained:
+            continue
+        units = [share(split.stages[i], m).to(device)  # type: ignore[arg-type]
+                 for i, (_, m) in zip(range(lo, hi), layers[s])]
+        for unit in units:
+            move_graph(unit, device)
+        stages[s] = Stage(s, units, is_last=trained[s].is_last, loss_fn=loss_fn, device=device,
+                          split_dim=split_dim, ports=routes.ports[s] if routes.keyed else None)
+    return stages
 
 
 def share(unit: fx.GraphModule, trained: nn.Module) -> fx.GraphModule:
