@@ -1,8 +1,8 @@
 """The package is a ladder of subpackages: a module imports only from its own rung or below.
 
     errors  <  schedules  <  runtime  <  split  <  models  <  parallel  <  checkpoint
-            <  pipeline, testing, verify  <  hf  <  generation  <  train  <  plan  <  cli, __init__, __main__,
-            examples
+            <  pipeline, testing, verify  <  hf  <  generation  <  train  <  plan
+            <  cli, __init__, __main__, examples
 
 Every import counts, those inside functions too (a lazy import is still a dependency). A
 module that needs something from a higher rung is in the wrong place, or the thing is."""

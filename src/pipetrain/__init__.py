@@ -18,9 +18,9 @@ from pipetrain.verify import Verification, VerificationFailed, verify
 
 __all__ = [
     "Action", "Costs", "Generator", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext",
-    "Sampling", "Schedule", "ShardedStages", "StepResult", "Target", "TensorParallel", "Verification",
-    "VerificationFailed", "build_layers", "calibrate", "launch", "make_schedule", "plan_module",
-    "simulate", "verify",
+    "Sampling", "Schedule", "ShardedStages", "StepResult", "Target", "TensorParallel",
+    "Verification", "VerificationFailed", "build_layers", "calibrate", "launch", "make_schedule",
+    "plan_module", "simulate", "verify",
 ]
 _LAZY = {"ShardedStages": "pipetrain.parallel.sharded",
          "TensorParallel": "pipetrain.parallel.tensor_parallel",

@@ -185,7 +185,7 @@ class Generator:
             raise RuntimeError("enter() runs inside generate()")
         own = self._groups[mb % self._run.groups][stage]
         for t, store in zip(self.caches[stage], own):
-            t.set_(store)
+            t.set_(store.untyped_storage(), store.storage_offset(), store.size(), store.stride())
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,

@@ -15,7 +15,7 @@ left, as ``generate`` pads them), and the counters are not reset inside ``forwar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,14 +40,14 @@ class CachedLM(nn.Module):
         from transformers.cache_utils import StaticCache, StaticLayer
         from transformers.configuration_utils import get_head_shapes
 
-        config = model.config.get_text_config()
+        config = cast(Any, model).config.get_text_config()
         if getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"{type(model).__name__} is an encoder-decoder; generation through "
                              "the pipeline takes decoder-only causal LMs")
         self.model = model
-        self.config = model.config  # with _init_weights: a meta model is built by name
+        self.config = cast(Any, model).config  # with _init_weights: a meta model is built by name
         self.cache = StaticCache(max_cache_len=length, config=config)
-        for i, layer in enumerate(self.cache.layers):
+        for i, layer in enumerate(self._layers()):
             if type(layer) is not StaticLayer:  # a sliding window decides on the counter:
                 window = getattr(config, "sliding_window", None)  # only exact below the window
                 if window is not None and window < length:
@@ -59,7 +59,7 @@ class CachedLM(nn.Module):
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.cache.early_initialization(rows, heads, head_dim, dtype, device)
-        for i, layer in enumerate(self.cache.layers):  # buffers, so that a meta model's are
+        for i, layer in enumerate(self._layers()):  # buffers, so that a meta model's are
             self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)  # its own
             self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
             self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length,
@@ -71,8 +71,11 @@ class CachedLM(nn.Module):
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache: per layer its keys, values and position counter."""
-        return [t for layer in self.cache.layers
+        return [t for layer in self._layers()
                 for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+    def _layers(self) -> list[Any]:
+        return list(self.cache.layers)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor) -> Any:

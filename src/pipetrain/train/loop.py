@@ -293,8 +293,9 @@ def _cached_sample(trainer: Trainer, prompt: list[int]) -> list[int] | None:
     from pipetrain.generation import Generator, Sampling
 
     torch.distributed.barrier()  # every shard of <out>/hf written
-    gen = Generator.from_pretrained(str(Path(cfg.out) / "hf"), rows=1, length=length, group=mesh.pp_group,
-                                    timeout=cfg.timeout, device=mesh.device)
+    gen = Generator.from_pretrained(str(Path(cfg.out) / "hf"), rows=1, length=length,
+                                    group=mesh.pp_group, timeout=cfg.timeout,
+                                    device=mesh.device)
     sampling = Sampling(1.0 if cfg.sample_top_k > 0 else 0.0, max(cfg.sample_top_k, 0),
                         seed=cfg.seed)
     return gen.generate([prompt], cfg.sample_tokens, sampling=sampling)[0]
