@@ -75,6 +75,7 @@ def test_several_prompts_as_json(saved: Path, tmp_path: Path) -> None:
     ([], "at least one --prompt"),
     (["--prompt", "x", "--batch", "0"], "--batch must be at least 1"),
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--prompt", "def f(x):", "--max-new-tokens", "64"], "use --max-new-tokens"),
 ])
 def test_bad_flags_exit_2(saved: Path, extra: list[str], problem: str,
                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,3 +87,19 @@ def test_a_directory_without_config_exits_2(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--hf", str(tmp_path), "--prompt", "x"]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_a_failed_rank_exits_1(saved: Path, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Stored tensors that do not fit the config: each rank refuses them, the job exits 1."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(saved, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (broken / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--hf", str(broken), "--nproc", "2", "--device", "cpu",
+                 "--prompt", "def ", "--max-new-tokens", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "pipetrain generate: " in err and "failed first" in err and "has shape" in err, err

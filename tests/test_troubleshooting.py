@@ -25,6 +25,7 @@ COMMANDS = {  # the module of a command's code -> the commands its exit codes be
     "pipetrain.train.cli": ("train",),
     "pipetrain.train.export_cli": ("export-hf",),
     "pipetrain.train.verify_cli": ("verify",),
+    "pipetrain.train.generate_cli": ("generate",),
     "pipetrain.plan.cli": ("plan",),
     "pipetrain.plan.custom_cli": ("plan",),
 }

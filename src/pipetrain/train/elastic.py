@@ -291,7 +291,7 @@ def worker(cfg: TrainConfig, run: RunFn | None = None, env: dict[str, str] | Non
     except BaseException as e:  # noqa: BLE001  (every failure becomes a clean exit 1)
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
-        _report_failure(e, rank)
+        _report_failure(e, rank, getattr(run, "command", "train"))
         if joined:
             news.leave(joined[0], rank, int(os.environ.get("WORLD_SIZE", "1")))
         raise SystemExit(1) from None
@@ -380,13 +380,14 @@ def _reporter(cfg: TrainConfig, rank: int, tuned: tuple[str, ...] = ()) -> Repor
     return ProgressReporter(cfg)
 
 
-def _report_failure(error: BaseException, rank: int) -> None:
-    """Print one line naming the rank, and write the agent's error file with precise time."""
+def _report_failure(error: BaseException, rank: int, command: str = "train") -> None:
+    """Print one line naming the rank (as ``pipetrain <command>``), and write the agent's
+    error file with precise time."""
     message = "interrupted" if isinstance(error, KeyboardInterrupt) else (
         f"{type(error).__name__}: {error}")
     if not str(error).startswith("[rank"):
         message = f"[rank {rank}] {message}"
-    print(f"pipetrain train: {message}", file=sys.stderr, flush=True)
+    print(f"pipetrain {command}: {message}", file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

@@ -88,6 +88,7 @@ class Request:
     json: bool
     out: str | None
     reports = False  # the worker prints no training config or progress (elastic._work)
+    command = "generate"  # the name its failures are printed under
 
     def __call__(self, cfg: Any, reporter: Any) -> dict[str, Any]:
         return generate(self)
@@ -130,9 +131,26 @@ def _request(args: argparse.Namespace) -> Request:
                         ("--prefill", args.prefill), ("--window", args.window)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
+    _check_positions(args.hf, prompts, args.max_new_tokens)
     return Request(args.hf, tuple(prompts), args.max_new_tokens, args.batch, args.temperature,
                    args.top_k, args.top_p, args.seed, args.prefill, args.window, args.timeout,
                    args.json, args.out)
+
+
+def _check_positions(hf: str, prompts: list[str], new: int) -> None:
+    """Refuse, before any process starts, a prompt whose new tokens pass the model's positions."""
+    from pipetrain.hf.model import load_tokenizer, transformers
+
+    config = transformers().AutoConfig.from_pretrained(hf, local_files_only=True)
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    tok = load_tokenizer(hf)
+    longest = max(len(tok(p, add_special_tokens=False)["input_ids"]) or 1 for p in prompts)
+    if longest + new - 1 > limit:
+        raise ValueError(f"a prompt of {longest} tokens plus --max-new-tokens {new} passes the "
+                         f"{limit} positions of {hf}'s model: use --max-new-tokens "
+                         f"{max(limit - longest + 1, 0)} or less, or a shorter prompt")
 
 
 def generate(request: Request) -> dict[str, Any]:
