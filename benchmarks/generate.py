@@ -18,7 +18,7 @@ Figures (medians of ``--repeat`` runs, after a warm-up):
                 64, 256 and 1024 tokens, each with a cache of prompt + new positions; and
                 what re-running the whole window costs per token instead
     bubble      the idle share of the ranks in a window of decode steps, measured from the
-                window's timeline, next to the simulator's for the same schedule with the
+                window's timeline (median over the runs), next to the simulator's for the same schedule with the
                 measured forward time per stage and message delay (the median wait of an
                 action for a message from another rank), ``cores`` = this machine's
 
@@ -116,15 +116,22 @@ def _pipeline_rank(ctx: pt.RankContext, args: argparse.Namespace, name: str
                     window=args.new // 2)
     batch = prompts(args.batch, args.prompt, vocab)
     one = _timed(lambda: gen.generate(batch, 1), args.repeat)
-    full = _timed(lambda: gen.generate(batch, args.new), args.repeat)
-    window = gen.windows[-1]  # decode steps only
-    timeline, schedule = window.timeline, window.times.schedule  # type: ignore[union-attr]
-    cost = tuple(statistics.median(x.end - x.start for x in timeline.spans
+    windows: list[Any] = []  # the window of decode steps only, of every timed run
+
+    def run() -> None:
+        gen.generate(batch, args.new)
+        windows.append(gen.windows[-1])
+
+    full = _timed(run, args.repeat)
+    timelines = [w.timeline for w in windows[1:]]  # after the warm-up
+    schedule = windows[-1].times.schedule
+    cost = tuple(statistics.median(x.end - x.start for t in timelines for x in t.spans
                                    if x.action.stage == s) for s in range(schedule.n_stages))
     cores = os.cpu_count() or p
-    delays = hop_delays(timeline, schedule)  # each message's wait, the fed-back tokens too
+    delays = hop_delays(timelines, schedule)  # each message's wait, the fed-back tokens too
     comm = statistics.median(delays) if delays else 0.0
     simulated = simulate(schedule, Costs(F=cost), comm=comm, cores=cores if cores < p else None)
+    bubble = statistics.median(t.bubble_fraction for t in timelines)
     per_token = {}
     for c in args.contexts:  # a cache sized as the run needs, as generate sizes its own
         sized = Generator(model, rows=rows, length=c + args.new, prefill=args.prefill,
@@ -134,7 +141,7 @@ def _pipeline_rank(ctx: pt.RankContext, args: argparse.Namespace, name: str
         tn = _timed(lambda b=b, g=sized: g.generate(b, args.new), args.repeat)
         per_token[c] = 1e3 * (tn - t1) / (args.new - 1)
     return {"ttft": one, "tok_s": args.batch * args.new / full, "ms_token": per_token,
-            "bubble": timeline.bubble_fraction, "bubble_sim": simulated.bubble_fraction,
+            "bubble": bubble, "bubble_sim": simulated.bubble_fraction,
             "groups": -(-args.batch // rows), "forward_ms": [1e3 * c for c in cost],
             "comm_ms": 1e3 * comm}
 

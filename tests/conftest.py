@@ -35,7 +35,8 @@ SLOWEST_FIRST = [  # measured on 2 cores, about 15 s to 80 s each
     "test_hf_dist.py", "test_sharded_dist.py", "test_tensor_parallel_dist.py",
     "test_plan_cli.py", "test_rng.py", "test_failures_dist.py", "test_meta_dist.py",
     "test_instruct_demo.py", "test_examples_train_dist.py", "test_docs.py", "test_api_docs.py",
-    "test_plan_module.py", "test_placement_dist.py"]
+    "test_plan_module.py", "test_placement_dist.py", "test_generation_dist.py",
+    "test_generate_cli.py", "test_generation.py"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

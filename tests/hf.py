@@ -237,10 +237,11 @@ def hf_generate(model: nn.Module, batch: list[list[int]], new: int,
     """transformers' own greedy ``generate`` on the batch padded on the left; each row's new
     tokens up to and including its first ``eos``."""
     width = max(len(p) for p in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    device = next(model.parameters()).device
+    ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(batch):
-        ids[i, width - len(p):] = torch.tensor(p)
+        ids[i, width - len(p):] = torch.tensor(p, device=device)
         mask[i, width - len(p):] = 1
     import copy
 

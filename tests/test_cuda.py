@@ -80,3 +80,19 @@ def test_a_captured_hf_llama_in_local_mode_on_one_gpu() -> None:
     grads = dict(pipe.named_parameters())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@needs_cuda
+def test_generation_on_one_gpu() -> None:
+    """Generation on the GPU (2 local ranks, a KV cache per stage, the GPU's own attention
+    path): transformers' greedy tokens for a Llama and a Mixtral, in bfloat16 too."""
+    pytest.importorskip("transformers")
+    from hf import causal_lm, hf_generate, prompts
+
+    for name in ("llama", "mixtral"):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = causal_lm(name).to("cuda", dtype)
+            batch = prompts()
+            gen = pt.Generator(model, rows=2, length=32, prefill=4, window=4, local_ranks=2,
+                               device="cuda")
+            assert gen.generate(batch, 10) == hf_generate(model, batch, 10), (name, dtype)

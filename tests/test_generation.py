@@ -16,15 +16,17 @@ pytest.importorskip("transformers")
 NEW = 10
 
 
-@pytest.mark.parametrize("name", GENERATING)
-def test_greedy_equals_transformers(name: str) -> None:
+@pytest.mark.parametrize(("name", "ranks", "rows", "prefill", "window"), [
+    ("llama", 2, 2, 3, 4), ("llama", 4, 3, 16, 16), ("gpt2", 4, 2, 3, 4),
+    ("mixtral", 2, 3, 16, 16), ("qwen2", 4, 2, 3, 4)])
+def test_greedy_equals_transformers(name: str, ranks: int, rows: int, prefill: int,
+                                    window: int) -> None:
+    """(tests/test_generation_dist.py: every family at 2 and 4 processes.)"""
     model = causal_lm(name)
     batch = prompts()
-    want = hf_generate(model, batch, NEW)
-    for ranks, rows, prefill, window in [(2, 2, 3, 4), (4, 3, 16, 16)]:
-        gen = Generator(model, rows=rows, length=32, prefill=prefill, window=window,
-                        local_ranks=ranks)
-        assert gen.generate(batch, NEW) == want, (ranks, rows, prefill, window)
+    gen = Generator(model, rows=rows, length=32, prefill=prefill, window=window,
+                    local_ranks=ranks)
+    assert gen.generate(batch, NEW) == hf_generate(model, batch, NEW)
 
 
 def test_layouts_and_slices() -> None:
