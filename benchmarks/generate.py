@@ -18,9 +18,10 @@ Figures (medians of ``--repeat`` runs, after a warm-up):
                 64, 256 and 1024 tokens, each with a cache of prompt + new positions; and
                 what re-running the whole window costs per token instead
     bubble      the idle share of the ranks in a window of decode steps, measured from the
-                window's timeline (median over the runs), next to the simulator's for the same schedule with the
-                measured forward time per stage and message delay (the median wait of an
-                action for a message from another rank), ``cores`` = this machine's
+                window's timeline (median over the runs), next to the simulator's for the
+                same schedule with the measured forward time per stage and message delay
+                (the median wait of an action for a message from another rank), ``cores`` =
+                this machine's
 
     python benchmarks/generate.py                       # small and medium, p = 2 and 4
     python benchmarks/generate.py --configs small --ranks 2 --quick
