@@ -14,6 +14,7 @@ import pytest
 
 from hf import python_text, save_dir
 from pipetrain.cli import main
+from pipetrain.generation import Generator, Sampling
 
 pytest.importorskip("transformers")
 
@@ -62,13 +63,25 @@ def test_several_prompts_as_json(saved: Path, tmp_path: Path) -> None:
         assert (line["tokens"], line["text"]) == (tokens, text)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    sampled = [tmp_path / f"s{i}.jsonl" for i in range(2)]
-    for path, nproc in zip(sampled, ("2", "1")):
-        assert main(["generate", "--hf", str(saved), "--nproc", nproc, "--device", "cpu",
-                     "--prompts", str(prompts), "--temperature", "0.9", "--top-k", "20",
-                     "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "8",
-                     "--out", str(path)]) == 0
-    assert sampled[0].read_text() == sampled[1].read_text()  # any layout: the same text
+    sampled = tmp_path / "sampled.jsonl"
+    assert main(["generate", "--hf", str(saved), "--nproc", "2", "--device", "cpu",
+                 "--prompts", str(prompts), "--temperature", "0.9", "--top-k", "20",
+                 "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "8",
+                 "--out", str(sampled)]) == 0
+    assert [json.loads(x)["tokens"] for x in sampled.read_text().splitlines()] == \
+        _one_process(saved, Sampling(0.9, 20, 0.9, seed=3))  # any layout: the same text
+
+
+def _one_process(directory: Path, sampling: Sampling) -> list[list[int]]:
+    """The command's prompts and sampling, all ranks of one stage in this process."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(directory)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    gen = Generator.from_pretrained(str(directory), rows=1, length=32, local_ranks=1)
+    return gen.generate(ids, 8, sampling=sampling, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None
+                        else (tok.eos_token_id or 0))
 
 
 @pytest.mark.parametrize(("extra", "problem"), [

@@ -159,9 +159,10 @@ class Pipeline:
         n_stages = self.schedule.n_stages
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
             model, split_points, example_inputs, balance, n_stages)
-        modal = None if self.traced is None or parallelize is not None else (
-            eval_split(model, self.traced, example_inputs)  # type: ignore[arg-type]
-            if depends_on_mode(model, self.traced) else None)  # type: ignore[arg-type]
+        self._modal: tuple[nn.Module, Any] | None = None  # its eval graph: made when used
+        if isinstance(model, nn.Module) and self.traced is not None and parallelize is None \
+                and depends_on_mode(model, self.traced):
+            self._modal = (model, example_inputs)
         source = Layers(model, self.traced, init_seed)
         layers = source.items
         self.rng = _carries_rng(rng, self.traced, layers)
@@ -205,16 +206,16 @@ class Pipeline:
         deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
         self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
                                  linked, deferred, routes=self.routes)
-        self.evaluator = None if modal is None else self._evaluator(modal)
+        self.evaluator: Executor | None = None
         """The executor of ``eval_step`` when the model was captured in training mode into a
         graph that eval changes (dropout, batch norm): the eval graph, sharing the tensors
-        (:mod:`pipetrain.split.modes`); None: eval runs the training stages."""
+        (:mod:`pipetrain.split.modes`), captured at the first eval step; None: not (yet)."""
         self.watchdog = None if self.transport is None else Watchdog.of(
             self.transport, self.executor.activity)
         self._plans: dict[tuple[bool, Schedule | str | None],
                           dict[int, list[tuple[int, int, int, int]]]] = {}
-        self._proofs: dict[tuple[bool, Schedule | str | None], Proofs] = {}
-        self._decoder: Executor | None = None  # sends that each received message proves done
+        self._proofs: dict[tuple[bool, Schedule | str | None], Proofs] = {}  # sends that each
+        self._decoder: Executor | None = None  # received message proves done; decode()'s
         self._step = 0
         self._broken: str | None = None
 
@@ -222,16 +223,21 @@ class Pipeline:
     def _draws_in_eval(self) -> bool:
         """Whether ``eval_step``'s stages carry random streams: not those of a traced model's
         eval graph (it draws nothing); a layer list's do (in eval mode they draw nothing)."""
-        return self.evaluator is None
+        return self.evaluator is None and self._modal is None
 
-    def _evaluator(self, split: TracedSplit) -> Executor:
-        """The eval graph's stages on this rank's tensors, and their executor."""
-        stages = eval_stages(split, self.balance, self.stages, self._stage_layers, self.device,
-                             self.loss_fn, self.split_dim)
-        executor = Executor(self.schedule, stages, self.hosted, self.transport,
-                            routes=split.routes(self.balance))
-        executor.activity = self.executor.activity  # the one the watchdog reads
-        return executor
+    def _evaluating(self) -> Executor | None:
+        """The eval graph's executor, captured now if this is the first eval step (the model
+        is kept until then, and let go after): its stages on this rank's tensors."""
+        if self._modal is not None:
+            model, example_inputs = self._modal
+            split = eval_split(model, self.traced, example_inputs)  # type: ignore[arg-type]
+            stages = eval_stages(split, self.balance, self.stages, self._stage_layers,
+                                 self.device, self.loss_fn, self.split_dim)
+            self.evaluator = Executor(self.schedule, stages, self.hosted, self.transport,
+                                      routes=split.routes(self.balance))
+            self.evaluator.activity = self.executor.activity  # the one the watchdog reads
+            self._modal = None
+        return self.evaluator
 
     def _plan(self, layers: list[tuple[str, nn.Module | LayerSpec]], mode: Any,
               sample: Any, group: dist.ProcessGroup | None) -> BalancePlan:
@@ -363,7 +369,8 @@ class Pipeline:
 
         It runs what ``model.eval()`` runs: a layer list in eval mode while it lasts; a model
         captured in training mode whose graph draws (dropout) or normalises by the batch, its
-        eval graph (:attr:`evaluator`, :mod:`pipetrain.split.modes`), except under
+        eval graph (:attr:`evaluator`, :mod:`pipetrain.split.modes`), captured by the first
+        eval step (the pipeline keeps a reference to the model until then), except under
         ``parallelize=``, where the stages it wraps are the training graph's. ``step`` as in
         :meth:`step` (several eval steps may share one number).
         """
@@ -406,8 +413,9 @@ class Pipeline:
         schedule = self.schedule if decoding is None else decoding[0]
         executor = self._executor(schedule)
         tag: Schedule | str | None = None if decoding is None else schedule
-        if decoding is None and not train and self.evaluator is not None:
-            executor, tag = self.evaluator, "eval"
+        evaluator = None if decoding is not None or train else self._evaluating()
+        if evaluator is not None:
+            executor, tag = evaluator, "eval"
         if self._broken is not None:
             raise PipelineError(f"[rank {self.rank}] this pipeline failed earlier and cannot run "
                                 f"again: {self._broken}")
