@@ -24,7 +24,7 @@ from pipetrain.cli import main
 pytest.importorskip("transformers")
 
 COMMON = ["--seq-len", "32", "--batch-size", "8", "--microbatches", "4", "--steps", "3",
-          "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "6", "--grad-clip", "0",
+          "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--grad-clip", "0",
           "--warmup", "1", "--lr", "1e-2", "--no-progress"]
 
 
@@ -110,7 +110,7 @@ def test_two_layouts_end_with_the_same_weights_that_transformers_loads(place: Pa
     import transformers as tf
 
     two = _train(place, name, f"{name}-pp2", "--nproc", "2", "--schedule", "zbv",
-                 "--sample-top-k", "0")  # greedy: the sample is transformers' own
+                 "--sample-tokens", "6", "--sample-top-k", "0")  # greedy: transformers' own
     four = _train(place, name, f"{name}-pp4", "--nproc", "4" if name == "llama" else "2",
                   "--schedule", "1f1b")  # GPT-2: its tie within a rank, then across ranks
     assert two["layout"]["pp"] == 2 and four["layout"]["pp"] == (4 if name == "llama" else 2)
@@ -165,7 +165,8 @@ def test_tp_splits_a_stored_llama_by_its_own_plan_and_resumes_across_layouts(
     its checkpoint resumes at pp=2 alone, whose next loss is transformers' on those weights."""
     if not (place / "llama-pp2" / "summary.json").exists():  # run alone
         _train(place, "llama", "llama-pp2", "--nproc", "2", "--schedule", "zbv")
-    split = _train(place, "llama", "llama-tp", "--nproc", "4", "--pp", "2", "--tp", "2")
+    split = _train(place, "llama", "llama-tp", "--nproc", "4", "--pp", "2", "--tp", "2",
+                   "--sample-tokens", "6")
     assert split["layout"]["tp"] == 2 and split["sample"].startswith("def ")
     curves = [[r[k] for r in _records(place / out, "step") for k in ("loss", "grad_norm")]
               for out in ("llama-tp", "llama-pp2")]
