@@ -35,7 +35,7 @@ def test_every_feature_at_once_then_a_torchrun_resume_at_another_layout(place: P
                 "--standalone", "-m", "pipetrain"]
     second = _train(place, "llama", "all", "--pp", "2", "--schedule", "1f1b",
                     "--batch-size", "16", "--steps", "6", "--precision", "bf16",
-                    launcher=torchrun)
+                    "--sample-tokens", "6", launcher=torchrun)
     assert second["steps"] == 6 and second["layout"]["pp"] == 2
     assert _records(out, "start")[-1]["start_step"] == 4
     assert second["sample"] is not None and second["sample"].startswith("def ")
