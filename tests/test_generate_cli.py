@@ -1,14 +1,12 @@
 """`pipetrain generate --hf DIR`: a saved tiny Llama with its tokenizer, on 2 processes: the
-text streamed for one prompt is transformers' own greedy ``generate`` of the same directory;
+text for one prompt is transformers' own greedy ``generate`` of the same directory, and what
+rank 0 streams of it is whole characters;
 the JSON lines for several, sampled, are the tokens of one process; bad flags exit 2, a failed
 rank 1."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import pytest
 from hf import python_text, save_dir
 from pipetrain.cli import main
 from pipetrain.generation import Generator, Sampling
+from pipetrain.train.generate_cli import Request, _Printer
 
 pytest.importorskip("transformers")
 
@@ -41,16 +40,33 @@ def _greedy(directory: Path, prompt: str, new: int) -> tuple[list[int], str]:
     return out, tok.decode([t for t in out if t != tok.eos_token_id], skip_special_tokens=True)
 
 
-def test_one_prompt_streams_transformers_text(saved: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
-    done = subprocess.run([sys.executable, "-m", "pipetrain", "generate", "--hf", str(saved),
-                           "--nproc", "2", "--device", "cpu", "--prompt", "def ",
-                           "--max-new-tokens", "20", "--window", "3"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    _, text = _greedy(saved, "def ", 20)
-    assert done.stdout == "def " + text + "\n"
-    assert "tokens/s, the first after" in done.stderr
+def test_one_prompt_is_transformers_text(saved: Path, tmp_path: Path) -> None:
+    out = tmp_path / "greedy.jsonl"
+    assert main(["generate", "--hf", str(saved), "--nproc", "2", "--device", "cpu",
+                 "--prompt", "def ", "--max-new-tokens", "20", "--window", "3",
+                 "--out", str(out)]) == 0
+    line = json.loads(out.read_text())
+    assert (line["tokens"], line["text"]) == _greedy(saved, "def ", 20)
+
+
+def test_one_prompt_streams_whole_characters(saved: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """What rank 0 prints for one prompt, window by window: the text gained, a character whose
+    bytes are not all there yet held back until they are, the end token left out."""
+    tok = _tokenizer(saved)
+    ids = tok("é", add_special_tokens=False)["input_ids"] + tok(" x", add_special_tokens=False)[
+        "input_ids"] + [tok.eos_token_id, 0]
+    request = Request(str(saved), ("def ",), 8, 1, 0.0, 0, 1.0, 0, 256, 1, 60.0, False, None)
+    printer = _Printer(tok, request, [[1]], speaks=True)
+    printed = []
+    for token in ids:  # one token per window
+        printer.window([[token]])
+        printed.append(capsys.readouterr().out)
+    printer.finish([ids])
+    printed.append(capsys.readouterr().out)
+    assert "".join(printed) == "def é x\n"
+    assert len(tok("é", add_special_tokens=False)["input_ids"]) == 2  # split over 2 windows
+    assert printed[:2] == ["def ", "é"] and not any("\ufffd" in p for p in printed)
 
 
 def test_several_prompts_as_json(saved: Path, tmp_path: Path) -> None:
