@@ -37,7 +37,6 @@ from torch import nn
 
 from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.schedules.generators.decode import decode_schedule
-from pipetrain.split.lazy import is_meta
 from pipetrain.split.partition import even_balance
 
 __all__ = ["Generator", "Sampling"]
@@ -136,7 +135,6 @@ class Generator:
                                  local_ranks=local_ranks, device=device, timeout=timeout,
                                  init_seed=init_seed, rng=False)
         export_log.setLevel(level)
-        self.meta = is_meta(model)
         self.caches = {s: [b for n, b in self.pipe.named_buffers(s) if n in cache_names]
                        for s in self.pipe.stages}
         """Per hosted stage, the cache tensors its graph reads and writes."""
