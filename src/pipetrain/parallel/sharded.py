@@ -90,6 +90,9 @@ class ShardedStages:
         self._sharded: dict[int, Any] = {}  # id(sharded parameter) -> its FSDPParam
         self._owner: dict[int, FSDPModule] = {}  # id(gathered parameter) -> its layer
         self._gathered: list[FSDPModule] = []  # what gather() gathered for the running W
+        self.ignored: list[nn.Parameter] = []
+        """Parameters left whole to another hook (expert-parallel experts: spread over
+        ranks already, their gradients reduced by the trainer)."""
 
     def __call__(self, stage: int, layers: list[nn.Module]) -> None:
         """Shard ``stage``'s layers that have parameters (the ``parallelize`` hook).
@@ -114,8 +117,10 @@ class ShardedStages:
 
     def _shard(self, module: nn.Module) -> Any:
         """``fully_shard`` one unit."""
+        held = {id(p) for p in module.parameters()}
+        ignored = {p for p in self.ignored if id(p) in held} or None
         unit: Any = fully_shard(module, mesh=self.mesh, reshard_after_forward=self.reshard,
-                                shard_placement_fn=_placement)
+                                shard_placement_fn=_placement, ignored_params=ignored)
         if self.mesh.device_type == "cpu":  # no overlap to win: prefetch nothing
             unit.set_modules_to_backward_prefetch([unit])
         for param in _fsdp_params(unit):

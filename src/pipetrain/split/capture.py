@@ -216,12 +216,16 @@ def move_graph(module: fx.GraphModule, device: torch.device) -> None:
     Capture records the device of tensors that ``forward`` creates (``torch.arange(n,
     device=x.device)``) as constants: the model's device at capture (``meta`` for a model
     described, not built). A stage materialised or moved elsewhere must create them there.
+
+    Code that picks a kernel by device picked ``meta``'s: transformers' grouped experts count
+    tokens per expert with ``histc`` of integers off CPU, which CPU's ``histc`` lacks, so on CPU
+    such a count reads the integers as floats (exact for expert ids).
     """
     def retarget(value: Any) -> Any:
         return device if isinstance(value, torch.device) and value != device else value
 
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
-        changed = False  # subgraphs of higher-order ops (a no_grad region) included
+        changed = device.type == "cpu" and _float_histc(graph_module.graph)
         for node in graph_module.graph.nodes:
             args = fx.node.map_aggregate(node.args, retarget)
             kwargs = fx.node.map_aggregate(node.kwargs, retarget)
@@ -229,6 +233,22 @@ def move_graph(module: fx.GraphModule, device: torch.device) -> None:
                 node.args, node.kwargs, changed = args, kwargs, True
         if changed:
             graph_module.recompile()
+
+
+def _float_histc(graph: fx.Graph) -> bool:
+    """Cast the integer input of each ``histc`` to float32 (CPU has no integer ``histc``)."""
+    changed = False
+    for node in [n for n in graph.nodes if n.target is torch.ops.aten.histc.default]:
+        x = node.args[0]
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            with graph.inserting_before(node):
+                cast = graph.call_function(torch.ops.aten._to_copy.default, (x,),
+                                           {"dtype": torch.float32})
+            cast.meta["val"] = val.float()
+            node.args = (cast, *node.args[1:])
+            changed = True
+    return changed
 
 
 def _clean(graph: fx.Graph) -> None:

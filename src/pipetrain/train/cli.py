@@ -217,7 +217,7 @@ def check(cfg: TrainConfig) -> None:
         raise ValueError(f"--fsdp-reshard must be one of {', '.join(RESHARD)}, "
                          f"got {cfg.fsdp_reshard!r}")
     for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp", "fsdp",
-                 "tp"):
+                 "tp", "ep"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
     if cfg.pp is not None and cfg.pp < 1:

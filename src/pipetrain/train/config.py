@@ -56,6 +56,10 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel ranks per pipeline rank: they split each block's attention heads and
     MLP (Megatron style), see the same rows, and each hold a slice of those weights."""
+    ep: int = 1
+    """Expert-parallel ranks (--hf mixtures of experts): this many consecutive data-parallel
+    ranks share each MoE layer's experts, each holding 1/ep of them; tokens travel to their
+    experts' ranks and back by all-to-all (the model's own base_model_ep_plan)."""
     mesh_order: str = "pp-outer"
     """Rank placement: ``pp-outer`` (pipeline outermost, as torchtitan and Megatron: the stages
     cross nodes, a stage's FSDP shards and tensor-parallel ranks stay on one node) or

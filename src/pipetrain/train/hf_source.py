@@ -18,7 +18,7 @@ import copy
 import json
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,37 @@ from pipetrain.train.records import is_dataset
 from pipetrain.train.source import LossWrap, Source, parse_balance
 from pipetrain.train.tokens import token_corpus
 
-__all__ = ["HFSource", "causal_lm_loss", "hf_pipeline", "peak_rss_bytes"]
+__all__ = ["HFSource", "causal_lm_loss", "causal_lm_loss_of", "hf_pipeline", "peak_rss_bytes"]
 
 
-def causal_lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a ``CausalLMOutput``'s logits against ``targets``."""
-    return lm_loss(out.logits, targets)
+def causal_lm_loss(out: Any, targets: torch.Tensor, *, aux_coef: float = 0.0) -> torch.Tensor:
+    """Mean next-token cross-entropy of a ``CausalLMOutput``'s logits against ``targets``, plus
+    ``aux_coef`` times ``out.aux_loss``, the router's load-balancing loss that a mixture of
+    experts returns with ``output_router_logits``. With ``aux_coef`` its config's
+    ``router_aux_loss_coef`` (:func:`causal_lm_loss_of`), this is the loss of
+    ``model(input_ids, labels=...)``.
+    """
+    loss = lm_loss(out.logits, targets)
+    aux = getattr(out, "aux_loss", None)
+    if not aux_coef or not isinstance(aux, torch.Tensor):
+        return loss
+    return loss + aux_coef * aux.to(loss.device)
+
+
+def causal_lm_loss_of(model: nn.Module) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """:func:`causal_lm_loss` with ``model``'s router loss weight: its config's
+    ``router_aux_loss_coef`` when the config has ``output_router_logits`` on (a mixture of
+    experts returning ``aux_loss``); else the cross-entropy alone.
+    """
+    config = getattr(model, "config", None)
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if not getattr(config, "output_router_logits", False) or not coef:
+        return causal_lm_loss
+
+    def loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(out, targets, aux_coef=coef)
+
+    return loss
 
 
 def peak_rss_bytes() -> int:
@@ -76,7 +101,7 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
     if isinstance(balance, str) and balance != "params" and is_meta(model):
         model = NamedInit(model, cfg.seed).materialize(model)
     return Pipeline(model, schedule, cfg.microbatches,
-                    wrap(masked_lm_loss if examples else causal_lm_loss),
+                    wrap(masked_lm_loss if examples else causal_lm_loss_of(model)),
                     split_points=points, balance=balance, recompute=cfg.recompute,
                     init_seed=cfg.seed, example_inputs=example,
                     loss_reduction="sum" if examples else "mean", **where)
@@ -147,6 +172,18 @@ class HFSource(Source):
         require_weights(bool(self.hf.weights), self.root)
         return TracedTensorParallel(mesh, shrink(self.hf.model, mesh.size(),
                                                  mesh.get_local_rank()))
+
+    def expert_parallel(self, cfg: TrainConfig, mesh: Any) -> Any:
+        """The model's own expert-parallel plan (:mod:`pipetrain.hf.expert_parallel`),
+        applied to the captured stages; ``mesh.ep_mesh`` holds the experts.
+
+        Raises:
+            ValueError: when the model declares no plan, or ``--ep`` does not divide its
+                experts.
+        """
+        from pipetrain.hf.expert_parallel import TracedExpertParallel
+
+        return TracedExpertParallel(self.hf.model, mesh.ep_mesh, mesh.batch_mesh)
 
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus | ExampleCorpus:
         if self.examples and cfg.data:

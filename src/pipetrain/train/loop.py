@@ -196,10 +196,10 @@ def _checkpoint(trainer: Trainer, reporter: Reporter) -> Path | None:
 
 def _save_hf(trainer: Trainer, reporter: Reporter) -> None:
     """Write ``<out>/hf`` (``--hf`` runs with an ``out``): the first replica's ranks, each its
-    own shard (FSDP2 shards and tensor-parallel ranks first gather their weights whole, the
-    first of them writes)."""
+    own shard (FSDP2 shards, tensor- and expert-parallel ranks first gather their weights
+    whole, the first of them writes)."""
     source, mesh = trainer.source, trainer.mesh
-    if source is None or not trainer.cfg.out or mesh.dp_rank >= mesh.fsdp:
+    if source is None or not trainer.cfg.out or mesh.dp_rank >= max(mesh.fsdp, mesh.ep):
         return
     state = {k: whole(v) for k, v in trainer.pipe.state_dict().items()}  # over the shards
     if mesh.dp_rank != 0 or mesh.tp_rank != 0:
@@ -229,7 +229,8 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     loss = trainer.scale.unscale_loss(float(result.loss if result.loss is not None else "nan"))
     square_sum = grad_square_sum(trainer.counted, mesh.comm_device) + mesh.tp_sum_(
         grad_square_sum(trainer.split, mesh.comm_device))
-    verdict = decide(finding(loss, float(square_sum), trainer.scale.enabled),  # [5]
+    experts = mesh.ep_sum_(grad_square_sum(trainer.experts, mesh.comm_device))
+    verdict = decide(finding(loss, float(square_sum + experts), trainer.scale.enabled),  # [5]
                      mesh.rank, mesh.world, mesh.comm_device)
     grad_norm = math.nan
     if verdict.skip:
@@ -237,7 +238,7 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
             raise verdict.error(mesh.rank, step)
         trainer.skipped += 1
     else:
-        norm = mesh.pp_sum_(mesh.shard_sum_(square_sum)).sqrt()  # [6]
+        norm = mesh.pp_sum_(mesh.shard_sum_(square_sum) + experts).sqrt()  # [6]
         grad_norm = float(norm)
         clip_grads_(trainer.params, norm, cfg.grad_clip)
         trainer.optimizer.step()  # [7]

@@ -92,6 +92,17 @@ class Mesh:
     """With ``tp > 1``: the mesh the layers are split over (``tp``)."""
     order: str = MESH_ORDERS[0]
     """How global ranks map to coordinates: ``pp-outer`` or ``dp-outer`` (the module's)."""
+    ep: int = 1
+    """Data-parallel ranks that share each MoE layer's experts (expert parallel; 1: none)."""
+    ep_mesh: DeviceMesh | None = None
+    """With ``ep > 1``: the mesh of this rank's expert-parallel group (``ep`` consecutive
+    data-parallel ranks), the experts' DTensors are sharded over."""
+    batch_mesh: DeviceMesh | None = None
+    """With ``ep > 1``: the ranks that hold this rank's rows (itself: transformers' ``AllToAllEP``
+    slices a batch shared by tensor-parallel ranks; here none is)."""
+    expert_group: dist.ProcessGroup | None = None
+    """With ``ep > 1``: the data-parallel ranks holding the same experts as this one (one per
+    expert-parallel group), over which the experts' gradients are summed."""
 
     @property
     def world(self) -> int:
@@ -112,9 +123,17 @@ class Mesh:
         orders place ranks differently (a resume at another order restores no RNG stream)."""
         shards = {"fsdp": self.fsdp} if self.fsdp > 1 else {}
         split = {"tp": self.tp} if self.tp > 1 else {}
+        split |= {"ep": self.ep} if self.ep > 1 else {}
         order = {"mesh_order": self.order} if self.placement.matters else {}
         return {"world": self.world, "dp": self.dp // self.fsdp, **shards, "pp": self.pp,
                 **split, **order}
+
+    def ep_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over this rank's expert-parallel group (other experts)."""
+        if self.ep_mesh is not None:
+            news.all_reduce(tensor, "the sum over expert-parallel ranks",
+                            group=self.ep_mesh.get_group())
+        return tensor
 
     def tp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's tensor-parallel group (split slices)."""
@@ -178,7 +197,7 @@ def layout(world: int, dp: int, pp: int | None, fsdp: int = 1, tp: int = 1) -> t
 
 
 def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
-               tp: int = 1, order: str = MESH_ORDERS[0]) -> Mesh:
+               tp: int = 1, order: str = MESH_ORDERS[0], ep: int = 1) -> Mesh:
     """The mesh of the current ``torch.distributed`` job (call on every rank at once).
 
     Args:
@@ -189,6 +208,7 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
         tp: ranks that split each layer (tensor parallel), the innermost dimension.
         order: ``pp-outer`` (pipeline outermost, the default) or ``dp-outer`` (each
             replica's pipeline on consecutive ranks); see the module.
+        ep: consecutive data-parallel ranks that share each MoE layer's experts.
 
     Raises:
         ValueError: when the world is not ``dp x fsdp x pp x tp`` ranks, the order is
@@ -217,9 +237,32 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
     pp_group = _my_group(place.groups("pp"), rank)
     dp_group = _my_group(place.groups("dp_replicate", "dp_shard"), rank)
     at = place.coords(rank)
+    experts = _expert_groups(place, ep, rank, where.type)
     return Mesh(dp * fsdp, pp, rank, at.replica * fsdp + at.shard, at.pp, pp_group, dp_group,
                 where, where if nccl else torch.device("cpu"), fsdp, shard_mesh, shard_group,
-                tp, at.tp, tp_mesh, order)
+                tp, at.tp, tp_mesh, order, ep, *experts)
+
+
+def _expert_groups(place: Placement, ep: int, rank: int, device_type: str
+                   ) -> tuple[DeviceMesh | None, DeviceMesh | None, dist.ProcessGroup | None]:
+    """With ``ep > 1``: (the expert-parallel mesh, this rank alone as a mesh, the ranks holding
+    the same experts); Nones otherwise. Every rank makes every group, in the same order.
+
+    Raises:
+        ValueError: when ``ep`` does not divide the data-parallel ranks.
+    """
+    if ep == 1:
+        return None, None, None
+    data = place.groups("dp_replicate", "dp_shard")  # each ordered by dp rank
+    if len(data[0]) % ep:
+        raise ValueError(f"--ep {ep} must divide the {len(data[0])} data-parallel ranks "
+                         "(dp x fsdp) that hold each stage; use a divisor of them")
+    shared = _my_group([ranks[k:k + ep] for ranks in data
+                        for k in range(0, len(ranks), ep)], rank)
+    same = _my_group([ranks[j::ep] for ranks in data for j in range(ep)], rank)
+    alone = _my_group([[r] for r in range(place.world)], rank)
+    return (DeviceMesh.from_group(shared, device_type),
+            DeviceMesh.from_group(alone, device_type), same)
 
 
 def _my_group(partition: list[list[int]], rank: int) -> dist.ProcessGroup:
@@ -268,6 +311,8 @@ class GradReducer:
         group: the dp group.
         size: ranks in ``group``.
         bucket_bytes: about this many bytes of gradient per all-reduce.
+        divisor: what the sums are divided by (default ``size``): the data-parallel ranks for
+            experts, whose gradients already sum the tokens of their expert-parallel group.
 
     Example::
 
@@ -278,30 +323,33 @@ class GradReducer:
     """
 
     def __init__(self, stage_params: dict[int, list[nn.Parameter]], group: dist.ProcessGroup,
-                 size: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+                 size: int, bucket_bytes: int = BUCKET_BYTES, divisor: int | None = None
+                 ) -> None:
         self.group, self.size = group, size
+        self.divisor = size if divisor is None else divisor
         self.buckets: dict[int, list[list[nn.Parameter]]] = {}
         seen: set[int] = set()
         for stage in sorted(stage_params):
             own = [p for p in stage_params[stage] if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in own)
             self.buckets[stage] = _buckets(own, bucket_bytes)
-        self._pending: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+        self._pending: list[tuple[Any | None, torch.Tensor, list[nn.Parameter]]] = []
         self._started: set[int] = set()
 
     @property
     def hook(self) -> Callable[[int], None] | None:
         """The ``on_grads_ready`` hook (None when there is nothing to average)."""
-        return None if self.size == 1 else self.start
+        return None if self.divisor == 1 else self.start
 
     def start(self, stage: int) -> None:
         """Begin the (asynchronous) all-reduce of ``stage``'s gradients."""
-        if self.size == 1 or stage in self._started:
+        if self.divisor == 1 or stage in self._started:
             return
         self._started.add(stage)
         for bucket in self.buckets.get(stage, []):
             flat = torch.cat([_grad(p).reshape(-1) for p in bucket])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            work = (None if self.size == 1
+                    else dist.all_reduce(flat, group=self.group, async_op=True))
             self._pending.append((work, flat, bucket))
 
     def finish(self) -> None:
@@ -309,9 +357,10 @@ class GradReducer:
         for stage in sorted(self.buckets):
             self.start(stage)
         for work, flat, bucket in self._pending:
-            news.wait(work, f"[rank {dist.get_rank()}] the gradient all-reduce over replicas",
-                      poll=flat.device.type == "cpu")
-            flat.div_(self.size)
+            if work is not None:
+                news.wait(work, f"[rank {dist.get_rank()}] the gradient all-reduce over "
+                          "replicas", poll=flat.device.type == "cpu")
+            flat.div_(self.divisor)
             grads = [_grad(p) for p in bucket]
             for grad, part in zip(grads, torch.split(flat, [g.numel() for g in grads]),
                                   strict=True):

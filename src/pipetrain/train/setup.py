@@ -80,6 +80,12 @@ class Trainer:
     tensor_parallel: Any = None
     """With ``--tp``: the split of the layers (the GPT plan, or a Hugging Face model's own),
     whose ``finish()`` settles partial gradient sums."""
+    experts: list[nn.Parameter] = field(default_factory=list)
+    """With ``--ep``: this rank's slices of the experts (other ranks of its expert-parallel
+    group hold the others), counted apart from :attr:`counted` (summed over that group)."""
+    expert_reducer: GradReducer | None = None
+    """With ``--ep``: the experts' gradients summed over the ranks holding the same experts
+    and divided by every data-parallel rank (their sums already hold the group's tokens)."""
     data: dict[str, Any] = field(default_factory=dict)
     """With a data set as ``--data``: what the run trains on (the ``data`` record:
     :func:`pipetrain.train.examples.example_batches`); empty for text."""
@@ -90,7 +96,15 @@ class Trainer:
     @property
     def on_grads_ready(self) -> Any:
         """The pipeline's hook when a stage's gradients are final: start their reduction."""
-        return self.reducer.hook if self.sharded is None else self.sharded.reduce
+        hook = self.reducer.hook if self.sharded is None else self.sharded.reduce
+        experts = None if self.expert_reducer is None else self.expert_reducer.hook
+        if experts is None or hook is None:
+            return hook or experts
+
+        def both(stage: int) -> None:
+            hook(stage)
+            experts(stage)
+        return both
 
     def finish_grads(self) -> None:
         """Finish the reduction: every rank holds the mean gradient (its shard of it)."""
@@ -98,6 +112,8 @@ class Trainer:
             self.reducer.finish()
         else:
             self.sharded.finish()
+        if self.expert_reducer is not None:
+            self.expert_reducer.finish()
         if self.tensor_parallel is not None:
             self.tensor_parallel.finish()
 
@@ -171,6 +187,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         dp, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp, cfg.tp)
         run_schedule(cfg, pp)
         dp *= cfg.fsdp  # data-parallel ranks
+        problems += _ep_problems(cfg, dp)
     except ValueError as e:
         problems.append(str(e))
         dp = max(cfg.dp, 1) * max(cfg.fsdp, 1)
@@ -214,7 +231,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     import torch.distributed as dist
 
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp, cfg.tp, cfg.mesh_order)
+    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp, cfg.tp, cfg.mesh_order, cfg.ep)
     ranks = gather_rank_map(mesh.placement)
     source = source_for(cfg)
     schedule = run_schedule(cfg, mesh.pp)
@@ -223,7 +240,10 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     sharded = (None if mesh.shard_mesh is None
                else ShardedStages(mesh.shard_mesh, cfg.fsdp_reshard))
     split = None if mesh.tp_mesh is None else source.tensor_parallel(cfg, mesh.tp_mesh)
-    hooks = [h for h in (split, sharded) if h is not None]  # tensor parallel, then FSDP2
+    spread = None if mesh.ep_mesh is None else source.expert_parallel(cfg, mesh)
+    if spread is not None and sharded is not None:
+        sharded.ignored = spread.params  # filled by the time FSDP2 shards a stage
+    hooks = [h for h in (spread, split, sharded) if h is not None]  # experts, tp, FSDP2
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
                            device=mesh.device, timeout=cfg.timeout,
                            parallelize=Composed(*hooks) if len(hooks) > 1 else
@@ -239,18 +259,45 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
         batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
         held_out = _eval_batches(corpus, cfg)
     params = [p for p in pipe.parameters() if p.requires_grad]
+    experts = [] if spread is None else [p for p in spread.params if p.requires_grad]
+    apart = {id(p) for p in experts}
     trainer = Trainer(
         cfg, mesh, source.model, pipe,
         build_optimizer(pipe.named_parameters(), source.no_decay, lr=cfg.lr,
                         weight_decay=cfg.weight_decay),
-        scale, GradReducer({s: st.parameters() for s, st in pipe.stages.items()}, mesh.dp_group,
+        scale, GradReducer({s: [p for p in st.parameters() if id(p) not in apart]
+                            for s, st in pipe.stages.items()}, mesh.dp_group,
                            mesh.dp if sharded is None else 1), batches, [],
         NaNInjector.for_pipeline(pipe),
-        params, *_tp_split(counted_parameters(pipe), split is not None), source=source,
-        loaded=loaded, sharded=sharded, tensor_parallel=split, ranks=ranks)
+        params, *_tp_split([p for p in counted_parameters(pipe) if id(p) not in apart],
+                           split is not None), source=source,
+        loaded=loaded, sharded=sharded, tensor_parallel=split, ranks=ranks, experts=experts,
+        expert_reducer=None if mesh.expert_group is None else GradReducer(
+            {s: [p for p in st.parameters() if id(p) in apart]
+             for s, st in pipe.stages.items()}, mesh.expert_group, mesh.dp // mesh.ep,
+            divisor=mesh.dp))
     trainer.eval_set = [trainer.rows(b) for b in held_out]
     trainer.data = data
     return trainer
+
+
+def _ep_problems(cfg: TrainConfig, dp: int) -> list[str]:
+    """What keeps ``--ep`` from this layout of ``dp`` data-parallel ranks."""
+    if cfg.ep == 1:
+        return []
+    problems = []
+    if not cfg.hf:
+        problems.append(f"--ep {cfg.ep} spreads a mixture of experts' experts over ranks; "
+                        "the built-in GPT has none: give --hf an MoE model, or leave --ep out")
+    if dp % cfg.ep:
+        problems.append(f"--ep {cfg.ep} must divide the {dp} data-parallel ranks (dp x fsdp) "
+                        "holding each stage: the experts are spread over data-parallel "
+                        f"ranks; use --dp {cfg.ep * max(1, dp // cfg.ep)} or a divisor of {dp}")
+    elif cfg.fsdp > 1 and cfg.ep % cfg.fsdp and cfg.fsdp % cfg.ep:
+        problems.append(f"--ep {cfg.ep} and --fsdp {cfg.fsdp}: one must divide the other")
+    if cfg.tp > 1:
+        problems.append("--ep with --tp is not supported yet: use --ep with --dp/--fsdp")
+    return problems
 
 
 def _eval_batches(corpus: Corpus, cfg: TrainConfig) -> list[Batch]:

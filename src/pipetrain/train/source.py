@@ -85,6 +85,15 @@ class Source(ABC):
 
         return TensorParallel(mesh, sequence_parallel=cfg.sequence_parallel)
 
+    def expert_parallel(self, cfg: TrainConfig, mesh: Any) -> Any:
+        """The ``parallelize`` hook that spreads this model's experts over ``mesh.ep_mesh``.
+
+        Raises:
+            ValueError: the built-in GPT has no experts.
+        """
+        raise ValueError("--ep spreads a mixture of experts' experts over ranks; the built-in "
+                         "GPT has none: train an --hf MoE model, or leave --ep out")
+
     def save(self, out: Path, state: dict[str, torch.Tensor], group: Any) -> Path | None:
         """Write the model back in its own format at ``out`` from this rank's whole ``state``
         (collective over one pipeline); None when it has none (the built-in GPT lives in
