@@ -43,7 +43,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["EP_STYLE", "experts_patterns", "TracedExpertParallel"]
+__all__ = ["EP_STYLE", "TracedExpertParallel", "called", "experts_paths", "experts_patterns",
+           "region", "roles"]
 
 EP_STYLE = "ep_dispatch_experts"
 """The plan's style of an experts module (the weights' is ``grouped_gemm``)."""
@@ -99,22 +100,22 @@ class TracedExpertParallel:
     def __call__(self, stage: int, layers: list[nn.Module]) -> None:
         for layer in layers:
             for gm in [m for m in layer.modules() if isinstance(m, fx.GraphModule)]:
-                for path in _called(gm, self.paths):
+                for path in called(gm, self.paths):
                     self._replace(gm, path)
 
     def finish(self) -> None:
         """Nothing to settle: the experts' gradients are whole on their ranks."""
 
     def _replace(self, gm: fx.GraphModule, path: str) -> None:
-        region, inputs, output = _region(gm.graph, path)
-        hidden, index, weights = _roles(inputs, output, path)
+        nodes, inputs, output = region(gm.graph, path)
+        hidden, index, weights = roles(inputs, output, path)
         gm.set_submodule(path, self._experts(gm, path))
         graph = gm.graph
         with graph.inserting_after(output):
             call = graph.call_module(path, (hidden, index, weights))
         call.meta = dict(output.meta)
         output.replace_all_uses_with(call, delete_user_cb=lambda user: user is not call)
-        for node in reversed(region):  # sizes that later layers reuse stay
+        for node in reversed(nodes):  # sizes that later layers reuse stay
             if not node.users:
                 graph.erase_node(node)
         graph.eliminate_dead_code()
@@ -149,7 +150,8 @@ class TracedExpertParallel:
             experts, self.ep_mesh, tp_mesh=self.tp_mesh, ep_implementation="all_to_all")
         if self.count is not None:
             experts.forward = _counting(experts.forward, path, self.count)
-        return experts
+        module: nn.Module = experts
+        return module
 
 
 def _counting(forward: Callable[..., torch.Tensor], path: str, count: Counter
@@ -165,14 +167,14 @@ def _stack(node: fx.Node) -> set[str]:
     return {str(v[0]) for v in (node.meta.get("nn_module_stack") or {}).values()}
 
 
-def _called(gm: fx.GraphModule, paths: list[str]) -> list[str]:
+def called(gm: fx.GraphModule, paths: list[str]) -> list[str]:
     """The experts modules whose forward ``gm``'s graph inlines."""
     wanted = set(paths)
     found = dict.fromkeys(p for n in gm.graph.nodes for p in _stack(n) if p in wanted)
     return list(found)
 
 
-def _region(graph: fx.Graph, path: str) -> tuple[list[fx.Node], list[fx.Node], fx.Node]:
+def region(graph: fx.Graph, path: str) -> tuple[list[fx.Node], list[fx.Node], fx.Node]:
     """The nodes of one call of module ``path`` (in order), the tensors it reads from outside
     (not its weights), and its one output.
 
@@ -195,7 +197,7 @@ def _region(graph: fx.Graph, path: str) -> tuple[list[fx.Node], list[fx.Node], f
     return region, list(inputs), outputs[0]
 
 
-def _roles(inputs: list[fx.Node], output: fx.Node, path: str
+def roles(inputs: list[fx.Node], output: fx.Node, path: str
            ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """(hidden_states, top_k_index, top_k_weights) among a region's inputs.
 

@@ -245,7 +245,7 @@ def _float_histc(graph: fx.Graph) -> bool:
             with graph.inserting_before(node):
                 cast = graph.call_function(torch.ops.aten._to_copy.default, (x,),
                                            {"dtype": torch.float32})
-            cast.meta["val"] = val.float()
+            cast.meta = {**node.meta, "val": val.float()}  # in the same module's call
             node.args = (cast, *node.args[1:])
             changed = True
     return changed

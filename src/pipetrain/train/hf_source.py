@@ -173,9 +173,22 @@ class HFSource(Source):
         return TracedTensorParallel(mesh, shrink(self.hf.model, mesh.size(),
                                                  mesh.get_local_rank()))
 
-    def expert_parallel(self, cfg: TrainConfig, mesh: Any) -> Any:
+    def expert_load(self) -> Any:
+        """Counts of tokens per expert of each MoE layer the model's expert-parallel plan
+        names (:mod:`pipetrain.hf.expert_load`); None for a model without one."""
+        from pipetrain.hf.expert_load import ExpertLoad
+        from pipetrain.hf.expert_parallel import experts_paths
+
+        paths = experts_paths(self.hf.model)
+        if not paths:
+            return None
+        experts: Any = self.hf.model.get_submodule(paths[0])
+        return ExpertLoad(paths, int(experts.num_experts))
+
+    def expert_parallel(self, cfg: TrainConfig, mesh: Any, load: Any = None) -> Any:
         """The model's own expert-parallel plan (:mod:`pipetrain.hf.expert_parallel`),
-        applied to the captured stages; ``mesh.ep_mesh`` holds the experts.
+        applied to the captured stages; ``mesh.ep_mesh`` holds the experts, ``load`` counts
+        their tokens.
 
         Raises:
             ValueError: when the model declares no plan, or ``--ep`` does not divide its
@@ -183,7 +196,7 @@ class HFSource(Source):
         """
         from pipetrain.hf.expert_parallel import TracedExpertParallel
 
-        return TracedExpertParallel(self.hf.model, mesh.ep_mesh, mesh.batch_mesh)
+        return TracedExpertParallel(self.hf.model, mesh.ep_mesh, mesh.batch_mesh, load)
 
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus | ExampleCorpus:
         if self.examples and cfg.data:

@@ -22,6 +22,7 @@ the summary at the end. :func:`run` returns the same summary on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -68,11 +69,14 @@ class StepStats:
     skipped: bool
     seconds: float
     timeline: Timeline
+    experts: dict[str, Any] | None = None
+    """A mixture of experts' load this step (:func:`pipetrain.hf.expert_load.summarize`)."""
 
     def fields(self) -> dict[str, Any]:
         return {"step": self.step, "loss": self.loss, "lr": self.lr,
                 "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s,
-                "bubble": self.bubble, "skipped": self.skipped}
+                "bubble": self.bubble, "skipped": self.skipped,
+                **({"experts": self.experts} if self.experts is not None else {})}
 
 
 @dataclass
@@ -88,9 +92,15 @@ class Tally:
     last: StepStats | None = None
     before_last: StepStats | None = None
     seconds: list[float] = dataclasses.field(default_factory=list)
+    experts: dict[str, Any] | None = None
+    """The step whose experts were least evenly loaded: its load, and the step."""
 
     def add(self, stats: StepStats) -> None:
         self.seconds.append(stats.seconds)
+        load = stats.experts
+        if load is not None and (self.experts is None
+                                 or load["imbalance"] > self.experts["imbalance"]):
+            self.experts = {**load, "step": stats.step}
         if self.steps > 0:  # the first step also pays for warming up
             self.bubble_sum += stats.bubble
             self.bubble_steps += 1
@@ -219,7 +229,8 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     set_lr(trainer.optimizer, lr)
     inputs, targets = trainer.batch(step)
     try:
-        with autocast(cfg.precision, mesh.device), faults.wrong_shape(pipe, fault == "shape"):
+        with autocast(cfg.precision, mesh.device), faults.wrong_shape(pipe, fault == "shape"), \
+                _counting(trainer.expert_load):  # tokens per expert, F only
             result = pipe.step(trainer.feed(inputs), targets, step=step,  # [2] errors name it
                                on_grads_ready=trainer.on_grads_ready)  # [3]
     finally:
@@ -248,7 +259,26 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     seconds = time.perf_counter() - start
     return StepStats(step, mesh.dp_mean(loss), lr, grad_norm,
                      cfg.batch_size * cfg.seq_len / seconds, result.bubble_fraction,
-                     verdict.skip, seconds, result.timeline)
+                     verdict.skip, seconds, result.timeline, _expert_load(trainer))
+
+
+def _counting(load: Any) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if load is None else load.counting()
+
+
+def _expert_load(trainer: Trainer) -> dict[str, Any] | None:
+    """The step's tokens per expert over the whole job: every rank adds its layers' counts
+    of its rows (a tensor-parallel group's ranks count the same rows once)."""
+    if trainer.expert_load is None:
+        return None
+    from pipetrain.hf.expert_load import summarize
+    from pipetrain.runtime import news
+
+    mesh = trainer.mesh
+    counts = trainer.expert_load.take().to(mesh.comm_device)
+    if torch.distributed.is_initialized():
+        news.all_reduce(counts, "the experts' token counts")
+    return summarize(counts // mesh.tp)
 
 
 def evaluate(trainer: Trainer) -> float:
@@ -378,4 +408,5 @@ def _summary(trainer: Trainer, tally: Tally, elapsed: float, final_eval: float,
         "steps_run": tally.steps, "skipped": trainer.skipped,
         "params": _n_params(trainer), "layout": trainer.layout(), "sample": text,
         "seconds": elapsed, "step_s": trainer.mesh.world_max(tally.step_s),
+        **({"experts": tally.experts} if tally.experts is not None else {}),
     }

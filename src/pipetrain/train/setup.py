@@ -83,6 +83,9 @@ class Trainer:
     experts: list[nn.Parameter] = field(default_factory=list)
     """With ``--ep``: this rank's slices of the experts (other ranks of its expert-parallel
     group hold the others), counted apart from :attr:`counted` (summed over that group)."""
+    expert_load: Any = None
+    """For a mixture of experts: the tokens each expert got in a step's forwards
+    (:class:`pipetrain.hf.expert_load.ExpertLoad`); None without experts."""
     expert_reducer: GradReducer | None = None
     """With ``--ep``: the experts' gradients summed over the ranks holding the same experts
     and divided by every data-parallel rank (their sums already hold the group's tokens)."""
@@ -240,7 +243,8 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     sharded = (None if mesh.shard_mesh is None
                else ShardedStages(mesh.shard_mesh, cfg.fsdp_reshard))
     split = None if mesh.tp_mesh is None else source.tensor_parallel(cfg, mesh.tp_mesh)
-    spread = None if mesh.ep_mesh is None else source.expert_parallel(cfg, mesh)
+    load = source.expert_load()
+    spread = None if mesh.ep_mesh is None else source.expert_parallel(cfg, mesh, load)
     if spread is not None and sharded is not None:
         sharded.ignored = spread.params  # filled by the time FSDP2 shards a stage
     hooks = [h for h in (spread, split, sharded) if h is not None]  # experts, tp, FSDP2
@@ -249,6 +253,8 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
                            parallelize=Composed(*hooks) if len(hooks) > 1 else
                            (hooks[0] if hooks else None))
     loaded = source.loaded(pipe)
+    if load is not None:
+        _count_forwards(load, pipe, tapped=spread is not None)
     corpus = source.corpus(cfg, progress=progress and mesh.rank == 0)
     data: dict[str, Any] = {}
     batches: Batches | ExampleBatches
@@ -272,6 +278,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
         params, *_tp_split([p for p in counted_parameters(pipe) if id(p) not in apart],
                            split is not None), source=source,
         loaded=loaded, sharded=sharded, tensor_parallel=split, ranks=ranks, experts=experts,
+        expert_load=load,
         expert_reducer=None if mesh.expert_group is None else GradReducer(
             {s: [p for p in st.parameters() if id(p) in apart]
              for s, st in pipe.stages.items()}, mesh.expert_group, mesh.dp // mesh.ep,
@@ -279,6 +286,21 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     trainer.eval_set = [trainer.rows(b) for b in held_out]
     trainer.data = data
     return trainer
+
+
+def _count_forwards(load: Any, pipe: Pipeline, *, tapped: bool) -> None:
+    """Count ``load`` in the pipeline's F actions only (not a recomputed layer's replay
+    before its backward); tap the experts' graphs unless expert parallelism counts already."""
+    from pipetrain.schedules.action import Op
+
+    executor = pipe.executor
+
+    def forward() -> bool:
+        return executor.current is not None and executor.current[1].op is Op.F
+
+    load.when = forward
+    if not tapped:
+        load.tap(stage.module for stage in pipe.stages.values())
 
 
 def _ep_problems(cfg: TrainConfig, dp: int) -> list[str]:

@@ -85,7 +85,12 @@ class Source(ABC):
 
         return TensorParallel(mesh, sequence_parallel=cfg.sequence_parallel)
 
-    def expert_parallel(self, cfg: TrainConfig, mesh: Any) -> Any:
+    def expert_load(self) -> Any:
+        """The counter of tokens per expert (:class:`pipetrain.hf.expert_load.ExpertLoad`);
+        None for a model without experts."""
+        return None
+
+    def expert_parallel(self, cfg: TrainConfig, mesh: Any, load: Any = None) -> Any:
         """The ``parallelize`` hook that spreads this model's experts over ``mesh.ep_mesh``.
 
         Raises:
