@@ -10,6 +10,9 @@ weights of ``--dp 2``, holding at most 0.6 of its peak tensor bytes per rank.
 from __future__ import annotations
 
 import copy
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -121,3 +124,66 @@ def _spread(ctx: pt.RankContext) -> list[str]:
 def test_pp2_by_ep2_gives_one_devices_loss_and_gradients() -> None:
     results = pt.launch(_spread, 4, timeout=300)
     assert [p for r in results for p in r] == []
+
+
+# ------------------------------------------------------------------ pipetrain train --ep
+
+TRAIN = ["--seq-len", "32", "--batch-size", "8", "--microbatches", "2", "--steps", "2",
+         "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--warmup", "1",
+         "--lr", "1e-2", "--no-progress", "--nproc", "4", "--pp", "2"]
+
+
+def _moe_dir(root: Path) -> Path:
+    """A Mixtral whose experts hold 90% of its weights (8 experts of 256 units on a width of
+    128), config and tokenizer only: every layout initialises it alike from --seed."""
+    from hf import python_text, tokenizer
+
+    text = python_text()
+    (root / "data.py").write_text(text)
+    tok = tokenizer(text)
+    config = tf.MixtralConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256,
+                              num_attention_heads=4, num_key_value_heads=2,
+                              vocab_size=len(tok), max_position_embeddings=64,
+                              num_local_experts=8, num_experts_per_tok=2, bos_token_id=0,
+                              eos_token_id=0, pad_token_id=0)
+    config.save_pretrained(root / "moe")
+    tok.save_pretrained(root / "moe")
+    return root / "moe"
+
+
+def _train(root: Path, out: str, *layout: str) -> dict[str, Any]:
+    from pipetrain.cli import main
+
+    argv = ["train", "--hf", str(root / "moe"), "--data", str(root / "data.py"),
+            "--token-cache", str(root / "tokens"), *TRAIN, "--out", str(root / out), *layout]
+    with pytest.MonkeyPatch.context() as env:
+        for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
+            env.delenv(key)
+        assert main(argv) == 0
+    steps = [json.loads(line) for line in (root / out / "log.jsonl").read_text().splitlines()]
+    summary = json.loads((root / out / "summary.json").read_text())
+    return {**summary, "records": [s for s in steps if s["kind"] == "step"]}
+
+
+def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
+    """``--dp 2 --ep 2`` against ``--dp 2`` on a pipeline of 2 (1F1B): per step the same
+    loss and gradient norm (1e-5), the same tokens per expert, ``OUT/hf`` the same weights
+    after two AdamW steps (to 2% of the learning rate, the most one step moves a weight:
+    Adam divides a gradient by its own size, so rounding in tiny ones shows), and each
+    rank's measured peak of tensor bytes at most 0.6 of the data-parallel run's."""
+    _moe_dir(tmp_path)
+    dp = _train(tmp_path, "dp", "--dp", "2")
+    ep = _train(tmp_path, "ep", "--dp", "2", "--ep", "2")
+    assert ep["layout"]["ep"] == 2 and "ep" not in dp["layout"]
+    for a, b in zip(dp["records"], ep["records"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
+        assert a["experts"] == b["experts"]  # counted in the graph, and by the experts module
+        assert a["experts"]["tokens_mean"] == 8 * 32 * 2 / 8  # (token, expert) pairs per expert
+    want = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "dp" / "hf").state_dict()
+    got = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ep" / "hf").state_dict()
+    assert want.keys() == got.keys()
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 0.02 * 1e-2
+    ratios = [e / d for e, d in zip(ep["peak_memory_bytes"], dp["peak_memory_bytes"],
+                                    strict=True)]
+    assert max(ratios) <= 0.6, ratios
+    assert ep["experts"]["imbalance"] >= 1.0 and "step" in ep["experts"]

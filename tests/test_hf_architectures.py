@@ -1,8 +1,9 @@
 """Architectures through ``--hf``'s path, each saved by transformers from a tiny config: read
 back stage by stage (stored names renamed as transformers renames them), pipelined under zbv
 on two local ranks, they give the loss ``model(input_ids, labels=...)`` gives. A mixture of
-experts, whose expert weights transformers fuses at load, is refused with the reason. The
-README's table of architectures lists these."""
+experts, whose expert weights transformers fuses at load, is fused by transformers' own
+conversion (more in tests/test_hf_moe_weights.py). The README's table of architectures lists
+these."""
 
 from __future__ import annotations
 
@@ -67,11 +68,15 @@ def test_an_architecture_gives_transformers_loss_through_the_pipeline(
     assert got is not None and float(got.detach()) == pytest.approx(float(want), rel=1e-6)
 
 
-def test_fused_expert_weights_are_refused_with_the_reason(tok: Any, tmp_path: Path) -> None:
+def test_fused_expert_weights_are_fused_as_transformers_fuses_them(tok: Any,
+                                                                   tmp_path: Path) -> None:
     from pipetrain.hf.model import load_weights, open_model
 
     config = tf.MixtralConfig(**GQA, num_local_experts=4, num_experts_per_tok=2)
-    hf = open_model(_saved(config, tok, tmp_path / "mixtral"))
+    directory = _saved(config, tok, tmp_path / "mixtral")
+    hf = open_model(directory)
     state = {n: torch.empty(p.shape) for n, p in hf.model.named_parameters()}
-    with pytest.raises(ValueError, match="does not fuse them"):
-        load_weights(hf, state)
+    report = load_weights(hf, state)  # each expert stored apart, 3 tensors each
+    want = tf.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    assert [n for n, t in state.items() if not torch.equal(t, want[n])] == []
+    assert report.tensors == len(state) + 4 * (4 * 3 - 2)  # 4 layers: 2 fused of 12 stored

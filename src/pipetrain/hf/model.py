@@ -8,14 +8,23 @@ After the pipeline has materialised a rank's stages, :func:`load_weights` opens 
 safetensors file with ``safe_open`` and copies only the tensors of that rank's parameters and
 buffers into them, by name (a tied weight under any of its names): the rank never maps or reads
 another rank's tensors. A directory without weights keeps the seeded initialisation by name.
+
+Stored names are read through transformers' own conversion rules (``conversion_mapping``):
+renamed (``embed_out`` -> ``lm_head``), or, where transformers fuses several stored tensors
+into one model tensor at load (a mixture of experts stores each expert apart), fused from the
+rank's stored tensors by transformers' ``WeightConverter`` and its operations::
+
+    stored: layers.0.mlp.experts.{0..E-1}.gate_proj.weight   (I, H) each ─┐ MergeModulelist
+            layers.0.mlp.experts.{0..E-1}.up_proj.weight     (I, H) each ─┘ then Concatenate
+    model:  layers.0.mlp.experts.gate_up_proj                (E, 2I, H)    on dim 1
 """
 
 from __future__ import annotations
 
+import copy
 import json
-import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +34,8 @@ from torch import nn
 from pipetrain.runtime.dtensors import copy_whole_
 from pipetrain.split.autosplit import cut_points, units
 
-__all__ = ["HFModel", "LoadReport", "has_weights", "load_weights", "open_model", "split_points"]
+__all__ = ["Fused", "HFModel", "LoadReport", "has_weights", "load_weights", "meta_model",
+           "open_model", "split_points"]
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -42,6 +52,20 @@ def transformers() -> Any:
 
 
 @dataclass(frozen=True, eq=False)
+class Fused:
+    """Stored tensors that transformers fuses at load into model tensors, and how."""
+
+    key: str
+    """The model name transformers converts them under (the first of :attr:`targets`)."""
+    targets: tuple[str, ...]
+    """The model tensors the conversion gives."""
+    converter: Any
+    """transformers' ``WeightConverter`` (a template: each read converts with a copy)."""
+    sources: tuple[tuple[str, Path, str], ...]
+    """(source pattern, file, stored name) of each stored tensor, in transformers' order."""
+
+
+@dataclass(frozen=True, eq=False)
 class HFModel:
     """A local Hugging Face checkpoint, described (its model lives on ``meta``)."""
 
@@ -52,13 +76,13 @@ class HFModel:
     model: nn.Module
     """``AutoModelForCausalLM.from_config(config)`` on the ``meta`` device, float32."""
     weights: dict[str, tuple[Path, str]]
-    """Model tensor name -> (the safetensors file holding it, its name there); empty: no
-    weights."""
+    """Model tensor name -> (the safetensors file holding it, its name there), for the tensors
+    stored whole; empty: no weights."""
     aliases: dict[str, tuple[str, ...]]
     """Each parameter and buffer name -> every name of the same tensor (a tied weight's)."""
-    fused: tuple[str, ...] = ()
-    """Model tensors that transformers builds at load from several stored ones (a mixture of
-    experts' fused expert weights), which are not read one by one."""
+    fused: dict[str, Fused] = field(default_factory=dict)
+    """Model tensor name -> the stored tensors transformers fuses into it at load (a mixture
+    of experts' per-expert weights), for the tensors not stored whole."""
 
     @property
     def n_params(self) -> int:
@@ -79,6 +103,22 @@ class HFModel:
         return {"hf": {"architecture": type(self.model).__name__, "config": config}}
 
 
+def meta_model(config: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` on ``meta``, float32, in train mode.
+
+    Raises:
+        ValueError: when ``config`` is not of a causal LM transformers can build.
+    """
+    tf = transformers()
+    try:
+        with torch.device("meta"):
+            model: nn.Module = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as e:
+        raise ValueError(f"{type(config).__name__} is not a causal language model "
+                         f"transformers can build ({e})") from None
+    return model.train()
+
+
 def open_model(root: str | Path) -> HFModel:
     """The model of directory ``root`` (``config.json``, optional safetensors weights).
 
@@ -96,43 +136,64 @@ def open_model(root: str | Path) -> HFModel:
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     config.use_cache = False
     try:
-        with torch.device("meta"):
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = meta_model(config)
     except ValueError as e:
-        raise ValueError(f"--hf {str(path)!r}: {type(config).__name__} is not a causal language "
-                         f"model transformers can build ({e})") from None
-    model.train()
-    renamings, fused = _conversions(model)
-    return HFModel(path, config, model, _weight_files(path, renamings),
-                   _names_by_tensor(model), fused)
+        raise ValueError(f"--hf {str(path)!r}: {e}") from None
+    weights, fused = _index(_stored_files(path), _renamer(model))
+    return HFModel(path, config, model, weights, _names_by_tensor(model), fused)
 
 
-def _conversions(model: nn.Module) -> tuple[list[tuple[str, str]], tuple[str, ...]]:
-    """transformers' own checkpoint conversions for ``model``: the renamings of stored names
-    (regex, replacement), and the model names of tensors it fuses from several stored ones."""
+Renamer = Callable[[str], tuple[str, str | None, Any]]
+"""stored name -> (model name, the fusing converter's source pattern or None, it or None)"""
+
+
+def _renamer(model: nn.Module) -> Renamer:
+    """transformers' own renaming of stored names for ``model`` (``from_pretrained``'s: its
+    ``WeightRenaming`` rules, then at most one ``WeightConverter``; a name the model has
+    already is kept); names unchanged with a transformers that has no such rules."""
     try:
+        import transformers.core_model_loading as loading
         from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # pragma: no cover - transformers before 5
+        return lambda name: (name, None, None)
+    rules = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    renamings = [r for r in rules if isinstance(r, loading.WeightRenaming)]
+    converters = [r for r in rules if isinstance(r, loading.WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    known, prefix = model.state_dict(), getattr(model, "base_model_prefix", None)
 
-        rules = get_model_conversion_mapping(model)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001  (an older or newer transformers: no renaming)
-        return [], ()
-    renamings: list[tuple[str, str]] = []
-    fused: list[str] = []
-    for rule in rules:
-        sources = list(getattr(rule, "source_patterns", []) or [])
-        targets = list(getattr(rule, "target_patterns", []) or [])
-        if type(rule).__name__ == "WeightRenaming" and targets:
-            renamings += [(src, targets[i] if len(targets) == len(sources) else targets[0])
-                          for i, src in enumerate(sources)]
-        elif targets:
-            fused += targets
-    return renamings, tuple(fused)
+    def rename(name: str) -> tuple[str, str | None, Any]:
+        target, pattern = loading.rename_source_key(name, renamings, converters, prefix, known)
+        if target not in known and name in known:  # as from_pretrained: not to be renamed
+            target, pattern = loading.rename_source_key(name, [], [], prefix, known)
+        return target, pattern, by_pattern.get(pattern) if pattern is not None else None
+
+    return rename
 
 
-def _renamed(name: str, renamings: list[tuple[str, str]]) -> str:
-    for pattern, replacement in renamings:
-        name = re.sub(pattern, replacement, name)
-    return name
+def _index(stored: dict[str, Path], rename: Renamer
+           ) -> tuple[dict[str, tuple[Path, str]], dict[str, Fused]]:
+    """The stored tensors by model name: those stored whole (file, stored name), and those
+    transformers fuses from several stored ones (:class:`Fused`, under each of its targets)."""
+    weights: dict[str, tuple[Path, str]] = {}
+    groups: dict[str, tuple[Any, list[tuple[str, Path, str]]]] = {}
+    for name in sorted(stored, key=_natural):  # as transformers: expert 2 before expert 10
+        target, pattern, converter = rename(name)
+        if converter is None or pattern is None:
+            weights[target] = (stored[name], name)
+        else:
+            groups.setdefault(target, (converter, []))[1].append((pattern, stored[name], name))
+    fused: dict[str, Fused] = {}
+    for key, (converter, sources) in groups.items():
+        first = converter.target_patterns[0]
+        targets = tuple(key.replace(first, t) for t in converter.target_patterns)
+        group = Fused(key, targets, converter, tuple(sources))
+        fused.update(dict.fromkeys(targets, group))
+    return weights, fused
+
+
+def _natural(name: str) -> list[tuple[int, int | str]]:
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in name.split(".")]
 
 
 def has_weights(root: str | Path) -> bool:
@@ -141,20 +202,17 @@ def has_weights(root: str | Path) -> bool:
     return (Path(root) / INDEX).is_file() or (Path(root) / SINGLE).is_file()
 
 
-def _weight_files(root: Path, renamings: list[tuple[str, str]]) -> dict[str, tuple[Path, str]]:
-    """Model tensor name -> (file, stored name), from the index of a sharded checkpoint or the
-    single file; stored names are renamed as transformers renames them at load."""
-    stored: dict[str, Path] = {}
+def _stored_files(root: Path) -> dict[str, Path]:
+    """Stored tensor name -> its file, from the index of a sharded checkpoint or the single
+    file; empty: no weights. A ValueError when the weights are only in pickle files."""
     if (root / INDEX).is_file():
         index = json.loads((root / INDEX).read_text())
-        stored = {name: root / file for name, file in index["weight_map"].items()}
-    elif (root / SINGLE).is_file():
+        return {name: root / file for name, file in index["weight_map"].items()}
+    if (root / SINGLE).is_file():
         from safetensors import safe_open
 
         with safe_open(str(root / SINGLE), "pt") as f:
-            stored = {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 (not a dict)
-    if stored:
-        return {_renamed(n, renamings): (file, n) for n, file in stored.items()}
+            return {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 (not a dict)
     pickled = sorted(p.name for p in root.glob("*.bin"))
     if pickled:
         raise ValueError(f"{root} holds weights only as pickle files ({', '.join(pickled)}), "
@@ -214,6 +272,7 @@ class LoadReport:
     """What one rank read from the safetensors files."""
 
     tensors: int
+    """Stored tensors read (a fused tensor counts each stored one it is made of)."""
     bytes: int
     """Bytes of the tensors read, as stored."""
     files: int
@@ -225,50 +284,108 @@ def load_weights(hf: HFModel, state: Mapping[str, torch.Tensor]) -> LoadReport:
 
     ``state`` maps the model's names (``pipe.state_dict()``) to this rank's materialised
     tensors; each is looked up in the files under its own name or, for a tied weight, any
-    other name of the same Parameter, and cast to the tensor's dtype.
+    other name of the same Parameter, and cast to the tensor's dtype; one that transformers
+    fuses at load (:attr:`HFModel.fused`) is fused from its stored tensors by transformers'
+    ``WeightConverter``. A DTensor (FSDP2, expert-parallel) takes its slice of the whole.
 
     Raises:
-        ValueError: naming the tensors the files lack, or a stored shape that differs.
+        ValueError: naming the tensors the files lack, or a stored (or fused) shape that
+            differs from the model's, with the file and the stored names.
     """
-    if not hf.weights:
+    if not hf.weights and not hf.fused:
         return LoadReport(0, 0, 0)
-    from safetensors import safe_open
-
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    missing = []
-    for name in state:
-        candidates = (name, *(a for a in hf.aliases.get(name, ()) if a != name))
-        found = next((a for a in candidates if a in hf.weights), None)
-        if found is None:
-            missing.append(name)
-        else:
-            file, stored = hf.weights[found]
-            by_file.setdefault(file, []).append((name, stored))
-    fused = [n for n in missing if any(n.endswith(f.lstrip(".")) for f in hf.fused)]
-    if fused:
-        raise ValueError(f"{hf.root}: transformers builds {_few(fused)} at load from several "
-                         f"stored tensors (a {type(hf.model).__name__} checkpoint keeps its "
-                         "experts apart); pipetrain reads stored tensors one by one and does "
-                         "not fuse them. Start from no weights (config and tokenizer only), or "
-                         "use an architecture without fused weights")
+    by_file, fused, missing = _plan(hf, state)
     if missing:
         raise ValueError(f"{hf.root}: the weights lack {_few(missing)}; is this directory "
                          "from another model than its config.json?")
     read = n_bytes = 0
+    files = set(by_file)
     with torch.no_grad():
         for file, names in sorted(by_file.items()):
-            for group in _groups(names, state):  # the file is mapped one group at a time
-                with safe_open(str(file), "pt", device="cpu") as f:
-                    for name, stored in group:
-                        value = f.get_tensor(stored)
-                        target = state[name]
-                        if tuple(value.shape) != tuple(target.shape):
-                            raise ValueError(f"{file}: {stored} has shape "
-                                             f"{tuple(value.shape)}, the model's {name} "
-                                             f"{tuple(target.shape)}")
-                        copy_whole_(target, value)  # a FSDP2 shard takes its slice
-                        read, n_bytes = read + 1, n_bytes + value.numel() * value.element_size()
-    return LoadReport(read, n_bytes, len(by_file))
+            for run in _groups(names, state):  # the file is mapped one run at a time
+                n, b = _read_whole(file, run, state)
+                read, n_bytes = read + n, n_bytes + b
+        for group, wanted in fused.values():  # one fused tensor's stored ones at a time
+            n, b = _read_fused(hf, group, wanted, state)
+            read, n_bytes = read + n, n_bytes + b
+            files.update(file for _, file, _ in group.sources)
+    return LoadReport(read, n_bytes, len(files))
+
+
+def _plan(hf: HFModel, state: Mapping[str, torch.Tensor]
+          ) -> tuple[dict[Path, list[tuple[str, str]]], dict[str, tuple[Fused, dict[str, str]]],
+                     list[str]]:
+    """What ``state`` reads: (state name, stored name) by file for the tensors stored whole;
+    by fused group, the group and its model names -> state names; the names not stored."""
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    fused: dict[str, tuple[Fused, dict[str, str]]] = {}
+    missing = []
+    for name in state:
+        candidates = (name, *(a for a in hf.aliases.get(name, ()) if a != name))
+        found = next((a for a in candidates if a in hf.weights or a in hf.fused), None)
+        if found is None:
+            missing.append(name)
+        elif found in hf.weights:
+            file, stored = hf.weights[found]
+            by_file.setdefault(file, []).append((name, stored))
+        else:
+            group = hf.fused[found]
+            fused.setdefault(group.key, (group, {}))[1][found] = name
+    return by_file, fused, missing
+
+
+def _read_whole(file: Path, names: list[tuple[str, str]], state: Mapping[str, torch.Tensor]
+                ) -> tuple[int, int]:
+    """Copy each (state name, stored name) of ``names`` from ``file``; tensors and bytes read."""
+    from safetensors import safe_open
+
+    n_bytes = 0
+    with safe_open(str(file), "pt", device="cpu") as f:
+        for name, stored in names:
+            value = f.get_tensor(stored)
+            _copy(state[name], value, name, f"{file}: {stored}")
+            n_bytes += value.numel() * value.element_size()
+    return len(names), n_bytes
+
+
+def _read_fused(hf: HFModel, group: Fused, wanted: dict[str, str],
+                state: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+    """Read the stored tensors of ``group``, fuse them with a copy of transformers' converter,
+    and copy the results ``wanted`` (model name -> state name) in; stored tensors and bytes
+    read."""
+    from safetensors import safe_open
+
+    values: dict[str, torch.Tensor] = {}
+    for file in dict.fromkeys(file for _, file, _ in group.sources):
+        with safe_open(str(file), "pt", device="cpu") as f:
+            values.update({s: f.get_tensor(s) for _, fl, s in group.sources if fl == file})
+    n_read, n_bytes = len(values), sum(v.numel() * v.element_size() for v in values.values())
+    where = (f"{group.sources[0][1]}: {n_read} stored tensors "
+             f"({_few([s for _, _, s in group.sources], 3)})")
+    converter = copy.deepcopy(group.converter)
+    for pattern, _, stored in group.sources:  # in order; the converter frees each as it goes
+        converter.add_tensor(group.key, stored, pattern, values.pop(stored))
+    try:
+        out = converter.convert(group.key, model=hf.model, config=hf.config)
+    except Exception as e:  # noqa: BLE001  (any op's failure, named with the tensors)
+        ops = ", ".join(type(op).__name__ for op in converter.operations)
+        raise ValueError(f"{where}: transformers' {ops} could not fuse them into the model's "
+                         f"{group.key} ({type(e).__name__}: {e})") from e
+    converted = {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+    for model_name, name in wanted.items():
+        if model_name not in converted:
+            raise ValueError(f"{where} fuse into {_few(sorted(converted))}, not the model's "
+                             f"{model_name}")
+        _copy(state[name], converted[model_name], name, f"{where} (fused)")
+    return n_read, n_bytes
+
+
+def _copy(target: torch.Tensor, value: torch.Tensor, name: str, where: str) -> None:
+    """``value`` (the whole tensor) into ``target``, or a ValueError naming both shapes."""
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, the model's {name} "
+                         f"{tuple(target.shape)}")
+    copy_whole_(target, value)  # a FSDP2 shard or an expert-parallel slice takes its slice
 
 
 MAPPED_BYTES = 256 << 20
@@ -279,17 +396,17 @@ pages it has read count in the process's resident memory until the file is close
 def _groups(names: list[tuple[str, str]], state: Mapping[str, torch.Tensor]
             ) -> list[list[tuple[str, str]]]:
     """``names`` in runs of at most :data:`MAPPED_BYTES` (a larger tensor alone)."""
-    groups: list[list[tuple[str, str]]] = [[]]
+    runs: list[list[tuple[str, str]]] = [[]]
     size = 0
     for item in names:
         t = state[item[0]]
         nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > MAPPED_BYTES:
-            groups.append([])
+        if runs[-1] and size + nbytes > MAPPED_BYTES:
+            runs.append([])
             size = 0
-        groups[-1].append(item)
+        runs[-1].append(item)
         size += nbytes
-    return groups
+    return runs
 
 
 def _names_by_tensor(model: nn.Module) -> dict[str, tuple[str, ...]]:
