@@ -3,7 +3,9 @@
 On 4 gloo processes, pipelines of 2 ranks whose 2 data-parallel ranks share each layer's
 experts (pp 2 x ep 2), the loss and every gradient of one step equal one device's running the
 same micro-batches, under schedules with a full and with a split (I/W) backward, with FSDP2 on
-the other weights too; and ``pipetrain train --ep 2`` gives the losses, gradient norms and saved
+the other weights too; the experts' all-to-alls (forward and backward) run in F and B, or F
+and I, never in W (a W waits for nothing but its own inputs) except on the first stage, whose
+backward is all W (its input, token ids, has no gradient); and ``pipetrain train --ep 2`` gives the losses, gradient norms and saved
 weights of ``--dp 2``, holding at most 0.6 of its peak tensor bytes per rank.
 """
 
@@ -67,6 +69,7 @@ def _spread(ctx: pt.RankContext) -> list[str]:
     from pipetrain.parallel.parallelize import Composed
     from pipetrain.parallel.sharded import ShardedStages
 
+    ops = _watch_all_to_all()
     r = ctx.rank  # pipeline rank r // 2, data-parallel rank r % 2
     pp_group = _groups(r, [[0, 2], [1, 3]])
     ep_group = _groups(r, [[0, 1], [2, 3]])
@@ -90,8 +93,13 @@ def _spread(ctx: pt.RankContext) -> list[str]:
                            if schedule == "zbv" else ["model.layers.2"],
                            example_inputs={"input_ids": x[:2]}, group=pp_group, timeout=60,
                            parallelize=Composed(spread, sharded) if sharded else spread)
+        ops.clear()
+        ops.append(pipe.executor)
         got = pipe.step({"input_ids": x[mine]}, y[mine],
                         on_grads_ready=sharded.reduce if sharded else None)
+        backward = {"I" if s else "W" for s, _ in ops[1:]} if schedule.startswith("zb") else {"B"}
+        if {k for _, k in ops[1:]} != {"F"} | backward:  # stage 0 has no input gradient
+            problems.append(f"{case}: the all-to-alls ran in {sorted(set(ops[1:]))}")
         if sharded is not None:
             sharded.finish()
         loss = torch.tensor(float(got.loss if got.loss is not None else "nan"))
@@ -119,6 +127,27 @@ def _spread(ctx: pt.RankContext) -> list[str]:
                 problems.append(f"{case}: {n}'s gradient differs by "
                                 f"{float((grad - ref_grad).abs().max()):.3g}")
     return problems
+
+
+def _watch_all_to_all() -> list[Any]:
+    """Record the stage and kind of action (F, B, I, W) running each all-to-all of the
+    experts, its backward too: ``ops[0]`` is the executor to ask, the records follow."""
+    import transformers.distributed.expert_parallel as ep
+
+    ops: list[Any] = []
+    exchange = ep.all_to_all_single_autograd
+
+    def kind(*_: Any) -> None:
+        action = ops[0].current[1]
+        ops.append((action.stage, action.op.name))
+
+    def watched(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kind()
+        out = exchange(*args, **kwargs)
+        out.grad_fn.register_prehook(kind)
+        return out
+    ep.all_to_all_single_autograd = watched
+    return ops
 
 
 def test_pp2_by_ep2_gives_one_devices_loss_and_gradients() -> None:
