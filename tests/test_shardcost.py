@@ -1,5 +1,6 @@
 """Shard cost: the sharded state's bytes, the gathered weights, and the collectives' seconds of
-dp, FSDP and tensor parallel; and the share of a layer one tensor-parallel rank computes."""
+dp, FSDP, tensor and expert parallel; and the share of a layer one tensor-parallel rank
+computes."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def test_sharding_names_itself() -> None:
     assert Sharding(dp=2, fsdp=2, reshard="layer").label() == "dp2 fsdp2 layer"
     assert Sharding(tp=2).replicas == 2 and Sharding(tp=2).data == 1
     assert Sharding(dp=2, fsdp=2).to_dict() == {"dp": 2, "fsdp": 2, "tp": 1,
-                                                "fsdp_reshard": "part"}
+                                                "fsdp_reshard": "part", "ep": 1}
 
 
 def test_a_tensor_parallel_rank_computes_its_share_of_a_gpt_block() -> None:
@@ -124,3 +125,38 @@ def test_a_split_that_does_not_divide_is_refused() -> None:
     _, block, *_ = gpt_layers(PRESETS["tiny"])
     with pytest.raises(ValueError, match="does not split into 3 x 5"):
         local_layer(block, gpt_plan(False), 5)
+
+
+# ------------------------------------------------------------------ expert parallel
+
+MOE = LayerComm(units=(12 * MIB,), experts=8 * MIB, a2a=MIB)
+A2A = Collectives({"all_to_all/2": (1e-3, 1e-9), "all_reduce/2": (1e-3, 1e-9)})
+
+
+def test_expert_parallel_spreads_the_experts_state_and_nothing_else() -> None:
+    dense = 4 * 4 * MIB  # weights, gradients and AdamW's two moments of the 4 MiB not experts
+    assert state_bytes([LAYER], [MOE], Sharding(dp=2)) == dense + 4 * 8 * MIB
+    assert state_bytes([LAYER], [MOE], Sharding(dp=2, ep=2)) == dense + 4 * 4 * MIB
+    # FSDP shards the rest; the experts are spread over ep, not sharded again
+    sharded = state_bytes([LAYER], [MOE], Sharding(fsdp=2, ep=2, reshard="layer"))
+    assert sharded == 3 * 4 * MIB / 2 + 4 * MIB + 12 * MIB + 4 * 8 * MIB / 2
+    # AdamW's temporaries: the largest gradient, an expert matrix, spread too
+    assert step_temporaries([LAYER], Sharding(dp=2, ep=2), False, [MOE]) == 2 * 2 * MIB
+
+
+def test_expert_parallel_pays_two_all_to_alls_per_moe_layer_in_f_i_and_b_only() -> None:
+    one = 1e-3 + MIB * 1e-9
+    for op in "FIB":
+        assert action_seconds(op, [MOE, COMM], Sharding(dp=2, ep=2), A2A) == \
+            pytest.approx(2 * one)
+    assert action_seconds("W", [MOE], Sharding(dp=2, ep=2), A2A) == 0
+    assert action_seconds("F", [MOE], Sharding(dp=2), A2A) == 0  # no ep: no all-to-all
+
+
+def test_experts_gradients_reduce_over_the_ranks_holding_the_same_experts() -> None:
+    # dp 2 = ep 2: each expert is held once, only the 4 MiB of other weights are all-reduced
+    spread = reduction_seconds([LAYER], [MOE], Sharding(dp=2, ep=2), A2A)
+    assert spread == pytest.approx(1e-3 + 4 * MIB * 1e-9)
+    assert reduction_seconds([LAYER], [MOE], Sharding(dp=2), A2A) == \
+        pytest.approx(1e-3 + 12 * MIB * 1e-9)
+    assert Sharding(dp=2, ep=2).label() == "dp2 ep2"

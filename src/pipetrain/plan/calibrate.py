@@ -4,10 +4,10 @@ One local launch (as ``pipetrain train``) at the calibration layout (the fewest 
 searched, the rest replicas) trains 3 steps each of zb-h1, 1f1b and 1f1b recomputed: the
 measured/profiled ratio of each op, the hop delay, the step's time outside the schedule, the
 runtime's cost per action and what recomputation adds (:mod:`pipetrain.schedules.calibrate`); the
-same launch then times all-reduce, all-gather and reduce-scatter over groups of each size the
-layouts use (:func:`pipetrain.plan.shardcost.measure_collectives`). When the layouts shard, one more
-launch each trains 3 steps of 1f1b under tensor parallelism and under FSDP (reshard "part"),
-and the measured/predicted cost of their collectives is fitted (``Scale.tp_talk``,
+same launch then times all-reduce, all-gather, reduce-scatter and all-to-all over groups of each
+size the layouts use (:func:`pipetrain.plan.shardcost.measure_collectives`). When the layouts
+shard, one more launch each trains 3 steps of 1f1b under tensor parallelism and under FSDP
+(reshard "part"), and the measured/predicted cost of their collectives is fitted (``Scale.tp_talk``,
 ``Scale.fsdp_talk``): DTensor's and FSDP2's work around each collective is not in the
 collectives' own times.
 """
@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
+from pipetrain.plan.shardcost import KINDS
 from pipetrain.train.config import TrainConfig
 
 __all__ = ["on_cuda", "shared_cores", "calibrate_on_ranks"]
@@ -65,9 +66,11 @@ def calibrate_on_ranks(cfg: TrainConfig, calib: Layout, profiles: dict[tuple[int
     base = dataclasses.replace(cfg, pp=pp, dp=sharding.dp, microbatches=m,
                                batch_size=prof.rows * m * sharding.dp, steps=3,
                                balance="params")
-    groups = sorted({k for _, s in layouts for k in (s.dp, s.fsdp, s.tp, s.dp * s.fsdp)})
+    groups = sorted({k for _, s in layouts
+                     for k in (s.dp, s.fsdp, s.tp, s.dp * s.fsdp, s.ep, s.data // s.ep)})
+    kinds = KINDS if any(s.ep > 1 for _, s in layouts) else KINDS[:3]  # all-to-all: ep's
     with _stdout_to_stderr():  # the ranks print their config; stdout stays the plan's
-        measured = launch_local(base, partial(_calibration_runs, groups=groups))
+        measured = launch_local(base, partial(_calibration_runs, groups=groups, kinds=kinds))
     runs, collectives = measured["runs"], measured["collectives"]
     per_pipeline = None if cores is None else cores / sharding.replicas
     split, fused, again = (_calibrated(run, per_pipeline) for run in runs)
@@ -199,15 +202,17 @@ def _ratio(result: dict[str, Any], prof: Any, op: str, profiled: tuple[str, ...]
     return got / want if want > 0 else 1.0
 
 
-def _calibration_runs(cfg: TrainConfig, reporter: Any, groups: list[int]) -> dict[str, Any]:
+def _calibration_runs(cfg: TrainConfig, reporter: Any, groups: list[int],
+                      kinds: tuple[str, ...]) -> dict[str, Any]:
     """On every rank, in one launch: :func:`_calibration_run` of ``cfg`` under zb-h1, 1f1b,
-    and 1f1b recomputed; then the collectives over groups of each of ``groups`` ranks."""
+    and 1f1b recomputed; then the ``kinds`` of collectives over groups of each of ``groups``
+    ranks."""
     from pipetrain.plan.shardcost import measure_collectives
 
     variants = [dataclasses.replace(cfg, schedule=name) for name in CALIBRATION_SCHEDULES]
     variants.append(dataclasses.replace(cfg, schedule="1f1b", recompute="always"))
     runs = [_calibration_run(variant) for variant in variants]
-    return {"runs": runs, "collectives": measure_collectives(groups)}
+    return {"runs": runs, "collectives": measure_collectives(groups, kinds=kinds)}
 
 
 def _calibration_run(cfg: TrainConfig) -> dict[str, Any]:

@@ -73,6 +73,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsdp", type=int, metavar="N", help="FSDP shards (default: search)")
     parser.add_argument("--tp", type=int, metavar="N",
                         help="tensor-parallel ranks (default: search; not with --hf)")
+    parser.add_argument("--ep", type=int, metavar="N", help="expert-parallel ranks, of the "
+                        "data-parallel ones (default: search, for an --hf mixture of experts)")
     parser.add_argument("--fsdp-reshard", choices=RESHARD, metavar="WHEN",
                         help="FSDP's reshard: step, layer or part (default: search)")
     parser.add_argument("--device", default=d.device, help="auto, cpu or cuda")
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
                       batch_size=args.batch_size, nproc=args.nproc, device=args.device, out="",
                       progress=False, sample_tokens=0, eval_batches=1)
     check(cfg)
-    layouts = candidate_layouts(cfg, args.pp, args.dp, args.fsdp, args.tp, args.fsdp_reshard)
+    layouts = candidate_layouts(cfg, args.pp, args.dp, args.fsdp, args.tp, args.fsdp_reshard,
+                                args.ep)
     schedules = _schedules(args.schedules, SCHEDULES)
     calib = _calibration_layout(layouts, cfg.nproc)
     profiles = profile_layouts(cfg, [*layouts, calib])
@@ -141,19 +144,22 @@ Layout = tuple[int, Any]
 
 
 def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: int | None,
-                      tp: int | None, reshard: str | None) -> list[Layout]:
+                      tp: int | None, reshard: str | None, ep: int | None = 1) -> list[Layout]:
     """Every ``pp x dp x fsdp x tp = nproc`` the flags given allow and ``pipetrain train``
     accepts for ``cfg`` (pp at least 2 unless given; with ``--hf``, tp only for a model that
-    declares a plan whose heads split, and whose weights are stored).
+    declares a plan whose heads split, and whose weights are stored), each at every ``ep``
+    that fits (``ep=None``: search; :func:`pipetrain.plan.experts.ep_choices`).
 
     Raises:
         ValueError: when none does, saying why (the first of them's reason).
     """
+    from pipetrain.plan.experts import ep_choices
     from pipetrain.plan.shardcost import Sharding
     from pipetrain.train.mesh import layout
     from pipetrain.train.setup import check_config
 
     n, out, why = cfg.nproc, [], None
+    moe = _meta(cfg) if ep != 1 else None
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     for p, d, s, t in itertools.product(divisors, repeat=4):
         if p * d * s * t != n or (pp is None and p < 2 and n > 1) or any(
@@ -169,12 +175,19 @@ def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: in
             why = why or e
             continue
         for when in (RESHARD if s > 1 and reshard is None else (reshard or "part",)):
-            out.append((p, Sharding(d, s, t, when)))
+            out += [(p, Sharding(d, s, t, when, e)) for e in ep_choices(moe, d * s, s, t, ep)]
     if not out:
         if why is None:
             layout(n, dp or 1, pp, fsdp or 1, tp or 1)  # raises, naming the mismatch
         raise ValueError(f"no layout of {n} processes is possible with these flags: {why}")
     return out
+
+
+def _meta(cfg: TrainConfig) -> torch.nn.Module | None:
+    """``--hf``'s model on ``meta`` (None for the GPT presets)."""
+    from pipetrain.hf.model import open_model
+
+    return open_model(Path(cfg.hf)).model if cfg.hf else None
 
 
 def _check_hf_tp(cfg: TrainConfig, tp: int) -> None:
@@ -221,6 +234,8 @@ class Units:
     loss: Callable[[Any, torch.Tensor], torch.Tensor]
     traffic: Callable[[torch.nn.Module, Any, torch.Tensor], tuple[tuple[int, ...], ...]]
     """(layer, its input, the token ids) -> the bytes it all-reduces over tp in F and in I."""
+    experts: Callable[[torch.nn.Module, torch.Tensor], tuple[int, int]] = lambda u, ids: (0, 0)
+    """(layer, the token ids) -> its experts' bytes and one all-to-all's (:mod:`.experts`)."""
 
 
 def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
@@ -242,6 +257,7 @@ def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
                      lambda layer, x, ids: traffic(layer, plan, x) if tp > 1 else ((), ()))
     from pipetrain.hf.model import open_model, split_points
     from pipetrain.hf.tensor_parallel import shrink
+    from pipetrain.plan.experts import expert_sizes
     from pipetrain.split.layers import packed, trace_stages
     from pipetrain.split.lazy import NamedInit
     from pipetrain.train.hf_source import causal_lm_loss
@@ -254,7 +270,8 @@ def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
     # a balance mode: the units are grouped later, so they may outnumber the stages
     traced = trace_stages(model, split_points(model, pp, example), example, "time", pp)
     return Units(list(traced.stages), lambda ids: packed(traced, {"input_ids": ids}),
-                 causal_lm_loss, lambda layer, x, ids: _split_traffic(layer, splits, ids))
+                 causal_lm_loss, lambda layer, x, ids: _split_traffic(layer, splits, ids),
+                 expert_sizes(meta))
 
 
 def _split_traffic(layer: torch.nn.Module, splits: dict[str, Any], ids: torch.Tensor
@@ -321,7 +338,7 @@ def _walk(units: Units, x: Any, ids: torch.Tensor) -> tuple[tuple[int, ...], tup
         for layer in units.layers:
             sizes.append(tensor_bytes(flatten(x)[0]))
             f, i = units.traffic(layer, x, ids)
-            comm.append(LayerComm(unit_bytes(layer), f, i))
+            comm.append(LayerComm(unit_bytes(layer), f, i, *units.experts(layer, ids)))
             x = layer(x)
     return tuple(sizes), tuple(comm)
 
@@ -345,7 +362,7 @@ def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
         recompute=best.recompute, out="runs/pipetrain", progress=True,
         sample_tokens=TrainConfig.sample_tokens, eval_batches=TrainConfig.eval_batches,
         pp=best.simulation.schedule.n_ranks, dp=best.sharding.dp, fsdp=best.sharding.fsdp,
-        tp=best.sharding.tp, fsdp_reshard=best.sharding.reshard,
+        tp=best.sharding.tp, fsdp_reshard=best.sharding.reshard, ep=best.sharding.ep,
         sequence_parallel=cfg.seq_len % best.sharding.tp == 0)
     toml_path, png_path = out / "plan.toml", out / "plan.png"
     # with --hf weights, train picks the fine-tuning optimiser settings itself (not lr=1e-2)

@@ -50,9 +50,11 @@ from pipetrain.plan.shardcost import (
     LayerComm,
     Sharding,
     action_seconds,
+    largest_grad,
     reduction_seconds,
     state_bytes,
     step_temporaries,
+    updated_bytes,
 )
 from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
@@ -299,7 +301,7 @@ def _outside(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, int
         mine = [c for sl in spans for c in prof.layers[sl]]
         talk = reduction_seconds(mine, [c for sl in spans for c in comms[sl]], sharding,
                                  collectives)
-        updated = sum(c.param_bytes - c.frozen_bytes for c in mine) / sharding.fsdp
+        updated = updated_bytes(mine, [c for sl in spans for c in comms[sl]], sharding)
         share = updated / scale.overhead_bytes if scale.overhead_bytes else 1.0
         slowest = max(slowest, talk + scale.overhead * share)
     return slowest
@@ -315,11 +317,12 @@ def rank_peaks(prof: Profiled, schedule: Schedule, bounds: Sequence[tuple[int, i
     for rank in range(schedule.n_ranks):
         spans = [slice(*bounds[s]) for s in schedule.stages_of(rank)]
         mine = [c for sl in spans for c in layers[sl]]
-        largest = max((c.largest_grad_bytes for c in mine), default=0)
+        largest = largest_grad(mine, [c for sl in spans for c in comms[sl]], sharding)
         alive = peak_units(sim.timeline.of_rank(rank), sim.w_share, held, kept, replay)
         work = max(full[s] for s in schedule.stages_of(rank)) + largest
         state = state_bytes(mine, [c for sl in spans for c in comms[sl]], sharding)
-        peaks.append(state + max(alive + work, step_temporaries(mine, sharding, foreach)))
+        peaks.append(state + max(alive + work, step_temporaries(
+            mine, sharding, foreach, [c for sl in spans for c in comms[sl]])))
     return peaks
 
 
