@@ -6,7 +6,8 @@ same micro-batches, under schedules with a full and with a split (I/W) backward,
 the other weights too; the experts' all-to-alls (forward and backward) run in F and B, or F
 and I, never in W (a W waits for nothing but its own inputs) except on the first stage, whose
 backward is all W (its input, token ids, has no gradient); and ``pipetrain train --ep 2`` gives the losses, gradient norms and saved
-weights of ``--dp 2``, holding at most 0.6 of its peak tensor bytes per rank.
+weights of ``--dp 2``, holding at most 0.6 of its peak tensor bytes per rank, as the planner
+predicts (within 20%).
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
     loss and gradient norm (1e-5), the same tokens per expert, ``OUT/hf`` the same weights
     after two AdamW steps (to 2% of the learning rate, the most one step moves a weight:
     Adam divides a gradient by its own size, so rounding in tiny ones shows), and each
-    rank's measured peak of tensor bytes at most 0.6 of the data-parallel run's."""
+    rank's measured peak of tensor bytes at most 0.6 of the data-parallel run's; ``pipetrain
+    plan`` predicts that saving per pipeline rank within 20%."""
     _moe_dir(tmp_path)
     dp = _train(tmp_path, "dp", "--dp", "2")
     ep = _train(tmp_path, "ep", "--dp", "2", "--ep", "2")
@@ -216,3 +218,31 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
                                     strict=True)]
     assert max(ratios) <= 0.6, ratios
     assert ep["experts"]["imbalance"] >= 1.0 and "step" in ep["experts"]
+    # the planner's prediction of what ep saves per pipeline rank, against these runs'
+    predicted = _planned_saving(tmp_path)
+    for pp_rank, saved in enumerate(predicted):
+        measured = [d - e for d, e in zip(dp["peak_memory_bytes"][2 * pp_rank:][:2],
+                                          ep["peak_memory_bytes"][2 * pp_rank:][:2],
+                                          strict=True)]
+        assert all(abs(saved - m) <= 0.2 * m for m in measured), (predicted, measured)
+
+
+def _planned_saving(root: Path) -> list[int]:
+    """``pipetrain plan``'s predicted peak bytes per pipeline rank of the trained layout at
+    ``--ep 1`` minus at ``--ep 2``."""
+    import contextlib
+    import io
+
+    from pipetrain.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["plan", "--hf", str(root / "moe"), "--data", str(root / "data.py"),
+              "--token-cache", str(root / "tokens"), "--seq-len", "32", "--batch-size", "8",
+              "--nproc", "4", "--pp", "2", "--dp", "2", "--schedules", "1f1b",
+              "--memory-limit", "1GiB", "--no-calibrate", "--json", "--out",
+              str(root / "plan")])
+    report = json.loads(out.getvalue().splitlines()[-1])
+    peaks = {c["ep"]: c["predicted_peak_bytes"] for c in report["candidates"]
+             if c["microbatches"] == 2 and c["recompute"] == "never"}
+    return [d - e for d, e in zip(peaks[1], peaks[2], strict=True)]
