@@ -6,8 +6,8 @@ same micro-batches, under schedules with a full and with a split (I/W) backward,
 the other weights too; the experts' all-to-alls (forward and backward) run in F and B, or F
 and I, never in W (a W waits for nothing but its own inputs) except on the first stage, whose
 backward is all W (its input, token ids, has no gradient); and ``pipetrain train --ep 2``
-gives the losses, gradient norms and saved weights of ``--dp 2``, holding at most 0.6 of its peak tensor bytes per rank, as the planner
-predicts (within 20%).
+gives the losses, gradient norms and saved weights of ``--dp 2``, holding at most 0.6 of its
+peak tensor bytes per rank, as the planner predicts (within 20%).
 """
 
 from __future__ import annotations
