@@ -164,8 +164,8 @@ TRAIN = ["--seq-len", "32", "--batch-size", "8", "--microbatches", "2", "--steps
 
 
 def _moe_dir(root: Path) -> Path:
-    """A Mixtral whose experts hold 90% of its weights (8 experts of 256 units on a width of
-    128), config and tokenizer only: every layout initialises it alike from --seed."""
+    """A stored Mixtral whose experts hold 90% of its weights (8 experts of 256 units on a
+    width of 128), saved by transformers (each expert's matrices apart) with its tokenizer."""
     from hf import python_text, tokenizer
 
     text = python_text()
@@ -176,7 +176,8 @@ def _moe_dir(root: Path) -> Path:
                               vocab_size=len(tok), max_position_embeddings=64,
                               num_local_experts=8, num_experts_per_tok=2, bos_token_id=0,
                               eos_token_id=0, pad_token_id=0)
-    config.save_pretrained(root / "moe")
+    torch.manual_seed(0)
+    tf.MixtralForCausalLM(config).save_pretrained(root / "moe")  # experts stored apart
     tok.save_pretrained(root / "moe")
     return root / "moe"
 
@@ -192,6 +193,8 @@ def _train(root: Path, out: str, *layout: str) -> dict[str, Any]:
         assert main(argv) == 0
     steps = [json.loads(line) for line in (root / out / "log.jsonl").read_text().splitlines()]
     summary = json.loads((root / out / "summary.json").read_text())
+    start = next(s for s in steps if s["kind"] == "start")
+    assert [r["weights"] for r in start["load"]] == ["stored"] * 4
     return {**summary, "records": [s for s in steps if s["kind"] == "step"]}
 
 
