@@ -133,3 +133,17 @@ def test_the_rank_map_is_a_line_per_node() -> None:
 def test_the_layout_names_the_order_where_it_matters() -> None:
     assert describe_layout({"world": 4, "dp": 1, "fsdp": 2, "pp": 2,
                             "mesh_order": "dp-outer"}) == "4 ranks (dp 1 x fsdp 2 x pp 2, dp-outer)"
+
+
+def test_expert_parallel_layouts_are_checked_before_launch() -> None:
+    with pytest.raises(ValueError, match=r"--ep 2 spreads .* the built-in GPT has none"):
+        check_config(TrainConfig(ep=2, dp=2, batch_size=8, microbatches=2), 4)
+    with pytest.raises(ValueError, match=r"--ep 3 must divide the 4 data-parallel ranks .* "
+                                         r"give --ep a divisor of 4"):
+        check_config(TrainConfig(hf="x", ep=3, dp=4, pp=1, batch_size=8, microbatches=2), 4)
+    with pytest.raises(ValueError, match=r"--ep 4 and --fsdp 3: one must divide the other"):
+        check_config(TrainConfig(hf="x", ep=4, fsdp=3, dp=4, pp=1, batch_size=24,
+                                 microbatches=2), 12)
+    with pytest.raises(ValueError, match=r"--ep with --tp is not supported yet"):
+        check_config(TrainConfig(hf="x", ep=2, dp=2, tp=2, pp=1, batch_size=8,
+                                 microbatches=2), 4)

@@ -314,7 +314,8 @@ def _ep_problems(cfg: TrainConfig, dp: int) -> list[str]:
     if dp % cfg.ep:
         problems.append(f"--ep {cfg.ep} must divide the {dp} data-parallel ranks (dp x fsdp) "
                         "holding each stage: the experts are spread over data-parallel "
-                        f"ranks; use --dp {cfg.ep * max(1, dp // cfg.ep)} or a divisor of {dp}")
+                        f"ranks; give --ep a divisor of {dp}, or make dp x fsdp a multiple of "
+                        f"{cfg.ep}")
     elif cfg.fsdp > 1 and cfg.ep % cfg.fsdp and cfg.fsdp % cfg.ep:
         problems.append(f"--ep {cfg.ep} and --fsdp {cfg.fsdp}: one must divide the other")
     if cfg.tp > 1:
