@@ -194,8 +194,11 @@ def test_saved_back_in_the_layout_transformers_writes_and_loads(
     assert [n for n, t in state.items() if not torch.equal(again[n], t)] == []
 
 
-def test_train_hf_on_a_stored_mixtral_writes_the_trained_experts(tmp_path: Path) -> None:
-    """2 ranks, 2 steps: ``OUT/hf`` in transformers' layout holds the last checkpoint's
+@pytest.mark.parametrize(("name", "ranks"), [("mixtral", 2), ("qwen3_moe", 4),
+                                             ("deepseek_v3", 2)])
+def test_train_hf_on_a_stored_moe_writes_the_trained_experts(tmp_path: Path, name: str,
+                                                             ranks: int) -> None:
+    """2 or 4 ranks, 2 steps: ``OUT/hf`` in transformers' layout holds the last checkpoint's
     weights, which moved from the stored ones; ``export-hf`` of that checkpoint, in shards
     smaller than a layer, writes the same."""
     from pipetrain.cli import main
@@ -203,12 +206,13 @@ def test_train_hf_on_a_stored_mixtral_writes_the_trained_experts(tmp_path: Path)
 
     text = python_text(2)
     (tmp_path / "data.py").write_text(text)
-    source = _saved(CONFIGS["mixtral"](), tmp_path / "mixtral", tokenizer(text))
+    source = _saved(CONFIGS[name](), tmp_path / name, tokenizer(text))
     out = tmp_path / "out"
     argv = ["train", "--hf", str(source), "--data", str(tmp_path / "data.py"),
             "--token-cache", str(tmp_path / "tokens"), "--seq-len", "16", "--batch-size", "4",
             "--microbatches", "2", "--steps", "2", "--eval-every", "0", "--sample-tokens", "0",
-            "--warmup", "1", "--lr", "1e-2", "--nproc", "2", "--no-progress", "--out", str(out)]
+            "--warmup", "1", "--lr", "1e-2", "--nproc", str(ranks), "--no-progress", "--out",
+            str(out)]
     with pytest.MonkeyPatch.context() as env:
         for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
             env.delenv(key)

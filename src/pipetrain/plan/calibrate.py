@@ -6,10 +6,11 @@ measured/profiled ratio of each op, the hop delay, the step's time outside the s
 runtime's cost per action and what recomputation adds (:mod:`pipetrain.schedules.calibrate`); the
 same launch then times all-reduce, all-gather, reduce-scatter and all-to-all over groups of each
 size the layouts use (:func:`pipetrain.plan.shardcost.measure_collectives`). When the layouts
-shard, one more launch each trains 3 steps of 1f1b under tensor parallelism and under FSDP
-(reshard "part"), and the measured/predicted cost of their collectives is fitted (``Scale.tp_talk``,
-``Scale.fsdp_talk``): DTensor's and FSDP2's work around each collective is not in the
-collectives' own times.
+shard, one more launch each trains 3 steps of 1f1b under tensor parallelism, under FSDP
+(reshard "part") and under expert parallelism, and the measured/predicted cost of their
+collectives is fitted (``Scale.tp_talk``, ``Scale.fsdp_talk``, ``Scale.ep_talk``): DTensor's
+and FSDP2's work around each collective, and the all-to-alls' bookkeeping and waits, are not
+in the collectives' own times.
 """
 
 from __future__ import annotations
@@ -96,15 +97,23 @@ def _fsdp_only(s: Any) -> bool:
     return bool(s.fsdp > 1 and s.tp == 1 and s.dp == 1 and s.reshard == "part")
 
 
-TALK: dict[str, Callable[[Any], bool]] = {"tp_talk": _tp_only, "fsdp_talk": _fsdp_only}
+def _ep_only(s: Any) -> bool:
+    return bool(s.ep > 1 and s.fsdp == 1 and s.tp == 1)
+
+
+TALK: dict[str, Callable[[Any], bool]] = {"tp_talk": _tp_only, "fsdp_talk": _fsdp_only,
+                                          "ep_talk": _ep_only}
+MOST = {"tp_talk": 50.0, "fsdp_talk": 50.0, "ep_talk": 200.0}
+"""The largest factor each may take: an all-to-all on shared CPU cores also waits for its
+partner to be scheduled, measured at ten times its timed cost and more."""
 """The layouts whose calibration run fits each factor of the collectives' cost."""
 
 
 def _talk(cfg: TrainConfig, pp: int, layouts: list[Layout],
           profiles: dict[tuple[int, int], Any], scale: Any, collectives: Any) -> Any:
-    """``scale`` with ``tp_talk`` and ``fsdp_talk`` fitted to 3 steps of 1f1b under each
-    (one launch each: a mesh of FSDP or tensor parallelism comes first in a process), for
-    the layouts at ``pp`` pipeline ranks that search it."""
+    """``scale`` with ``tp_talk``, ``fsdp_talk`` and ``ep_talk`` fitted to 3 steps of 1f1b
+    under each (one launch each: a mesh of FSDP or tensor parallelism comes first in a
+    process), for the layouts at ``pp`` pipeline ranks that search it."""
     from pipetrain.train.elastic import launch_local
 
     for name, chooses in TALK.items():
@@ -115,7 +124,7 @@ def _talk(cfg: TrainConfig, pp: int, layouts: list[Layout],
         prof = profs[len(profs) // 2]
         m = min(cfg.batch_size // sharding.data // prof.rows, pp)
         base = dataclasses.replace(
-            cfg, pp=pp, dp=sharding.dp, fsdp=sharding.fsdp, tp=sharding.tp,
+            cfg, pp=pp, dp=sharding.dp, fsdp=sharding.fsdp, tp=sharding.tp, ep=sharding.ep,
             fsdp_reshard=sharding.reshard, sequence_parallel=False, microbatches=m,
             batch_size=prof.rows * m * sharding.data, steps=3, balance="params",
             schedule="1f1b")
@@ -123,7 +132,7 @@ def _talk(cfg: TrainConfig, pp: int, layouts: list[Layout],
             run = launch_local(base, _one_run)
         cores = None if scale.cores is None else scale.cores / sharding.replicas
         scale = dataclasses.replace(scale, **{name: _fitted(
-            name, [_calibrated(run, cores)], prof, scale, 50.0, sharding, collectives)})
+            name, [_calibrated(run, cores)], prof, scale, MOST[name], sharding, collectives)})
     return scale
 
 

@@ -127,6 +127,9 @@ class Scale:
     fsdp_talk: float = 1.0
     """Measured over predicted seconds of tensor parallel's and FSDP's collectives in their
     calibration runs (they include the DTensor and FSDP2 work around each)."""
+    ep_talk: float = 1.0
+    """The same for expert parallel's all-to-alls (they include the split sizes' exchange,
+    reading them back, and waiting for the partner to arrive)."""
     foreach: bool = False
     """AdamW steps with torch's foreach kernels (its default on CUDA), whose temporaries are
     the size of all the weights they update at once, not two of the largest one's."""
@@ -278,7 +281,8 @@ def _costs(prof: Profiled, bounds: Sequence[tuple[int, int]], policy: str, scale
     comms, coll = prof.comms(), collectives or Collectives.default()
 
     def talk(op: str) -> list[float]:  # the collectives inside each stage's op
-        return [action_seconds(op, comms[a:e], sharding, coll, scale.tp_talk, scale.fsdp_talk)
+        return [action_seconds(op, comms[a:e], sharding, coll, scale.tp_talk, scale.fsdp_talk,
+                               scale.ep_talk)
                 + scale.gap for a, e in bounds]
 
     f = [total("f", a, e) * scale.f + x for (a, e), x in zip(bounds, talk("F"), strict=True)]

@@ -197,11 +197,11 @@ def _spread(comm: Sequence[LayerComm], sharding: Sharding) -> float:
 
 def action_seconds(op: str, comm: Sequence[LayerComm], sharding: Sharding,
                    collectives: Collectives, tp_scale: float = 1.0,
-                   fsdp_scale: float = 1.0) -> float:
+                   fsdp_scale: float = 1.0, ep_scale: float = 1.0) -> float:
     """The collectives inside one ``op`` (F, I, W or B) of a stage of layers ``comm``; the
-    tensor-parallel and FSDP parts times ``tp_scale`` and ``fsdp_scale`` (what a layout's
-    calibration run measured over this prediction: the DTensor and FSDP2 work around each
-    collective)."""
+    tensor-parallel, FSDP and expert-parallel parts times ``tp_scale``, ``fsdp_scale`` and
+    ``ep_scale`` (what a layout's calibration run measured over this prediction: the DTensor
+    and FSDP2 work around each collective, the all-to-alls' bookkeeping and waits)."""
     total = 0.0
     if sharding.tp > 1:
         sizes = [b for c in comm for b in (c.tp_f if op == "F" else c.tp_i if op in "IB"
@@ -212,8 +212,8 @@ def action_seconds(op: str, comm: Sequence[LayerComm], sharding: Sharding,
         total += fsdp_scale * sum(collectives.seconds("all_gather", sharding.fsdp, u)
                                   for u in _units(comm, sharding.reshard))
     if sharding.ep > 1 and op in "FIB":
-        total += sum(2 * collectives.seconds("all_to_all", sharding.ep, c.a2a)
-                     for c in comm if c.a2a)
+        total += ep_scale * sum(2 * collectives.seconds("all_to_all", sharding.ep, c.a2a)
+                                for c in comm if c.a2a)
     return total
 
 
