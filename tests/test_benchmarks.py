@@ -108,17 +108,6 @@ def test_watchdog_cost_tiny_times_both_modes(tmp_path: Path) -> None:
         assert len(row["rounds_on_ms"]) == len(row["rounds_off_ms"]) == 1
 
 
-def test_hf_load_memory_tiny_reports_every_rank(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    out = tmp_path / "hfmem.json"
-    stdout = _run("hf_load_memory", "--tiny", "--json", str(out))
-    assert "growth/share" in stdout
-    rows = json.loads(out.read_text())
-    assert [r["rank"] for r in rows] == [0, 1]
-    for r in rows:  # each rank read exactly its share, a part of the model
-        assert r["bytes_read"] == r["share_bytes"] < r["model_bytes"]
-
-
 def test_parallel_memory_tiny_prints_each_layout_against_dp(tmp_path: Path) -> None:
     out = tmp_path / "parallel.json"
     stdout = _run("parallel_memory", "--tiny", "--steps", "2", "--json", str(out))

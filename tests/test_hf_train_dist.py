@@ -127,6 +127,9 @@ def test_two_layouts_end_with_the_same_weights_that_transformers_loads(place: Pa
         same = torch.equal(t, other) if name == "llama" else bool(  # ~0 (the key bias)
             (t - other).abs().max() <= 1e-3 * moved)
         assert same and moved > 0, f"{name} {n}: pp=2 zbv and pp=4 1f1b end elsewhere"
+    for load in _records(place / f"{name}-pp4", "start")[0]["load"]:  # each rank its share
+        assert load["weights"] == "stored" and load["bytes_read"] == load["share_bytes"]
+        assert 0 < load["share_bytes"] < load["model_bytes"]
     logged = _records(place / f"{name}-pp2", "step")[0]["loss"]
     assert logged == pytest.approx(_transformers_loss(place, name), rel=1e-5)
     prompt = tok("def ", add_special_tokens=False, return_tensors="pt")["input_ids"]
