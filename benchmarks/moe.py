@@ -27,7 +27,7 @@ figures: each layout's peak bytes per pipeline rank, and the ep run's seconds pe
 all-to-alls (:func:`predictions`).
 
     python benchmarks/moe.py --json moe.json       # docs/benchmarks.md section 10
-    python benchmarks/moe.py --tiny --json out.json  # the test's (20 s: two launches)
+    python benchmarks/moe.py --tiny --json out.json  # tests/test_expert_parallel_dist.py's run
 """
 
 from __future__ import annotations
@@ -55,9 +55,12 @@ LAYOUTS: dict[str, list[str]] = {"pp2 x dp2": ["--dp", "2"],
 SIZES: dict[str, dict[str, int]] = {  # the model, then the run
     "full": dict(layers=4, hidden=256, intermediate=512, experts=8, top_k=2, heads=4, kv=2,
                  seq_len=128, batch=16, microbatches=4, steps=10),
-    "tiny": dict(layers=2, hidden=32, intermediate=64, experts=4, top_k=2, heads=4, kv=2,
-                 seq_len=16, batch=4, microbatches=2, steps=2),
+    "tiny": dict(layers=4, hidden=128, intermediate=256, experts=8, top_k=2, heads=4, kv=2,
+                 seq_len=32, batch=8, microbatches=2, steps=2, stored=1),
 }
+"""``stored``: the model saved with its weights (each expert's matrices apart, as transformers
+saves them), so the runs read and fuse them; else config only, initialised from --seed.
+The tiny size is tests/test_expert_parallel_dist.py's run (experts 90% of the weights)."""
 VOCAB = 300
 
 # ------------------------------------------------------------------------ in every worker
@@ -180,8 +183,9 @@ if os.environ.get(TIMERS_ENV) == "1":
 
 
 def save_model(root: Path, size: dict[str, int]) -> Path:
-    """A Mixtral config and a byte-level BPE tokenizer (no weights: every run initialises the
-    model alike from ``--seed``) under ``root/moe``, and the training text ``root/data.txt``."""
+    """A Mixtral (its config, or with ``size["stored"]`` its weights too; without them every run
+    initialises the model alike from ``--seed``) and a byte-level BPE tokenizer under
+    ``root/moe``, and the training text ``root/data.txt``."""
     import transformers as tf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -204,7 +208,13 @@ def save_model(root: Path, size: dict[str, int]) -> Path:
         num_key_value_heads=size["kv"], vocab_size=len(tok),
         max_position_embeddings=size["seq_len"] * 2, bos_token_id=0, eos_token_id=0,
         pad_token_id=0)
-    config.save_pretrained(root / "moe")
+    if size.get("stored"):
+        import torch
+
+        torch.manual_seed(0)
+        tf.MixtralForCausalLM(config).save_pretrained(root / "moe")
+    else:
+        config.save_pretrained(root / "moe")
     tok.save_pretrained(root / "moe")
     return root / "moe"
 
@@ -369,9 +379,12 @@ def _report_exchanges(dp: dict[str, Any], ep: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer 32-wide model, 2 steps")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a stored 4-layer 128-wide model, 2 steps (the test's)")
     parser.add_argument("--steps", type=int, help="steps per run (the first is warm-up)")
     parser.add_argument("--json", type=Path, help="also write the figures and the machine here")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="run in DIR and keep the model and the runs' out directories")
     parser.add_argument("--plan", action=argparse.BooleanOptionalAction, default=None,
                         help="also run pipetrain plan and put its predictions beside the "
                              "measured figures (default: on, off with --tiny)")
@@ -383,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit("--steps must be at least 2 (the first is warm-up)")
         size["steps"] = args.steps
     with tempfile.TemporaryDirectory(prefix="pipetrain-moe-") as tmp:
-        root = Path(tmp)
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         run_all(root, size, plan)
         tokens = size["batch"] * size["seq_len"]
         runs = {name: figures(root / _dirname(name), tokens) for name in LAYOUTS}

@@ -158,44 +158,34 @@ def test_pp2_by_ep2_gives_one_devices_loss_and_gradients() -> None:
 
 # ------------------------------------------------------------------ pipetrain train --ep
 
-TRAIN = ["--seq-len", "32", "--batch-size", "8", "--microbatches", "2", "--steps", "2",
-         "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--warmup", "1",
-         "--lr", "1e-2", "--no-progress", "--nproc", "4", "--pp", "2"]
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
+LR = 1e-3  # benchmarks/moe.py's
 
 
-def _moe_dir(root: Path) -> Path:
-    """A stored Mixtral whose experts hold 90% of its weights (8 experts of 256 units on a
-    width of 128), saved by transformers (each expert's matrices apart) with its tokenizer."""
-    from hf import python_text, tokenizer
+def _bench(root: Path) -> dict[str, Any]:
+    """``benchmarks/moe.py --tiny``: a stored Mixtral whose experts hold 90% of its weights
+    (8 experts of 256 units on a width of 128, saved by transformers with each expert's
+    matrices apart) trained 2 steps by ``pipetrain train`` at pp 2 x dp 2 and pp 2 x ep 2 on
+    4 processes (1F1B, 2 micro-batches), its all-to-alls timed; the runs kept in ``root``."""
+    import subprocess
+    import sys
 
-    text = python_text()
-    (root / "data.py").write_text(text)
-    tok = tokenizer(text)
-    config = tf.MixtralConfig(num_hidden_layers=4, hidden_size=128, intermediate_size=256,
-                              num_attention_heads=4, num_key_value_heads=2,
-                              vocab_size=len(tok), max_position_embeddings=64,
-                              num_local_experts=8, num_experts_per_tok=2, bos_token_id=0,
-                              eos_token_id=0, pad_token_id=0)
-    torch.manual_seed(0)
-    tf.MixtralForCausalLM(config).save_pretrained(root / "moe")  # experts stored apart
-    tok.save_pretrained(root / "moe")
-    return root / "moe"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
+    done = subprocess.run([sys.executable, str(BENCHMARK), "--tiny", "--keep", str(root),
+                           "--json", str(root / "moe.json")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "ep/dp" in done.stdout and "all-to-all" in done.stdout
+    return json.loads((root / "moe.json").read_text())  # type: ignore[no-any-return]
 
 
-def _train(root: Path, out: str, *layout: str) -> dict[str, Any]:
-    from pipetrain.cli import main
-
-    argv = ["train", "--hf", str(root / "moe"), "--data", str(root / "data.py"),
-            "--token-cache", str(root / "tokens"), *TRAIN, "--out", str(root / out), *layout]
-    with pytest.MonkeyPatch.context() as env:
-        for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
-            env.delenv(key)
-        assert main(argv) == 0
-    steps = [json.loads(line) for line in (root / out / "log.jsonl").read_text().splitlines()]
-    summary = json.loads((root / out / "summary.json").read_text())
-    start = next(s for s in steps if s["kind"] == "start")
+def _run(out: Path) -> dict[str, Any]:
+    """A run's summary and step records; every rank read the stored weights."""
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    start = next(s for s in records if s["kind"] == "start")
     assert [r["weights"] for r in start["load"]] == ["stored"] * 4
-    return {**summary, "records": [s for s in steps if s["kind"] == "step"]}
+    summary = json.loads((out / "summary.json").read_text())
+    return {**summary, "records": [s for s in records if s["kind"] == "step"]}
 
 
 def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
@@ -204,30 +194,43 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
     after two AdamW steps (to 2% of the learning rate, the most one step moves a weight:
     Adam divides a gradient by its own size, so rounding in tiny ones shows), and each
     rank's measured peak of tensor bytes at most 0.6 of the data-parallel run's; ``pipetrain
-    plan`` predicts that saving per pipeline rank within 20%."""
-    _moe_dir(tmp_path)
-    dp = _train(tmp_path, "dp", "--dp", "2")
-    ep = _train(tmp_path, "ep", "--dp", "2", "--ep", "2")
+    plan`` predicts that saving per pipeline rank within 20%. The benchmark's own figures
+    are there too (its all-to-alls timed in the ep run only)."""
+    data = _bench(tmp_path)
+    dp, ep = _run(tmp_path / "pp2_dp2"), _run(tmp_path / "pp2_ep2")
     assert ep["layout"]["ep"] == 2 and "ep" not in dp["layout"]
     for a, b in zip(dp["records"], ep["records"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
         assert a["experts"] == b["experts"]  # counted in the graph, and by the experts module
         assert a["experts"]["tokens_mean"] == 8 * 32 * 2 / 8  # (token, expert) pairs per expert
-    want = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "dp" / "hf").state_dict()
-    got = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ep" / "hf").state_dict()
+    want = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_dp2" / "hf").state_dict()
+    got = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_ep2" / "hf").state_dict()
     assert want.keys() == got.keys()
-    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 0.02 * 1e-2
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 0.02 * LR
     ratios = [e / d for e, d in zip(ep["peak_memory_bytes"], dp["peak_memory_bytes"],
                                     strict=True)]
     assert max(ratios) <= 0.6, ratios
     assert ep["experts"]["imbalance"] >= 1.0 and "step" in ep["experts"]
-    # the planner's prediction of what ep saves per pipeline rank, against these runs'
     predicted = _planned_saving(tmp_path)
     for pp_rank, saved in enumerate(predicted):
         measured = [d - e for d, e in zip(dp["peak_memory_bytes"][2 * pp_rank:][:2],
                                           ep["peak_memory_bytes"][2 * pp_rank:][:2],
                                           strict=True)]
         assert all(abs(saved - m) <= 0.2 * m for m in measured), (predicted, measured)
+    _check_figures(data)
+
+
+def _check_figures(data: dict[str, Any]) -> None:
+    """The benchmark's JSON: both layouts' figures per rank, the ep run's all-to-alls."""
+    assert {"torch", "transformers", "cpus", "platform"} <= data["meta"]["machine"].keys()
+    runs = data["runs"]
+    assert set(runs) == {"pp2 x dp2", "pp2 x ep2"} and len(data["peak_ratio_ep_over_dp"]) == 4
+    for row in runs.values():  # the first step left out
+        assert row["tokens_per_s"] > 0 and row["step_s"] > 0 and row["steps_timed"] == 1
+    for timed in runs["pp2 x ep2"]["all_to_all"]:  # 2 layers per rank, 2 micro-batches, 2 ways
+        assert timed["calls"] == 8 and timed["forward_s"] > 0 and timed["backward_s"] > 0
+        assert 0 < timed["share"] < 1
+    assert all(t["calls"] == 0 and t["share"] == 0 for t in runs["pp2 x dp2"]["all_to_all"])
 
 
 def _planned_saving(root: Path) -> list[int]:
@@ -240,7 +243,7 @@ def _planned_saving(root: Path) -> list[int]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        main(["plan", "--hf", str(root / "moe"), "--data", str(root / "data.py"),
+        main(["plan", "--hf", str(root / "moe"), "--data", str(root / "data.txt"),
               "--token-cache", str(root / "tokens"), "--seq-len", "32", "--batch-size", "8",
               "--nproc", "4", "--pp", "2", "--dp", "2", "--schedules", "1f1b",
               "--memory-limit", "1GiB", "--no-calibrate", "--json", "--out",
