@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,34 +33,42 @@ TINY = ("dp2", "tp2 sp")
 
 
 def run(layout: str, preset: str, steps: int, work: Path) -> dict[str, Any]:
-    """One run of ``layout``; its per-pipeline-rank peaks (MiB) and seconds per step."""
+    """One run of ``layout`` (``pipetrain train``, in this process); its per-pipeline-rank
+    peaks (MiB: the largest of the ranks holding each, by the run's rank map) and seconds per
+    step."""
+    import contextlib
+    import io
+
+    from pipetrain.cli import main as pipetrain_main
+
     out = work / layout.replace(" ", "_")
     args = LAYOUTS[layout]
     nproc = [] if "--nproc" in args else ["--nproc", "4"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
-    command = [sys.executable, "-m", "pipetrain", "train", "--pp", "2", *nproc, *args,
-               "--preset", preset, "--steps", str(steps), "--sample-tokens", "0",
-               "--eval-every", "0", "--no-progress", "--out", str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
-    if done.returncode != 0:
-        raise SystemExit(f"{layout}: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    argv = ["train", "--pp", "2", *nproc, *args, "--preset", preset, "--steps", str(steps),
+            "--sample-tokens", "0", "--eval-every", "0", "--no-progress", "--out", str(out)]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = pipetrain_main(argv)
+    if code != 0:
+        raise SystemExit(f"{layout}: pipetrain {' '.join(argv)} failed:\n"
+                         f"{printed.getvalue()[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    shape = summary["layout"]
-    tp, pp = shape.get("tp", 1), shape["pp"]
+    start = next(r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
+                 if r["kind"] == "start")
     peaks: dict[int, float] = {}
-    for rank, peak in enumerate(summary["peak_memory_bytes"]):
-        stage_rank = (rank // tp) % pp
-        peaks[stage_rank] = max(peaks.get(stage_rank, 0.0), peak / MIB)
-    return {"layout": layout, "args": args, "ranks": shape["world"],
-            "peak_mib": [peaks[r] for r in range(pp)], "step_s": summary["step_s"]}
+    for place, peak in zip(start["ranks"], summary["peak_memory_bytes"], strict=True):
+        peaks[place["pp"]] = max(peaks.get(place["pp"], 0.0), peak / MIB)
+    return {"layout": layout, "args": args, "ranks": summary["layout"]["world"],
+            "peak_mib": [peaks[r] for r in range(summary["layout"]["pp"])],
+            "step_s": summary["step_s"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="two layouts on the tiny preset")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     names = TINY if args.tiny else tuple(LAYOUTS)
     preset = "tiny" if args.tiny else "small"
     with tempfile.TemporaryDirectory() as tmp:

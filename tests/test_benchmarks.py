@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,10 +109,23 @@ def test_watchdog_cost_tiny_times_both_modes(tmp_path: Path) -> None:
         assert len(row["rounds_on_ms"]) == len(row["rounds_off_ms"]) == 1
 
 
-def test_parallel_memory_tiny_prints_each_layout_against_dp(tmp_path: Path) -> None:
+def _module(script: str) -> Any:
+    """``benchmarks/<script>.py`` as a module (its runs then launch from this session)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{script}",
+                                                  ROOT / "benchmarks" / f"{script}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parallel_memory_tiny_prints_each_layout_against_dp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "parallel.json"
-    stdout = _run("parallel_memory", "--tiny", "--steps", "2", "--json", str(out))
-    assert "vs dp2" in stdout
+    _module("parallel_memory").main(["--tiny", "--steps", "2", "--json", str(out)])
+    assert "vs dp2" in capsys.readouterr().out
     rows = json.loads(out.read_text())
     assert [r["layout"] for r in rows] == ["dp2", "tp2 sp"]
     assert rows[0]["vs_dp2"] == [1.0, 1.0]

@@ -158,29 +158,34 @@ def test_pp2_by_ep2_gives_one_devices_loss_and_gradients() -> None:
 
 # ------------------------------------------------------------------ pipetrain train --ep
 
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks"
 LR = 1e-3  # benchmarks/moe.py's
 
 
-def _bench(root: Path) -> dict[str, Any]:
-    """``benchmarks/moe.py --tiny``: a stored Mixtral whose experts hold 90% of its weights
-    (8 experts of 256 units on a width of 128, saved by transformers with each expert's
-    matrices apart) trained 2 steps by ``pipetrain train`` at pp 2 x dp 2 and pp 2 x ep 2 on
-    4 processes (1F1B, 2 micro-batches), its all-to-alls timed; the runs kept in ``root``."""
-    import subprocess
-    import sys
+def _bench() -> Any:
+    """``benchmarks/moe.py`` as a module."""
+    import importlib.util
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
-    done = subprocess.run([sys.executable, str(BENCHMARK), "--tiny", "--keep", str(root),
-                           "--json", str(root / "moe.json")], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "ep/dp" in done.stdout and "all-to-all" in done.stdout
-    return json.loads((root / "moe.json").read_text())  # type: ignore[no-any-return]
+    spec = importlib.util.spec_from_file_location("moe_bench", BENCHMARK / "moe.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _run(out: Path) -> dict[str, Any]:
-    """A run's summary and step records; every rank read the stored weights."""
+def _train(root: Path, bench: Any, layout: str) -> dict[str, Any]:
+    """``benchmarks/moe.py --tiny``'s run of ``layout`` (``pp2 x dp2`` or ``pp2 x ep2``), as
+    ``pipetrain train`` in this session (its all-to-alls not timed): a stored Mixtral whose
+    experts hold 90% of its weights (8 experts of 256 units on a width of 128, saved by
+    transformers with each expert's matrices apart), 2 steps of 1F1B, 2 micro-batches, on 4
+    processes. Its summary and step records; every rank read the stored weights."""
+    from pipetrain.cli import main
+
+    with pytest.MonkeyPatch.context() as env:
+        for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
+            env.delenv(key)
+        assert main(bench.train_args(root, bench.SIZES["tiny"], layout)) == 0
+    out = root / bench._dirname(layout)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     start = next(s for s in records if s["kind"] == "start")
     assert [r["weights"] for r in start["load"]] == ["stored"] * 4
@@ -194,10 +199,11 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
     after two AdamW steps (to 2% of the learning rate, the most one step moves a weight:
     Adam divides a gradient by its own size, so rounding in tiny ones shows), and each
     rank's measured peak of tensor bytes at most 0.6 of the data-parallel run's; ``pipetrain
-    plan`` predicts that saving per pipeline rank within 20%. The benchmark's own figures
-    are there too (its all-to-alls timed in the ep run only)."""
-    data = _bench(tmp_path)
-    dp, ep = _run(tmp_path / "pp2_dp2"), _run(tmp_path / "pp2_ep2")
+    plan`` predicts that saving per pipeline rank within 20%. The runs are
+    ``benchmarks/moe.py --tiny``'s, whose figures it reads from them."""
+    bench = _bench()
+    bench.save_model(tmp_path, bench.SIZES["tiny"])
+    dp, ep = (_train(tmp_path, bench, layout) for layout in ("pp2 x dp2", "pp2 x ep2"))
     assert ep["layout"]["ep"] == 2 and "ep" not in dp["layout"]
     for a, b in zip(dp["records"], ep["records"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
@@ -217,20 +223,9 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
                                           ep["peak_memory_bytes"][2 * pp_rank:][:2],
                                           strict=True)]
         assert all(abs(saved - m) <= 0.2 * m for m in measured), (predicted, measured)
-    _check_figures(data)
-
-
-def _check_figures(data: dict[str, Any]) -> None:
-    """The benchmark's JSON: both layouts' figures per rank, the ep run's all-to-alls."""
-    assert {"torch", "transformers", "cpus", "platform"} <= data["meta"]["machine"].keys()
-    runs = data["runs"]
-    assert set(runs) == {"pp2 x dp2", "pp2 x ep2"} and len(data["peak_ratio_ep_over_dp"]) == 4
-    for row in runs.values():  # the first step left out
-        assert row["tokens_per_s"] > 0 and row["step_s"] > 0 and row["steps_timed"] == 1
-    for timed in runs["pp2 x ep2"]["all_to_all"]:  # 2 layers per rank, 2 micro-batches, 2 ways
-        assert timed["calls"] == 8 and timed["forward_s"] > 0 and timed["backward_s"] > 0
-        assert 0 < timed["share"] < 1
-    assert all(t["calls"] == 0 and t["share"] == 0 for t in runs["pp2 x dp2"]["all_to_all"])
+    runs = {name: bench.figures(tmp_path / bench._dirname(name), 8 * 32, timed=False)
+            for name in bench.LAYOUTS}  # the benchmark reads these runs' figures
+    assert all(r["steps_timed"] == 1 and r["tokens_per_s"] > 0 for r in runs.values())
 
 
 def _planned_saving(root: Path) -> list[int]:
