@@ -173,19 +173,23 @@ def _bench() -> Any:
     return module
 
 
-def _train(root: Path, bench: Any, layout: str) -> dict[str, Any]:
+def _train(root: Path, bench: Any, layout: str, *extra: str) -> dict[str, Any]:
     """``benchmarks/moe.py --tiny``'s run of ``layout`` (``pp2 x dp2`` or ``pp2 x ep2``), as
     ``pipetrain train`` in this session (its all-to-alls not timed): a stored Mixtral whose
     experts hold 90% of its weights (8 experts of 256 units on a width of 128, saved by
     transformers with each expert's matrices apart), 2 steps of 1F1B, 2 micro-batches, on 4
-    processes. Its summary and step records; every rank read the stored weights."""
+    processes (``extra`` flags change it). Its summary and step records; every rank read the
+    stored weights."""
     from pipetrain.cli import main
 
     with pytest.MonkeyPatch.context() as env:
         for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
             env.delenv(key)
-        assert main(bench.train_args(root, bench.SIZES["tiny"], layout)) == 0
-    out = root / bench._dirname(layout)
+        argv = bench.train_args(root, bench.SIZES["tiny"], layout)
+        if extra:  # another layout of the same run: flags after the benchmark's win
+            argv[argv.index("--out") + 1] += "_" + "_".join(e.strip("-") for e in extra)
+        assert main([*argv, *extra]) == 0
+    out = Path(argv[argv.index("--out") + 1])
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     start = next(s for s in records if s["kind"] == "start")
     assert [r["weights"] for r in start["load"]] == ["stored"] * 4
@@ -199,7 +203,8 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
     after two AdamW steps (to 2% of the learning rate, the most one step moves a weight:
     Adam divides a gradient by its own size, so rounding in tiny ones shows), and each
     rank's measured peak of tensor bytes at most 0.6 of the data-parallel run's; ``pipetrain
-    plan`` predicts that saving per pipeline rank within 20%. The runs are
+    plan`` predicts that saving per pipeline rank within 20%; ``--fsdp 2 --ep 2`` under
+    interleaved 1F1B gives the same losses and gradient norms too. The runs are
     ``benchmarks/moe.py --tiny``'s, whose figures it reads from them."""
     bench = _bench()
     bench.save_model(tmp_path, bench.SIZES["tiny"])
@@ -223,6 +228,11 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
                                           ep["peak_memory_bytes"][2 * pp_rank:][:2],
                                           strict=True)]
         assert all(abs(saved - m) <= 0.2 * m for m in measured), (predicted, measured)
+    fsdp = _train(tmp_path, bench, "pp2 x ep2", "--dp", "1", "--fsdp", "2", "--schedule",
+                  "interleaved-1f1b")  # FSDP2 shards the rest; 2 stages per rank
+    assert fsdp["layout"]["fsdp"] == 2 and fsdp["layout"]["stages_per_rank"] == 2
+    for a, b in zip(dp["records"], fsdp["records"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
     runs = {name: bench.figures(tmp_path / bench._dirname(name), 8 * 32, timed=False)
             for name in bench.LAYOUTS}  # the benchmark reads these runs' figures
     assert all(r["steps_timed"] == 1 and r["tokens_per_s"] > 0 for r in runs.values())
