@@ -29,16 +29,11 @@ def save_model(directory: Path, hidden: int, layers: int) -> None:
     """A Llama of ``layers`` x ``hidden`` (untied, vocab 4096) and a small tokenizer."""
     import torch
     import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pipetrain.testing import train_tokenizer
 
     tf.logging.set_verbosity_error()
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([Path(__file__).read_text()], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = tf.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tok = train_tokenizer(Path(__file__).read_text())
     config = tf.LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                             num_hidden_layers=layers, num_attention_heads=hidden // 64,
                             num_key_value_heads=max(hidden // 256, 1),

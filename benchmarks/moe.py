@@ -187,20 +187,15 @@ def save_model(root: Path, size: dict[str, int]) -> Path:
     initialises the model alike from ``--seed``) and a byte-level BPE tokenizer under
     ``root/moe``, and the training text ``root/data.txt``."""
     import transformers as tf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pipetrain.testing import train_tokenizer
 
     tf.logging.set_verbosity_error()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     text = "\n".join((stdlib / n).read_text() for n in ("textwrap.py", "shlex.py",
                                                          "fnmatch.py", "heapq.py", "glob.py"))
     (root / "data.txt").write_text(text)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = tf.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    tok = train_tokenizer(text, VOCAB)
     config = tf.MixtralConfig(
         num_hidden_layers=size["layers"], hidden_size=size["hidden"],
         intermediate_size=size["intermediate"], num_local_experts=size["experts"],

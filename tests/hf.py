@@ -156,16 +156,10 @@ def python_text(n_files: int = 6) -> str:
 
 def tokenizer(text: str, vocab: int = 300) -> Any:
     """A byte-level BPE tokenizer trained on ``text`` (as GPT-2's, but ``vocab`` tokens)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from pipetrain.testing import train_tokenizer
 
-    tf = _quiet()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([text], trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    _quiet()
+    return train_tokenizer(text, vocab)
 
 
 def saved_config(name: str, vocab: int, layers: int = LAYERS) -> Any:

@@ -1,5 +1,8 @@
 """Testing: the single-device reference a pipeline must match, and the comparison of gradients.
 
+(And :func:`train_tokenizer`, the small tokenizer tests and benchmarks save beside a tiny
+Hugging Face model.)
+
 The reference runs the same micro-batches one after another through the unsplit model, each
 loss weighted as the pipeline weights it, so on fp32 CPU the pipeline's loss and every
 parameter's gradient must be *bitwise* equal to it. Inside a ``torch.distributed`` job the
@@ -22,7 +25,7 @@ from pipetrain.pipeline import Pipeline
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as streams
 
-__all__ = ["reference_step", "grad_mismatches", "reload_mismatches"]
+__all__ = ["reference_step", "grad_mismatches", "reload_mismatches", "train_tokenizer"]
 
 
 def reference_step(
@@ -160,3 +163,20 @@ def reload_mismatches(path: Any, want: dict[str, torch.Tensor],
         problems += [f"{label}: {k} differs" for k in want
                      if not torch.equal(whole(got[k]).detach(), want[k])]
     return problems
+
+
+def train_tokenizer(text: str, vocab: int = 300) -> Any:
+    """A byte-level BPE tokenizer trained on ``text`` (as GPT-2's, but ``vocab`` tokens), as a
+    transformers ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` as its end token: what
+    tests and benchmarks save beside a tiny model (nothing is downloaded)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tf.PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=bpe, eos_token="<|endoftext|>")
