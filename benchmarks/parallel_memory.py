@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -32,26 +35,20 @@ LAYOUTS: dict[str, list[str]] = {
 TINY = ("dp2", "tp2 sp")
 
 
+IN_PROCESS = False
+"""Run ``pipetrain train`` in this process (the test's: its launches reuse the session's
+workers) rather than a process of its own per layout (quiet: its output kept back)."""
+
+
 def run(layout: str, preset: str, steps: int, work: Path) -> dict[str, Any]:
-    """One run of ``layout`` (``pipetrain train``, in this process); its per-pipeline-rank
-    peaks (MiB: the largest of the ranks holding each, by the run's rank map) and seconds per
-    step."""
-    import contextlib
-    import io
-
-    from pipetrain.cli import main as pipetrain_main
-
+    """One run of ``layout``; its per-pipeline-rank peaks (MiB: the largest of the ranks
+    holding each, by the run's rank map) and seconds per step."""
     out = work / layout.replace(" ", "_")
     args = LAYOUTS[layout]
     nproc = [] if "--nproc" in args else ["--nproc", "4"]
     argv = ["train", "--pp", "2", *nproc, *args, "--preset", preset, "--steps", str(steps),
             "--sample-tokens", "0", "--eval-every", "0", "--no-progress", "--out", str(out)]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = pipetrain_main(argv)
-    if code != 0:
-        raise SystemExit(f"{layout}: pipetrain {' '.join(argv)} failed:\n"
-                         f"{printed.getvalue()[-2000:]}")
+    _train(argv, layout)
     summary = json.loads((out / "summary.json").read_text())
     start = next(r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
                  if r["kind"] == "start")
@@ -61,6 +58,21 @@ def run(layout: str, preset: str, steps: int, work: Path) -> dict[str, Any]:
     return {"layout": layout, "args": args, "ranks": summary["layout"]["world"],
             "peak_mib": [peaks[r] for r in range(summary["layout"]["pp"])],
             "step_s": summary["step_s"]}
+
+
+def _train(argv: list[str], layout: str) -> None:
+    if IN_PROCESS:
+        from pipetrain.cli import main as pipetrain_main
+
+        code = pipetrain_main(argv)
+        failure = ""
+    else:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
+        done = subprocess.run([sys.executable, "-m", "pipetrain", *argv], env=env,
+                              capture_output=True, text=True, timeout=1200)
+        code, failure = done.returncode, done.stderr[-2000:]
+    if code != 0:
+        raise SystemExit(f"{layout}: pipetrain {' '.join(argv)} failed:\n{failure}")
 
 
 def main(argv: list[str] | None = None) -> None:

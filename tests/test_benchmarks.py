@@ -124,7 +124,9 @@ def _module(script: str) -> Any:
 def test_parallel_memory_tiny_prints_each_layout_against_dp(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "parallel.json"
-    _module("parallel_memory").main(["--tiny", "--steps", "2", "--json", str(out)])
+    bench = _module("parallel_memory")
+    bench.IN_PROCESS = True
+    bench.main(["--tiny", "--steps", "2", "--json", str(out)])
     assert "vs dp2" in capsys.readouterr().out
     rows = json.loads(out.read_text())
     assert [r["layout"] for r in rows] == ["dp2", "tp2 sp"]
