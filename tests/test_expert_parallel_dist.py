@@ -222,7 +222,7 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
                                     strict=True)]
     assert max(ratios) <= 0.6, ratios
     assert ep["experts"]["imbalance"] >= 1.0 and "step" in ep["experts"]
-    predicted = _planned_saving(tmp_path)
+    predicted = _planned_saving(tmp_path, ep["layout"]["balance"])
     for pp_rank, saved in enumerate(predicted):
         measured = [d - e for d, e in zip(dp["peak_memory_bytes"][2 * pp_rank:][:2],
                                           ep["peak_memory_bytes"][2 * pp_rank:][:2],
@@ -238,22 +238,19 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
     assert all(r["steps_timed"] == 1 and r["tokens_per_s"] > 0 for r in runs.values())
 
 
-def _planned_saving(root: Path) -> list[int]:
-    """``pipetrain plan``'s predicted peak bytes per pipeline rank of the trained layout at
-    ``--ep 1`` minus at ``--ep 2``."""
-    import contextlib
-    import io
+def _planned_saving(root: Path, balance: list[int]) -> list[int]:
+    """The planner's predicted peak bytes per pipeline rank of the trained layout (1F1B, 2
+    micro-batches of 2 rows, ``balance``) at ``ep`` 1 minus at ``ep`` 2, from its own profile
+    of the model (``pipetrain plan``'s, uncalibrated)."""
+    from pipetrain.plan.cli import model_units, profile_model
+    from pipetrain.plan.planner import Scale, evaluate
+    from pipetrain.plan.shardcost import Sharding
+    from pipetrain.schedules.generators import make_schedule
+    from pipetrain.train.config import TrainConfig
 
-    from pipetrain.cli import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        main(["plan", "--hf", str(root / "moe"), "--data", str(root / "data.txt"),
-              "--token-cache", str(root / "tokens"), "--seq-len", "32", "--batch-size", "8",
-              "--nproc", "4", "--pp", "2", "--dp", "2", "--schedules", "1f1b",
-              "--memory-limit", "1GiB", "--no-calibrate", "--json", "--out",
-              str(root / "plan")])
-    report = json.loads(out.getvalue().splitlines()[-1])
-    peaks = {c["ep"]: c["predicted_peak_bytes"] for c in report["candidates"]
-             if c["microbatches"] == 2 and c["recompute"] == "never"}
-    return [d - e for d, e in zip(peaks[1], peaks[2], strict=True)]
+    cfg = TrainConfig(hf=str(root / "moe"), seq_len=32, batch_size=8, microbatches=2)
+    prof = profile_model(cfg, model_units(cfg, 2), 1, [2])[0]
+    schedule = make_schedule("1f1b", 2, 2)
+    peaks = [evaluate(prof, schedule, balance, "never", float("inf"), Scale(),
+                      Sharding(dp=2, ep=ep)).predicted_peak_bytes for ep in (1, 2)]
+    return [d - e for d, e in zip(*peaks, strict=True)]
