@@ -5,7 +5,8 @@ decoder layers, which ``--balance`` groups into the schedule's stages, and each 
 materialises its own stages by name from ``--seed`` and then reads their stored values, if DIR
 has weights, straight from the safetensors files. Text goes through DIR's tokenizer
 (:mod:`pipetrain.train.tokens`); the pipeline's input is ``{"input_ids": ids}``, and the loss is
-the mean next-token cross-entropy of the output's ``logits``, which is what
+the mean next-token cross-entropy of the output's ``logits`` (plus ``router_aux_loss_coef x
+aux_loss`` for a mixture of experts whose config sets ``output_router_logits``), which is what
 ``model(input_ids, labels=...)`` computes on the same tokens. A data set as ``--data``
 (:mod:`pipetrain.train.examples`) feeds padded examples, ``{"input_ids", "attention_mask"}``,
 and the loss is the mean over the trained tokens, as ``model(..., labels=...)`` with -100 on
