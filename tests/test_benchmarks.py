@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,26 @@ def _run(script: str, *args: str, timeout: int = 240) -> str:
     return proc.stdout
 
 
-def test_calibrated_tiny_prints_a_table_and_writes_json(tmp_path: Path) -> None:
+def _here(script: str, *args: str, monkeypatch: pytest.MonkeyPatch,
+          capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``benchmarks/<script>.py``'s ``main(args)`` in this process (its ranks start from
+    the session's forkserver, which imports the script by name through ``sys.path``); its
+    stdout."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.chdir(ROOT)
+    with torch_threads():
+        assert importlib.import_module(script).main(list(args)) in (0, None)
+    return capsys.readouterr().out
+
+
+def test_calibrated_tiny_prints_a_table_and_writes_json(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "calibrated.json"
-    stdout = _run("calibrated", "--tiny", "--json", str(out))
+    stdout = _here("calibrated", "--tiny", "--json", str(out), monkeypatch=monkeypatch,
+                   capsys=capsys)
     assert "schedule" in stdout and "pt eff" in stdout
     data = json.loads(out.read_text())
     assert {"meta", "rows"} <= data.keys()
@@ -55,9 +74,12 @@ def test_split_backward_tiny_prints_the_ratio_and_writes_json(tmp_path: Path) ->
     assert all(v > 0 for v in data["median_s"].values()) and data["ratio_iw_over_b"] > 0
 
 
-def test_breakdown_tiny_times_every_piece_and_writes_json(tmp_path: Path) -> None:
+def test_breakdown_tiny_times_every_piece_and_writes_json(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "breakdown.json"
-    stdout = _run("breakdown", "--tiny", "--json", str(out))
+    stdout = _here("breakdown", "--tiny", "--json", str(out), monkeypatch=monkeypatch,
+                   capsys=capsys)
     assert "P2P.send" in stdout and "main thread cpu" in stdout
     data = json.loads(out.read_text())
     for name, wanted in (("1f1b", {"Stage.backward"}), ("zbv", {"Stage.weight", "_Graph"})):
@@ -84,10 +106,13 @@ def test_cold_tiny_times_every_piece_in_every_condition(tmp_path: Path) -> None:
         assert set(by) == {"warm", "busy", "sleep", "evict"} and all(v > 0 for v in by.values())
 
 
-def test_capture_tiny_times_capture_and_compares_steps(tmp_path: Path) -> None:
+def test_capture_tiny_times_capture_and_compares_steps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch.export")
     out = tmp_path / "capture.json"
-    stdout = _run("capture", "--tiny", "--json", str(out), timeout=180)
+    stdout = _here("capture", "--tiny", "--json", str(out), monkeypatch=monkeypatch,
+                   capsys=capsys)
     assert "capture s" in stdout and "captured/list" in stdout
     data = json.loads(out.read_text())
     sizes = data["capture"]["sizes"]
@@ -98,15 +123,29 @@ def test_capture_tiny_times_capture_and_compares_steps(tmp_path: Path) -> None:
     assert step["median_list_s"] > 0 and step["median_captured_s"] > 0
 
 
-def test_watchdog_cost_tiny_times_both_modes(tmp_path: Path) -> None:
+def test_watchdog_cost_tiny_times_both_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "watchdog.json"
-    stdout = _run("watchdog_cost", "--tiny", "--json", str(out))
+    stdout = _here("watchdog_cost", "--tiny", "--json", str(out), monkeypatch=monkeypatch,
+                   capsys=capsys)
     assert "on/off" in stdout
     data = json.loads(out.read_text())
     for layout in ("pp4", "dp2xpp2"):
         row = data["layouts"][layout]
         assert row["on_ms"] > 0 and row["off_ms"] > 0
         assert len(row["rounds_on_ms"]) == len(row["rounds_off_ms"]) == 1
+
+
+@contextlib.contextmanager
+def torch_threads() -> Iterator[None]:
+    """Give back torch's thread count as it was (a benchmark may set its own)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _module(script: str) -> Any:
