@@ -188,21 +188,20 @@ def _bench() -> Any:
     return module
 
 
-def _train(root: Path, bench: Any, layout: str, *extra: str) -> dict[str, Any]:
+def _train(root: Path, bench: Any, layout: str, *extra: str, steps: int = 2) -> dict[str, Any]:
     """``benchmarks/moe.py --tiny``'s run of ``layout`` (``pp2 x dp2`` or ``pp2 x ep2``), as
     ``pipetrain train`` in this session (its all-to-alls not timed): a stored Mixtral whose
     experts hold 90% of its weights (8 experts of 256 units on a width of 128, saved by
-    transformers with each expert's matrices apart), 2 steps of 1F1B, 2 micro-batches, on 4
-    processes (``extra`` flags change it). Its summary and step records; every rank read the
-    stored weights."""
+    transformers with each expert's matrices apart), ``steps`` steps of 1F1B, 2 micro-batches,
+    on 4 processes (``extra`` flags after the benchmark's win: a run that resumes the
+    layout's). Its summary and step records; every rank read the stored weights."""
     from pipetrain.cli import main
 
+    argv = bench.train_args(root, bench.SIZES["tiny"], layout)
+    argv[argv.index("--steps") + 1] = str(steps)
     with pytest.MonkeyPatch.context() as env:
         for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
             env.delenv(key)
-        argv = bench.train_args(root, bench.SIZES["tiny"], layout)
-        if extra:  # another layout of the same run: flags after the benchmark's win
-            argv[argv.index("--out") + 1] += "_" + "_".join(e.strip("-") for e in extra)
         assert main([*argv, *extra]) == 0
     out = Path(argv[argv.index("--out") + 1])
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
@@ -214,25 +213,22 @@ def _train(root: Path, bench: Any, layout: str, *extra: str) -> dict[str, Any]:
 
 def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
     """``--dp 2 --ep 2`` against ``--dp 2`` on a pipeline of 2 (1F1B): per step the same
-    loss and gradient norm (1e-5), the same tokens per expert, ``OUT/hf`` the same weights
-    after two AdamW steps (to 2% of the learning rate, the most one step moves a weight:
-    Adam divides a gradient by its own size, so rounding in tiny ones shows), and each
-    rank's measured peak of tensor bytes at most 0.6 of the data-parallel run's; ``pipetrain
-    plan`` predicts that saving per pipeline rank within 20%; ``--fsdp 2 --ep 2`` under
-    interleaved 1F1B gives the same losses and gradient norms too. The runs are
+    loss and gradient norm (1e-5) and the same tokens per expert; each rank's measured peak of
+    tensor bytes at most 0.6 of the data-parallel run's, a saving the planner predicts per
+    pipeline rank within 20%; the ep run's checkpoint resumed at ``--fsdp 2 --ep 2`` under
+    interleaved 1F1B gives the uninterrupted ``--dp 2`` run's third step, and ``OUT/hf`` its
+    weights (to 2% of the learning rate, the most one step moves a weight: Adam divides a
+    gradient by its own size, so rounding in tiny ones shows). The runs are
     ``benchmarks/moe.py --tiny``'s, whose figures it reads from them."""
     bench = _bench()
     bench.save_model(tmp_path, bench.SIZES["tiny"])
-    dp, ep = (_train(tmp_path, bench, layout) for layout in ("pp2 x dp2", "pp2 x ep2"))
+    dp = _train(tmp_path, bench, "pp2 x dp2", steps=3)
+    ep = _train(tmp_path, bench, "pp2 x ep2")
     assert ep["layout"]["ep"] == 2 and "ep" not in dp["layout"]
-    for a, b in zip(dp["records"], ep["records"], strict=True):
+    for a, b in zip(dp["records"][:2], ep["records"], strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
         assert a["experts"] == b["experts"]  # counted in the graph, and by the experts module
         assert a["experts"]["tokens_mean"] == 8 * 32 * 2 / 8  # (token, expert) pairs per expert
-    want = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_dp2" / "hf").state_dict()
-    got = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_ep2" / "hf").state_dict()
-    assert want.keys() == got.keys()
-    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 0.02 * LR
     ratios = [e / d for e, d in zip(ep["peak_memory_bytes"], dp["peak_memory_bytes"],
                                     strict=True)]
     assert max(ratios) <= 0.6, ratios
@@ -243,14 +239,21 @@ def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
                                           ep["peak_memory_bytes"][2 * pp_rank:][:2],
                                           strict=True)]
         assert all(abs(saved - m) <= 0.2 * m for m in measured), (predicted, measured)
-    fsdp = _train(tmp_path, bench, "pp2 x ep2", "--dp", "1", "--fsdp", "2", "--schedule",
-                  "interleaved-1f1b")  # FSDP2 shards the rest; 2 stages per rank
-    assert fsdp["layout"]["fsdp"] == 2 and fsdp["layout"]["stages_per_rank"] == 2
-    for a, b in zip(dp["records"], fsdp["records"], strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
+    # the ep run's checkpoint, resumed under FSDP2 on the other weights (2 stages per rank,
+    # interleaved 1F1B): its third step is the uninterrupted --dp 2 run's
+    again = _train(tmp_path, bench, "pp2 x ep2", "--dp", "1", "--fsdp", "2", "--schedule",
+                   "interleaved-1f1b", steps=3)
+    assert again["layout"]["fsdp"] == 2 and again["layout"]["stages_per_rank"] == 2
+    a, b = dp["records"][2], again["records"][-1]
+    assert b["step"] == 2 and len(again["records"]) == 3  # resumed, not run again
+    assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5
+    want = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_dp2" / "hf").state_dict()
+    got = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_ep2" / "hf").state_dict()
+    assert want.keys() == got.keys()
+    assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 0.02 * LR
     runs = {name: bench.figures(tmp_path / bench._dirname(name), 8 * 32, timed=False)
             for name in bench.LAYOUTS}  # the benchmark reads these runs' figures
-    assert all(r["steps_timed"] == 1 and r["tokens_per_s"] > 0 for r in runs.values())
+    assert all(r["steps_timed"] == 2 and r["tokens_per_s"] > 0 for r in runs.values())
 
 
 def _planned_saving(root: Path, balance: list[int]) -> list[int]:
