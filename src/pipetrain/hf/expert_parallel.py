@@ -103,9 +103,6 @@ class TracedExpertParallel:
                 for path in called(gm, self.paths):
                     self._replace(gm, path)
 
-    def finish(self) -> None:
-        """Nothing to settle: the experts' gradients are whole on their ranks."""
-
     def _replace(self, gm: fx.GraphModule, path: str) -> None:
         nodes, inputs, output = region(gm.graph, path)
         hidden, index, weights = roles(inputs, output, path)
@@ -181,24 +178,24 @@ def region(graph: fx.Graph, path: str) -> tuple[list[fx.Node], list[fx.Node], fx
     Raises:
         ValueError: when the call does not have exactly one output used outside it.
     """
-    region = [n for n in graph.nodes if path in _stack(n)]
-    inside = set(region)
+    nodes = [n for n in graph.nodes if path in _stack(n)]
+    inside = set(nodes)
     inputs: dict[fx.Node, None] = {}
-    for node in region:
+    for node in nodes:
         for a in node.all_input_nodes:
             if a not in inside and a.op != "get_attr" and isinstance(a.meta.get("val"),
                                                                      torch.Tensor):
                 inputs[a] = None
-    outputs = [n for n in region if isinstance(n.meta.get("val"), torch.Tensor)
+    outputs = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)
                and any(u not in inside for u in n.users)]
     if len(outputs) != 1:
         raise ValueError(f"the captured call of {path} has {len(outputs)} outputs used after "
                          "it, not one; expert parallelism cannot replace it")
-    return region, list(inputs), outputs[0]
+    return nodes, list(inputs), outputs[0]
 
 
 def roles(inputs: list[fx.Node], output: fx.Node, path: str
-           ) -> tuple[fx.Node, fx.Node, fx.Node]:
+          ) -> tuple[fx.Node, fx.Node, fx.Node]:
     """(hidden_states, top_k_index, top_k_weights) among a region's inputs.
 
     Raises:

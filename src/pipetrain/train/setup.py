@@ -267,25 +267,34 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     params = [p for p in pipe.parameters() if p.requires_grad]
     experts = [] if spread is None else [p for p in spread.params if p.requires_grad]
     apart = {id(p) for p in experts}
+    reducer, expert_reducer = _reducers(pipe, mesh, sharded is not None, apart)
     trainer = Trainer(
         cfg, mesh, source.model, pipe,
         build_optimizer(pipe.named_parameters(), source.no_decay, lr=cfg.lr,
                         weight_decay=cfg.weight_decay),
-        scale, GradReducer({s: [p for p in st.parameters() if id(p) not in apart]
-                            for s, st in pipe.stages.items()}, mesh.dp_group,
-                           mesh.dp if sharded is None else 1), batches, [],
-        NaNInjector.for_pipeline(pipe),
+        scale, reducer, batches, [], NaNInjector.for_pipeline(pipe),
         params, *_tp_split([p for p in counted_parameters(pipe) if id(p) not in apart],
                            split is not None), source=source,
         loaded=loaded, sharded=sharded, tensor_parallel=split, ranks=ranks, experts=experts,
-        expert_load=load,
-        expert_reducer=None if mesh.expert_group is None else GradReducer(
-            {s: [p for p in st.parameters() if id(p) in apart]
-             for s, st in pipe.stages.items()}, mesh.expert_group, mesh.dp // mesh.ep,
-            divisor=mesh.dp))
+        expert_load=load, expert_reducer=expert_reducer)
     trainer.eval_set = [trainer.rows(b) for b in held_out]
     trainer.data = data
     return trainer
+
+
+def _reducers(pipe: Pipeline, mesh: Mesh, sharded: bool, experts: set[int]
+              ) -> tuple[GradReducer, GradReducer | None]:
+    """The data-parallel mean of the weights that are not ``experts`` (ids; FSDP2 averages
+    its own when ``sharded``), and with expert parallelism the experts' reducer."""
+    def params(spread: bool) -> dict[int, list[nn.Parameter]]:
+        return {s: [p for p in st.parameters() if (id(p) in experts) == spread]
+                for s, st in pipe.stages.items()}
+
+    reducer = GradReducer(params(False), mesh.dp_group, 1 if sharded else mesh.dp)
+    if mesh.expert_group is None:
+        return reducer, None
+    return reducer, GradReducer(params(True), mesh.expert_group, mesh.dp // mesh.ep,
+                                divisor=mesh.dp)
 
 
 def _count_forwards(load: Any, pipe: Pipeline, *, tapped: bool) -> None:
