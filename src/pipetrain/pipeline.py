@@ -25,6 +25,7 @@ from pipetrain.parallel.parallelize import Gathering, held_parameter, join, para
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
 from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.compiled import compile_stages
 from pipetrain.runtime.delivery import Proofs, delivery_proofs
 from pipetrain.runtime.executor import (
     Executor,
@@ -130,6 +131,10 @@ class Pipeline:
             rng=True)``). None: when the model draws (a captured graph with a dropout of p > 0
             in training; a layer list with a dropout module of p > 0 in training mode; for
             dropout called as a function in a layer's own forward, pass True).
+        compile: run each stage's layers as compiled F, I and W programs
+            (:mod:`pipetrain.runtime.compiled`): True for ``torch.compile``'s inductor, or
+            the name of another ``torch.compile`` backend. Every schedule, split backward
+            included; not with ``recompute`` or ``parallelize``.
 
     Raises:
         ValueError: for an unknown schedule or integers outside its constraints.
@@ -147,7 +152,7 @@ class Pipeline:
         recompute: Policy = "never", init_seed: int = 0,
         split_points: Sequence[str] | str | None = None, example_inputs: Any = None,
         parallelize: Callable[[int, list[nn.Module]], None] | None = None,
-        rng: bool | None = None,
+        rng: bool | None = None, compile: bool | str = False,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -196,6 +201,7 @@ class Pipeline:
             parallelize, self._stage_layers, self.tied, self._canonical)
         for stage in self.stages.values():
             stage.gathering = gathering
+        compile_stages(self.stages, compile, recompute, parallelize)
         self._copies = LocalCopies(untied, gathering.gathered if gathering else lambda p: p)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)

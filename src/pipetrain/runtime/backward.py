@@ -39,6 +39,11 @@ __all__: list[str] = []
 
 Root = torch.Tensor | GradientEdge  # a stage output to start the backward from
 
+INPUT_PASS = [0]
+"""Above 0 while :func:`backward_input` runs its pass: a node that makes input and weight
+gradients in one call (a compiled stage, :mod:`pipetrain.runtime.compiled`) then makes only
+the input gradients, and the weights' later, when W runs it again."""
+
 
 @runtime_checkable
 class Gathering(Protocol):
@@ -111,12 +116,15 @@ def backward_input(
     work = WeightWork()
     saved: dict[Node, tuple[Any, ...]] = {}
     handles = [n.register_prehook(_saver(saved, n)) for n in graph.intermediates]
+    passing = bool(diff_inputs and roots)
+    INPUT_PASS[0] += passing
     try:
         got: Sequence[torch.Tensor | None] = []
-        if diff_inputs and roots:
+        if passing:
             got = torch.autograd.grad(cast(Any, roots), diff_inputs, root_grads,
                                       retain_graph=True, allow_unused=True)
     finally:
+        INPUT_PASS[0] -= passing
         for h in handles:
             h.remove()
     for node in graph.intermediates:

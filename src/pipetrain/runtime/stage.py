@@ -76,6 +76,7 @@ class Stage:
         self._edges_only = bool(flags) and flags[-1]  # outputs made by a recomputed layer
         self._flight: dict[int, _InFlight] = {}
         self.gathering: Gathering | None = None  # set by a resharding ``parallelize``
+        self.compiled: Callable[[Any], Any] | None = None  # compiled layers (compiled.py)
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
@@ -145,6 +146,8 @@ class Stage:
         return payload, (payload.pop(keys[0]) if keys else None)
 
     def _layers(self, x: Any, replays: list[Replay] | None) -> Any:
+        if self.compiled is not None:
+            return self.compiled(x)
         if replays is None or not self.recompute:
             return self.module(x)
         for segment in self.segments:

@@ -82,6 +82,10 @@ class TrainConfig:
     """``params``, ``time``, ``memory``, ``even`` or layers per stage such as ``3,4,4,3``."""
     recompute: str = "never"
     """Activation recomputation: ``never``, ``always`` or ``except_last``."""
+    compile: bool = False
+    """Compile each stage with ``torch.compile`` (inductor) as three programs, F, I and W,
+    so split-backward schedules run compiled too (not with --recompute, --fsdp, --tp or
+    --ep)."""
     device: str = "auto"
     """``auto`` (CUDA + NCCL when there is a GPU, else CPU + gloo), ``cpu`` or ``cuda``."""
     verify: bool = False

@@ -208,6 +208,9 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         check_order(cfg.mesh_order)
     except ValueError as e:
         problems.append(str(e))
+    if cfg.compile and (cfg.recompute != "never" or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
+        problems.append("--compile runs with neither --recompute nor --fsdp, --tp or --ep "
+                        "(yet); drop --compile or those")
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.nonfinite not in ("skip", "abort"):
@@ -249,7 +252,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
         sharded.ignored = spread.params  # filled by the time FSDP2 shards a stage
     hooks = [h for h in (spread, split, sharded) if h is not None]  # experts, tp, FSDP2
     pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
-                           device=mesh.device, timeout=cfg.timeout,
+                           device=mesh.device, timeout=cfg.timeout, compile=cfg.compile,
                            parallelize=Composed(*hooks) if len(hooks) > 1 else
                            (hooks[0] if hooks else None))
     loaded = source.loaded(pipe)
