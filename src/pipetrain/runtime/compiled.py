@@ -70,7 +70,8 @@ class CompiledLayers:
         names, weights = self._weights()
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         key = (spec, self.module.training, _autocast(),
-               tuple(_signature(t) for t in weights + tensors), tuple(repr(v) for v in leaves if not isinstance(v, torch.Tensor)))
+               tuple(_signature(t) for t in weights + tensors),
+               tuple(repr(v) for v in leaves if not isinstance(v, torch.Tensor)))
         program = self.programs.get(key)
         if program is None:
             program = self._compile(names, weights, leaves, spec)
