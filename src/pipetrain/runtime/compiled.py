@@ -207,7 +207,7 @@ def _trace(module: nn.Module, names: list[str], weights: list[torch.Tensor], lea
                         "backward to split; run it without compile=True")
     n_tensors = sum(c is None for c in found["constants"])
     if found["n"] != n_tensors:
-        raise TypeError(f"compile=True: the stage's forward returns {n_tensors} tensors but its "
+        raise TypeError(f"compile=True: the stage returns {n_tensors} tensor(s) but its forward "
                         f"graph {found['n']} (it updates an input or buffer in place, or returns "
                         "views of one tensor); run it without compile=True")
     return (found["fw"], found["bw"], found["n"], found["spec"], found["constants"],
