@@ -179,6 +179,17 @@ def test_what_compile_does_not_combine_with_is_refused() -> None:
         pipe.step(*batch(12))
 
 
+def test_old_torch_is_refused_under_split_schedules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11's autograd cannot start W at a compiled stage (seen on a GPU machine):
+    refused there with what to do, while a fused-backward schedule still runs."""
+    from pipetrain.runtime import compiled
+
+    monkeypatch.setattr(compiled, "_torch_version", lambda: (2, 11))
+    with pytest.raises(ValueError, match="needs torch >= 2.13"):
+        pt.Pipeline(mlp(), "zbv", 4, LOSS, local_ranks=2, compile="eager")
+    pt.Pipeline(mlp(), "1f1b", 4, LOSS, local_ranks=2, compile="eager").step(*batch(12))
+
+
 def test_train_refuses_compile_with_sharding() -> None:
     from pipetrain.train.config import TrainConfig
     from pipetrain.train.setup import check_config

@@ -103,6 +103,8 @@ def test_generation_on_one_gpu() -> None:
 def test_compiled_stages_on_one_gpu(name: str) -> None:
     """compile=True on the GPU (inductor's Triton kernels): the loss and gradients of the
     eager model, within 1e-5 of the largest gradient."""
+    if name == "zbv" and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip("a split backward compiled needs torch >= 2.13")
     ref, model = mlp().cuda(), mlp()
     x, y = (t.cuda() for t in batch(16))
     want = reference_step(ref, x, y, LOSS, 4)

@@ -95,7 +95,7 @@ def _faults(plan: str, out: Path) -> Iterator[None]:
 # -- two processes ----------------------------------------------------------------------------
 def _two(ctx: pt.RankContext, tmp: str) -> list[str]:
     return _cases(ctx, tmp, [_resume_at_pp2, _runs, _resume_bitwise, _clipping, _skip, _abort,
-                             _precisions, _overlap, _failure_names_the_step])
+                             _precisions, _overlap, _failure_names_the_step, _compiled])
 
 
 def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
@@ -119,6 +119,17 @@ def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
         if gathered[0] != gathered[1]:
             problems.append(f"{schedule}: the ranks return different summaries: {gathered}")
     return problems
+
+
+def _compiled(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """``--compile`` under zbv (inductor, split backward, two processes) trains as the eager
+    run does: losses and gradient norms within 1e-5 (relative) for 4 steps."""
+    common = dict(schedule="zbv", steps=4, eval_every=0, sample_tokens=0)
+    eager, _ = _curves(_cfg(tmp, "eager-zbv", **common))
+    compiled, summary = _curves(_cfg(tmp, "compiled-zbv", compile=True, **common))
+    if len(compiled) != 8 or any(abs(a - b) > 1e-5 * abs(a) for a, b in zip(eager, compiled)):
+        return [f"compiled {compiled} against eager {eager}"]
+    return [] if summary["steps"] == 4 else [f"summary {summary}"]
 
 
 def _resume_bitwise(ctx: pt.RankContext, tmp: str) -> list[str]:

@@ -201,7 +201,8 @@ class Pipeline:
             parallelize, self._stage_layers, self.tied, self._canonical)
         for stage in self.stages.values():
             stage.gathering = gathering
-        compile_stages(self.stages, compile, recompute, parallelize)
+        compile_stages(self.stages, compile, recompute, parallelize,
+                       self.schedule.split_backward)
         self._copies = LocalCopies(untied, gathering.gathered if gathering else lambda p: p)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)

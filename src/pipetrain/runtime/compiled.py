@@ -125,7 +125,7 @@ class CompiledLayers:
 
 
 def compile_stages(stages: Mapping[int, Any], compile: bool | str, recompute: Any,
-                   parallelize: Any) -> None:
+                   parallelize: Any, split_backward: bool = False) -> None:
     r"""Give each of ``stages`` (runtime :class:`~pipetrain.runtime.stage.Stage`\ s) compiled
     layers, for ``Pipeline(compile=...)``; raises ValueError for what cannot be combined."""
     if compile is False:
@@ -139,9 +139,18 @@ def compile_stages(stages: Mapping[int, Any], compile: bool | str, recompute: An
     if parallelize is not None:
         raise ValueError("compile=True with parallelize= (FSDP2, tensor parallel) is not "
                          "supported; drop one of the two")
+    if split_backward and _torch_version() < (2, 13):
+        raise ValueError(f"compile=True under a split-backward schedule needs torch >= 2.13 "
+                         f"(this is {torch.__version__}: its autograd cannot start W at a "
+                         "compiled stage); upgrade torch, or use gpipe or 1f1b")
     backend = "inductor" if compile is True else compile
     for index, stage in stages.items():
         stage.compiled = CompiledLayers(stage.module, backend, index)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _autocast() -> tuple[Any, ...]:
