@@ -139,7 +139,7 @@ def pipelines(name: str, args: argparse.Namespace, schedules: Sequence[str],
 
 
 def summarize(name: str, tokens: int, single: dict[bool, dict[str, Any]],
-              piped: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+              piped: list[list[dict[str, Any]]], ranks: int) -> list[dict[str, Any]]:
     def med(steps: list[float]) -> float:
         return statistics.median(steps)
 
@@ -157,7 +157,7 @@ def summarize(name: str, tokens: int, single: dict[bool, dict[str, Any]],
         first = max(r[k]["compiled"]["first"][0] for r in piped)
         losses = [(a, b) for r in piped for a, b in zip(r[k]["eager"]["losses"],
                                                           r[k]["compiled"]["losses"])]
-        out.append({"model": name, "run": f"p = {len(piped)}, {row['schedule']}",
+        out.append({"model": name, "run": f"p = {ranks}, {row['schedule']}",
                     "eager": eager, "compiled": comp, "speedup": eager / comp,
                     "share": (eager / comp) / base, "compile_s": first - comp,
                     "loss_diff": max(abs(a - b) for a, b in losses)})
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             piped = [pipelines(name, args, schedules, device, args.p)]  # every rank here
         else:
             piped = pt.launch(pipeline_body, args.p, name, args, schedules, timeout=1800)
-        rows += summarize(name, data[0].numel(), single, piped)
+        rows += summarize(name, data[0].numel(), single, piped, args.p)
     print(format_table(rows))
     if args.json:
         gb.save_json(args.json, {"rows": rows})

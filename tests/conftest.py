@@ -29,7 +29,7 @@ start_context(("pytest", "transformers", "transformers.models.llama.modeling_lla
 
 SLOWEST_FIRST = [  # measured on 2 cores, about 15 s to 80 s each
     "test_hf_train_all.py", "test_train_torchrun.py", "test_hf_train_dist.py",
-    "test_train_launch.py", "test_train_dist.py", "test_benchmarks.py",
+    "test_train_launch.py", "test_train_dist.py", "test_benchmarks.py", "test_compiled.py",
     "test_readme.py", "test_zoo.py", "test_failures_job_dist.py", "test_benchmarks_compute.py",
     "test_soak.py", "test_failures_scale_dist.py", "test_failures_exit_dist.py",
     "test_expert_parallel_dist.py", "test_hf_moe_weights.py",
