@@ -95,9 +95,11 @@ def test_breakdown_tiny_times_every_piece_and_writes_json(
                 "wall_ms_per_step"]
 
 
-def test_cold_tiny_times_every_piece_in_every_condition(tmp_path: Path) -> None:
+def test_cold_tiny_times_every_piece_in_every_condition(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cold.json"
-    stdout = _run("cold", "--tiny", "--json", str(out), timeout=60)
+    stdout = _here("cold", "--tiny", "--json", str(out), monkeypatch=monkeypatch, capsys=capsys)
     assert "sleep/warm" in stdout
     pieces = json.loads(out.read_text())["pieces"]
     assert {"encode 64 B", "encode 512 KiB", "new_frame", "read_header+decode",
@@ -208,8 +210,9 @@ def test_overhead_reads_each_threads_cpu_time() -> None:
     assert after["main"][0] > before["main"][0] and after["main"][1] >= before["main"][1]
 
 
-def test_overhead_tiny_prints_each_librarys_cost_per_action() -> None:
-    out = _run("overhead", "--tiny")
+def test_overhead_tiny_prints_each_librarys_cost_per_action(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _here("overhead", "--tiny", monkeypatch=monkeypatch, capsys=capsys)
     rows = {line.split()[2]: line.split() for line in out.splitlines()
             if line.startswith(" 2   8")}
     assert {"pipetrain", "torch"} <= set(rows), out  # DeepSpeed too, when installed

@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_benchmarks import torch_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(script: str, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    """``benchmarks/<script>.py --tiny``'s ``main`` in this process (its ranks start from the
+    session's forkserver, which imports the script by name through ``sys.path``): its stdout
+    and its JSON."""
     out = tmp_path / f"{script}.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--tiny", "--json", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, torch_threads(), contextlib.redirect_stdout(text):
+        mp.syspath_prepend(str(ROOT / "benchmarks"))
+        mp.chdir(ROOT)
+        assert importlib.import_module(script).main(["--tiny", "--json", str(out)]) in (0, None)
     data = json.loads(out.read_text())
     assert {"torch", "cpus", "platform"} <= data["meta"]["machine"].keys()
-    return proc.stdout, data
+    return text.getvalue(), data
 
 
 def test_real_compute_tiny(tmp_path: Path) -> None:

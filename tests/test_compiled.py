@@ -131,8 +131,9 @@ def test_inductor_under_every_schedule() -> None:
         compiles = [s.compiled.compiles for s in pipe.stages.values()]  # type: ignore[union-attr]
         pipe.step(x, y)
         assert [s.compiled.compiles for s in pipe.stages.values()] == compiles == [1] * 2 * v
-    pipe.step(*batch(8))  # micro-batches of 2 rows: one more program per stage
-    assert [s.compiled.compiles for s in pipe.stages.values()] == [2] * 4  # type: ignore[union-attr]
+        if name == "gpipe":
+            pipe.step(*batch(8))  # micro-batches of 2 rows: one more program per stage
+            assert [s.compiled.compiles for s in pipe.stages.values()] == [2, 2]
 
 
 def test_a_captured_hf_llama_compiled_under_zb_h1() -> None:
@@ -142,7 +143,7 @@ def test_a_captured_hf_llama_compiled_under_zb_h1() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_hidden_layers=1, num_attention_heads=4,
                                    num_key_value_heads=2, use_cache=False)
     ref = transformers.LlamaForCausalLM(cfg)
     model = transformers.LlamaForCausalLM(cfg)

@@ -57,7 +57,8 @@ class CompiledLayers:
     """A stage's module, called through compiled F, I and W graphs (one set per signature).
 
     Weights are read at each call (an optimizer's in-place update is seen); ``backend`` is a
-    ``torch.compile`` backend (``"inductor"``; ``"eager"`` runs the split graphs uncompiled).
+    ``torch.compile`` backend (``"inductor"``), or ``"eager"``: the split graphs run as they
+    are, uncompiled (a check of the split alone).
     """
 
     def __init__(self, module: nn.Module, backend: str = "inductor", stage: int = 0) -> None:
@@ -118,8 +119,8 @@ class CompiledLayers:
                        differentiable, i_idx, w_idx, out_spec, constants)
 
     def _c(self, gm: fx.GraphModule) -> Graph:
-        if not any(n.op == "call_function" for n in gm.graph.nodes):
-            return gm  # nothing to compile (I of a stage without input gradients)
+        if self.backend == "eager" or not any(n.op == "call_function" for n in gm.graph.nodes):
+            return gm  # the split graph itself (nothing to compile, or asked so)
         compiled: Graph = torch.compile(gm, backend=self.backend, fullgraph=True, dynamic=False)
         return compiled
 
