@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from test_benchmarks import torch_threads
 
 ROOT = Path(__file__).resolve().parent.parent
