@@ -95,7 +95,7 @@ def _faults(plan: str, out: Path) -> Iterator[None]:
 # -- two processes ----------------------------------------------------------------------------
 def _two(ctx: pt.RankContext, tmp: str) -> list[str]:
     return _cases(ctx, tmp, [_resume_at_pp2, _runs, _resume_bitwise, _clipping, _skip, _abort,
-                             _precisions, _overlap, _failure_names_the_step, _compiled])
+                             _precisions, _overlap, _compiled, _failure_names_the_step])
 
 
 def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
