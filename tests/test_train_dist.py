@@ -123,12 +123,14 @@ def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
 
 def _compiled(ctx: pt.RankContext, tmp: str) -> list[str]:
     """``--compile`` under zbv (inductor, split backward, two processes) trains as the eager
-    run does: losses and gradient norms within 1e-5 (relative) for 4 steps."""
-    common = dict(schedule="zbv", steps=4, eval_every=0, sample_tokens=0)
+    run does: losses and gradient norms within 1e-5 (relative) for 3 steps."""
+    common = dict(schedule="zbv", steps=3, eval_every=0, sample_tokens=0)
     eager, _ = _curves(_cfg(tmp, "eager-zbv", **common))
     compiled, summary = _curves(_cfg(tmp, "compiled-zbv", compile=True, **common))
-    if len(compiled) != 6 or any(abs(a - b) > 1e-5 * abs(a) for a, b in zip(eager, compiled)):
-        return [f"compiled {compiled} against eager {eager}"]
+    worst = max((abs(a - b) / abs(a) for a, b in zip(eager, compiled)), default=0.0)
+    if not len(compiled) == len(eager) == 6 or worst > 1e-5:
+        return [f"{len(compiled)} and {len(eager)} values, worst relative difference {worst:.2e}:"
+                f" compiled {compiled[:4]}..., eager {eager[:4]}..."]
     return [] if summary["steps"] == 3 else [f"summary {summary}"]
 
 
