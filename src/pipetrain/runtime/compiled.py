@@ -121,8 +121,34 @@ class CompiledLayers:
     def _c(self, gm: fx.GraphModule) -> Graph:
         if self.backend == "eager" or not any(n.op == "call_function" for n in gm.graph.nodes):
             return gm  # the split graph itself (nothing to compile, or asked so)
-        compiled: Graph = torch.compile(gm, backend=self.backend, fullgraph=True, dynamic=False)
+        key = _graph_key(gm, self.backend)
+        compiled = _COMPILED.get(key) if key is not None else None
+        if compiled is None:
+            compiled = torch.compile(gm, backend=self.backend, fullgraph=True, dynamic=False)
+            if key is not None:
+                _COMPILED[key] = compiled
         return compiled
+
+
+_COMPILED: dict[tuple[str, ...], Graph] = {}
+"""Compiled graphs by their code and inputs: stages of the same layers (a transformer's
+blocks, on the stages of every rank in local mode, or the pipelines of one process) share one
+compilation."""
+
+
+def _graph_key(gm: fx.GraphModule, backend: str) -> tuple[str, ...] | None:
+    """``gm``'s code, backend and input metadata; None for a graph that reads constants of its
+    own (the same code may read other values)."""
+    metas = []
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            return None
+        if n.op == "placeholder":
+            v = n.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                return None
+            metas.append(f"{tuple(v.shape)} {v.stride()} {v.dtype} {v.device}")
+    return (backend, gm.code, *metas)
 
 
 def compile_stages(stages: Mapping[int, Any], compile: bool | str, recompute: Any,
