@@ -22,6 +22,9 @@ from pipetrain.runtime.launch import start_context
 # (ranks set their own: pt.launch's threads=1, train's OMP_NUM_THREADS=1)
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# inductor compiles in the process that asks (a pool of compile workers per rank, on two busy
+# cores, was seen to crash under load)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 start_context(("pytest", "transformers", "transformers.models.llama.modeling_llama",
                "transformers.models.gpt2.modeling_gpt2", "transformers.models.bert.modeling_bert",
                "pipetrain.train.loop", "pipetrain.parallel.sharded",
