@@ -370,12 +370,12 @@ def _corpus_and_launch(fn: Any, nprocs: int, tmp_path: Path) -> list[str]:
 
 
 def _fsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
-    """pp=2 x fsdp=2 trains with the losses of pp=2 x dp=2 (10 steps, fp32, to rounding) at a
+    """pp=2 x fsdp=2 trains with the losses of pp=2 x dp=2 (6 steps, fp32, to rounding) at a
     lower peak per rank, and each run resumes from the other's checkpoint. Under zbv, which
     puts the embedding and its tied head both on rank 0 (FSDP2 shards each apart; the pipeline
     keeps them one weight). In fresh processes: the fsdp mesh (init_device_mesh) must come
     before any other group."""
-    common = dict(pp=2, steps=10, sample_tokens=0, eval_every=0, schedule="zbv")
+    common = dict(pp=2, steps=6, sample_tokens=0, eval_every=0, schedule="zbv")
     sharded, summary = _curves(_cfg(tmp, "fsdp", fsdp=2, **common))
     replicated, plain = _curves(_cfg(tmp, "dp", dp=2, **common))
     problems = []
@@ -386,7 +386,7 @@ def _fsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     if summary["layout"].get("fsdp") != 2:
         problems.append(f"layout {summary['layout']}")
     for out, other in (("fsdp", {"dp": 2}), ("dp", {"fsdp": 2})):  # resume at the other one
-        more, _ = _curves(_cfg(tmp, out, **{**common, "steps": 12, **other}))
+        more, _ = _curves(_cfg(tmp, out, **{**common, "steps": 8, **other}))
         if len(more) != 4:  # 2 steps: losses and norms
             problems.append(f"{out} resumed with {other}: ran {len(more)} steps, not 2")
         elif out == "dp":
@@ -403,10 +403,10 @@ def test_fsdp_trains_like_dp_and_resumes_across_them(tmp_path: Path) -> None:
 
 
 def _tp(ctx: pt.RankContext, tmp: str) -> list[str]:
-    """pp=2 x tp=2 trains with the losses of pp=2 x fsdp=2 (10 steps, fp32, to rounding; that
+    """pp=2 x tp=2 trains with the losses of pp=2 x fsdp=2 (6 steps, fp32, to rounding; that
     one's equal dp=2's, see _fsdp), and each resumes from
     the other's checkpoint (fresh processes, as for _fsdp)."""
-    common = dict(pp=2, steps=10, sample_tokens=0, eval_every=0)
+    common = dict(pp=2, steps=6, sample_tokens=0, eval_every=0)
     split, summary = _curves(_cfg(tmp, "tp", tp=2, **{**common, "sample_tokens": 5}))
     sharded, other = _curves(_cfg(tmp, "fsdp", fsdp=2, **common))
     problems = []
@@ -416,7 +416,7 @@ def _tp(ctx: pt.RankContext, tmp: str) -> list[str]:
         problems.append(f"layout {summary['layout']}")
     if not summary["sample"]:  # windows of odd lengths, padded for sequence parallelism
         problems.append(f"no sample: {summary['sample']!r}")
-    more = {out: _curves(_cfg(tmp, out, **{**common, "steps": 12, **layout}))[0]
+    more = {out: _curves(_cfg(tmp, out, **{**common, "steps": 8, **layout}))[0]
             for out, layout in (("tp", {"fsdp": 2}), ("fsdp", {"tp": 2}))}
     if [len(m) for m in more.values()] != [4, 4]:  # 2 steps: losses and norms
         problems.append(f"resumed across tp and fsdp ran {[len(m) for m in more.values()]}")
@@ -434,7 +434,7 @@ def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     with fsdp=2 shards of tp=2 slices (2-D) and with dp=2 replicas of tp=2 slices train with
     the losses and gradient norms of dp=4, and the first two resume at pp=4 x fsdp=2 as dp=4
     does."""
-    common = dict(pp=2, steps=6, sample_tokens=0, eval_every=0, batch_size=16)
+    common = dict(pp=2, steps=4, sample_tokens=0, eval_every=0, batch_size=16)
     plain, _ = _curves(_cfg(tmp, "dp4", dp=4, **common))
     problems = []
     for out, layout in (("hsdp", {"dp": 2, "fsdp": 2}), ("2d", {"fsdp": 2, "tp": 2}),
@@ -444,7 +444,7 @@ def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
             problems.append(f"{layout} losses {got} != dp=4 {plain}")
         if any(summary["layout"].get(k) != v for k, v in layout.items()):
             problems.append(f"layout {summary['layout']}")
-    resumed = [_curves(_cfg(tmp, out, **{**common, "pp": 4, "fsdp": 2, "steps": 8}))[0]
+    resumed = [_curves(_cfg(tmp, out, **{**common, "pp": 4, "fsdp": 2, "steps": 6}))[0]
                for out in ("hsdp", "dp4", "2d")]
     if [len(r) for r in resumed] != [4, 4, 4]:  # 2 steps: losses and norms
         problems.append(f"resumed at pp=4 x fsdp=2 ran {[len(r) for r in resumed]} steps")
