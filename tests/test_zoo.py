@@ -359,15 +359,18 @@ def differences(pipe: pt.Pipeline, ref: nn.Module, tol: float) -> list[str]:
                   if not torch.equal(b, refs[n])]
 
 
-def stepped(arch: Arch, local: bool = True) -> tuple[pt.Pipeline, nn.Module, list[str]]:
-    """``arch`` stepped once through the pipeline and once as the reference (same weights,
-    same random streams); problems with the stage count or the loss."""
+def stepped(arch: Arch, local: bool = True, compile: bool | str = False
+            ) -> tuple[pt.Pipeline, nn.Module, list[str]]:
+    """``arch`` stepped once through the pipeline (``compile``: as ``Pipeline`` takes it) and
+    once as the reference (same weights, same random streams); problems with the stage count
+    or the loss."""
     model = build(arch)
     ref = copy.deepcopy(model)
     inputs, targets = batch(arch)
     example = {k: v[:2] if torch.is_tensor(v) else v for k, v in inputs.items()}
     pipe = pt.Pipeline(model, arch.schedule, M, arch.loss, split_points="auto",
-                       example_inputs=example, local_ranks=arch.ranks if local else None)
+                       example_inputs=example, local_ranks=arch.ranks if local else None,
+                       compile=compile)
     torch.manual_seed(1)
     got = pipe.step(inputs, targets).loss
     torch.manual_seed(1)

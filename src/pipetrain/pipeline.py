@@ -134,7 +134,8 @@ class Pipeline:
         compile: run each stage's layers as compiled F, I and W programs
             (:mod:`pipetrain.runtime.compiled`): True for ``torch.compile``'s inductor, or
             the name of another ``torch.compile`` backend. Every schedule, split backward
-            included; not with ``recompute`` or ``parallelize``.
+            included; not with ``recompute`` or ``parallelize``, nor with a model that
+            draws (dropout) unless ``rng=False``.
 
     Raises:
         ValueError: for an unknown schedule or integers outside its constraints.
@@ -202,7 +203,7 @@ class Pipeline:
         for stage in self.stages.values():
             stage.gathering = gathering
         compile_stages(self.stages, compile, recompute, parallelize,
-                       self.schedule.split_backward)
+                       self.schedule.split_backward, self.rng)
         self._copies = LocalCopies(untied, gathering.gathered if gathering else lambda p: p)
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)

@@ -165,10 +165,11 @@ def _owner(module: nn.Module, name: str) -> nn.Module:
 
 
 def compile_stages(stages: Mapping[int, Any], compile: bool | str, recompute: Any,
-                   parallelize: Any, splits: bool = False) -> None:
+                   parallelize: Any, splits: bool = False, draws: bool = False) -> None:
     r"""Give each of ``stages`` (runtime :class:`~pipetrain.runtime.stage.Stage`\ s) compiled
-    layers, for ``Pipeline(compile=...)`` (``splits``: the schedule splits its backward);
-    raises ValueError for what cannot be combined."""
+    layers, for ``Pipeline(compile=...)`` (``splits``: the schedule splits its backward;
+    ``draws``: micro-batches carry random streams); raises ValueError for what cannot be
+    combined."""
     if compile is False:
         return
     if not isinstance(compile, (bool, str)):
@@ -180,6 +181,12 @@ def compile_stages(stages: Mapping[int, Any], compile: bool | str, recompute: An
     if parallelize is not None:
         raise ValueError("compile=True with parallelize= (FSDP2, tensor parallel) is not "
                          "supported; drop one of the two")
+    if draws:
+        raise ValueError("compile=True with a model that draws random numbers in training "
+                         "(dropout of p > 0): its graphs draw other numbers than the eager "
+                         "model, so no step could equal one device's; set the dropouts to 0 "
+                         "(in a Hugging Face config: its *dropout* fields), or pass rng=False "
+                         "to let the compiled graphs draw as they do")
     if splits and _torch_version() < (2, 13):
         raise ValueError(f"compile=True under a split-backward schedule needs torch >= 2.13 "
                          f"(this is {torch.__version__}: its autograd cannot start W at a "
@@ -233,12 +240,9 @@ def _trace(module: nn.Module, names: list[str], weights: list[torch.Tensor], lea
         out = torch.func.functional_call(module, state, (pytree.tree_unflatten(inputs, spec),))
         out_leaves, found["spec"] = pytree.tree_flatten(out)
         found["constants"] = [None if isinstance(v, torch.Tensor) else v for v in out_leaves]
-        given = set(map(id, flat))
         found.setdefault("grad", [v.requires_grad and _is_float(v) for v in out_leaves
                                   if isinstance(v, torch.Tensor)])
-        # an output that is an input (a passed-on mask) becomes its own tensor
-        return tuple(v.clone() if id(v) in given else v
-                     for v in out_leaves if isinstance(v, torch.Tensor))
+        return _own(flat, [v for v in out_leaves if isinstance(v, torch.Tensor)])
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kw: Any) -> Any:
         fw, bw = default_partition(joint, joint_inputs, **kw)
@@ -262,6 +266,19 @@ def _trace(module: nn.Module, names: list[str], weights: list[torch.Tensor], lea
                         "views of one tensor); run it without compile=True")
     return (found["fw"], found["bw"], found["n"], found["spec"], found["constants"],
             [i for i, g in enumerate(found["grad"]) if g])
+
+
+def _own(given: Sequence[torch.Tensor], outs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``outs``, each its own tensor: an output that is an input (a passed-on mask), a view
+    (of an input, of another output or of an intermediate) or a repeat of another output is
+    copied, which AOTAutograd otherwise regenerates outside the graph without a gradient
+    input of its own."""
+    seen = set(map(id, given))
+    owned = []
+    for v in outs:
+        owned.append(v.clone() if id(v) in seen or v._is_view() else v)
+        seen.add(id(v))
+    return tuple(owned)
 
 
 def split_backward(bw: fx.GraphModule, i_idx: Sequence[int], w_idx: Sequence[int]
