@@ -66,7 +66,7 @@ class _TimedFrames:
     def send(self, *args: Any) -> Any:
         return _timed(self.group.send, "post", self.rec)(*args)
 
-    def recv(self, *args: Any) -> Any:  # the receiver threads' posts: not timed
+    def recv(self, *args: Any) -> Any:  # the posts of receives: not timed
         return self.group.recv(*args)
 
 

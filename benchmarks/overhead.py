@@ -23,15 +23,15 @@ parameter per layer).
 
 ``--profile`` prints the functions pipetrain's main thread spent most time in over 30 steps
 (p = 2, m = 16), and then what one ``dist.isend`` of the same small tensor costs with nothing
-else running (200 sends, a receive blocked on another thread of the sender, as pipetrain's
-receiver threads block): the gap between the two is the contention the step meets.
+else running (200 sends, a receive blocked on another thread of the sender): the gap between
+the two is the contention the step meets.
 
 ``--threads`` splits each library's CPU per action by thread (p = 2, m = 16, 30 steps; the
 kernel's per-thread run time from ``/proc/self/task/*/schedstat``): the main thread, pipetrain's
-receiver threads, gloo's socket loop (``gloo_tcp_loop``) and the rest, with how many times per
-action each was switched in. Then a bare gloo ping-pong of pipetrain's message size (2112
-bytes, its receive posted ahead into an 8 KiB frame, as pipetrain posts it) gives what gloo's
-loop costs per message when nothing else runs.
+other threads (its watchdog; none touches a message), gloo's socket loop (``gloo_tcp_loop``)
+and the rest, with how many times per action each was switched in. Then a bare gloo ping-pong
+of pipetrain's message size (2112 bytes, its receive posted ahead into an 8 KiB frame, as
+pipetrain posts it) gives what gloo's loop costs per message when nothing else runs.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def _by_thread() -> dict[str, tuple[int, int]]:
     import os
     import threading
 
-    names = {t.native_id: "receivers" if t.name.startswith("pipetrain-recv") else "other"
+    names = {t.native_id: "pipetrain's" if t.name.startswith("pipetrain-") else "other"
              for t in threading.enumerate()}
     names[os.getpid()] = "main"
     out: dict[str, tuple[int, int]] = {}
@@ -181,7 +181,7 @@ def _by_thread() -> dict[str, tuple[int, int]]:
     return out
 
 
-THREADS = ("main", "receivers", "gloo loop", "other")
+THREADS = ("main", "pipetrain's", "gloo loop", "other")
 
 
 def _threads(ctx: pt.RankContext, lib: str) -> dict[str, tuple[float, float]]:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
 
 from pipetrain.errors import CommError
-from pipetrain.runtime.mailbox import Mailbox
 from pipetrain.runtime.payload import DTYPES, flatten
 from pipetrain.runtime.wire import (
     ABORT,
@@ -244,75 +240,3 @@ def test_key_describe() -> None:
     assert Key(DONE, 9, 2, 0, 0).describe() == "end-of-step message of rank 2 (step 9)"
     assert Key(ABORT, 2, 4, 3, -1).describe() == "abort of mb 4 from stage 3 to stage -1 (step 2)"
     assert Key(42, 0, 0, 0, 1).describe() == "kind 42 of mb 0 from stage 0 to stage 1 (step 0)"
-
-
-# -- Mailbox ---------------------------------------------------------------------------------
-
-KEY = Key(ACT, 1, 2, 0, 1)
-
-
-def _soon() -> float:
-    return time.monotonic() + 0.05
-
-
-def test_take_returns_a_put_message() -> None:
-    box = Mailbox()
-    msg = Message(KEY, [torch.ones(2)])
-    box.put(msg)
-    assert box.take(KEY, _soon(), "rank 1 F1") is msg
-    assert box.items == {}  # taken exactly once
-
-
-def test_take_waits_for_a_message_put_by_another_thread() -> None:
-    box = Mailbox()
-    msg = Message(KEY, [])
-    timer = threading.Timer(0.01, box.put, args=(msg,))
-    timer.start()
-    try:
-        assert box.take(KEY, time.monotonic() + 5.0, "rank 1 F1") is msg
-    finally:
-        timer.join()
-
-
-def test_take_raises_the_failure() -> None:
-    box = Mailbox()
-    error = CommError("rank 0 receiving ...: the peer closed the connection")
-    box.fail(error)
-    box.fail(CommError("a later failure"))  # the first one wins
-    with pytest.raises(CommError) as e:
-        box.take(KEY, _soon(), "rank 1 F1")
-    assert e.value is error
-
-
-def test_take_prefers_a_message_that_already_arrived() -> None:
-    box = Mailbox()
-    msg = Message(KEY, [])
-    box.put(msg)
-    box.fail(RuntimeError("later"))
-    assert box.take(KEY, _soon(), "rank 1 F1") is msg
-
-
-def test_take_times_out_naming_the_key() -> None:
-    box = Mailbox()
-    box.put(Message(Key(ACT, 1, 3, 0, 1), []))  # another micro-batch does not count
-    start = time.monotonic()
-    with pytest.raises(CommError) as e:
-        box.take(KEY, start + 0.05, "rank 1 | stage 1 | mb 2 | F")
-    assert time.monotonic() - start >= 0.05
-    assert str(e.value) == (
-        "rank 1 | stage 1 | mb 2 | F: timed out waiting for the activation of mb 2 from stage 0 "
-        "to stage 1 (step 1)"
-    )
-
-
-def test_a_handed_over_receive_is_taken_once_or_times_out() -> None:
-    box = Mailbox()
-    posted = object()  # what a receiver hands over: its posted receive of the step's last frame
-    timer = threading.Timer(0.01, box.hand_over, args=(KEY, posted))
-    timer.start()
-    try:
-        assert box.take_handed(KEY, time.monotonic() + 5.0, "rank 1 end of step") is posted
-    finally:
-        timer.join()
-    with pytest.raises(CommError, match="rank 1 end of step: timed out waiting for the activation"):
-        box.take_handed(KEY, _soon(), "rank 1 end of step")

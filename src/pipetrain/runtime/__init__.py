@@ -3,7 +3,7 @@
 ``executor.py`` runs exactly the lists of :mod:`pipetrain.schedules`; ``stage.py`` runs F, B, I
 and W of one stage (``backward.py``, ``compiled.py``, ``recompute.py``, ``rng.py``);
 ``routes.py`` says which stage sends what to which; ``comm.py`` with ``wire.py``,
-``receiver.py``, ``mailbox.py`` and ``delivery.py`` moves the messages; ``finish.py`` ends a
+``receiver.py`` and ``delivery.py`` move the messages; ``finish.py`` ends a
 step; ``watchdog.py`` and ``news.py`` turn a stuck or failed peer into an error on every rank;
 ``tied.py`` keeps weights shared by stages one; ``launch.py`` starts processes; ``dtensors.py``
 reads DTensors.

@@ -1,29 +1,29 @@
 """Comm: stage-to-stage messages over torch.distributed point-to-point, checked, bounded, no pickle.
 
 The receiver knows, from the schedule, the exact sequence of messages each peer sends it in a
-step (:mod:`pipetrain.runtime.wire` gives their byte layout). One long-lived receiver thread per
-peer (:mod:`pipetrain.runtime.receiver`) is handed that sequence at the start of each step; it keeps
-the receive of the peer's next message posted ahead of need (communication overlaps compute), sized
-by the direction's agreed capacity, so a message that fits arrives in one transfer. It checks
-every header against what it expects before touching the payload, and leaves the decoded
-message in a mailbox::
+step (:mod:`pipetrain.runtime.wire` gives their byte layout). The receive of each peer's next
+message is kept posted ahead of need (communication overlaps compute), sized by the
+direction's agreed capacity, so a message that fits arrives in one transfer; the main thread
+waits on it when an action needs it (:mod:`pipetrain.runtime.receiver`), checks its header
+against what it expects before touching the payload, and posts the next::
 
-    main thread   start_step ──► jobs[peer] ──► receiver(peer): post message 0, wait
-                                                    message k arrived: check its header,
-                                                    payload (if separate), post message k+1,
-                  recv(key) ◄── mailbox ◄────────── decode
+    main thread   start_step: post each peer's message 0
+                  send(...)   ──► async, freed once a later message proves it taken
+                  recv(key)   ──► wait on the sender's posted receive, check, decode, post the next
 
 Headers and CPU payloads travel over two gloo groups, one for messages to a higher rank and one
 for those to a lower rank (:func:`~pipetrain.runtime.groups.twin_group`); payloads on a GPU travel
 over one NCCL group per direction of each rank pair, so that a posted receive can never block a
 send queued behind it on the same NCCL stream. Sends are asynchronous. The main thread waits
 for a message with a deadline, so a dead, stuck or failed peer becomes a :class:`CommError`
-instead of a hang. A rank that fails sends an ABORT frame to every peer, which makes them fail
-at once with the origin named.
+instead of a hang. A rank that fails sends an ABORT frame to every peer; it lands in the
+receive each keeps posted for this rank, which makes the one waiting on it fail at once with
+the origin named, and pass the news on to its own peers.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.errors import CommError
-from pipetrain.runtime.delivery import Proofs
+from pipetrain.runtime.delivery import Proofs, Route
 from pipetrain.runtime.groups import (
     frame_group,
     next_instance,
@@ -42,16 +42,15 @@ from pipetrain.runtime.groups import (
     rank_name,
     twin_group,
 )
-from pipetrain.runtime.mailbox import Describe, Mailbox
 from pipetrain.runtime.receiver import (
     RELAY,
-    Incoming,
+    Describe,
+    Inbound,
+    Inbox,
     Link,
     PeerClosed,
     PeerFailed,
     Plan,
-    Receiver,
-    Relayed,
 )
 from pipetrain.runtime.wire import (
     ABORT,
@@ -70,20 +69,19 @@ _LEFTOVERS: list[Any] = []  # sends of failed steps: never waited for, never fre
 
 
 class P2P:
-    """Point-to-point transport of one rank: async sends, one long-lived receiver per peer."""
+    """Point-to-point transport of one rank: async sends, receives posted ahead per peer."""
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, n_ranks: int,
                  device: torch.device, timeout: float, max_message_bytes: int) -> None:
         self.group, self.rank, self.n_ranks = group, rank, n_ranks
         self.device, self.timeout, self.max_bytes = device, timeout, max_message_bytes
         self.cpu_group, self.device_groups = pipeline_groups(group, n_ranks, device)
-        self.mailbox = Mailbox()
         self.globals = [r if group is None else dist.get_global_rank(group, r)
                          for r in range(n_ranks)]
         """The global rank of each pipeline rank."""
         self.first_global = self.globals[0]
-        self._sends: list[tuple[Any, torch.Tensor, torch.Tensor | None]] = []
-        self._pending: dict[tuple[int, Key], list[tuple[Any, torch.Tensor, Any]]] = {}
+        self._pending: dict[tuple[int, Route], list[tuple[Any, torch.Tensor, Any]]] = {}
+        """The sends in flight, by destination and route (kind, mb, src_stage, dst_stage)."""
         self._proofs: Proofs = {}
         self.posted = 0
         """How many point-to-point sends this transport posted (one or two per message)."""
@@ -99,9 +97,9 @@ class P2P:
         self._link = Link(rank, self.name(rank), frames, frames if twin is None else twin,
                            self.device_groups, device, timeout,
                            max_message_bytes, self._tag, self._tag + 1)
-        self._receivers = {peer: Receiver(peer, self.globals[peer], self.mailbox)
-                           for peer in range(n_ranks) if peer != rank}
-        weakref.finalize(self, _close, list(self._receivers.values()), self._sends, timeout)
+        self.inbox = Inbox({peer: Inbound(self._link, peer, self.globals[peer])
+                            for peer in range(n_ranks) if peer != rank}, timeout)
+        weakref.finalize(self, _close, self.inbox, self._pending, timeout)
 
     def name(self, rank: int) -> str:
         """Pipeline rank ``rank`` as the job knows it (:func:`~.groups.rank_name`)."""
@@ -110,30 +108,22 @@ class P2P:
     def start_step(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key],
                    proofs: Proofs | None = None) -> None:
         """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends,
-        but for its last one, ``last[peer]``, which :meth:`receive_last` waits for itself.
+        and ``last[peer]`` is its end-of-step message, after them.
 
         ``proofs`` (:func:`~pipetrain.runtime.delivery.delivery_proofs`) lets :meth:`recv` free the
         sends that a received message proves complete.
         """
         self._proofs = proofs or {}
-        for peer, plan in plans.items():
-            self._receivers[peer].jobs.put((self._link, step, plan, last[peer]))
+        self.inbox.start(step, plans, last)
 
     def receive_last(self, keys: Mapping[int, Key], describe: str) -> dict[int, Message]:
-        """The last message of the step from each peer (see :meth:`start_step`).
-
-        The receiver posted its receive once the peer's other messages were in, and this
-        thread waits on it directly: one thread wake-up less at the end of every step.
-        """
+        """The last message of the step from each peer (see :meth:`start_step`)."""
         out = {}
         for peer, key in keys.items():
-            posted = self.mailbox.take_handed(key, time.monotonic() + self.timeout, describe)
-            incoming = Incoming(self._link, peer, self.globals[peer], self.mailbox,
-                                 self._receivers[peer].capacity)
             try:
-                out[peer] = incoming.receive(key, posted)
-            except Relayed as e:
-                raise PeerFailed(f"{describe}: {e.error}") from None
+                out[peer] = self.inbox.take(key, describe)
+            except PeerFailed as e:
+                raise PeerFailed(f"{describe}: {e}") from None
             except PeerClosed as e:
                 raise PeerClosed(f"{describe}: {e}", e.peer) from None
             except CommError as e:
@@ -158,33 +148,29 @@ class P2P:
                 works.append(dist.isend(payload, dst=self.globals[dst_rank], tag=self._tag + 1,
                                         group=self.device_groups[(self.rank, dst_rank)])
                              if on_device else group.send([payload], dst_rank, self._tag + 1))
-            entries = [(work, first, payload) for work in works]
-            self._sends += entries
-            self._pending[(dst_rank, msg.key)] = entries
+            k = msg.key
+            self._pending.setdefault((dst_rank, (k.kind, k.mb, k.src_stage, k.dst_stage)), []
+                                     ).extend((work, first, payload) for work in works)
             self.posted += len(works)
             capacity.record(size, on_device)
 
     def recv(self, key: Key, describe: str | Describe) -> Message:
-        msg = self.mailbox.take(key, time.monotonic() + self.timeout, describe)
+        msg = self.inbox.take(key, describe)
         proof = self._proofs.get((key.kind, key.mb, key.src_stage, key.dst_stage))
         if proof is not None:
-            self._release(proof[0], [Key(r[0], key.step, *r[1:]) for r in proof[1]], describe)
+            self._release(proof[0], proof[1], describe)
         return msg
 
-    def _release(self, dst: int, keys: Sequence[Key], describe: str | Describe) -> None:
-        """Wait for (at once: the peer took them) and drop the sends of ``keys`` to ``dst``."""
-        done = [entry for k in keys for entry in self._pending.pop((dst, k), [])]
-        if not done:
-            return
-        deadline = time.monotonic() + self.timeout
-        for w, _, _ in done:
-            try:
-                w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except RuntimeError as e:
-                where = describe if isinstance(describe, str) else describe()
-                raise CommError(f"{where}: a send did not complete: {e}") from None
-        ids = {id(entry) for entry in done}
-        self._sends[:] = [entry for entry in self._sends if id(entry) not in ids]  # in place
+    def _release(self, dst: int, routes: Sequence[Route], describe: str | Describe) -> None:
+        """Wait for (at once: the peer took them) and drop the sends of ``routes`` to ``dst``."""
+        pending = self._pending
+        for route in routes:
+            for w, _, _ in pending.pop((dst, route), ()):
+                try:
+                    w.wait(timedelta(seconds=self.timeout))
+                except RuntimeError as e:
+                    where = describe if isinstance(describe, str) else describe()
+                    raise CommError(f"{where}: a send did not complete: {e}") from None
 
     def settle(self, describe: str) -> None:
         """Wait for every send (within the timeout); raise a receiver's error.
@@ -195,29 +181,31 @@ class P2P:
         ``profile_memory=True``; see ``tests/test_regressions.py``).
         """
         deadline = time.monotonic() + self.timeout
-        for w, _, _ in self._sends:
-            try:
-                w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except RuntimeError as e:
-                raise CommError(f"{describe}: a send did not complete: {e}") from None
-        self._sends.clear()  # in place: the finaliser holds this list
-        self._pending.clear()
-        if self.mailbox.error is not None:
-            raise self.mailbox.error
+        for entries in self._pending.values():
+            for w, _, _ in entries:
+                try:
+                    w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                except RuntimeError as e:
+                    raise CommError(f"{describe}: a send did not complete: {e}") from None
+        self._pending.clear()  # in place: the finaliser holds this dict
+        if self.inbox.error is not None:
+            raise self.inbox.error
 
     def discard(self) -> None:
-        """Stop tracking the sends in flight (after a failure: the step is lost).
+        """Stop tracking the sends in flight (after a failure: the step is lost), and drain the
+        peers' messages until their ABORTs (:meth:`~.receiver.Inbox.drain`).
 
-        They are neither waited for (a wait that times out makes gloo close the connection to
-        that peer for good) nor freed (gloo may still be reading them).
+        The sends are neither waited for (a wait that times out makes gloo close the connection
+        to that peer for good) nor freed (gloo may still be reading them).
         """
-        _LEFTOVERS.extend(self._sends)
-        self._sends.clear()
+        for entries in self._pending.values():
+            _LEFTOVERS.extend(entries)
         self._pending.clear()
+        self.inbox.drain()
 
     def close(self) -> None:
-        """Let the last sends complete (bounded) and stop the receiver threads."""
-        _close(list(self._receivers.values()), self._sends, self.timeout)
+        """Let the last sends complete (bounded)."""
+        _close(self.inbox, self._pending, self.timeout)
 
     def abort(self, step: int, stage: int, mb: int, op: int, text: str,
               relay: bool = False) -> None:
@@ -236,16 +224,17 @@ class P2P:
                 continue
             try:
                 frame, _, _ = encode(msg, self.rank, op)  # 4096 bytes fit every receive
-                works.append(self._link.to(peer).send([frame], peer, self._tag))
+                works.append((self._link.to(peer).send([frame], peer, self._tag), frame))
             except RuntimeError:
                 continue
-        deadline = time.monotonic() + 2.0
-        for w in works:
-            try:
-                if w is not None:
-                    w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except RuntimeError:
-                pass
+        _LEFTOVERS.extend(works)  # never freed: a peer may take them late
+        # a peer takes an ABORT when it next waits for this rank's message, maybe after its
+        # current action: waited for on a thread (a timed-out wait would close the connection
+        # for good), and for at most 2 s here, so that a process about to exit sends them first
+        waiter = threading.Thread(target=_wait_all, args=(works,), daemon=True,
+                                  name="pipetrain-abort")
+        waiter.start()
+        waiter.join(2.0)
 
 
 def _encoded(msg: Message, rank: int, op: int, capacity: int,
@@ -262,16 +251,25 @@ def _encoded(msg: Message, rank: int, op: int, capacity: int,
     return form
 
 
-def _close(receivers: list[Receiver], sends: list[tuple[Any, Any, Any]],
-           timeout: float) -> None:
-    """Wait (bounded, errors ignored: the peer may be gone) for sends still in flight, so none
-    is dropped before its peer takes it; stop the receivers."""
-    deadline = time.monotonic() + timeout
-    for w, _, _ in sends:
+def _wait_all(works: list[tuple[Any, torch.Tensor]]) -> None:
+    for w, _ in works:
         try:
-            w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            if w is not None:
+                w.wait()
         except RuntimeError:
             continue
-    sends.clear()
-    for r in receivers:
-        r.jobs.put(None)
+
+
+def _close(inbox: Inbox, pending: dict[Any, list[tuple[Any, Any, Any]]], timeout: float
+           ) -> None:
+    """Wait (bounded, errors ignored: the peer may be gone) for sends still in flight, so none
+    is dropped before its peer takes it; keep any receive still posted for good."""
+    deadline = time.monotonic() + timeout
+    for entries in pending.values():
+        for w, _, _ in entries:
+            try:
+                w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError:
+                continue
+    pending.clear()
+    inbox.park()

@@ -111,9 +111,11 @@ class Executor:
         self.deferred = tuple(s for s in sorted(deferred) if s in stages)
         self.activity = Activity()
         """What this rank does now, for the watchdog (:mod:`pipetrain.runtime.watchdog`)."""
+        self._takes = [self._sources(a) for _, a in self.order]
+        """Per position in ``order``: the stages whose messages its action takes."""
         self._waits_on = [(str(a), tuple(dict.fromkeys(
-            schedule.rank_of(s) for s in self._sources(a) if schedule.rank_of(s) != r)))
-            for r, a in self.order]
+            schedule.rank_of(s) for s in srcs if schedule.rank_of(s) != r)))
+            for (r, a), srcs in zip(self.order, self._takes)]
 
     def _rank(self, rank: int) -> str:
         return f"rank {rank}" if self.transport is None else self.transport.name(rank)
@@ -146,7 +148,7 @@ class Executor:
                 activity.computing()
                 self._guarded(rank, action, data, self.stages[action.stage].prepare_backward)
             activity.waiting(*self._waits_on[index], data.step)
-            received = self._receive(rank, action, data)
+            received = self._receive(rank, action, data, self._takes[index])
             activity.computing()
             start = time.time()
             try:
@@ -182,11 +184,12 @@ class Executor:
             where = self._where(rank, action, data.step)
             raise StageError(f"{where} recompute failed: {e!r}") from e
 
-    def _receive(self, rank: int, a: Action, data: StepData) -> list[Message]:
-        """The messages ``a`` consumes (this is where a rank waits for its peers)."""
+    def _receive(self, rank: int, a: Action, data: StepData, sources: tuple[int, ...]
+                 ) -> list[Message]:
+        """The messages ``a`` takes from ``sources`` (where a rank waits for its peers)."""
         kind = ACT if a.op is Op.F else GRAD
         return [self._take(rank, Key(kind, data.step, a.mb, src, a.stage), a)
-                for src in self._sources(a)]
+                for src in sources]
 
     def _compute(self, rank: int, a: Action, msgs: list[Message], data: StepData) -> None:
         stage = self.stages[a.stage]

@@ -68,8 +68,8 @@ def twin_group(members: Sequence[int], rank: int, generation: int, timeout: floa
     (its ranks and generation), so no other rank takes part and torch's group count is
     untouched. Messages to a higher pipeline rank travel in the pipeline's group, those to a
     lower one in this twin: each connection then carries one direction, and one thread at each
-    end (the sender's main thread, the receiver's thread) posts on it. On one shared connection
-    both threads take gloo's lock of that connection, and gloo's socket thread, which only
+    end (its main thread) posts on it. When a connection is shared, threads at one end both
+    take gloo's lock of that connection, and gloo's socket thread, which only
     tries that lock, spins on ``epoll_wait`` while either holds it: measured by
     ``benchmarks/overhead.py --threads``. None outside a job with a store (then both directions
     share the pipeline's group).

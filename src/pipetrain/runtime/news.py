@@ -9,7 +9,7 @@ placed pipeline-outermost: replica 0 is ranks 0 and 2, replica 1 ranks 1 and 3):
 
     rank 1 fails ──► store["pipetrain/runtime/news/0"] = {rank 1, 1F3, step 4, RuntimeError(...)}
                                   ▲ read every 0.5 s by each rank's watchdog thread
-    rank 3 (replica 1, as rank 1), waiting in a receive ──► its mailbox fails with the news
+    rank 3 (replica 1, as rank 1), computing      ──► its next wait raises the news
     rank 2 (replica 0), in a dp all-reduce               ──► :func:`wait` raises the news
 
 Nothing is read or written on the steady path but the watchdog thread's one small request;

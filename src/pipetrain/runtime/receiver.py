@@ -1,18 +1,27 @@
-"""Receiver: one peer's messages to this rank, received on a long-lived thread of their own.
+"""Receiver: the messages peers send this rank, received by the main thread as actions need them.
 
-The thread is handed, at the start of each step, the exact sequence of messages the peer sends
-this rank (from the schedule). It keeps the receive of the next message posted ahead of need,
-sized by the direction's agreed capacity, checks each header against the message it expects
-before touching the payload, and leaves the decoded message in the rank's mailbox. An ABORT
-frame from the peer fails the mailbox with the peer's news (:class:`PeerFailed`).
-:mod:`pipetrain.runtime.comm` owns the receivers and the sends.
+The schedule says, for each peer, the exact sequence of messages it sends this rank in a step.
+The receive of each peer's next message is kept posted (gloo's own socket thread fills it while
+this rank computes); when an action needs a message, the main thread waits on that receive
+itself, checks the header against the message it expects before touching the payload, decodes
+it and posts the peer's next receive. A message that arrives ahead of its action (a peer sends
+in another order than this rank consumes) is kept by key until asked for::
+
+    start_step ──► post peer 0's message 0, peer 1's message 0, ...
+    recv(key)  ──► kept? take it : wait on the sender's posted receive, check, decode,
+                                   post its next; repeat until ``key`` came
+
+No pipetrain thread touches a message: the one that needs it receives it. An ABORT frame from
+a peer fails the wait with the peer's news (:class:`PeerFailed`). A receive whose wait failed
+stays posted for good (``_UNCLAIMED``). :mod:`pipetrain.runtime.comm` owns the sends.
 """
 
 from __future__ import annotations
 
-import queue
+import struct
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,7 +31,6 @@ import torch.distributed as dist
 
 from pipetrain.errors import CommError
 from pipetrain.runtime.groups import Channel, rank_name
-from pipetrain.runtime.mailbox import Mailbox
 from pipetrain.runtime.wire import (
     ABORT,
     FRAME_BYTES,
@@ -31,18 +39,32 @@ from pipetrain.runtime.wire import (
     OPS,
     Capacity,
     Key,
+    Layout,
     Message,
     decode,
     expected_bytes,
     inline_payload,
+    layout,
     new_frame,
     read_header,
+    views,
 )
 
 __all__: list[str] = []
 
 Plan = Sequence[tuple[int, int, int, int]]  # (kind, mb, src_stage, dst_stage) of each message
 RELAY = -2  # the destination stage of an ABORT that passes on another rank's failure
+Describe = Callable[[], str]
+Known = tuple[bytes, int, bytes, Layout, Any]
+_LEAD = struct.Struct("<6q")  # magic and key: what differs between messages alike
+
+_UNCLAIMED: list[Any] = []
+"""Posted receives whose step failed, kept for good.
+
+gloo must never see a posted receive's buffer freed: a message that arrives for it later (a
+peer's relayed ABORT) then stalls that pair of ranks, and every later pipeline over them times
+out. One frame per peer per failed pipeline stays allocated instead.
+"""
 
 
 class PeerFailed(CommError):
@@ -91,72 +113,80 @@ class Link:
         return self.up if self.rank > src else self.down
 
 
-class Receiver:
-    """The messages of one peer: a long-lived thread, idle between steps.
+class Inbound:
+    """One peer's messages to this rank in a step, received by the main thread when it needs one.
 
-    An idle thread holds no reference to the process groups (each step's job brings them), so
-    a job that ends with ``destroy_process_group`` really frees them.
+    The receive of the peer's next message is always posted (gloo fills it in the background,
+    while this rank computes); taking a message checks it, decodes it and posts the next one.
     """
 
-    def __init__(self, peer: int, src: int, box: Mailbox) -> None:
-        self.peer, self.src, self.box = peer, src, box
+    def __init__(self, link: Link, peer: int, src: int) -> None:
+        self.link, self.peer, self.src = link, peer, src
         self.capacity = Capacity()  # of this peer's messages to this rank, across steps
-        self.jobs: queue.SimpleQueue[tuple[Link, int, Plan, Key] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"pipetrain-recv-{peer}")
-        self.thread.start()
+        self.keys: Sequence[Key] = ()  # the step's messages, in the order the peer sends them
+        self.next = 0
+        self.posted: tuple[torch.Tensor, Any] | None = None
+        self.known: Known | None = None
+        """The peer's last message sent behind its header: its header after the key, payload
+        bytes, spec bytes, layout and spec (a message alike takes no checks)."""
 
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                Incoming(job[0], self.peer, self.src, self.box, self.capacity
-                          ).step(*job[1:])
-            except Relayed as e:  # the first error in the mailbox wins: the origin's, if here
-                self.box.fail(e.error)
-                return
-            except BaseException as e:  # noqa: BLE001  (handed to the main thread)
-                self.box.fail(e)
-                return
-            del job
+    def begin(self, keys: Sequence[Key]) -> None:
+        """Start a step whose messages from the peer are ``keys``: post the first receive."""
+        if self.posted is not None:  # a receive of an earlier step that never completed
+            _UNCLAIMED.append(self.posted)
+        self.keys, self.next = keys, 0
+        self.posted = self._post() if keys else None
 
+    def expects(self) -> Key | None:
+        """The key of the peer's next message this step (None once all arrived)."""
+        return self.keys[self.next] if self.next < len(self.keys) else None
 
-class Incoming:
-    """One step of one peer's messages: the receive of the next message is kept posted."""
+    def receive(self, deadline: float, describe: str | Describe) -> Message:
+        """The peer's next message (waited for until ``deadline``); posts the one after."""
+        key, posted = self.expects(), self.posted
+        if key is None or posted is None:
+            raise CommError(f"{_text(describe)}: {rank_name(self.peer, self.src)} sends no more "
+                            "messages this step")
+        frame, work = posted
+        self._wait(work, key, deadline, describe)
+        self.posted = None
+        self.next += 1
+        msg = self._unpack(key, frame, deadline)
+        if self.next < len(self.keys):
+            self.posted = self._post()  # after _unpack recorded this message in the capacity
+        return msg
 
-    def __init__(self, link: Link, peer: int, src: int, box: Mailbox,
-                 capacity: Capacity) -> None:
-        self.link, self.peer, self.src, self.box = link, peer, src, box
-        self.capacity = capacity
+    def drain(self, deadline: float) -> None:
+        """Take the peer's messages until its ABORT, a failed receive or the end of its plan;
+        then keep one receive posted for good, where a later ABORT from it lands."""
+        try:
+            while self.expects() is not None:
+                self.receive(deadline, "draining")
+        except BaseException:  # noqa: BLE001  (its ABORT, or the receive failed and stays posted)
+            return
+        try:
+            _UNCLAIMED.append(self._post())
+        except (RuntimeError, CommError):
+            return
 
     def _post(self) -> tuple[torch.Tensor, Any]:
         frame = new_frame(self.capacity.bytes)  # what the peer's copy allows it to send
-        group = self.link.from_(self.peer)
-        return frame, group.recv([frame], self.peer, self.link.frame_tag)
-
-    def receive(self, key: Key, posted: tuple[torch.Tensor, Any]) -> Message:
-        """Wait for a message posted earlier, check it against ``key`` and decode it."""
-        frame, work = posted
-        self._wait(work, key)
-        return self._unpack(key, frame)
-
-    def step(self, step: int, plan: Plan, last: Key) -> None:
-        """Receive ``plan``'s messages; post the receive of ``last`` and hand it over."""
-        ahead = self._post()
-        for kind, mb, src_stage, dst_stage in plan:
-            key = Key(kind, step, mb, src_stage, dst_stage)
-            msg = self.receive(key, ahead)
-            ahead = self._post()  # the next message: the step's last one, at the end
-            self.box.put(msg)
-        self.box.hand_over(last, ahead)
+        work = self.link.from_(self.peer).recv([frame], self.peer, self.link.frame_tag)
+        if work is None:
+            raise CommError(f"{self.link.me}: not part of the pipeline group")
+        return frame, work
 
     def _where(self, key: Key) -> str:
         return (f"{self.link.me} receiving the {key.describe()} from "
                 f"{rank_name(self.peer, self.src)}")
 
-    def _unpack(self, key: Key, frame: torch.Tensor) -> Message:
+    def _unpack(self, key: Key, frame: torch.Tensor, deadline: float) -> Message:
+        buffer = frame.numpy()
+        known = self.known
+        if (known is not None and _LEAD.unpack_from(buffer.data, 0) == (MAGIC, *key)
+                and buffer[_LEAD.size:HEADER_BYTES].tobytes() == known[0]
+                and known[1] <= frame.numel() - HEADER_BYTES):
+            return self._known_form(key, frame, buffer, known)
         header = read_header(frame)
         if header[0] != MAGIC:
             raise CommError(f"{self._where(key)}: received a message without pipetrain's magic "
@@ -175,11 +205,15 @@ class Incoming:
             if size <= room and not header[11]:  # an honest sender put it behind the header
                 raise CommError(f"{self._where(key)}: the header sends {size} payload bytes "
                                 f"separately although the agreed {room} hold them; refusing it")
-            payload = self._receive_payload(key, header, size)
+            payload = self._receive_payload(key, header, size, deadline)
         elif frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
             payload = payload.clone()  # a small message in a large receive: free the rest now
         self.capacity.record(size, bool(header[11]))  # before the next receive is posted
         msg = decode(header, payload)
+        if msg.key == key and header[12]:
+            self.known = (buffer[_LEAD.size:HEADER_BYTES].tobytes(), size,
+                          bytes(buffer[HEADER_BYTES:HEADER_BYTES + header[8]]), layout(header),
+                          msg.spec)
         if msg.key.kind == ABORT:
             error = abort_error(self.peer, self.src, header, msg)
             raise Relayed(error) if msg.key.dst_stage == RELAY else error
@@ -189,7 +223,21 @@ class Incoming:
                             "a step?)")
         return msg
 
-    def _receive_payload(self, key: Key, header: Sequence[int], size: int) -> torch.Tensor:
+    def _known_form(self, key: Key, frame: torch.Tensor, buffer: Any, known: Known) -> Message:
+        """A message whose header (but for its step and mb) and structure are those of the
+        peer's last one, all checked then: its tensors are read where they lay then."""
+        size, spec = known[1], known[2]
+        if spec and buffer[HEADER_BYTES:HEADER_BYTES + len(spec)].tobytes() != spec:
+            self.known = None  # another structure: the full checks and decode
+            return self._unpack(key, frame, 0.0)
+        payload = frame[HEADER_BYTES:HEADER_BYTES + size]
+        if frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
+            payload = payload.clone()  # a small message in a large receive: free the rest now
+        self.capacity.record(size, False)
+        return views(key, payload, known[3], known[4])
+
+    def _receive_payload(self, key: Key, header: Sequence[int], size: int,
+                         deadline: float) -> torch.Tensor:
         link = self.link
         on_device = bool(header[11]) and link.device.type != "cpu"
         payload = torch.empty(size, dtype=torch.uint8,
@@ -197,21 +245,103 @@ class Incoming:
         work = (dist.irecv(payload, src=self.src, group=link.device_groups[(self.peer, link.rank)],
                            tag=link.payload_tag) if on_device
                 else link.from_(self.peer).recv([payload], self.peer, link.payload_tag))
-        self._wait(work, key)
+        self._wait(work, key, deadline, self._where(key), (payload, work))
         return payload
 
-    def _wait(self, work: Any, key: Key) -> None:
-        if work is None:
-            raise CommError(f"{self._where(key)}: this rank is not part of the pipeline group")
+    def _wait(self, work: Any, key: Key, deadline: float, describe: str | Describe,
+              posted: tuple[torch.Tensor, Any] | None = None) -> None:
+        """Wait for a posted receive until ``deadline``. One that fails stays posted for good
+        (``_UNCLAIMED``): gloo may still write into it."""
         try:
-            work.wait(timedelta(seconds=self.link.timeout))
+            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as e:
+            _UNCLAIMED.append(posted or self.posted)
+            self.posted = None
             text = str(e)
-            where, first = self._where(key), text.splitlines()[0][:200]
+            first = text.splitlines()[0][:200]
             if "Timed out" in text or "timeout" in text.lower():
-                raise CommError(f"{where}: timed out [{first}]") from None
-            raise PeerClosed(f"{where}: the peer closed the connection (did its process die?) "
-                             f"[{first}]", self.peer) from None
+                raise CommError(f"{_text(describe)}: timed out waiting for the {key.describe()} "
+                                f"from {rank_name(self.peer, self.src)} [{first}]") from None
+            raise PeerClosed(f"{self._where(key)}: the peer closed the connection (did its "
+                             f"process die?) [{first}]", self.peer) from None
+
+
+class Inbox:
+    """Every peer's messages to this rank: taken by key, in whatever order the actions need.
+
+    A message that a peer sent before the one asked for is received on the way and kept here
+    until its action asks. The job's news (:mod:`pipetrain.runtime.news`) is left in
+    :attr:`error` by the watchdog's thread and raised at the next wait.
+    """
+
+    def __init__(self, inbounds: dict[int, Inbound], timeout: float) -> None:
+        self.peers, self.timeout = inbounds, timeout
+        self.arrived: dict[Key, Message] = {}
+        self.error: BaseException | None = None
+        self._plans: object = None
+        self._sender: dict[tuple[int, int, int, int], int] = {}  # route: its peer
+
+    def start(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key]) -> None:
+        """Post the first receive of each peer's messages this step (see ``P2P.start_step``)."""
+        if plans is not self._plans:
+            self._plans = plans
+            self._sender = {route: peer for peer, plan in plans.items()
+                            for route in (*plan, _route(last[peer]))}
+        self.arrived.clear()
+        for peer, plan in plans.items():
+            self.peers[peer].begin([*(Key(k, step, mb, s, d) for k, mb, s, d in plan),
+                                    last[peer]])
+
+    def fail(self, error: BaseException) -> None:
+        """News from outside (the watchdog's thread): raised at the next wait, first one wins."""
+        if self.error is None:
+            self.error = error
+
+    def take(self, key: Key, describe: str | Describe) -> Message:
+        """The message ``key``: kept if it arrived, else received, waiting at most the timeout."""
+        msg = self.arrived.pop(key, None)
+        if msg is not None:
+            return msg
+        peer = self._sender.get((key.kind, key.mb, key.src_stage, key.dst_stage))
+        if peer is None:
+            raise CommError(f"{_text(describe)}: no peer sends the {key.describe()} in this "
+                            "step (the ranks disagree on the schedule?)")
+        inbound, deadline = self.peers[peer], time.monotonic() + self.timeout
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                msg = inbound.receive(deadline, describe)
+            except Relayed as e:
+                raise e.error from None
+            if msg.key == key:
+                return msg
+            self.arrived[msg.key] = msg
+
+    def drain(self) -> None:
+        """After this rank failed: take each peer's messages on a thread of its own until its
+        ABORT (each rank that fails sends every peer one), so that no peer's send waits into
+        its timeout (gloo then closes the connection for good); see :meth:`Inbound.drain`."""
+        self.arrived.clear()
+        deadline = time.monotonic() + self.timeout
+        for peer, inbound in self.peers.items():
+            threading.Thread(target=inbound.drain, args=(deadline,), daemon=True,
+                             name=f"pipetrain-drain-{peer}").start()
+
+    def park(self) -> None:
+        """Keep every receive still posted for good (gloo may still write into them)."""
+        for inbound in self.peers.values():
+            if inbound.posted is not None:
+                _UNCLAIMED.append(inbound.posted)
+                inbound.posted = None
+
+
+def _route(key: Key) -> tuple[int, int, int, int]:
+    return key.kind, key.mb, key.src_stage, key.dst_stage
+
+
+def _text(describe: str | Describe) -> str:
+    return describe if isinstance(describe, str) else describe()
 
 
 def abort_error(peer: int, src: int, header: Sequence[int], msg: Message) -> PeerFailed:

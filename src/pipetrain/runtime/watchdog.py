@@ -107,8 +107,15 @@ class Watchdog:
         the pipeline's own (first global rank and tag), the same on every rank of it; the
         job's news (:mod:`pipetrain.runtime.news`) fails the transport's waits."""
         prefix = f"pipetrain/runtime/watchdog/{transport.first_global}/{transport.spare_tag}/"
+        inbox = weakref.ref(transport.inbox)  # the thread must not keep the transport alive
+
+        def on_news(error: BaseException) -> None:
+            box = inbox()
+            if box is not None:
+                box.fail(error)
+
         dog = cls(job_store(), prefix, transport.rank, transport.n_ranks, activity,
-                  transport.generation, transport.timeout, transport.mailbox.fail,
+                  transport.generation, transport.timeout, on_news,
                   transport.name, transport.globals)
         weakref.finalize(transport, dog.stop.set)
         return dog

@@ -30,10 +30,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from pipetrain.errors import CommError
-from pipetrain.runtime.payload import DTYPES, dtype_code, spec_from_bytes, spec_to_bytes
+from pipetrain.runtime.payload import (
+    DTYPE_CODE,
+    DTYPES,
+    dtype_code,
+    spec_from_bytes,
+    spec_to_bytes,
+)
 
 __all__: list[str] = []
 
@@ -52,8 +59,12 @@ KIND_NAMES = {ACT: "activation", GRAD: "gradient", DONE: "end-of-step", ABORT: "
 OPS = "FBIW"
 
 _HEAD = struct.Struct("<14q")
+_FIXED_FIELDS = struct.Struct(f"<{_FIXED}q")
+_TENSOR_FIELDS = [struct.Struct(f"<{n * _PER_TENSOR}q") for n in range(MAX_TENSORS + 1)]
 _DESC = [struct.Struct(f"<{4 + n}q") for n in range(MAX_DIMS + 1)]
 _ONE_TENSOR = {"t": 0}  # the spec of a payload that is one tensor: the common case
+_NUMPY = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool}  # the dtypes numpy holds (not bfloat16)
 
 
 class Key(NamedTuple):
@@ -117,13 +128,17 @@ def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTE
         CommError: for more than ``MAX_TENSORS`` tensors or a tensor of more than 8 dims.
     """
     tensors, k = msg.tensors, msg.key
+    if len(tensors) == 1 and msg.spec == _ONE_TENSOR:  # the usual activation or gradient
+        one = _encode_one(msg, src_rank, op, capacity)
+        if one is not None:
+            return one
     if len(tensors) > MAX_TENSORS:
         raise CommError(f"a {k.describe()} holds {len(tensors)} tensors; at most "
                         f"{MAX_TENSORS} fit one message (pack them into fewer tensors)")
     one_tensor = msg.spec == _ONE_TENSOR
     spec = b"" if msg.spec is None or one_tensor else spec_to_bytes(msg.spec)
-    head = bytearray(HEADER_BYTES)
     raws: list[tuple[int, torch.Tensor]] = []
+    descs: list[tuple[int, ...]] = []
     offset = _pad(len(spec))
     device = torch.device("cpu")
     flags = msg.requires_grad
@@ -134,23 +149,68 @@ def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTE
         if ndim > MAX_DIMS:
             raise CommError(f"a {k.describe()} holds a {ndim}-d tensor; at most {MAX_DIMS} dims")
         rg = int(flags[i]) if i < len(flags) else 0
-        _DESC[ndim].pack_into(head, (_FIXED + i * _PER_TENSOR) * 8, 1, dtype_code(t.dtype), rg,
-                              ndim, *t.shape)
+        descs.append((i, 1, dtype_code(t.dtype), rg, ndim, *t.shape))
         if not raws:
             device = t.device
         raw = t.detach().contiguous().view(-1).view(torch.uint8)
         raws.append((offset, raw))
         offset += _pad(raw.numel())
     inline = offset <= capacity and device.type == "cpu"
-    _HEAD.pack_into(head, 0, MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank,
-                    len(tensors), len(spec), offset, op, int(device.type != "cpu"), int(inline),
-                    int(one_tensor))
+    head = (MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank, len(tensors),
+            len(spec), offset, op, int(device.type != "cpu"), int(inline), int(one_tensor))
     if not inline:
-        return torch.frombuffer(head, dtype=torch.uint8), _payload(spec, raws, offset, device,
-                                                                   0), offset
-    body = _payload(spec, raws, HEADER_BYTES + offset, device, HEADER_BYTES)
-    body[:HEADER_BYTES].copy_(torch.frombuffer(head, dtype=torch.uint8))
+        first = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        _header_into(first.numpy(), head, descs)
+        return first, _payload(spec, raws, offset, device, 0), offset
+    body = torch.empty(HEADER_BYTES + offset, dtype=torch.uint8)
+    buffer = body.numpy()  # the same memory: plain byte writes, no tensor op each
+    _header_into(buffer, head, descs)
+    end = HEADER_BYTES
+    if spec:
+        buffer[end:end + len(spec)] = memoryview(spec)
+        end += len(spec)
+    for at, raw in raws:
+        at += HEADER_BYTES
+        buffer[end:at] = 0  # the padding: no stale bytes on the wire
+        end = at + raw.numel()
+        buffer[at:end] = raw.numpy()
+    buffer[end:] = 0
     return body, None, offset
+
+
+def _encode_one(msg: Message, src_rank: int, op: int, capacity: int
+                ) -> tuple[torch.Tensor, None, int] | None:
+    """:func:`encode` of one CPU tensor that fits behind the header, written through numpy
+    (a few tensor operations fewer per message); None where that does not apply."""
+    t = msg.tensors[0]
+    if t is None or t.dtype not in _NUMPY or t.device.type != "cpu" or t.dim() > MAX_DIMS:
+        return None
+    try:
+        raw = t.detach().numpy().reshape(-1).view(np.uint8)
+    except (RuntimeError, TypeError, ValueError):  # conjugate or negative bits, ...
+        return None
+    padded = _pad(raw.size)
+    if padded > capacity:
+        return None
+    k, flags = msg.key, msg.requires_grad
+    out = torch.empty(HEADER_BYTES + padded, dtype=torch.uint8)  # torch's memory: gloo may
+    body = out.numpy()  # outlive the interpreter with it, and numpy's would need Python then
+    _header_into(body, (MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank, 1, 0,
+                        padded, op, 0, 1, 1),
+                 [(0, 1, DTYPE_CODE[t.dtype], int(bool(flags and flags[0])), t.dim(),
+                   *t.shape)])
+    end = HEADER_BYTES + raw.size
+    body[HEADER_BYTES:end] = raw
+    body[end:] = 0
+    return out, None, padded
+
+
+def _header_into(buffer: Any, head: tuple[int, ...], descs: list[tuple[int, ...]]) -> None:
+    """Write a header (its fixed fields, then each present tensor's) at the start of ``buffer``."""
+    buffer[:HEADER_BYTES] = 0
+    _HEAD.pack_into(buffer, 0, *head)
+    for i, *desc in descs:
+        _DESC[desc[3]].pack_into(buffer, (_FIXED + i * _PER_TENSOR) * 8, *desc)
 
 
 def _payload(spec: bytes, raws: list[tuple[int, torch.Tensor]], size: int,
@@ -178,13 +238,18 @@ def new_frame(capacity: int = INLINE_BYTES) -> torch.Tensor:
     Its header is zeroed: a send too short to hold a header leaves no stale one to be read.
     """
     frame = torch.empty(HEADER_BYTES + capacity, dtype=torch.uint8)
-    frame[:HEADER_BYTES].zero_()
+    frame.numpy()[:HEADER_BYTES] = 0
     return frame
 
 
 def read_header(frame: torch.Tensor) -> list[int]:
-    """The header integers at the start of a received buffer."""
-    values: list[int] = frame[:HEADER_BYTES].view(torch.int64).tolist()
+    """The header integers at the start of a received buffer (the fixed fields, and those of
+    the tensors it says it holds; the rest reads 0)."""
+    buffer = frame.numpy()
+    values = list(_FIXED_FIELDS.unpack_from(buffer.data, 0))
+    n = min(max(values[7], 0), MAX_TENSORS)
+    values += _TENSOR_FIELDS[n].unpack_from(buffer.data, _FIXED * 8) if n else ()
+    values += [0] * (HEADER_LEN - len(values))
     return values
 
 
@@ -227,20 +292,19 @@ def inline_payload(header: Sequence[int], frame: torch.Tensor) -> torch.Tensor |
     return frame[HEADER_BYTES:HEADER_BYTES + header[9]]
 
 
-def decode(header: Sequence[int], payload: torch.Tensor) -> Message:
-    """Rebuild the message from a validated header and its payload (views, no copies)."""
-    key = Key(header[1], header[2], header[3], header[4], header[5])
-    spec_len = header[8]
-    spec = ({"t": 0} if header[13] else
-            spec_from_bytes(bytes(payload[:spec_len].cpu().tolist())) if spec_len else None)
-    offset = _pad(spec_len)
-    tensors: list[torch.Tensor | None] = []
-    flags: list[bool] = []
+Layout = list[tuple[int, int, torch.dtype, Sequence[int], bool] | None]
+"""Per tensor of a message: its (offset, bytes, dtype, shape, requires_grad) in the payload,
+or None where the message holds no tensor."""
+
+
+def layout(header: Sequence[int]) -> Layout:
+    """Where a validated header's tensors lie in its payload."""
+    offset = _pad(header[8])
+    out: Layout = []
     for i in range(header[7]):
         base = _FIXED + i * _PER_TENSOR
         if not header[base]:
-            tensors.append(None)
-            flags.append(False)
+            out.append(None)
             continue
         dtype, ndim = DTYPES[header[base + 1]], header[base + 3]
         shape = header[base + 4: base + 4 + ndim]
@@ -248,8 +312,35 @@ def decode(header: Sequence[int], payload: torch.Tensor) -> Message:
         for d in shape:
             numel *= d
         nbytes = numel * dtype.itemsize
-        tensors.append(payload[offset: offset + nbytes].view(dtype).view(shape))
-        flags.append(bool(header[base + 2]))
+        out.append((offset, nbytes, dtype, shape, bool(header[base + 2])))
         offset += _pad(nbytes)
+    return out
+
+
+def read_spec(header: Sequence[int], payload: torch.Tensor) -> Any:
+    """The payload structure a validated header's message carries (None: a plain list)."""
+    spec_len = header[8]
+    if header[13]:
+        return _ONE_TENSOR
+    return spec_from_bytes(bytes(payload[:spec_len].cpu().tolist())) if spec_len else None
+
+
+def views(key: Key, payload: torch.Tensor, where: Layout, spec: Any) -> Message:
+    """The message whose tensors lie in ``payload`` as ``where`` says (views, no copies)."""
+    tensors: list[torch.Tensor | None] = []
+    flags: list[bool] = []
+    for entry in where:
+        if entry is None:
+            tensors.append(None)
+            flags.append(False)
+            continue
+        offset, nbytes, dtype, shape, requires_grad = entry
+        tensors.append(payload[offset: offset + nbytes].view(dtype).view(shape))
+        flags.append(requires_grad)
     return Message(key, tensors, spec, flags)
 
+
+def decode(header: Sequence[int], payload: torch.Tensor) -> Message:
+    """Rebuild the message from a validated header and its payload (views, no copies)."""
+    key = Key(header[1], header[2], header[3], header[4], header[5])
+    return views(key, payload, layout(header), read_spec(header, payload))
