@@ -1,0 +1,152 @@
+"""Receiver: the main thread's receives, posted ahead per peer, over a fake channel (no processes).
+
+A fake channel hands each posted receive the next bytes a fake peer "sent"; a receive with
+nothing left to fill it fails its wait as gloo's timeout does. What is checked: messages taken
+in another order than sent, the timeout naming the message awaited, news raised at the next
+wait, a message alike the last taking the short path and one that is not the full checks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from pipetrain.errors import CommError
+from pipetrain.runtime.receiver import _UNCLAIMED, Inbound, Inbox, Link, PeerClosed
+from pipetrain.runtime.wire import ACT, DONE, GRAD, INLINE_BYTES, Key, Message, encode
+
+
+class _Work:
+    def __init__(self, frame: torch.Tensor, wire: _Wire) -> None:
+        self.frame, self.wire = frame, wire
+
+    def wait(self, timeout: timedelta) -> bool:
+        if not self.wire.sent:
+            raise RuntimeError(self.wire.failure)
+        data = self.wire.sent.popleft()
+        if data.numel() > self.frame.numel():
+            raise AssertionError("a send larger than its posted receive (gloo aborts on it)")
+        self.frame[:data.numel()].copy_(data)
+        return True
+
+
+class _Wire:
+    """One peer's sends to this rank, in order; and the receives posted for them."""
+
+    def __init__(self) -> None:
+        self.sent: deque[torch.Tensor] = deque()
+        self.posted = 0
+        self.failure = "[gloo] Timed out waiting 5ms for recv operation to complete"
+
+    def send(self, msg: Message, capacity: int = INLINE_BYTES) -> None:
+        first, payload, _ = encode(msg, 0, 0, capacity)
+        assert payload is None
+        self.sent.append(first)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        self.posted += 1
+        return _Work(tensors[0], self)
+
+
+def _inbox(wire: _Wire, timeout: float = 0.05) -> Inbox:
+    link = Link(1, "rank 1", wire, wire, {}, torch.device("cpu"), timeout,  # type: ignore[arg-type]
+                1 << 20, 17, 18)
+    return Inbox({0: Inbound(link, 0, 0)}, timeout)
+
+
+def _act(step: int, mb: int, value: float = 1.0, n: int = 4) -> Message:
+    return Message(Key(ACT, step, mb, 0, 1), [torch.full((n,), value + mb)], {"t": 0}, [True])
+
+
+def _start(box: Inbox, step: int, mbs: list[int]) -> None:
+    plan = {0: [(ACT, mb, 0, 1) for mb in mbs]}
+    box.start(step, plan, {0: Key(DONE, step, 0, -1, -1)})
+
+
+def test_messages_are_taken_in_any_order_and_each_receive_is_posted_ahead() -> None:
+    wire = _Wire()
+    box = _inbox(wire)
+    _start(box, 0, [0, 1, 2])
+    assert wire.posted == 1  # the first message's receive, posted at the start of the step
+    for mb in (0, 1, 2):
+        wire.send(_act(0, mb))
+    third = box.take(Key(ACT, 0, 2, 0, 1), "rank 1 F2")  # takes 0 and 1 on the way
+    assert third.tensors[0] is not None and third.tensors[0].tolist() == [3.0] * 4
+    assert sorted(k.mb for k in box.arrived) == [0, 1]
+    assert box.take(Key(ACT, 0, 0, 0, 1), "rank 1 F0").requires_grad == [True]
+    assert wire.posted == 4  # one ahead of the last message taken: the end-of-step message
+
+
+def test_a_message_alike_the_last_is_read_where_it_lay_and_one_unlike_is_checked() -> None:
+    wire = _Wire()
+    box = _inbox(wire)
+    _start(box, 0, [0, 1, 2])
+    wire.send(_act(0, 0))
+    wire.send(_act(0, 1))
+    wire.send(_act(0, 2, n=6))  # another shape: the short path must not read it as 4 floats
+    box.take(Key(ACT, 0, 0, 0, 1), "F0")
+    assert box.peers[0].known is not None
+    got = [box.take(Key(ACT, 0, mb, 0, 1), f"F{mb}").tensors[0] for mb in (1, 2)]
+    assert [t.tolist() if t is not None else None for t in got] == [[2.0] * 4, [3.0] * 6]
+
+
+def test_a_message_from_another_step_is_refused_on_the_short_path_too() -> None:
+    wire = _Wire()
+    box = _inbox(wire)
+    _start(box, 4, [0, 1])
+    wire.send(_act(4, 0))
+    wire.send(_act(5, 1))  # alike but for its step
+    box.take(Key(ACT, 4, 0, 0, 1), "F0")
+    with pytest.raises(CommError, match="received the activation of mb 1 from stage 0 to stage "
+                                         r"1 \(step 5\) instead"):
+        box.take(Key(ACT, 4, 1, 0, 1), "F1")
+
+
+def test_a_timeout_names_the_action_and_the_message_awaited() -> None:
+    wire = _Wire()
+    box = _inbox(wire)
+    _start(box, 3, [0])
+    before = len(_UNCLAIMED)
+    with pytest.raises(CommError) as e:
+        box.take(Key(ACT, 3, 0, 0, 1), "[rank 1 | stage 1 | mb 0 | 1F0] step 3")
+    assert str(e.value).startswith(
+        "[rank 1 | stage 1 | mb 0 | 1F0] step 3: timed out waiting for the activation of mb 0 "
+        "from stage 0 to stage 1 (step 3) from rank 0 [")
+    assert len(_UNCLAIMED) == before + 1  # the receive stays posted for good: gloo may fill it
+
+
+def test_a_closed_connection_is_a_peer_closed_naming_the_peer() -> None:
+    wire = _Wire()
+    wire.failure = "[gloo] Connection closed by peer"
+    box = _inbox(wire)
+    _start(box, 0, [0])
+    with pytest.raises(PeerClosed, match="the peer closed the connection") as e:
+        box.take(Key(ACT, 0, 0, 0, 1), "F0")
+    assert e.value.peer == 0
+
+
+def test_news_is_raised_at_the_next_wait_but_a_kept_message_is_still_taken() -> None:
+    wire = _Wire()
+    box = _inbox(wire)
+    _start(box, 0, [0, 1])
+    wire.send(_act(0, 0))
+    wire.send(_act(0, 1))
+    box.take(Key(ACT, 0, 1, 0, 1), "F1")  # keeps mb 0
+    news = CommError("rank 3 failed")
+    box.fail(news)
+    box.fail(CommError("later news"))  # the first one wins
+    assert box.take(Key(ACT, 0, 0, 0, 1), "F0").key.mb == 0
+    with pytest.raises(CommError) as e:
+        box.take(Key(DONE, 0, 0, -1, -1), "end of step")
+    assert e.value is news
+
+
+def test_a_message_no_peer_sends_is_refused_at_once() -> None:
+    box = _inbox(_Wire())
+    _start(box, 0, [0])
+    with pytest.raises(CommError, match="no peer sends the gradient of mb 0"):
+        box.take(Key(GRAD, 0, 0, 2, 1), "B0")
