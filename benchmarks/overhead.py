@@ -8,7 +8,7 @@ and DeepSpeed run 1F1B (the schedule all three have) on the same layers in one l
 alternating step by step. Per rank and step:
 
     model    the same layer's forward and backward, m times, in a plain loop (no pipeline)
-    cpu      the process's CPU time in the step (all its threads: receivers, gloo), minus model
+    cpu      the process's CPU time in the step (all its threads: main, gloo's), minus model
     wall     the step's wall time between barriers, minus model
 
 each divided by the rank's actions (2m: an F and a B per micro-batch), the median over steps,
@@ -253,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="pipetrain's rank 0 under cProfile, and one isend alone")
     parser.add_argument("--threads", action="store_true",
-                        help="CPU per action of each thread (main, receivers, gloo), p = 2")
+                        help="CPU per action of each thread (main, pipetrain's, gloo), p = 2")
     args = parser.parse_args(argv)
     if args.profile:
         print(pt.launch(_profiled, 2, timeout=600)[0])

@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("medians over steps: in ops: the busiest rank's time inside F/B/I/W; waits: the rest"
           " of the span from the first action's start to the last one's end; outside: step "
           "time outside that span (step start and end); cpu main / other: CPU time of a "
-          "rank's main thread / of its other threads (receivers, gloo) during the step, the "
+          "rank's main thread / of its other threads (gloo's, the watchdog) during the step, the "
           "larger over ranks")
     for line in verdicts(rows):
         print(line)
