@@ -89,7 +89,7 @@ def test_a_message_alike_the_last_is_read_where_it_lay_and_one_unlike_is_checked
     wire.send(_act(0, 1))
     wire.send(_act(0, 2, n=6))  # another shape: the short path must not read it as 4 floats
     box.take(Key(ACT, 0, 0, 0, 1), "F0")
-    assert box.peers[0].known is not None
+    assert list(box.peers[0].known) == [(ACT, 0, 1)]
     got = [box.take(Key(ACT, 0, mb, 0, 1), f"F{mb}").tensors[0] for mb in (1, 2)]
     assert [t.tolist() if t is not None else None for t in got] == [[2.0] * 4, [3.0] * 6]
 
@@ -150,3 +150,20 @@ def test_a_message_no_peer_sends_is_refused_at_once() -> None:
     _start(box, 0, [0])
     with pytest.raises(CommError, match="no peer sends the gradient of mb 0"):
         box.take(Key(GRAD, 0, 0, 2, 1), "B0")
+
+
+def test_each_route_keeps_its_own_form_so_alternating_kinds_stay_on_the_short_path() -> None:
+    wire = _Wire()
+    box = _inbox(wire)
+    plan = {0: [(ACT, 0, 2, 3), (GRAD, 0, 1, 0), (ACT, 1, 2, 3), (GRAD, 1, 1, 0)]}  # a V
+    box.start(0, plan, {0: Key(DONE, 0, 0, -1, -1)})
+    for mb in (0, 1):
+        wire.send(Message(Key(ACT, 0, mb, 2, 3), [torch.full((2, 3), float(mb))], {"t": 0},
+                          [True]))
+        wire.send(Message(Key(GRAD, 0, mb, 1, 0), [torch.full((5,), -float(mb))], {"t": 0},
+                          [False]))
+    got = [box.take(Key(kind, 0, mb, src, dst), "V").tensors[0]
+           for mb in (0, 1) for kind, src, dst in ((ACT, 2, 3), (GRAD, 1, 0))]
+    assert sorted(box.peers[0].known) == [(ACT, 2, 3), (GRAD, 1, 0)]
+    assert [tuple(t.shape) for t in got if t is not None] == [(2, 3), (5,), (2, 3), (5,)]
+    assert [float(t.flatten()[0]) for t in got if t is not None] == [0.0, -0.0, 1.0, -1.0]

@@ -126,9 +126,10 @@ class Inbound:
         self.keys: Sequence[Key] = ()  # the step's messages, in the order the peer sends them
         self.next = 0
         self.posted: tuple[torch.Tensor, Any] | None = None
-        self.known: Known | None = None
-        """The peer's last message sent behind its header: its header after the key, payload
-        bytes, spec bytes, layout and spec (a message alike takes no checks)."""
+        self.known: dict[tuple[int, int, int], Known] = {}
+        """Per route (kind, source and destination stage), the peer's last message on it sent
+        behind its header: its header after the key, payload bytes, spec bytes, layout and
+        spec (a message alike takes no checks)."""
 
     def begin(self, keys: Sequence[Key]) -> None:
         """Start a step whose messages from the peer are ``keys``: post the first receive."""
@@ -182,7 +183,7 @@ class Inbound:
 
     def _unpack(self, key: Key, frame: torch.Tensor, deadline: float) -> Message:
         buffer = frame.numpy()
-        known = self.known
+        known = self.known.get((key.kind, key.src_stage, key.dst_stage))
         if (known is not None and _LEAD.unpack_from(buffer.data, 0) == (MAGIC, *key)
                 and buffer[_LEAD.size:HEADER_BYTES].tobytes() == known[0]
                 and known[1] <= frame.numel() - HEADER_BYTES):
@@ -211,9 +212,9 @@ class Inbound:
         self.capacity.record(size, bool(header[11]))  # before the next receive is posted
         msg = decode(header, payload)
         if msg.key == key and header[12]:
-            self.known = (buffer[_LEAD.size:HEADER_BYTES].tobytes(), size,
-                          bytes(buffer[HEADER_BYTES:HEADER_BYTES + header[8]]), layout(header),
-                          msg.spec)
+            self.known[(key.kind, key.src_stage, key.dst_stage)] = (
+                buffer[_LEAD.size:HEADER_BYTES].tobytes(), size,
+                bytes(buffer[HEADER_BYTES:HEADER_BYTES + header[8]]), layout(header), msg.spec)
         if msg.key.kind == ABORT:
             error = abort_error(self.peer, self.src, header, msg)
             raise Relayed(error) if msg.key.dst_stage == RELAY else error
@@ -228,7 +229,8 @@ class Inbound:
         peer's last one, all checked then: its tensors are read where they lay then."""
         size, spec = known[1], known[2]
         if spec and buffer[HEADER_BYTES:HEADER_BYTES + len(spec)].tobytes() != spec:
-            self.known = None  # another structure: the full checks and decode
+            del self.known[(key.kind, key.src_stage, key.dst_stage)]  # another structure:
+            # the full checks and decode
             return self._unpack(key, frame, 0.0)
         payload = frame[HEADER_BYTES:HEADER_BYTES + size]
         if frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
