@@ -167,3 +167,20 @@ def test_each_route_keeps_its_own_form_so_alternating_kinds_stay_on_the_short_pa
     assert sorted(box.peers[0].known) == [(ACT, 2, 3), (GRAD, 1, 0)]
     assert [tuple(t.shape) for t in got if t is not None] == [(2, 3), (5,), (2, 3), (5,)]
     assert [float(t.flatten()[0]) for t in got if t is not None] == [0.0, -0.0, 1.0, -1.0]
+
+
+def test_a_structured_message_alike_takes_the_short_path_and_one_unlike_does_not() -> None:
+    from pipetrain.runtime.payload import flatten, unflatten
+
+    wire = _Wire()
+    box = _inbox(wire)
+    _start(box, 0, [0, 1, 2])
+    for mb, names in ((0, ["a", "b"]), (1, ["a", "b"]), (2, ["c", "d"])):  # 2: other spec bytes
+        tensors, spec = flatten({"x": torch.full((3,), float(mb)), "names": names})
+        wire.send(Message(Key(ACT, 0, mb, 0, 1), list(tensors), spec, [False]))
+    got = []
+    for mb in (0, 1, 2):
+        msg = box.take(Key(ACT, 0, mb, 0, 1), f"F{mb}")
+        got.append(unflatten([t for t in msg.tensors if t is not None], msg.spec))
+    assert [g["names"] for g in got] == [["a", "b"], ["a", "b"], ["c", "d"]]
+    assert [g["x"].tolist() for g in got] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]

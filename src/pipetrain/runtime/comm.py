@@ -138,11 +138,9 @@ class P2P:
         message is encoded at most once per form (one send, or two).
         """
         forms: dict[bool, tuple[torch.Tensor, torch.Tensor | None, int]] = {}  # by: one send
-        one = isinstance(dst, int)
         for dst_rank in [dst] if isinstance(dst, int) else dst:
             capacity = self._capacity[dst_rank]
-            first, payload, size = (encode(msg, self.rank, op, capacity.bytes) if one
-                                    else _encoded(msg, self.rank, op, capacity.bytes, forms))
+            first, payload, size = _encoded(msg, self.rank, op, capacity.bytes, forms)
             on_device = payload is not None and payload.device.type != "cpu"
             group = self._link.to(dst_rank)
             works: list[Any] = [group.send([first], dst_rank, self._tag)]  # as dist.isend
@@ -150,17 +148,14 @@ class P2P:
                 works.append(dist.isend(payload, dst=self.globals[dst_rank], tag=self._tag + 1,
                                         group=self.device_groups[(self.rank, dst_rank)])
                              if on_device else group.send([payload], dst_rank, self._tag + 1))
-            k = msg.key
-            held = self._pending.setdefault((dst_rank, (k.kind, k.mb, k.src_stage, k.dst_stage)),
-                                            [])
-            for work in works:
-                held.append((work, first, payload))
+            held = self._pending.setdefault((dst_rank, msg.key.route()), [])
+            held += [(work, first, payload) for work in works]
             self.posted += len(works)
             capacity.record(size, on_device)
 
     def recv(self, key: Key, describe: str | Describe) -> Message:
         msg = self.inbox.take(key, describe)
-        proof = self._proofs.get((key.kind, key.mb, key.src_stage, key.dst_stage))
+        proof = self._proofs.get(key.route())
         if proof is not None:
             self._release(proof[0], proof[1], describe)
         return msg

@@ -41,12 +41,12 @@ from pipetrain.runtime.wire import (
     Key,
     Layout,
     Message,
-    decode,
     expected_bytes,
     inline_payload,
     layout,
     new_frame,
     read_header,
+    read_spec,
     views,
 )
 
@@ -187,7 +187,7 @@ class Inbound:
         if (known is not None and _LEAD.unpack_from(buffer.data, 0) == (MAGIC, *key)
                 and buffer[_LEAD.size:HEADER_BYTES].tobytes() == known[0]
                 and known[1] <= frame.numel() - HEADER_BYTES):
-            return self._known_form(key, frame, buffer, known)
+            return self._known_form(key, frame, buffer, known, deadline)
         header = read_header(frame)
         if header[0] != MAGIC:
             raise CommError(f"{self._where(key)}: received a message without pipetrain's magic "
@@ -210,11 +210,12 @@ class Inbound:
         elif frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
             payload = payload.clone()  # a small message in a large receive: free the rest now
         self.capacity.record(size, bool(header[11]))  # before the next receive is posted
-        msg = decode(header, payload)
+        where, spec = layout(header), read_spec(header, payload)
+        msg = views(Key(*header[1:6]), payload, where, spec)
         if msg.key == key and header[12]:
             self.known[(key.kind, key.src_stage, key.dst_stage)] = (
                 buffer[_LEAD.size:HEADER_BYTES].tobytes(), size,
-                bytes(buffer[HEADER_BYTES:HEADER_BYTES + header[8]]), layout(header), msg.spec)
+                bytes(buffer[HEADER_BYTES:HEADER_BYTES + header[8]]), where, spec)
         if msg.key.kind == ABORT:
             error = abort_error(self.peer, self.src, header, msg)
             raise Relayed(error) if msg.key.dst_stage == RELAY else error
@@ -224,14 +225,16 @@ class Inbound:
                             "a step?)")
         return msg
 
-    def _known_form(self, key: Key, frame: torch.Tensor, buffer: Any, known: Known) -> Message:
+    def _known_form(self, key: Key, frame: torch.Tensor, buffer: Any, known: Known,
+                    deadline: float) -> Message:
         """A message whose header (but for its step and mb) and structure are those of the
-        peer's last one, all checked then: its tensors are read where they lay then."""
-        size, spec = known[1], known[2]
-        if spec and buffer[HEADER_BYTES:HEADER_BYTES + len(spec)].tobytes() != spec:
-            del self.known[(key.kind, key.src_stage, key.dst_stage)]  # another structure:
-            # the full checks and decode
-            return self._unpack(key, frame, 0.0)
+        peer's last one, all checked then: its tensors are read where they lay then, and its
+        spec is the last one's (read only: its leaves are JSON scalars)."""
+        size, spec_bytes = known[1], known[2]
+        if spec_bytes and buffer[HEADER_BYTES:HEADER_BYTES + len(spec_bytes)].tobytes() \
+                != spec_bytes:
+            del self.known[(key.kind, key.src_stage, key.dst_stage)]  # another structure
+            return self._unpack(key, frame, deadline)  # the full checks and decode
         payload = frame[HEADER_BYTES:HEADER_BYTES + size]
         if frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
             payload = payload.clone()  # a small message in a large receive: free the rest now
@@ -288,7 +291,7 @@ class Inbox:
         if plans is not self._plans:
             self._plans = plans
             self._sender = {route: peer for peer, plan in plans.items()
-                            for route in (*plan, _route(last[peer]))}
+                            for route in (*plan, last[peer].route())}
         self.arrived.clear()
         for peer, plan in plans.items():
             self.peers[peer].begin([*(Key(k, step, mb, s, d) for k, mb, s, d in plan),
@@ -304,7 +307,7 @@ class Inbox:
         msg = self.arrived.pop(key, None)
         if msg is not None:
             return msg
-        peer = self._sender.get((key.kind, key.mb, key.src_stage, key.dst_stage))
+        peer = self._sender.get(key.route())
         if peer is None:
             raise CommError(f"{_text(describe)}: no peer sends the {key.describe()} in this "
                             "step (the ranks disagree on the schedule?)")
@@ -336,10 +339,6 @@ class Inbox:
             if inbound.posted is not None:
                 _UNCLAIMED.append(inbound.posted)
                 inbound.posted = None
-
-
-def _route(key: Key) -> tuple[int, int, int, int]:
-    return key.kind, key.mb, key.src_stage, key.dst_stage
 
 
 def _text(describe: str | Describe) -> str:

@@ -35,7 +35,6 @@ import torch
 
 from pipetrain.errors import CommError
 from pipetrain.runtime.payload import (
-    DTYPE_CODE,
     DTYPES,
     dtype_code,
     spec_from_bytes,
@@ -75,6 +74,10 @@ class Key(NamedTuple):
     mb: int
     src_stage: int
     dst_stage: int
+
+    def route(self) -> tuple[int, int, int, int]:
+        """The key without its step: (kind, mb, src_stage, dst_stage), unique within a step."""
+        return self.kind, self.mb, self.src_stage, self.dst_stage
 
     def describe(self) -> str:
         name = KIND_NAMES.get(self.kind, f"kind {self.kind}")
@@ -128,16 +131,12 @@ def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTE
         CommError: for more than ``MAX_TENSORS`` tensors or a tensor of more than 8 dims.
     """
     tensors, k = msg.tensors, msg.key
-    if len(tensors) == 1 and msg.spec == _ONE_TENSOR:  # the usual activation or gradient
-        one = _encode_one(msg, src_rank, op, capacity)
-        if one is not None:
-            return one
     if len(tensors) > MAX_TENSORS:
         raise CommError(f"a {k.describe()} holds {len(tensors)} tensors; at most "
                         f"{MAX_TENSORS} fit one message (pack them into fewer tensors)")
     one_tensor = msg.spec == _ONE_TENSOR
     spec = b"" if msg.spec is None or one_tensor else spec_to_bytes(msg.spec)
-    raws: list[tuple[int, torch.Tensor]] = []
+    raws: list[tuple[int, Any]] = []
     descs: list[tuple[int, ...]] = []
     offset = _pad(len(spec))
     device = torch.device("cpu")
@@ -152,9 +151,9 @@ def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTE
         descs.append((i, 1, dtype_code(t.dtype), rg, ndim, *t.shape))
         if not raws:
             device = t.device
-        raw = t.detach().contiguous().view(-1).view(torch.uint8)
+        raw = _flat_bytes(t)
         raws.append((offset, raw))
-        offset += _pad(raw.numel())
+        offset += _pad(raw.nbytes)
     inline = offset <= capacity and device.type == "cpu"
     head = (MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank, len(tensors),
             len(spec), offset, op, int(device.type != "cpu"), int(inline), int(one_tensor))
@@ -172,37 +171,23 @@ def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTE
     for at, raw in raws:
         at += HEADER_BYTES
         buffer[end:at] = 0  # the padding: no stale bytes on the wire
-        end = at + raw.numel()
-        buffer[at:end] = raw.numpy()
+        end = at + raw.nbytes
+        buffer[at:end] = raw
     buffer[end:] = 0
     return body, None, offset
 
 
-def _encode_one(msg: Message, src_rank: int, op: int, capacity: int
-                ) -> tuple[torch.Tensor, None, int] | None:
-    """:func:`encode` of one CPU tensor that fits behind the header, written through numpy
-    (a few tensor operations fewer per message); None where that does not apply."""
-    t = msg.tensors[0]
-    if t is None or t.dtype not in _NUMPY or t.device.type != "cpu" or t.dim() > MAX_DIMS:
-        return None
-    try:
-        raw = t.detach().numpy().reshape(-1).view(np.uint8)
-    except (RuntimeError, TypeError, ValueError):  # conjugate or negative bits, ...
-        return None
-    padded = _pad(raw.size)
-    if padded > capacity:
-        return None
-    k, flags = msg.key, msg.requires_grad
-    out = torch.empty(HEADER_BYTES + padded, dtype=torch.uint8)  # torch's memory: gloo may
-    body = out.numpy()  # outlive the interpreter with it, and numpy's would need Python then
-    _header_into(body, (MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank, 1, 0,
-                        padded, op, 0, 1, 1),
-                 [(0, 1, DTYPE_CODE[t.dtype], int(bool(flags and flags[0])), t.dim(),
-                   *t.shape)])
-    end = HEADER_BYTES + raw.size
-    body[HEADER_BYTES:end] = raw
-    body[end:] = 0
-    return out, None, padded
+def _flat_bytes(t: torch.Tensor) -> Any:
+    """``t``'s bytes, flat: a numpy array on the CPU (byte copies without a tensor operation
+    each; a copy only where ``t`` is not contiguous), else a uint8 tensor on its device."""
+    if t.device.type != "cpu":
+        return t.detach().reshape(-1).view(torch.uint8)
+    if t.dtype in _NUMPY:
+        try:
+            return t.detach().numpy().reshape(-1).view(np.uint8)
+        except (RuntimeError, TypeError, ValueError):  # conjugate or negative bits, ...
+            pass
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _header_into(buffer: Any, head: tuple[int, ...], descs: list[tuple[int, ...]]) -> None:
@@ -213,7 +198,7 @@ def _header_into(buffer: Any, head: tuple[int, ...], descs: list[tuple[int, ...]
         _DESC[desc[3]].pack_into(buffer, (_FIXED + i * _PER_TENSOR) * 8, *desc)
 
 
-def _payload(spec: bytes, raws: list[tuple[int, torch.Tensor]], size: int,
+def _payload(spec: bytes, raws: list[tuple[int, Any]], size: int,
              device: torch.device, start: int) -> torch.Tensor:
     """A buffer of ``size`` bytes holding the spec and the tensors from byte ``start`` on."""
     out = torch.empty(size, dtype=torch.uint8, device=device)
@@ -225,8 +210,8 @@ def _payload(spec: bytes, raws: list[tuple[int, torch.Tensor]], size: int,
     for at, raw in raws:
         if end < start + at:
             out[end:start + at].zero_()  # the padding: no stale bytes on the wire
-        end = start + at + raw.numel()
-        out[start + at:end].copy_(raw)
+        end = start + at + raw.nbytes
+        out[start + at:end].copy_(torch.from_numpy(raw) if isinstance(raw, np.ndarray) else raw)
     if end < size:
         out[end:].zero_()
     return out
