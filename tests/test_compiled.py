@@ -14,6 +14,7 @@ from pipetrain.errors import StageError
 from pipetrain.runtime.backward import backward_full, backward_input
 from pipetrain.runtime.compiled import CompiledLayers
 from pipetrain.testing import reference_step
+from test_verify import Net
 
 LOSS = nn.MSELoss()
 
@@ -181,35 +182,18 @@ def test_models_we_did_not_write_run_the_split_graphs_exactly(name: str) -> None
     assert problems + zoo.differences(pipe, ref, arch.tol) == []
 
 
-class _Net(nn.Module):
-    """docs/own-model.md's module: a forward of two arguments, blocks in a ModuleList."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(16, 64)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU())
-                                    for _ in range(6))
-        self.head = nn.Linear(64, 4)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = h + block(h) * mask
-        return self.head(h)
-
-
 def test_a_users_module_stepped_with_a_tuple() -> None:
     """A user's ordinary module, captured with ``split_points="auto"`` and stepped as its
     forward takes its inputs (a tuple), over the split graphs under ZB-V: the loss and every
     gradient of the module run micro-batch by micro-batch, bit for bit."""
-    torch.manual_seed(0)
-    x, mask, y = torch.randn(32, 16), torch.ones(32, 64), torch.randn(32, 4)
-    ref, model = _Net(), _Net()
+    torch.manual_seed(0)  # test_verify's module: two positional arguments, residual blocks
+    x, scale, y = torch.randn(32, 8), torch.rand(32, 3) + 1, torch.randn(32, 3)
+    ref, model = Net(), Net()
     model.load_state_dict(ref.state_dict())
-    want = reference_step(lambda t: ref(*t), (x, mask), y, LOSS, 8)
+    want = reference_step(lambda t: ref(*t), (x, scale), y, LOSS, 8)
     pipe = pt.Pipeline(model, "zbv", 8, LOSS, split_points="auto", local_ranks=2,
-                       example_inputs=(x[:2], mask[:2]), compile="eager")
-    got = pipe.step((x, mask), y).loss
+                       example_inputs=(x[:2], scale[:2]), compile="eager")
+    got = pipe.step((x, scale), y).loss
     assert got is not None and torch.equal(got, want)
     grads = dict(pipe.named_parameters())
     for n, p in ref.named_parameters():
