@@ -54,9 +54,11 @@ def test_nccl_two_gpus() -> None:
 
 
 @needs_cuda
-def test_a_captured_hf_llama_in_local_mode_on_one_gpu() -> None:
+@pytest.mark.parametrize("example_on", ["cuda", "cpu"])
+def test_a_captured_hf_llama_in_local_mode_on_one_gpu(example_on: str) -> None:
     """A model we did not write, captured and split into 4 stages on 2 local ranks, on the
-    GPU: the loss and every gradient equal the same micro-batches run through it unsplit."""
+    GPU: the loss and every gradient equal the same micro-batches run through it unsplit.
+    An example made on the CPU for the model on the GPU is captured there."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
@@ -73,7 +75,7 @@ def test_a_captured_hf_llama_in_local_mode_on_one_gpu() -> None:
 
     want = reference_step(ref, {"input_ids": ids}, ids, loss_fn, 4)
     pipe = pt.Pipeline(model, "zbv", 4, loss_fn, split_points="auto", local_ranks=2,
-                       example_inputs={"input_ids": ids[:2]}, device="cuda")
+                       example_inputs={"input_ids": ids[:2].to(example_on)}, device="cuda")
     got = pipe.step({"input_ids": ids}, ids)
     assert got.loss is not None
     torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-6)

@@ -47,6 +47,7 @@ from pipetrain.schedules.generators import make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.timeline import Timeline
 from pipetrain.split.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
+from pipetrain.split.capture import on_model_device
 from pipetrain.split.layers import Layers, packed, profiling_sample, trace_stages
 from pipetrain.split.lazy import LayerSpec
 from pipetrain.split.modes import depends_on_mode, eval_mode, eval_split, eval_stages
@@ -163,6 +164,8 @@ class Pipeline:
         self.schedule = _resolve(schedule, n_ranks, microbatches, stages_per_rank)
         self.device = _device(device, group)
         n_stages = self.schedule.n_stages
+        if isinstance(model, nn.Module) and example_inputs is not None:
+            example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
             model, split_points, example_inputs, balance, n_stages)
         self._modal: tuple[nn.Module, Any] | None = None  # its eval graph: made when used

@@ -134,17 +134,18 @@ def _check_leaf(leaf: Leaf, value: Any) -> None:
 def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any]) -> Captured:
     """Record ``model.forward`` on ``example`` (positional tuple or keyword dict).
 
-    A model on the ``meta`` device is captured on meta copies of the example's tensors. A
-    model of a structure this process captured before on inputs of the same shapes reuses
-    that capture, with its own parameters and buffers (:mod:`pipetrain.split.recall`).
+    A model on the ``meta`` device is captured on meta copies of the example's tensors, and a
+    model wholly on one other device (a GPU) on copies there: an example made on the CPU
+    fits a model moved to the GPU. A model of a structure this process captured before on
+    inputs of the same shapes reuses that capture, with its own parameters and buffers
+    (:mod:`pipetrain.split.recall`).
 
     Raises:
         PartitionError: when the example does not fit ``forward`` or torch.export cannot
             capture it; the message shows the user's source line and what to do.
     """
     signature = inspect.signature(model.forward)
-    if is_meta(model):  # no values to run on: the inputs become meta tensors too
-        example = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), example)
+    example = on_model_device(model, example)
     bound = _bind(signature, example)
     k = recall.key(model, example)
     kept = RECALL.get(k, model)
@@ -153,6 +154,18 @@ def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any]) -> Capt
     captured = _capture(model, signature, bound)
     RECALL.put(k, captured, model)
     return captured
+
+
+def on_model_device(model: nn.Module, example: Any) -> Any:
+    """``example`` with its tensors on ``model``'s device: ``meta`` for a model with meta
+    tensors (no values to run on), else the one device all its tensors are on (an example
+    made on the CPU fits a model moved to a GPU); unchanged for a model on several devices."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    meta = torch.device("meta")
+    device = meta if meta in devices else devices.pop() if len(devices) == 1 else None
+    if device is None:
+        return example
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), example)
 
 
 def _capture(model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments
