@@ -1,4 +1,10 @@
-"""Action: one op (F, B, I or W) of one stage on one micro-batch, written ``<stage><op><mb>``."""
+"""Action: one op (F, B, I or W) of one stage on one micro-batch, written ``<stage><op><mb>``.
+
+An asynchronous schedule's actions also name the weight version they use, relative to the
+step, written ``<stage><op><mb>@<version>`` (``0B-1@-1``: stage 0's backward of the previous
+step's last micro-batch, on the previous step's weights); see
+:mod:`pipetrain.schedules.generators.pipedream`.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ class Op(str, Enum):
         return self.value
 
 
-_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(-?\d+)\s*(?:@\s*(-?\d+)\s*)?$")
 
 
 @dataclass(frozen=True)
@@ -37,18 +43,24 @@ class Action:
     Action(stage=2, op=<Op.I: 'I'>, mb=5)
     >>> str(Action(3, Op.F, 0))
     '3F0'
+    >>> str(Action.parse("0B-1@-1"))
+    '0B-1@-1'
     """
 
     stage: int
     op: Op
     mb: int
+    version: int | None = None
+    """The weight version this action uses, relative to its step (asynchronous schedules);
+    None: the step's one set of weights."""
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.op.value}{self.mb}"
+        text = f"{self.stage}{self.op.value}{self.mb}"
+        return text if self.version is None else f"{text}@{self.version}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Parse ``<stage><op><mb>`` such as ``"3F0"``, ``"2W5"``.
+        """Parse ``<stage><op><mb>`` such as ``"3F0"``, ``"2W5"``, or with a version, ``"0B-1@-1"``.
 
         Raises:
             ValueError: if the text is not of that form.
@@ -57,9 +69,10 @@ class Action:
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected <stage><op><mb> with op one of "
-                "F, B, I, W, for example '3F0' or '2W5'"
+                "F, B, I, W, for example '3F0' or '2W5' (or '0B-1@-1' with a weight version)"
             )
-        return cls(int(match.group(1)), Op(match.group(2)), int(match.group(3)))
+        version = None if match.group(4) is None else int(match.group(4))
+        return cls(int(match.group(1)), Op(match.group(2)), int(match.group(3)), version)
 
 
 def F(stage: int, mb: int) -> Action:  # noqa: N802  (reads like the glossary)

@@ -9,6 +9,9 @@ The rules, shared by the validator, the simulator and the runtime's local mode:
 
 A rank executes its list strictly in order; sends never block (the runtime buffers every
 message it receives), so the only way to deadlock is a cycle of these waits.
+
+In one step of an asynchronous window (:meth:`Schedule.phase`), a wait on a micro-batch
+below 0 that no action of the lists produces was met in the step before.
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ def walk(
     """
     n_stages = schedule.n_stages
     ready: dict[Key, tuple[float, int]] = {}  # key -> (end time, rank that produced it)
+    if schedule.update is not None:  # what the step before produced: met from the start
+        produced = {produces(a) for acts in schedule.actions for a in acts}
+        ready.update({k: (0.0, -1) for acts in schedule.actions for a in acts
+                      for k in needs(a, n_stages) if k[2] < 0 and k not in produced})
     pos = [0] * schedule.n_ranks
     free = [0.0] * schedule.n_ranks
     start: dict[tuple[int, int], float] = {}
@@ -104,3 +111,25 @@ def walk(
                 progressed = True
     complete = all(pos[r] == len(a) for r, a in enumerate(schedule.actions))
     return Walk(tuple(order), start, end, tuple(pos), complete)
+
+
+def versions_alive(schedule: Schedule) -> list[list[int]]:
+    """Per rank, after each of its actions: how many weight versions one of its stages keeps
+    at most, the newest its forwards used and those of micro-batches forwarded and not yet
+    finished (B, or W after I). A schedule without versions keeps one."""
+    out: list[list[int]] = []
+    for acts in schedule.actions:
+        flight: dict[int, dict[int, int]] = {}  # stage -> mb -> version
+        newest: dict[int, int] = {}
+        counts = []
+        for a in acts:
+            held = flight.setdefault(a.stage, {})
+            if a.op is Op.F:
+                held[a.mb] = a.version or 0
+                newest[a.stage] = max(newest.get(a.stage, 0), a.version or 0)
+            elif a.op is Op.B or a.op is Op.W:
+                held.pop(a.mb, None)
+            counts.append(max(len(set(f.values()) | {newest.get(st, 0)})
+                              for st, f in flight.items()))
+        out.append(counts)
+    return out

@@ -14,9 +14,16 @@ printed, parsed back, validated and simulated, and the runtime executes exactly 
 A decoding schedule (:mod:`pipetrain.schedules.generators.decode`) adds one more rule, its
 ``feedback``: the token the last stage picks for one micro-batch is the input of a later one.
 
+An asynchronous schedule (``update``, :mod:`pipetrain.schedules.generators.pipedream`) is one
+steady-state window of a pipeline that never flushes: its backward actions may name the
+previous step's micro-batches (``mb < 0``: the previous step's ``m + mb``) and every F and B
+names its weight version relative to the step. :meth:`Schedule.phase` gives what a step runs
+(the first step fills the pipeline, a drain empties it) and :meth:`Schedule.unroll` the
+whole run of ``k`` steps as one flushed schedule with absolute micro-batches and versions.
+
 Text form (CSV, one column per rank; ``#`` lines are comments; empty, ``.`` or ``-`` cells are
 padding; columns may also be separated by whitespace instead of commas; a decoding schedule
-has a ``# feedback: lag=L start=S`` line)::
+has a ``# feedback: lag=L start=S`` line, an asynchronous one a ``# update: 2bw`` line)::
 
     # schedule: 1f1b
     rank 0,rank 1
@@ -56,15 +63,57 @@ class Schedule:
     """Autoregressive decoding, as ``(lag, start)``: the forward of stage 0 on micro-batch
     ``mb >= start`` takes the output of the last stage's forward on ``mb - lag`` (the token it
     picked). Such a schedule is forward-only. None: micro-batches are independent."""
+    update: str | None = None
+    """An asynchronous window's weight-update rule (``"2bw"``: PipeDream-2BW, one new
+    version per step from the gradients of the step before); None: a flush ends each step."""
 
     @classmethod
     def from_lists(
         cls, name: str, n_microbatches: int, placement: Sequence[int],
         actions: Sequence[Sequence[Action]], feedback: tuple[int, int] | None = None,
+        update: str | None = None,
     ) -> Schedule:
         """Freeze plain lists into a schedule (no validation beyond shape; see ``validate``)."""
         return cls(name, n_microbatches, tuple(placement), tuple(tuple(a) for a in actions),
-                   feedback)
+                   feedback, update)
+
+    def phase(self, which: str) -> Schedule:
+        """What one step of an asynchronous window runs: ``"fill"`` (the first step: no
+        earlier micro-batches to finish), ``"steady"`` (the window itself) or ``"drain"``
+        (the backward actions that finish the last step's micro-batches).
+
+        Raises:
+            ValueError: for a schedule without ``update`` or another ``which``.
+        """
+        if self.update is None or which not in ("fill", "steady", "drain"):
+            raise ValueError(f"phase({which!r}) is for an asynchronous schedule's 'fill', "
+                             f"'steady' or 'drain'; {self.name!r} has update={self.update!r}")
+        if which == "steady":
+            return self
+        fill = which == "fill"
+        return Schedule.from_lists(f"{self.name} ({which})", self.n_microbatches,
+                                   self.placement, [[a for a in acts if (a.mb >= 0) == fill]
+                                                    for acts in self.actions], None, self.update)
+
+    def unroll(self, steps: int) -> Schedule:
+        """``steps`` steps of an asynchronous window and the drain after them, as one flushed
+        schedule of ``steps * m`` micro-batches with absolute micro-batches and versions
+        (step ``t``'s F of ``mb`` is ``t*m + mb`` at version ``t + version``).
+
+        Raises:
+            ValueError: for a schedule without ``update`` or ``steps < 1``.
+        """
+        if self.update is None or steps < 1:
+            raise ValueError(f"unroll({steps}) needs an asynchronous schedule and steps >= 1; "
+                             f"{self.name!r} has update={self.update!r}")
+        m = self.n_microbatches
+        lists: list[list[Action]] = [[] for _ in self.actions]
+        for t in range(steps + 1):
+            for rank, acts in enumerate(self.actions):
+                lists[rank] += [Action(a.stage, a.op, t * m + a.mb, t + (a.version or 0))
+                                for a in acts
+                                if t * m + a.mb >= 0 and (t < steps or a.mb < 0)]
+        return Schedule.from_lists(f"{self.name} x{steps}", steps * m, self.placement, lists)
 
     def fed_back(self, action: Action) -> Action | None:
         """The last stage's forward whose output ``action`` takes as its input (decoding's
@@ -100,6 +149,8 @@ class Schedule:
         lines = [f"# schedule: {self.name}"]
         if self.feedback is not None:
             lines.append(f"# feedback: lag={self.feedback[0]} start={self.feedback[1]}")
+        if self.update is not None:
+            lines.append(f"# update: {self.update}")
         lines.append(",".join(f"rank {r}" for r in range(self.n_ranks)))
         for step in range(depth):
             cells = [str(a[step]) if step < len(a) else "." for a in self.actions]
@@ -120,7 +171,7 @@ class Schedule:
             ScheduleError: on an unparsable cell or a stage appearing on two ranks.
         """
         found_name, rows = _grid_rows(text)
-        feedback = _feedback(text)
+        feedback, update = _feedback(text), _comment(text, "update")
         if not rows:
             raise ScheduleError("schedule text has no rank header and no actions")
         header, body = rows[0][1], rows[1:]
@@ -143,7 +194,7 @@ class Schedule:
         placement = _infer_placement(columns)
         n_mb = 1 + max((a.mb for col in columns for a in col), default=-1)
         return cls.from_lists(name or found_name or "custom", n_mb, placement, columns,
-                              feedback)
+                              feedback, update)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_text())
@@ -185,6 +236,15 @@ def _feedback(text: str) -> tuple[int, int] | None:
             raise ScheduleError(f"cannot parse {raw.strip()!r}: expected '# feedback: lag=L "
                                 "start=S' with two integers")
         return int(found.group(1)), int(found.group(2))
+    return None
+
+
+def _comment(text: str, key: str) -> str | None:
+    """The value of a ``# key: value`` line, or None without one."""
+    for raw in text.splitlines():
+        found, _, value = raw.strip().lstrip("#").partition(":")
+        if raw.strip().startswith("#") and found.strip() == key and value.strip():
+            return value.strip()
     return None
 
 

@@ -12,6 +12,12 @@ Four checks run in order and the first one that fails raises a single
                    stages s and s+1 share a rank, B/I(s+1, mb) precedes B/I(s, mb)
     4. deadlock    :func:`pipetrain.schedules.dataflow.walk` finishes every rank's list
 
+A schedule whose actions name weight versions also has every action of a (stage, mb) on one
+version. An asynchronous window (``schedule.update``) is checked as a window first (each
+step's micro-batches each forwarded and finished once, F and B only, the versions of its
+update rule), then unrolled over three steps and a drain (:meth:`Schedule.unroll`) and
+checked as above, with at most two weight versions alive on any stage (PipeDream-2BW).
+
 Check 3 is implied by check 4; it runs first because "W before I on rank 0" says more than
 "rank 0 is stuck". Every message names rank, step (index in that rank's list) and action, and
 ends with the rank-by-step grid with the offending cells marked.
@@ -53,12 +59,28 @@ def validate(schedule: Schedule) -> None:
         >>> from pipetrain import make_schedule
         >>> validate(make_schedule("1f1b", 4, 8))  # passes silently
     """
+    if schedule.update is not None:
+        _validate_window(schedule)
+        return
     checks = (("malformed", _check_shape), ("incomplete", _check_complete),
+              ("mixes weight versions", _check_versions),
               ("out of order", _check_local_order), ("deadlocks", _check_deadlock))
     for verdict, check in checks:
         problems = check(schedule)
         if problems:
             raise ScheduleError(_message(schedule, verdict, problems))
+
+
+def _validate_window(schedule: Schedule) -> None:
+    """An asynchronous window: as a window, then unrolled (see the module docstring)."""
+    problems = _check_window(schedule)
+    if problems:
+        raise ScheduleError(_message(schedule, "is not a valid asynchronous window", problems))
+    unrolled = schedule.unroll(3)
+    validate(unrolled)
+    problems = _check_alive(unrolled, 2)
+    if problems:
+        raise ScheduleError(_message(unrolled, "keeps too many weight versions", problems))
 
 
 def format_grid(
@@ -123,6 +145,11 @@ def _message(schedule: Schedule, verdict: str, problems: list[Problem]) -> str:
     return f"{head}\n\n{format_grid(schedule, marks, context=context)}"
 
 
+def _plain(a: Action) -> Action:
+    """``a`` without its weight version (what completeness and order speak of)."""
+    return a if a.version is None else Action(a.stage, a.op, a.mb)
+
+
 def _cells(schedule: Schedule) -> Iterable[tuple[int, int, Action]]:
     for rank, acts in enumerate(schedule.actions):
         for step, action in enumerate(acts):
@@ -167,7 +194,7 @@ def _check_shape(schedule: Schedule) -> list[Problem]:
 def _check_complete(schedule: Schedule) -> list[Problem]:
     where: dict[Action, list[Cell]] = {}
     for rank, step, a in _cells(schedule):
-        where.setdefault(a, []).append((rank, step))
+        where.setdefault(_plain(a), []).append((rank, step))
     problems: list[Problem] = []
     for action, cells in where.items():
         if len(cells) > 1:
@@ -203,13 +230,67 @@ def _stage_mb_problems(schedule: Schedule, stage: int, mb: int,
             for op in wanted if count[op] == 0]
 
 
+def _check_versions(schedule: Schedule) -> list[Problem]:
+    """Every action of a (stage, mb) uses the version its F used."""
+    version = {(a.stage, a.mb): a.version for _, _, a in _cells(schedule) if a.op is Op.F}
+    return [(f"rank {rank}, step {step}: {a} uses version {a.version}, but its forward used "
+             f"version {version[a.stage, a.mb]}", {(rank, step)})
+            for rank, step, a in _cells(schedule)
+            if a.op is not Op.F and version.get((a.stage, a.mb), a.version) != a.version]
+
+
+# -- asynchronous windows ------------------------------------------------------------------
+
+
+def _check_window(schedule: Schedule) -> list[Problem]:
+    """PipeDream-2BW's window: each step's micro-batches forwarded once on the step's version
+    (0) and finished once by a B on the same version, in this step (``mb``, version 0) or
+    the next (``mb - m``, version -1 there)."""
+    if schedule.update != "2bw":
+        return [(f"update rule {schedule.update!r} is unknown; asynchronous windows have "
+                 "update '2bw'", set())]
+    m = schedule.n_microbatches
+    problems: list[Problem] = []
+    seen: dict[tuple[Op, int, int], list[Cell]] = {}
+    for rank, step, a in _cells(schedule):
+        where = f"rank {rank}, step {step}: {a}"
+        want = 0 if a.mb >= 0 else -1
+        low = 0 if a.op is Op.F else -m
+        if a.op not in (Op.F, Op.B):
+            problems.append((f"{where}: a 2BW window has F and B only", {(rank, step)}))
+        elif not low <= a.mb < m:
+            problems.append((f"{where} names mb {a.mb}; a window's {a.op.value} names "
+                             f"{low}..{m - 1}", {(rank, step)}))
+        elif a.version != want:
+            problems.append((f"{where} uses version {a.version}; under 2BW it uses {want} "
+                             "(the version of its step's forward)", {(rank, step)}))
+        seen.setdefault((a.op, a.stage, a.mb % m), []).append((rank, step))
+    for stage in range(schedule.n_stages):
+        for mb in range(m):
+            for op in (Op.F, Op.B):
+                cells = seen.get((op, stage, mb), [])
+                if len(cells) != 1:
+                    problems.append((f"stage {stage}, mb {mb}: {len(cells)} {op.value} actions "
+                                     f"in the window (one {op.value}{mb} or "
+                                     f"{op.value}{mb - m} is needed)", set(cells)))
+    return problems
+
+
+def _check_alive(schedule: Schedule, limit: int) -> list[Problem]:
+    """At most ``limit`` versions alive on any stage (:func:`dataflow.versions_alive`)."""
+    return [(f"rank {rank}, step {step}: after {schedule.actions[rank][step]} a stage of rank "
+             f"{rank} keeps {count} weight versions, more than {limit}", {(rank, step)})
+            for rank, counts in enumerate(dataflow.versions_alive(schedule))
+            for step, count in enumerate(counts) if count > limit]
+
+
 # -- 3. local order ------------------------------------------------------------------------
 
 
 def _check_local_order(schedule: Schedule) -> list[Problem]:
     problems: list[Problem] = []
     for rank, acts in enumerate(schedule.actions):
-        step_of = {a: step for step, a in enumerate(acts)}
+        step_of = {_plain(a): step for step, a in enumerate(acts)}
         for step, action in enumerate(acts):
             fed = schedule.fed_back(action)
             fed_rule = [] if fed is None else [(fed, "F needs the token its feedback takes")]

@@ -97,5 +97,5 @@ def _load_builtin() -> None:
     import importlib
 
     for module in ("basic", "interleaved", "zerobubble", "vshape", "dualpipev", "controllable",
-                   "zbauto", "looped"):
+                   "zbauto", "looped", "pipedream"):
         importlib.import_module(f"pipetrain.schedules.generators.{module}")
