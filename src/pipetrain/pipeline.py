@@ -26,6 +26,7 @@ from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.compiled import compile_stages
+from pipetrain.runtime.windows import Windows
 from pipetrain.runtime.delivery import Proofs, delivery_proofs
 from pipetrain.runtime.executor import (
     Executor,
@@ -215,8 +216,14 @@ class Pipeline:
             self.tied, self.rank, group, held, self.transport.spare_tag, timeout)
         linked, deferred = grad_links(self.tied, self.local)
         deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
-        self.executor = Executor(self.schedule, self.stages, self.hosted, self.transport,
-                                 linked, deferred, routes=self.routes)
+        self.windows: Windows | None = None  # an asynchronous schedule's phases and versions
+        if self.schedule.update is not None:
+            _asynchronous_fits(self.schedule, self.local, compile, parallelize)
+            self.windows = Windows(self.schedule, self.stages, self.hosted, self.transport,
+                                   linked, self.routes)
+        self.executor = self.windows.steady if self.windows else Executor(
+            self.schedule, self.stages, self.hosted, self.transport, linked, deferred,
+            routes=self.routes)
         self.evaluator: Executor | None = None
         """The executor of ``eval_step`` when the model was captured in training mode into a
         graph that eval changes (dropout, batch norm): the eval graph, sharing the tensors
@@ -374,6 +381,24 @@ class Pipeline:
         return self._run(inputs, targets, train=True, keep_outputs=return_outputs,
                          on_grads_ready=on_grads_ready, number=step)
 
+    def drain(self, *, on_grads_ready: GradsReady | None = None,
+              step: int | None = None) -> StepResult:
+        """An asynchronous schedule (``pipedream-2bw``): finish the micro-batches the last
+        step left in flight, without starting new ones. Their gradients, taken on the weights
+        their forwards used, are then in ``.grad`` for a last ``optimizer.step()``; the next
+        :meth:`step` fills the pipeline again. Its result has no loss.
+
+        Raises:
+            ValueError: for a synchronous schedule, or when no micro-batch is in flight.
+        """
+        if self.windows is None or not self.windows.in_flight:
+            raise ValueError(f"[rank {self.rank}] drain() finishes the micro-batches an "
+                             "asynchronous schedule's step left in flight; "
+                             + ("none are" if self.windows else
+                                f"{self.schedule.name!r} flushes every step"))
+        return self._run(None, None, train=True, keep_outputs=False,
+                         on_grads_ready=on_grads_ready, number=step, drain=True)
+
     def eval_step(self, inputs: Any = None, targets: Any = None, *,
                   step: int | None = None) -> StepResult:
         """Forward only, without autograd: the loss (if targets are given) and the outputs.
@@ -420,10 +445,14 @@ class Pipeline:
 
     def _run(self, inputs: Any, targets: Any, *, train: bool, keep_outputs: bool,
              on_grads_ready: GradsReady | None = None, number: int | None = None,
-             decoding: tuple[Schedule, Loop] | None = None) -> StepResult:
+             decoding: tuple[Schedule, Loop] | None = None, drain: bool = False
+             ) -> StepResult:
         schedule = self.schedule if decoding is None else decoding[0]
         executor = self._executor(schedule)
         tag: Schedule | str | None = None if decoding is None else schedule
+        if train and self.windows is not None:  # the window's phase: fill, steady or drain
+            executor = self.windows.executor(self.windows.phase(drain))
+            schedule, tag = executor.schedule, executor.schedule
         evaluator = None if decoding is not None or train else self._evaluating()
         if evaluator is not None:
             executor, tag = evaluator, "eval"
@@ -436,6 +465,8 @@ class Pipeline:
         self._step += 1
         data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready,
                         loop=None if decoding is None else decoding[1])
+        if train and self.windows is not None:
+            self.windows.begin(data)
         if self.transport is not None:
             key = (train, tag)
             if key not in self._plans:  # per peer, what it sends this rank in a step
@@ -450,7 +481,7 @@ class Pipeline:
                                       self._proofs[key])
         try:
             self._copies.refresh()
-            if decoding is None:
+            if decoding is None and not drain:
                 self._prepare(data, inputs, targets)
             else:
                 data.inputs, data.targets = inputs, [None] * schedule.n_microbatches
@@ -458,6 +489,8 @@ class Pipeline:
             modal = [] if train or self.traced is not None else self._hosted_layers()
             with eval_mode(m for _, m in modal):  # a layer list: eval() while it runs
                 executor.run(data)
+            if train and self.windows is not None:
+                self.windows.end(data)
             loss, times = self._finish(data, executor, schedule)
         except BaseException as e:
             error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
@@ -523,6 +556,8 @@ class Pipeline:
               ) -> None:
         for stage in self.stages.values():
             stage.clear()
+        if self.windows is not None:
+            self.windows.versions.restore()
         self._broken = f"{type(error).__name__}: {error}"
         if self.transport is None:
             return
@@ -534,6 +569,18 @@ class Pipeline:
                  ) if current else (-1, -1, 0)
         self.transport.abort(step, *where, f"{type(error).__name__}: {error}",
                              relay=isinstance(error, PeerFailed))
+
+
+def _asynchronous_fits(schedule: Schedule, local: bool, compile: bool | str,
+                       parallelize: Any) -> None:
+    """Refuse what an asynchronous schedule does not run with yet."""
+    refused = [what for what, on in (("several processes (run it with local_ranks=)",
+                                      not local), ("compile=", compile),
+                                     ("parallelize=", parallelize is not None)) if on]
+    if refused:
+        raise ValueError(f"{schedule.name!r} (asynchronous: weight versions per step) does not "
+                         f"run with {', '.join(refused)} yet; use a synchronous schedule "
+                         "such as '1f1b' there")
 
 
 def _carries_rng(given: bool | None, traced: TracedSplit | None,

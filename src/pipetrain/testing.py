@@ -25,7 +25,8 @@ from pipetrain.pipeline import Pipeline
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as streams
 
-__all__ = ["reference_step", "grad_mismatches", "reload_mismatches", "train_tokenizer"]
+__all__ = ["reference_step", "Reference2BW", "grad_mismatches", "reload_mismatches",
+           "train_tokenizer"]
 
 
 def reference_step(
@@ -58,6 +59,64 @@ def reference_step(
     if total is None:
         raise ValueError("no micro-batches")
     return total
+
+
+class Reference2BW:
+    """PipeDream-2BW's update rule on one process: W(t+1) = W(t) - lr * grad f(W(t-1)).
+
+    Step ``t`` returns batch ``t``'s loss on ``model``'s weights of the moment, W(t), and
+    leaves in ``.grad`` the gradient of batch ``t - 1`` on the weights it was run with,
+    W(t-1) (None at ``t = 0``): what ``Pipeline.step`` under ``pipedream-2bw`` returns and
+    leaves. :meth:`drain` leaves the last batch's. The caller's optimizer step between two
+    calls makes W(t+1). Each gradient is :func:`reference_step`'s (the micro-batches one
+    after another, weighted as the pipeline weights them), on fp32 CPU bitwise the
+    pipeline's.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor],
+                 microbatches: int, **kwargs: Any) -> None:
+        self.model, self.loss_fn, self.m, self.kwargs = model, loss_fn, microbatches, kwargs
+        self._pending: tuple[dict[str, torch.Tensor], Any, Any] | None = None
+
+    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        now = self._weights()
+        grads = self._finish_pending()
+        self._load(now)
+        self.model.zero_grad(set_to_none=True)
+        loss = reference_step(self.model, inputs, targets, self.loss_fn, self.m, **self.kwargs)
+        self._set_grads(grads)  # its own gradients wait for the next step, as the pipeline's
+        self._pending = (now, inputs, targets)
+        return loss
+
+    def drain(self) -> None:
+        now = self._weights()
+        grads = self._finish_pending()
+        self._load(now)
+        self._set_grads(grads)
+
+    def _finish_pending(self) -> dict[str, torch.Tensor | None] | None:
+        if self._pending is None:
+            return None
+        weights, inputs, targets = self._pending
+        self._pending = None
+        self._load(weights)
+        self.model.zero_grad(set_to_none=True)
+        reference_step(self.model, inputs, targets, self.loss_fn, self.m, **self.kwargs)
+        grads = {n: p.grad for n, p in self.model.named_parameters()}
+        self.model.zero_grad(set_to_none=True)  # the next backward makes new tensors
+        return grads
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def _load(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(weights[n])
+
+    def _set_grads(self, grads: dict[str, torch.Tensor | None] | None) -> None:
+        for n, p in self.model.named_parameters():
+            p.grad = None if grads is None else grads[n]
 
 
 def _keywords(model: Callable[..., Any], x: Any) -> bool:

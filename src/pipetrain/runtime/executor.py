@@ -8,6 +8,11 @@ For every action of its list, in order, a rank does exactly this::
                s > 0: send input gradients to s-1                      (I defers the W part)
     W(s, mb):  weight gradients deferred by I(s, mb)
 
+An asynchronous window (``schedule.update``, PipeDream-2BW) runs like any other step, except
+that a B of ``mb < 0`` finishes the previous step's micro-batch ``m + mb`` (its messages carry
+that step's number) and each F and B first puts its weight version into the stage
+(:mod:`pipetrain.runtime.versions`).
+
 A decoding schedule (``schedule.feedback``) closes the chain into a ring: the last stage's F
 hands its outputs to ``data.loop.pick``, which picks the tokens, and sends them to stage 0,
 whose F on the fed micro-batch takes its input from ``data.loop.feed`` (:class:`Loop`).
@@ -38,6 +43,7 @@ from pipetrain.runtime.payload import flatten
 from pipetrain.runtime.routes import Routes, chain
 from pipetrain.runtime.stage import Incoming, Stage
 from pipetrain.runtime.tied import TiedParam
+from pipetrain.runtime.versions import Versions
 from pipetrain.runtime.watchdog import Activity
 from pipetrain.runtime.wire import ACT, GRAD, Key, Message
 from pipetrain.schedules.action import Action, Op
@@ -80,6 +86,8 @@ class StepData:
     done_sent: bool = False  # this rank sent its end-of-step message
     rng: Sequence[str] = ()  # stage 0: each micro-batch's starting random state (rng.py)
     loop: Loop | None = None  # a decoding run's token picking and feeding
+    previous: int = -1  # an asynchronous window: the number of the step before
+    version: int = 0  # an asynchronous window: the weight version of this step's forwards
 
 
 class Executor:
@@ -92,15 +100,20 @@ class Executor:
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], ranks: Sequence[int],
                  transport: P2P | None, linked: dict[int, set[int]] | None = None,
-                 deferred: Collection[int] = (), routes: Routes | None = None) -> None:
+                 deferred: Collection[int] = (), routes: Routes | None = None,
+                 versions: Versions | None = None,
+                 local: dict[Key, Message] | None = None) -> None:
         self.schedule, self.stages, self.ranks, self.transport = schedule, stages, ranks, transport
+        self.versions = versions  # an asynchronous window's weight versions
+        self.m = schedule.n_microbatches
         self.routes = chain(schedule.n_stages) if routes is None else routes
         ports = self.routes.ports  # per stage, the other stage of each message, in order
         self._act_in = [tuple(s for s, _ in p.act_in) for p in ports]
         self._act_out = [tuple(s for s, _ in p.act_out) for p in ports]
         self._grad_in = [tuple(s for s, _ in p.grad_in) for p in ports]
         self._grad_out = [tuple(s for s, _ in p.grad_out) for p in ports]
-        self._local: dict[Key, Message] = {}
+        self._local: dict[Key, Message] = {} if local is None else local  # shared by a
+        # window's phases: a step's messages to the next step wait here
         self.current: tuple[int, Action] | None = None
         if len(ranks) > 1:
             order = [(r, i) for r, i in walk(schedule).order if r in ranks]
@@ -144,6 +157,8 @@ class Executor:
             if not train and op is not Op.F:
                 continue
             self.current = (rank, action)
+            if self.versions is not None and train:
+                self.versions.use(action.stage, data.version + (action.version or 0))
             if op is Op.B or op is Op.I:  # recompute (if any) before waiting for the gradient
                 activity.computing()
                 self._guarded(rank, action, data, self.stages[action.stage].prepare_backward)
@@ -179,7 +194,7 @@ class Executor:
 
     def _guarded(self, rank: int, action: Action, data: StepData, fn: Any) -> None:
         try:
-            fn(action.mb)
+            fn(action.mb % self.m)
         except Exception as e:
             where = self._where(rank, action, data.step)
             raise StageError(f"{where} recompute failed: {e!r}") from e
@@ -188,8 +203,8 @@ class Executor:
                  ) -> list[Message]:
         """The messages ``a`` takes from ``sources`` (where a rank waits for its peers)."""
         kind = ACT if a.op is Op.F else GRAD
-        return [self._take(rank, Key(kind, data.step, a.mb, src, a.stage), a)
-                for src in sources]
+        step, mb = (data.step, a.mb) if a.mb >= 0 else (data.previous, a.mb + self.m)
+        return [self._take(rank, Key(kind, step, mb, src, a.stage), a) for src in sources]
 
     def _compute(self, rank: int, a: Action, msgs: list[Message], data: StepData) -> None:
         stage = self.stages[a.stage]
@@ -198,9 +213,10 @@ class Executor:
         elif a.op is Op.W:
             stage.weight(a.mb)
         else:
-            got = stage.backward(a.mb, [m.tensors for m in msgs], split=a.op is Op.I)
+            step, mb = (data.step, a.mb) if a.mb >= 0 else (data.previous, a.mb + self.m)
+            got = stage.backward(mb, [m.tensors for m in msgs], split=a.op is Op.I)
             for dst, grads in zip(self._grad_out[a.stage], got):
-                self._put(rank, Message(Key(GRAD, data.step, a.mb, a.stage, dst), grads))
+                self._put(rank, Message(Key(GRAD, step, mb, a.stage, dst), grads))
 
     def _forward(self, rank: int, stage: Stage, a: Action, msgs: list[Message],
                  data: StepData) -> None:

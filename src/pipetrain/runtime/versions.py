@@ -1,0 +1,101 @@
+"""Weight versions: the parameters each forward and backward runs on under PipeDream-2BW.
+
+The model's parameters (``P``, what the user's optimizer steps) stay where they are; a
+version is a set of leaf tensors sharing the storage ``P`` had when its step began. Before an
+F or B, the executor swaps the leaves of the action's version into the stage's modules, so the
+forward records them and the backward accumulates its gradients on them, each version's apart::
+
+    step t:   F(t, j) on version t         B(t-1, j) on version t-1 (finishing step t-1)
+    end of t: version t-1 is done: its storage takes a copy of version t and becomes P's,
+              its gradients become P.grad; the user's optimizer.step() then turns P into
+              version t+1 = version t - lr * grad(version t-1)
+    step t+1: version t+1's leaves share P's storage; version t's stay for step t's tail
+
+So two versions live at once (the paper's two buffered weights), one weight copy per step is
+made, and any ``torch.optim`` optimizer, its state keyed by ``P`` as always, applies the rule
+W(t+1) = W(t) - lr * grad f(W(t-1)) (Narayanan et al., PipeDream-2BW, ICML 2021).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pipetrain.runtime.stage import Stage
+
+__all__: list[str] = []
+
+Slot = tuple[dict[str, nn.Parameter | None], str, nn.Parameter]  # where a parameter is held
+
+
+class Versions:
+    """The weight versions of the stages one process holds (local mode: all of them)."""
+
+    def __init__(self, stages: dict[int, Stage]) -> None:
+        self.slots: dict[int, list[Slot]] = {s: list(_slots(st.module))
+                                             for s, st in stages.items()}
+        self.leaves: dict[int, dict[int, torch.Tensor]] = {}
+        """Per version, per ``id(P)``: the leaf its actions run on."""
+        self.installed: dict[int, int] = {}  # stage -> the version now in its modules
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a version other than P is alive (the pipeline holds micro-batches)."""
+        return bool(self.leaves)
+
+    def use(self, stage: int, version: int) -> None:
+        """Put ``version``'s leaves into ``stage``'s modules (made from P when first used)."""
+        if self.installed.get(stage) == version:
+            return
+        leaves = self.leaves.get(version)
+        if leaves is None:
+            leaves = self.leaves[version] = {}
+        for held, name, p in self.slots[stage]:
+            leaf = leaves.get(id(p))
+            if leaf is None:
+                # .data, not detach(): the leaf shares P's storage but not its version
+                # counter, so the optimizer's in-place step on P's next storage is not taken
+                # for a change of what this version's backward saved
+                leaf = leaves[id(p)] = nn.Parameter(p.data, requires_grad=True)
+            held[name] = leaf  # type: ignore[assignment]
+        self.installed[stage] = version
+
+    def end_step(self, version: int) -> None:
+        """After step ``version``: P holds version ``version``'s values in storage of its own
+        and, as ``.grad``, the gradients of version ``version - 1``, now complete; the
+        modules hold P again."""
+        done = self.leaves.pop(version - 1, {})
+        current = self.leaves.get(version, {})
+        for p in self._params():
+            leaf, old = current.get(id(p)), done.get(id(p))
+            if leaf is not None:  # P's storage is the version's: give P its own
+                spare = old.data if old is not None else torch.empty_like(p)
+                with torch.no_grad():
+                    spare.copy_(leaf)
+                p.data = spare
+            p.grad = None if old is None else old.grad
+        self.restore()
+
+    def restore(self) -> None:
+        """Put P back into every module (what the user and checkpoints see)."""
+        for slots in self.slots.values():
+            for held, name, p in slots:
+                held[name] = p
+        self.installed.clear()
+
+    def _params(self) -> Iterable[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for slots in self.slots.values():
+            for _, _, p in slots:
+                seen.setdefault(id(p), p)
+        return seen.values()
+
+
+def _slots(module: nn.Module) -> Iterable[Slot]:
+    """Every trainable parameter's holder, name and value (a tied one once per holder)."""
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None and p.requires_grad:
+                yield sub._parameters, name, p

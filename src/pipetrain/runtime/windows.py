@@ -1,0 +1,68 @@
+"""Windows: the steps of an asynchronous schedule, each one window of a pipeline never flushed.
+
+The first step runs the window's ``fill`` phase (no earlier micro-batches to finish), every
+later one the window itself, and ``drain`` the backward actions that finish the last step's
+micro-batches (:meth:`~pipetrain.schedules.schedule.Schedule.phase`). The three executors share
+the weight versions (:mod:`pipetrain.runtime.versions`) and the hand-offs between stages of this
+process, so a gradient one step sends for the next waits there. A stage's gradients are final
+only at the end of a step (those of the step before), so every stage's ``on_grads_ready`` is
+called then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.executor import Executor, StepData
+from pipetrain.runtime.routes import Routes
+from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.versions import Versions
+from pipetrain.schedules.schedule import Schedule
+
+__all__: list[str] = []
+
+
+class Windows:
+    """The phases, versions and step count of an asynchronous schedule on one process."""
+
+    def __init__(self, schedule: Schedule, stages: dict[int, Stage], hosted: Sequence[int],
+                 transport: P2P | None, linked: dict[int, set[int]], routes: Routes) -> None:
+        self.versions = Versions(stages)
+        self._build = (stages, hosted, transport, linked, routes)
+        self.steady = self._executor(schedule, None)
+        self.phases = {"steady": self.steady}
+        self.version = 0  # the weight version of the next step's forwards
+        self.previous = -1  # the number of the last step run
+
+    def _executor(self, schedule: Schedule, like: Executor | None) -> Executor:
+        stages, hosted, transport, linked, routes = self._build
+        executor = Executor(schedule, stages, hosted, transport, linked, set(stages),
+                            routes=routes, versions=self.versions,
+                            local=None if like is None else like._local)
+        if like is not None:
+            executor.activity = like.activity  # what the watchdog reads
+        return executor
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether micro-batches of an earlier step are still to be finished."""
+        return self.versions.in_flight
+
+    def phase(self, drain: bool) -> str:
+        return "drain" if drain else "steady" if self.in_flight else "fill"
+
+    def executor(self, which: str) -> Executor:
+        """The executor of phase ``which`` (made at its first use)."""
+        if which not in self.phases:
+            self.phases[which] = self._executor(self.steady.schedule.phase(which), self.steady)
+        return self.phases[which]
+
+    def begin(self, data: StepData) -> None:
+        data.previous, data.version = self.previous, self.version
+
+    def end(self, data: StepData) -> None:
+        """After a step ran everywhere here: P holds the step's version and the gradients of
+        the step before (:meth:`Versions.end_step`)."""
+        self.versions.end_step(data.version)
+        self.previous, self.version = data.step, self.version + 1
