@@ -26,7 +26,6 @@ from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.compiled import compile_stages
-from pipetrain.runtime.windows import Windows
 from pipetrain.runtime.delivery import Proofs, delivery_proofs
 from pipetrain.runtime.executor import (
     Executor,
@@ -43,6 +42,7 @@ from pipetrain.runtime.routes import chain
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tied import LocalCopies, TiedGrads, find_tied
 from pipetrain.runtime.watchdog import Watchdog, diagnosed
+from pipetrain.runtime.windows import Windows
 from pipetrain.runtime.wire import OPS
 from pipetrain.schedules.generators import make_schedule
 from pipetrain.schedules.schedule import Schedule
