@@ -67,7 +67,12 @@ class StepResult:
     outputs: Any
     """Merged model outputs, on the rank(s) holding the last stage, when asked for."""
     times: StepTimes | Timeline = field(repr=False)
-    """The measured action times, as recorded (read ``timeline``)."""
+    """The measured action times, as recorded (read ``timeline``). An asynchronous
+    schedule's step has only this rank's (its peers' come a step late), a drain everyone's."""
+    previous_loss: torch.Tensor | None = None
+    """An asynchronous schedule (``pipedream-2bw``): the loss of the step before, on every
+    rank. Its ranks do not wait for each other at the end of a step, so ``loss`` is there only
+    on the rank holding the last stage (and in local mode)."""
 
     @cached_property
     def timeline(self) -> Timeline:
@@ -218,7 +223,7 @@ class Pipeline:
         deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
         self.windows: Windows | None = None  # an asynchronous schedule's phases and versions
         if self.schedule.update is not None:
-            _asynchronous_fits(self.schedule, self.local, compile, parallelize)
+            _asynchronous_fits(self.schedule, compile, parallelize)
             self.windows = Windows(self.schedule, self.stages, self.hosted, self.transport,
                                    linked, self.routes)
         self.executor = self.windows.steady if self.windows else Executor(
@@ -475,10 +480,13 @@ class Pipeline:
                                    if not isinstance(k[1], Schedule)}
                 self._plans[key] = message_plans(schedule, self.rank, train, executor.routes)
                 self._proofs[key] = delivery_proofs(schedule, self.rank, train,
-                                                    executor.routes)
+                                                    executor.routes) if self.windows is None \
+                    else {}  # a window's routes repeat across steps: sends wait a step
+            carry = None if self.windows is None else (self.windows.previous,
+                                                       self.schedule.n_microbatches)
             self.transport.start_step(step, self._plans[key],
                                       {p: done_key(step, p) for p in self._plans[key]},
-                                      self._proofs[key])
+                                      self._proofs[key], carry)
         try:
             self._copies.refresh()
             if decoding is None and not drain:
@@ -501,10 +509,11 @@ class Pipeline:
                 raise
             raise error from e
         outputs = None
+        previous = None if self.windows is None or not train else self.windows.previous_loss
         if keep_outputs and data.outputs:
             outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
                                        self.split_dim)
-        return StepResult(loss, outputs, times)
+        return StepResult(loss, outputs, times, previous)
 
     def _prepare(self, data: StepData, inputs: Any, targets: Any) -> None:
         m = self.schedule.n_microbatches
@@ -537,13 +546,19 @@ class Pipeline:
     def _finish(self, data: StepData, executor: Executor, schedule: Schedule
                 ) -> tuple[torch.Tensor | None, StepTimes]:
         own = executor.executed(data.train)
-        if self.transport is None:
+        if self.transport is None and self.windows is not None and data.train:
+            loss, times = self.windows.finish(None, schedule, data, own)
+        elif self.transport is None:
             loss, times = total_loss(data), StepTimes(schedule, data.train, own, data.times)
         else:
             executor.activity.waiting("the end-of-step exchange", tuple(
                 r for r in range(schedule.n_ranks) if r != self.rank), data.step)
-            loss, times = exchange(self.transport, schedule, self.rank, data, own)
+            loss, times = exchange(self.transport, schedule, self.rank, data, own) if \
+                self.windows is None or not data.train else \
+                self.windows.finish(self.transport, schedule, data, own)
             executor.activity.idle()
+        if data.train and self.windows is not None and not self.windows.versions.gave_grads:
+            return loss, times  # a first asynchronous step: no gradients yet
         if data.train:
             self._copies.merge_grads()
         if data.train and self._tied_grads is not None:
@@ -571,11 +586,9 @@ class Pipeline:
                              relay=isinstance(error, PeerFailed))
 
 
-def _asynchronous_fits(schedule: Schedule, local: bool, compile: bool | str,
-                       parallelize: Any) -> None:
+def _asynchronous_fits(schedule: Schedule, compile: bool | str, parallelize: Any) -> None:
     """Refuse what an asynchronous schedule does not run with yet."""
-    refused = [what for what, on in (("several processes (run it with local_ranks=)",
-                                      not local), ("compile=", compile),
+    refused = [what for what, on in (("compile=", compile),
                                      ("parallelize=", parallelize is not None)) if on]
     if refused:
         raise ValueError(f"{schedule.name!r} (asynchronous: weight versions per step) does not "

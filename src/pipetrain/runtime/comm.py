@@ -83,6 +83,8 @@ class P2P:
         self._pending: dict[tuple[int, Route], list[tuple[Any, torch.Tensor, Any]]] = {}
         """The sends in flight, by destination and route (kind, mb, src_stage, dst_stage)."""
         self._proofs: Proofs = {}
+        self._carried: dict[tuple[int, Route], list[tuple[Any, torch.Tensor, Any]]] = {}
+        """An asynchronous schedule's sends of the last step, waited for after the next."""
         self.posted = 0
         """How many point-to-point sends this transport posted (one or two per message)."""
         self._capacity = {peer: Capacity() for peer in range(n_ranks) if peer != rank}
@@ -99,22 +101,23 @@ class P2P:
                            max_message_bytes, self._tag, self._tag + 1)
         self.inbox = Inbox({peer: Inbound(self._link, peer, self.globals[peer])
                             for peer in range(n_ranks) if peer != rank}, timeout)
-        weakref.finalize(self, _close, self.inbox, self._pending, timeout)
+        weakref.finalize(self, _close, self.inbox, [self._pending, self._carried], timeout)
 
     def name(self, rank: int) -> str:
         """Pipeline rank ``rank`` as the job knows it (:func:`~.groups.rank_name`)."""
         return rank_name(rank, self.globals[rank])
 
     def start_step(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key],
-                   proofs: Proofs | None = None) -> None:
+                   proofs: Proofs | None = None, carry: tuple[int, int] | None = None) -> None:
         """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends,
         and ``last[peer]`` is its end-of-step message, after them.
 
         ``proofs`` (:func:`~pipetrain.runtime.delivery.delivery_proofs`) lets :meth:`recv` free the
-        sends that a received message proves complete.
+        sends that a received message proves complete. ``carry`` (an asynchronous schedule's
+        previous step and m) keeps the streams of the step before going (:meth:`Inbox.start`).
         """
         self._proofs = proofs or {}
-        self.inbox.start(step, plans, last)
+        self.inbox.start(step, plans, last, carry)
 
     def receive_last(self, keys: Mapping[int, Key], describe: str) -> dict[int, Message]:
         """The last message of the step from each peer (see :meth:`start_step`)."""
@@ -190,6 +193,25 @@ class P2P:
         if self.inbox.error is not None:
             raise self.inbox.error
 
+    def settle_before(self, describe: str, everything: bool = False) -> None:
+        """An asynchronous schedule's end of step: wait for the sends of the step before (the
+        peers take them during this step) and keep this step's in flight: a gloo send
+        completes only once its receiver posts the receive, which for a message the next
+        step takes is during that step. ``everything``: this step's too (a drain)."""
+        if everything:
+            self._pending.update({k: [*self._carried.pop(k, []), *v]
+                                  for k, v in self._pending.items()})
+            self._pending.update(self._carried)
+            self._carried.clear()
+            self.settle(describe)
+            return
+        current = dict(self._pending)
+        self._pending.clear()  # both in place: the finaliser holds them
+        self._pending.update(self._carried)
+        self._carried.clear()
+        self._carried.update(current)
+        self.settle(describe)
+
     def discard(self) -> None:
         """Stop tracking the sends in flight (after a failure: the step is lost), and drain the
         peers' messages until their ABORTs (:meth:`~.receiver.Inbox.drain`).
@@ -197,14 +219,15 @@ class P2P:
         The sends are neither waited for (a wait that times out makes gloo close the connection
         to that peer for good) nor freed (gloo may still be reading them).
         """
-        for entries in self._pending.values():
-            _LEFTOVERS.extend(entries)
-        self._pending.clear()
+        for held in (self._pending, self._carried):
+            for entries in held.values():
+                _LEFTOVERS.extend(entries)
+            held.clear()
         self.inbox.drain()
 
     def close(self) -> None:
         """Let the last sends complete (bounded)."""
-        _close(self.inbox, self._pending, self.timeout)
+        _close(self.inbox, [self._pending, self._carried], self.timeout)
 
     def abort(self, step: int, stage: int, mb: int, op: int, text: str,
               relay: bool = False) -> None:
@@ -259,16 +282,17 @@ def _wait_all(works: list[tuple[Any, torch.Tensor]]) -> None:
             continue
 
 
-def _close(inbox: Inbox, pending: dict[Any, list[tuple[Any, Any, Any]]], timeout: float
+def _close(inbox: Inbox, pending: list[dict[Any, list[tuple[Any, Any, Any]]]], timeout: float
            ) -> None:
     """Wait (bounded, errors ignored: the peer may be gone) for sends still in flight, so none
     is dropped before its peer takes it; keep any receive still posted for good."""
     deadline = time.monotonic() + timeout
-    for entries in pending.values():
-        for w, _, _ in entries:
-            try:
-                w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            except RuntimeError:
-                continue
-    pending.clear()
+    for held in pending:
+        for entries in held.values():
+            for w, _, _ in entries:
+                try:
+                    w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                except RuntimeError:
+                    continue
+        held.clear()
     inbox.park()

@@ -9,6 +9,12 @@ and waits for everyone else's. A rank therefore returns from a step only when ev
 finished it (a failure anywhere reaches everyone as an ABORT instead), every rank has the loss,
 and the measured timeline of all ranks is at hand; its ``Span`` objects are built only when
 someone reads ``StepResult.timeline``.
+
+An asynchronous schedule's step (:mod:`pipetrain.runtime.windows`) must not wait so: its ranks
+run skewed, the first stage ends a step while the last is still on it, and a wait for every
+rank would cost the pipeline its fill again each step. Its rank sends its end-of-step message
+and takes everyone's message of the step *before* (:func:`exchange_window`), long arrived; a
+drain, which empties the pipeline, takes both.
 """
 
 from __future__ import annotations
@@ -95,3 +101,36 @@ def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
     # end-of-step messages, which it has posted the receive of: this wait is short
     transport.settle(where)
     return loss, result
+
+
+def exchange_window(transport: P2P, schedule: Schedule, rank: int, data: StepData,
+                    own: Sequence[tuple[int, Action]], earlier: int | None, drain: bool
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, StepTimes]:
+    """An asynchronous schedule's end of step: send this rank's end-of-step message, take
+    every peer's of step ``earlier`` (None: none is owed), and with ``drain`` this step's
+    too. Returns this rank's own loss (the last stage's rank), the loss of step ``earlier``
+    and the times (every rank's only for a drain)."""
+    loss = total_loss(data)
+    times = torch.tensor(data.times, dtype=torch.float64)
+    tensors: list[torch.Tensor | None] = [times]
+    if loss is not None:
+        tensors.append(loss.detach().reshape(()).cpu())
+    where = f"[rank {rank}] end of step {data.step}"
+    peers = [peer for peer in range(schedule.n_ranks) if peer != rank]
+    transport.send(peers, Message(done_key(data.step, rank), tensors))
+    data.done_sent = True
+    holder = schedule.rank_of(schedule.n_stages - 1)
+    result = StepTimes(schedule, data.train, own, data.times)
+    before = None
+    for step in [s for s in (earlier, data.step if drain else None) if s is not None]:
+        received = transport.receive_last({peer: done_key(step, peer) for peer in peers}, where)
+        for peer, msg in received.items():
+            if step == data.step and msg.tensors and msg.tensors[0] is not None:
+                result.peer_times[peer] = msg.tensors[0]
+            if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
+                if step == data.step:
+                    loss = msg.tensors[1].clone()
+                else:
+                    before = msg.tensors[1].clone()
+    transport.settle_before(where, everything=drain)
+    return loss, before, result

@@ -131,8 +131,16 @@ class Inbound:
         behind its header: its header after the key, payload bytes, spec bytes, layout and
         spec (a message alike takes no checks)."""
 
-    def begin(self, keys: Sequence[Key]) -> None:
-        """Start a step whose messages from the peer are ``keys``: post the first receive."""
+    def begin(self, keys: Sequence[Key], carry: bool = False) -> None:
+        """Start a step whose messages from the peer are ``keys``: post the first receive.
+
+        ``carry``: the peer's stream goes on from the step before (an asynchronous schedule,
+        whose steps are not closed by a wait for every peer): the messages of that step not
+        yet received come first, and their posted receive stays.
+        """
+        if carry and self.next < len(self.keys):
+            self.keys, self.next = [*self.keys[self.next:], *keys], 0
+            return
         if self.posted is not None:  # a receive of an earlier step that never completed
             _UNCLAIMED.append(self.posted)
         self.keys, self.next = keys, 0
@@ -286,16 +294,25 @@ class Inbox:
         self._plans: object = None
         self._sender: dict[tuple[int, int, int, int], int] = {}  # route: its peer
 
-    def start(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key]) -> None:
-        """Post the first receive of each peer's messages this step (see ``P2P.start_step``)."""
+    def start(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key],
+              carry: tuple[int, int] | None = None) -> None:
+        """Post the first receive of each peer's messages this step (see ``P2P.start_step``).
+
+        ``carry``: an asynchronous schedule's ``(previous step, m)``. A planned message of
+        ``mb < 0`` is then the previous step's ``m + mb``; messages of earlier steps not yet
+        taken are kept, and each peer's stream goes on (:meth:`Inbound.begin`).
+        """
+        back, m = carry if carry is not None else (step, 0)
         if plans is not self._plans:
             self._plans = plans
-            self._sender = {route: peer for peer, plan in plans.items()
-                            for route in (*plan, last[peer].route())}
-        self.arrived.clear()
+            self._sender = {(k, mb % m if m else mb, s, d): peer for peer, plan in plans.items()
+                            for k, mb, s, d in (*plan, last[peer].route())}
+        if carry is None:
+            self.arrived.clear()
         for peer, plan in plans.items():
-            self.peers[peer].begin([*(Key(k, step, mb, s, d) for k, mb, s, d in plan),
-                                    last[peer]])
+            self.peers[peer].begin([*(Key(k, step, mb, s, d) if mb >= 0 else
+                                      Key(k, back, mb + m, s, d) for k, mb, s, d in plan),
+                                    last[peer]], carry is not None)
 
     def fail(self, error: BaseException) -> None:
         """News from outside (the watchdog's thread): raised at the next wait, first one wins."""
@@ -308,6 +325,9 @@ class Inbox:
         if msg is not None:
             return msg
         peer = self._sender.get(key.route())
+        if peer is None:  # a message of the step before, still to come (a carried stream)
+            peer = next((p for p, inbound in self.peers.items()
+                         if key in inbound.keys[inbound.next:]), None)
         if peer is None:
             raise CommError(f"{_text(describe)}: no peer sends the {key.describe()} in this "
                             "step (the ranks disagree on the schedule?)")

@@ -39,6 +39,9 @@ class Versions:
         self.leaves: dict[int, dict[int, torch.Tensor]] = {}
         """Per version, per ``id(P)``: the leaf its actions run on."""
         self.installed: dict[int, int] = {}  # stage -> the version now in its modules
+        self.gave_grads = False
+        """Whether the last step ended with gradients (of the step before it) in ``.grad``:
+        not after a first step, which fills the pipeline."""
 
     @property
     def in_flight(self) -> bool:
@@ -67,6 +70,7 @@ class Versions:
         and, as ``.grad``, the gradients of version ``version - 1``, now complete; the
         modules hold P again."""
         done = self.leaves.pop(version - 1, {})
+        self.gave_grads = bool(done)
         current = self.leaves.get(version, {})
         for p in self._params():
             leaf, old = current.get(id(p)), done.get(id(p))

@@ -12,9 +12,13 @@ called then.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor, StepData
+from pipetrain.runtime.finish import StepTimes, exchange_window, total_loss
 from pipetrain.runtime.routes import Routes
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.versions import Versions
@@ -31,9 +35,12 @@ class Windows:
         self.versions = Versions(stages)
         self._build = (stages, hosted, transport, linked, routes)
         self.steady = self._executor(schedule, None)
-        self.phases = {"steady": self.steady}
+        self.phases: dict[str, Executor] = {"steady": self.steady}
         self.version = 0  # the weight version of the next step's forwards
         self.previous = -1  # the number of the last step run
+        self.owed: int | None = None  # the step whose peers' end-of-step messages are owed
+        self.previous_loss: torch.Tensor | None = None  # the loss of the step before
+        self._loss: torch.Tensor | None = None  # local mode: the last step's
 
     def _executor(self, schedule: Schedule, like: Executor | None) -> Executor:
         stages, hosted, transport, linked, routes = self._build
@@ -66,3 +73,20 @@ class Windows:
         the step before (:meth:`Versions.end_step`)."""
         self.versions.end_step(data.version)
         self.previous, self.version = data.step, self.version + 1
+
+    def finish(self, transport: P2P | None, schedule: Schedule, data: StepData,
+               own: Sequence[tuple[int, Any]]) -> tuple[torch.Tensor | None, StepTimes]:
+        """The loss of the step ``schedule`` (a phase) ran, where this process computed it,
+        and its times; the loss of the step before in :attr:`previous_loss`
+        (:func:`~pipetrain.runtime.finish.exchange_window`)."""
+        drain = "drain" in self.phases and schedule is self.phases["drain"].schedule
+        if transport is None:
+            loss = total_loss(data)
+            self.previous_loss, self._loss = self._loss, loss
+            return loss, StepTimes(schedule, True, own, data.times)
+        loss, before, times = exchange_window(
+            transport, schedule, transport.rank, data, own, self.owed, drain)
+        self.owed = None if drain else data.step
+        last = schedule.rank_of(schedule.n_stages - 1) == transport.rank
+        self.previous_loss, self._loss = (self._loss, loss) if last else (before, None)
+        return loss, times

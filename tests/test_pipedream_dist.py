@@ -1,0 +1,152 @@
+"""PipeDream-2BW on 2 and 4 processes (gloo): every rank's weights and gradients bitwise
+equal to its update rule on one process (testing.Reference2BW), a tied weight to rounding,
+data parallel x pipeline, and an eval step between windows."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pipetrain as pt
+from models import batch, mlp
+from pipetrain.testing import Reference2BW
+from test_grads_ready import tied_mlp
+from test_pipedream import adamw, sgd
+
+LOSS = nn.MSELoss()
+
+
+def _compare(pipe: pt.Pipeline, ref: nn.Module, where: str, atol: float = 0.0) -> list[str]:
+    own = dict(pipe.named_parameters())
+    theirs = dict(ref.named_parameters())
+    problems = []
+    for n, p in own.items():
+        q = theirs[n]
+        pairs = [("weight", p, q)] + ([("grad", p.grad, q.grad)]
+                                      if p.grad is not None or q.grad is not None else [])
+        for what, a, b in pairs:
+            if a is None or b is None:
+                problems.append(f"{where}: {n} {what}: one side is None")
+            elif (atol == 0.0 and not torch.equal(a, b)) or (
+                    atol > 0.0 and float((a - b).abs().max()) > atol):
+                problems.append(f"{where}: {n} {what} differs by {float((a - b).abs().max())}")
+    return problems
+
+
+def _rule(ctx: pt.RankContext, optimizer: Any, tied: bool = False, m: int = 4,
+          steps: int = 4) -> list[str]:
+    model = tied_mlp() if tied else mlp(2 * ctx.world_size)
+    ref = Reference2BW(copy.deepcopy(model), LOSS, m)
+    pipe = pt.Pipeline(model, "pipedream-2bw", m, LOSS, timeout=30)
+    mine, theirs = optimizer(list(pipe.parameters())), optimizer(list(ref.model.parameters()))
+    atol = 1e-7 if tied else 0.0  # the tied weight's two gradients add in another order
+    problems: list[str] = []
+    losses = []
+    last = ctx.rank == ctx.world_size - 1
+    for t in range(steps):
+        x, y = batch(12, seed=t)
+        got, want = pipe.step(x, y), ref.step(x, y)
+        losses.append(want)
+        if last and (got.loss is None or not torch.allclose(got.loss, want, rtol=0, atol=atol)):
+            problems.append(f"step {t}: loss {got.loss} != {want}")
+        if not last and got.loss is not None:
+            problems.append(f"step {t}: a loss on a rank without the last stage")
+        before = None if t == 0 else losses[t - 1]
+        if (before is None) != (got.previous_loss is None) or (
+                before is not None and not torch.allclose(got.previous_loss, before, rtol=0,
+                                                          atol=atol)):
+            problems.append(f"step {t}: previous_loss {got.previous_loss} != {before}")
+        problems += _compare(pipe, ref.model, f"step {t}", atol)
+        mine.step()
+        theirs.step()
+    result = pipe.drain()
+    ref.drain()
+    if result.loss is not None or len(result.timeline.spans) == 0:
+        problems.append("the drain has a loss, or no timeline")
+    problems += _compare(pipe, ref.model, "drain", atol)
+    mine.step()
+    theirs.step()
+    return problems + _compare(pipe, ref.model, "after", atol)
+
+
+def _eval_between(ctx: pt.RankContext) -> list[str]:
+    model = mlp(2 * ctx.world_size)
+    ref = Reference2BW(copy.deepcopy(model), LOSS, 4)
+    pipe = pt.Pipeline(model, "pipedream-2bw", 4, LOSS, timeout=30)
+    mine, theirs = sgd(list(pipe.parameters())), sgd(list(ref.model.parameters()))
+    problems = []
+    for t in range(3):
+        x, y = batch(12, seed=t)
+        pipe.step(x, y)
+        ref.step(x, y)
+        mine.step()
+        theirs.step()
+        got = pipe.eval_step(x, y)  # with micro-batches in flight, on the newest weights
+        with torch.no_grad():
+            want = LOSS(ref.model(x), y)
+        if got.loss is None or not torch.allclose(got.loss, want, rtol=1e-6):
+            problems.append(f"eval after step {t}: {got.loss} != {want}")
+    pipe.drain()
+    ref.drain()
+    return problems + _compare(pipe, ref.model, "after the evals")
+
+
+def _two(ctx: pt.RankContext) -> list[str]:
+    return (_rule(ctx, sgd) + _rule(ctx, adamw, m=5) + _rule(ctx, sgd, tied=True)
+            + _eval_between(ctx))
+
+
+def _four(ctx: pt.RankContext) -> list[str]:
+    return _rule(ctx, adamw, m=6) + _data_parallel(ctx)
+
+
+def _data_parallel(ctx: pt.RankContext) -> list[str]:
+    """2 replicas x 2 pipeline ranks: each replica steps its half of the batch, the replicas
+    average their gradients (all-reduce, then / 2) before the optimizer step; the reference
+    does the same with two one-process models."""
+    replica, pp_rank = divmod(ctx.rank, 2)
+    pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    model = mlp(4)
+    refs = [Reference2BW(copy.deepcopy(model), LOSS, 4) for _ in range(2)]
+    pipe = pt.Pipeline(model, "pipedream-2bw", 4, LOSS, group=pipes[replica], timeout=30)
+    mine = sgd(list(pipe.parameters()))
+    theirs = [sgd(list(r.model.parameters())) for r in refs]
+    problems: list[str] = []
+    for t in range(4):
+        x, y = batch(16, seed=t)
+        halves = [(x[:8], y[:8]), (x[8:], y[8:])]
+        pipe.step(*halves[replica])
+        for r, half in zip(refs, halves):
+            r.step(*half)
+        for p in pipe.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=dps[pp_rank])
+                p.grad /= 2
+        named = [dict(r.model.named_parameters()) for r in refs]
+        for n in named[0]:
+            a, b = named[0][n], named[1][n]
+            if a.grad is not None:
+                a.grad = (a.grad + b.grad) / 2
+                b.grad = a.grad.clone()
+        problems += _compare(pipe, refs[0].model, f"dp step {t}")
+        mine.step()
+        for opt in theirs:
+            opt.step()
+    return problems
+
+
+def _flatten(results: list[Any]) -> list[str]:
+    return [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs]
+
+
+def test_two_ranks_sgd_adamw_tied_and_eval() -> None:
+    assert _flatten(pt.launch(_two, 2, timeout=240)) == []
+
+
+def test_four_ranks_and_data_parallel() -> None:
+    assert _flatten(pt.launch(_four, 4, timeout=240)) == []
