@@ -5,8 +5,12 @@ data parallel x pipeline, and an eval step between windows."""
 from __future__ import annotations
 
 import copy
+import os
+import re
+import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -150,3 +154,48 @@ def test_two_ranks_sgd_adamw_tied_and_eval() -> None:
 
 def test_four_ranks_and_data_parallel() -> None:
     assert _flatten(pt.launch(_four, 4, timeout=240)) == []
+
+
+class FailAt(nn.Module):
+    """Raises (or kills its process) in the forward of the given call."""
+
+    def __init__(self, call: int, how: str) -> None:
+        super().__init__()
+        self.call, self.how, self.calls = call, how, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.call:
+            if self.how == "die":
+                os._exit(3)
+            raise RuntimeError("injected failure")
+        return x
+
+
+def _fail(ctx: pt.RankContext, how: str) -> str:
+    # 3 ranks, 2BW with m = 4: stage 1 fails in the F of mb 1 of step 2, a steady window in
+    # which its peers are on other steps' micro-batches
+    model = nn.Sequential(nn.Linear(8, 8), FailAt(10, how), nn.Linear(8, 8))
+    pipe = pt.Pipeline(model, "pipedream-2bw", 4, LOSS, timeout=3.0)
+    start = time.monotonic()
+    try:
+        for t in range(4):
+            pipe.step(*batch(12, seed=t))
+    except pt.PipelineError as e:
+        raise pt.PipelineError(f"elapsed={time.monotonic() - start:.1f}s: {e}") from None
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["raise", "die"])
+def test_a_failure_in_a_steady_window_reaches_every_rank(how: str) -> None:
+    with pytest.raises(pt.PipelineError) as info:
+        pt.launch(_fail, 3, how, timeout=60)
+    text = str(info.value)
+    if how == "raise":
+        assert "3 of 3 ranks failed" in text
+        assert "[rank 1 | stage 1 | mb 1 | 1F1@0] step 2 failed: RuntimeError('injected " \
+               "failure')" in text, text
+    else:
+        assert "process exited with code 3" in text
+    elapsed = [float(x) for x in re.findall(r"elapsed=(\d+\.\d)s", text)]
+    assert elapsed and max(elapsed) < 10, text

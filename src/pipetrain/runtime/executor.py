@@ -134,7 +134,8 @@ class Executor:
         return f"rank {rank}" if self.transport is None else self.transport.name(rank)
 
     def _where(self, rank: int, a: Action, step: int) -> str:
-        return f"[{self._rank(rank)} | stage {a.stage} | mb {a.mb} | {a}] step {step}"
+        mb = f"mb {a.mb}" if a.mb >= 0 else f"mb {a.mb + self.m} of the step before"
+        return f"[{self._rank(rank)} | stage {a.stage} | {mb} | {a}] step {step}"
 
     def _sources(self, a: Action) -> tuple[int, ...]:
         """The stages whose messages ``a`` consumes."""
