@@ -37,6 +37,21 @@ def _here(script: str, *args: str, monkeypatch: pytest.MonkeyPatch,
     return capsys.readouterr().out
 
 
+def test_asynchronous_tiny_prints_a_table_and_writes_json(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "asynchronous.json"
+    stdout = _here("asynchronous", "--tiny", "--json", str(out), monkeypatch=monkeypatch,
+                   capsys=capsys)
+    assert "of bound" in stdout and "pipedream-2bw" in stdout
+    rows = {row["schedule"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"1f1b", "zbv", "pipedream-2bw"}
+    for row in rows.values():
+        assert 0 < row["bound_s"] and 0 < row["measured_s"]
+    # the simulator's bounds: 2BW's steady period below ZB-V's and 1F1B's makespans
+    assert rows["pipedream-2bw"]["bound_s"] < rows["zbv"]["bound_s"] < rows["1f1b"]["bound_s"]
+
+
 def test_calibrated_tiny_prints_a_table_and_writes_json(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -409,3 +409,28 @@ def test_the_decode_schedule_prints_what_the_page_says(capsys: pytest.CaptureFix
     text = page.read_text()
     shown = text[text.index("prints\n\n```\n") + len("prints\n\n```\n"):]
     assert capsys.readouterr().out.strip() == shown[:shown.index("```")].strip()
+
+
+def test_the_asynchronous_rows_are_what_the_simulator_says() -> None:
+    """README's PipeDream-2BW row (p = 4, m = 8) and schedules.md's steady-state table."""
+    import pipetrain as pt
+    from pipetrain.schedules.steady import steady_state
+
+    def figures(p: int, m: int) -> tuple[str, ...]:
+        got = steady_state(pt.make_schedule("pipedream-2bw", p, m), pt.Costs(F=1, B=2))
+        flushed = pt.simulate(pt.make_schedule("1f1b", p, m), pt.Costs(F=1, B=2))
+        return (f"{got.period:g}", f"{flushed.makespan:g}", f"{got.bubble_fraction:.3f}",
+                ", ".join(f"{x:g}" for x in got.peak_activations),
+                ", ".join(str(v) for v in got.peak_versions))
+
+    row = re.search(r"^\| PipeDream-2BW, `pipedream-2bw` \| 1 \| (\S+) \| (\S+) \| ([\d, ]+) \| "
+                    r"([\d, ]+) \| p \|$", (ROOT / "README.md").read_text(), re.M)
+    assert row is not None
+    period, _, bubble, peaks, versions = figures(4, 8)
+    assert row.groups() == (period, bubble, peaks, versions)
+    page = (ROOT / "docs" / "schedules.md").read_text()
+    for p, m in ((4, 8), (4, 16)):
+        period, makespan, bubble, peaks, versions = figures(p, m)
+        line = (f"| {p}, {m} | {period} | {makespan} | {bubble} | {peaks}"
+                f"{' (1F1B' + chr(39) + 's)' if m == 8 else ''} | {versions} |")
+        assert line in page, line

@@ -114,3 +114,20 @@ def test_constraints_are_errors() -> None:
         make_schedule("1f1b", 2, 4).unroll(2)
     with pytest.raises(ValueError, match="asynchronous"):
         steady_state(make_schedule("1f1b", 2, 4))
+
+
+def test_the_cli_shows_the_steady_state_and_three_steps_unrolled(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pipetrain.cli import main
+
+    assert main(["simulate", "-s", "pipedream-2bw", "-p", "4", "-m", "8", "--cost",
+                 "F=1,B=2"]) == 0
+    out = capsys.readouterr().out
+    assert "asynchronous (2bw): 24 per step in the steady state, bubble fraction 0.000, " \
+           "weight versions per rank 2, 2, 2, 1" in out
+    assert "pipedream-2bw x3" in out
+
+
+def test_simulate_refuses_one_window() -> None:
+    with pytest.raises(ValueError, match="unroll"):
+        simulate(make_schedule("pipedream-2bw", 2, 4))

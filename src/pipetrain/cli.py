@@ -29,6 +29,7 @@ from pipetrain.schedules import draw
 from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import Costs, Simulation, simulate
+from pipetrain.schedules.steady import SteadyState, steady_state
 from pipetrain.schedules.validate import format_grid, validate
 from pipetrain.train import cli as train_cli
 from pipetrain.train import export_cli, generate_cli, verify_cli
@@ -197,12 +198,22 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 
 def _report(schedule: Schedule, args: argparse.Namespace, *, grid: bool) -> int:
-    """Simulate ``schedule`` with the run options, print it and write the requested files."""
+    """Simulate ``schedule`` with the run options, print it and write the requested files.
+
+    An asynchronous schedule is shown as three steps and the drain unrolled
+    (:meth:`Schedule.unroll`), under a line of its steady state (:func:`steady_state`)."""
+    steady = None
+    if schedule.update is not None:
+        steady = steady_state(schedule, _costs(args), args.comm)
+        schedule = schedule.unroll(3)
     sim = simulate(schedule, _costs(args), args.comm, **_w_share(args))
     fit = _fit(sim, args.memory_limit)
     if args.json:
-        print(json.dumps({**sim.to_dict(), **fit}))
+        print(json.dumps({**sim.to_dict(), **fit,
+                          **({"steady": steady.to_dict()} if steady else {})}))
     else:
+        if steady is not None:
+            print(_steady_line(steady))
         print(_summary(sim))
         if fit:
             print(_fit_line(sim, args.memory_limit))
@@ -213,6 +224,13 @@ def _report(schedule: Schedule, args: argparse.Namespace, *, grid: bool) -> int:
             print(format_grid(schedule))
     _write_files(sim, args)
     return EXIT_UNFIT if fit and not fit["fits"] else EXIT_OK
+
+
+def _steady_line(steady: SteadyState) -> str:
+    versions = ", ".join(str(v) for v in steady.peak_versions)
+    return (f"asynchronous ({steady.schedule.update}): {steady.period:g} per step in the steady "
+            f"state, bubble fraction {steady.bubble_fraction:.3f}, weight versions per rank "
+            f"{versions}; below, 3 steps and the drain unrolled")
 
 
 def _costs(args: argparse.Namespace) -> Costs:

@@ -211,7 +211,8 @@ def simulate(
     Raises:
         ScheduleError: if the schedule is invalid (see
         :func:`pipetrain.schedules.validate.validate`).
-        ValueError: for per-stage costs of the wrong length, a negative or non-finite
+        ValueError: for an asynchronous schedule (see :meth:`Schedule.unroll`), per-stage
+            costs of the wrong length, a negative or non-finite
             ``comm``, ``w_share`` outside [0, 1], or a negative ``i_held`` (or a tuple of
             another length than the stages).
 
@@ -220,6 +221,10 @@ def simulate(
         >>> simulate(make_schedule("gpipe", 4, 8), Costs(F=1, B=2)).makespan
         33.0
     """
+    if schedule.update is not None:
+        raise ValueError(f"{schedule.name!r} is asynchronous: one step of it has no makespan of "
+                         "its own; simulate schedule.unroll(k) (k steps and the drain), or "
+                         "take its steady state with pipetrain.schedules.steady.steady_state")
     costs = Costs() if costs is None else costs
     _check_arguments(schedule, costs, comm, w_share)
     held = held_per_stage(i_held, schedule.n_stages)
