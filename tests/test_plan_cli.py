@@ -229,3 +229,28 @@ def test_a_calibration_term_is_fitted_to_the_measured_steps(field: str, truths: 
             truth, rel=1e-4)
     assert _fitted(field, runs, prof, Scale(cores=1.5), truths[0] / 2,
                    sharding) == truths[0] / 2  # capped
+
+
+def test_pipedream_2bw_only_when_allowed(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Never chosen silently: without --allow-async it is not a candidate, and naming it
+    says what to pass; with it, it is one, predicted at its steady state with a second weight
+    version (more bytes than 1F1B at the same balance)."""
+    assert main(["plan", "--preset", "tiny", "--nproc", "2", "--out", str(tmp_path),
+                 "--schedules", "1f1b,pipedream-2bw", "--memory-limit", "1GiB",
+                 "--no-calibrate"]) == 2
+    assert "pass --allow-async" in capsys.readouterr().err
+    code, report = _plan(tmp_path, capsys, "--memory-limit", "1GiB", "--no-calibrate")
+    assert "pipedream-2bw" not in {c["schedule"] for c in report["candidates"]}
+    code = main(["plan", "--preset", "tiny", "--nproc", "2", "--out", str(tmp_path),
+                 "--schedules", "1f1b,pipedream-2bw", "--allow-async", "--memory-limit",
+                 "1GiB", "--no-calibrate", "--json"])
+    found = json.loads(capsys.readouterr().out)["candidates"]
+    assert code == 0
+    by = {(c["schedule"], c["microbatches"], tuple(c["balance"]), c["recompute"]): c
+          for c in found}
+    pairs = [(c, by.get(("1f1b", *k[1:]))) for k, c in by.items() if k[0] == "pipedream-2bw"]
+    assert pairs and all(o is not None for _, o in pairs)
+    for two, one in pairs:
+        assert two["predicted_step_s"] < one["predicted_step_s"]  # no flush
+        assert two["predicted_peak_bytes"][0] > one["predicted_peak_bytes"][0]  # two versions

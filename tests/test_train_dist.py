@@ -95,7 +95,8 @@ def _faults(plan: str, out: Path) -> Iterator[None]:
 # -- two processes ----------------------------------------------------------------------------
 def _two(ctx: pt.RankContext, tmp: str) -> list[str]:
     return _cases(ctx, tmp, [_resume_at_pp2, _runs, _resume_bitwise, _clipping, _skip, _abort,
-                             _precisions, _overlap, _compiled, _failure_names_the_step])
+                             _precisions, _overlap, _compiled, _failure_names_the_step,
+                             _pipedream])
 
 
 def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
@@ -148,6 +149,30 @@ def _resume_bitwise(ctx: pt.RankContext, tmp: str) -> list[str]:
         problems.append(f"resumed losses {first} + {rest} != uninterrupted {full}")
     if summary["steps"] != 6 or summary["steps_run"] != 3:
         problems.append(f"summary {summary}")
+    return problems
+
+
+def _pipedream(ctx: pt.RankContext, tmp: str) -> list[str]:
+    """--schedule pipedream-2bw: the first step applies nothing (it fills the pipeline), the
+    loss falls, and a run stopped at its checkpoint (drained there) and resumed goes on exactly
+    as the uninterrupted one: losses and gradient norms."""
+    common: dict[str, Any] = dict(schedule="pipedream-2bw", steps=8, checkpoint_every=4,
+                                  sample_tokens=0, eval_every=0)
+    full, summary = _curves(_cfg(tmp, "2bw-full", **common))
+    problems = []
+    if not (math.isnan(full[0]) and math.isnan(full[1]) and full[-2] < full[2] - 0.5):
+        problems.append(f"2bw: losses and norms {full}")
+    if summary["steps"] != 8 or summary["skipped"]:
+        problems.append(f"2bw: summary {summary}")
+    cfg = _cfg(tmp, "2bw-cut", **common)
+    trainer = build(cfg)
+    first = [v for step in range(4) for s in [train_step(trainer, step)]
+             for v in (s.loss, s.grad_norm)]
+    save(trainer)
+    del trainer
+    rest, summary = _curves(cfg)
+    if repr(first + rest) != repr(full):
+        problems.append(f"2bw resumed {first} + {rest} != uninterrupted {full}")
     return problems
 
 

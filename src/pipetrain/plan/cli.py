@@ -80,6 +80,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     parser.add_argument("--schedules", metavar="NAMES",
                         help="comma-separated schedules to consider (default: all)")
+    parser.add_argument("--allow-async", action="store_true",
+                        help="consider pipedream-2bw too, whose update uses the gradient of the "
+                        "step before (never chosen without this)")
     parser.add_argument("--top", type=int, default=8, metavar="N",
                         help="candidates to show (default: %(default)s)")
     parser.add_argument("--no-calibrate", action="store_true",
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         return run_module(args)
     from pipetrain.plan.calibrate import calibrate_on_ranks, on_cuda, shared_cores
     from pipetrain.plan.limit import memory_limit
-    from pipetrain.plan.planner import SCHEDULES, Scale, ranked, search
+    from pipetrain.plan.planner import ASYNCHRONOUS, SCHEDULES, Scale, ranked, search
     from pipetrain.plan.shardcost import Collectives
     from pipetrain.train.cli import check
 
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     check(cfg)
     layouts = candidate_layouts(cfg, args.pp, args.dp, args.fsdp, args.tp, args.fsdp_reshard,
                                 args.ep)
-    schedules = _schedules(args.schedules, SCHEDULES)
+    schedules = _schedules(args.schedules, SCHEDULES, ASYNCHRONOUS if args.allow_async else ())
     calib = _calibration_layout(layouts, cfg.nproc)
     profiles = profile_layouts(cfg, [*layouts, calib])
     cores = shared_cores(cfg)
@@ -210,11 +213,17 @@ def _calibration_layout(layouts: list[Layout], nproc: int) -> Layout:
     return pp, Sharding(dp=nproc // pp)
 
 
-def _schedules(text: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
+def _schedules(text: str | None, known: tuple[str, ...],
+               allowed: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The schedules to search: ``known``, and the asynchronous ones ``allowed``."""
+    known = known + allowed
     if text is None:
         return known
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in known]
+    if unknown and not allowed and any(n.startswith("pipedream") for n in unknown):
+        raise ValueError(f"--schedules: {unknown} update with the gradient of the step before "
+                         "(asynchronous); pass --allow-async to consider them")
     if unknown or not names:
         raise ValueError(f"--schedules: unknown {unknown}; choose among {list(known)}")
     return names

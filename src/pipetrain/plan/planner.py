@@ -8,7 +8,10 @@ stage) and a recomputation policy. For each one the planner predicts
                 calibration run, plus a fitted cost per action (the runtime's own), plus the
                 calibrated hop delay and the step's time outside the schedule (gradient
                 norm, optimizer); ranks that share fewer cores than they are (CPU
-                processes) share them in the simulation too
+                processes) share them in the simulation too. An asynchronous schedule
+                (``pipedream-2bw``, offered only when asked for: :data:`ASYNCHRONOUS`) takes
+                its steady-state period instead of a makespan, and a second weight version
+                on each stage that keeps two
     peak bytes  per rank: the stages' parameters, gradients and AdamW moments (4 x their
                 trainable bytes, + frozen bytes; sharded and gathered as
                 :mod:`pipetrain.plan.shardcost` says under FSDP), plus the larger of
@@ -59,15 +62,19 @@ from pipetrain.plan.shardcost import (
 from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import Costs, Simulation, peak_units, simulate
+from pipetrain.schedules.steady import steady_state
 from pipetrain.split.balance import plan_balance
 from pipetrain.split.partition import stage_bounds
 from pipetrain.split.profile import LayerCost
 
-__all__ = ["Profiled", "Scale", "Candidate", "SCHEDULES", "RECOMPUTE", "MARGIN", "search",
+__all__ = ["Profiled", "Scale", "Candidate", "SCHEDULES", "ASYNCHRONOUS", "RECOMPUTE", "MARGIN",
+           "search",
            "ranked", "microbatch_choices", "actions_per_rank", "stage_bytes"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2",
              "interleaved-zb", "zbv", "v-half", "v-min", "dualpipev", "zb-auto")
+ASYNCHRONOUS = ("pipedream-2bw",)
+"""Considered only when the user allows a delayed update (``pipetrain plan --allow-async``)."""
 RECOMPUTE = ("never", "always")
 MARGIN = 0.03
 ONE = Sharding()
@@ -263,14 +270,25 @@ def evaluate(prof: Profiled, schedule: Schedule, balance: Sequence[int], policy:
     collectives = collectives or Collectives.default()
     bounds = stage_bounds(balance)
     cores = None if scale.cores is None else scale.cores / sharding.replicas
-    sim = simulate(schedule, _costs(prof, bounds, policy, scale, sharding, collectives),
-                   scale.comm, cores=cores)
-    peaks = tuple(round(x) for x in rank_peaks(prof, schedule, bounds, policy, sim,
-                                               scale.foreach, sharding))
+    costs = _costs(prof, bounds, policy, scale, sharding, collectives)
+    shown = schedule if schedule.update is None else schedule.unroll(2)
+    sim = simulate(shown, costs, scale.comm, cores=cores)
+    step = sim.makespan
+    peaks_ = rank_peaks(prof, shown, bounds, policy, sim, scale.foreach, sharding)
+    if schedule.update is not None:  # asynchronous: a step is the steady period, and a stage
+        steady = steady_state(schedule, costs, scale.comm)  # keeps a second weight version
+        shared = 1.0 if cores is None else sim.makespan / max(
+            simulate(shown, costs, scale.comm).makespan, 1e-12)  # what sharing cores costs
+        step = steady.period * shared
+        peaks_ = [x + (versions - 1) * sum(c.param_bytes - c.frozen_bytes
+                                           for s in schedule.stages_of(r)
+                                           for c in prof.layers[slice(*bounds[s])])
+                  for r, (x, versions) in enumerate(zip(peaks_, steady.peak_versions))]
+    peaks = tuple(round(x) for x in peaks_)
     outside = _outside(prof, schedule, bounds, scale, sharding, collectives)
     return Candidate(schedule.name, schedule.n_stages // schedule.n_ranks,
                      schedule.n_microbatches, tuple(balance), policy,
-                     sim.makespan + outside, peaks, max(peaks) <= limit, sim, sharding)
+                     step + outside, peaks, max(peaks) <= limit, sim, sharding)
 
 
 def _costs(prof: Profiled, bounds: Sequence[tuple[int, int]], policy: str, scale: Scale,

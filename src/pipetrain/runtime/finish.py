@@ -122,13 +122,15 @@ def exchange_window(transport: P2P, schedule: Schedule, rank: int, data: StepDat
     holder = schedule.rank_of(schedule.n_stages - 1)
     result = StepTimes(schedule, data.train, own, data.times)
     before = None
-    for step in [s for s in (earlier, data.step if drain else None) if s is not None]:
+    for step, this in ((earlier, False), (data.step if drain else None, True)):
+        if step is None:  # (a drain may carry the number of the step before it)
+            continue
         received = transport.receive_last({peer: done_key(step, peer) for peer in peers}, where)
         for peer, msg in received.items():
-            if step == data.step and msg.tensors and msg.tensors[0] is not None:
+            if this and msg.tensors and msg.tensors[0] is not None:
                 result.peer_times[peer] = msg.tensors[0]
             if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
-                if step == data.step:
+                if this:
                     loss = msg.tensors[1].clone()
                 else:
                     before = msg.tensors[1].clone()

@@ -223,7 +223,8 @@ def plan_balance(
                          "a function fn(layer_costs, first, end) -> float")
     costs = _layer_costs(layers, mode, sample_input, loss_fn, sample_target, layer_costs,
                          repeats)
-    pairs = stage_pairs(simulate(schedule))
+    pairs = stage_pairs(simulate(schedule if schedule.update is None  # asynchronous: two
+                                 else schedule.unroll(2)))  # steps hold what any step holds
     held_share = held_per_stage(1.0, schedule.n_stages)  # the simulator's rule: 0 on stage 0
     sums = _prefix_sums(costs)
 

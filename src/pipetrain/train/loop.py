@@ -16,6 +16,14 @@ every rank in the same sequence, because every branch depends only on values all
                                          (and over the shards' slices, with --fsdp)
     [7] AdamW step at lr_at(step)        then zero the gradients
 
+Under the asynchronous ``pipedream-2bw`` the gradients [2] leaves are the previous step's
+(W(t+1) = W(t) - lr * grad f(W(t-1))): [3]-[7] apply those, the step's record carries the
+loss and gradient norm of the batch they come from (the previous one), and the first step,
+which fills the pipeline, applies none (its record has NaN there). Before a checkpoint and at
+the end the pipeline is drained and the step's own batch applied as well (at the same learning
+rate; the record keeps the first update's figures), so that a checkpoint holds no micro-batch
+in flight and a resumed run goes on exactly as one that was not stopped.
+
 Eval losses, checkpoints and the one timeline picture come between steps; generated text and
 the summary at the end. :func:`run` returns the same summary on every rank.
 """
@@ -156,7 +164,8 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
         reporter.record("data", trainer.data)
     tally = Tally()
     saved = resumed
-    meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step)
+    meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step,
+                        measure=trainer.pipe.windows is None)
     clock = time.perf_counter()
     for step in range(trainer.step, cfg.steps):
         with meter.step(lambda: _held(trainer)):
@@ -176,7 +185,9 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     final_eval = evaluate(trainer)
     reporter.record("eval", {"step": trainer.step - 1, "eval_loss": final_eval})
     last = tally.last
-    if last is not None:  # predicted from the step before: costs it was not measured on
+    if last is not None and trainer.pipe.windows is None:  # (an asynchronous step's timeline
+        # holds this rank's actions only) predicted from the step before: costs it was not
+        # measured on
         basis = tally.before_last or last
         reporter.timeline(last.step, last.timeline,
                           predict(basis.timeline, trainer.pipe.schedule), basis.step)
@@ -235,9 +246,30 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
                                on_grads_ready=trainer.on_grads_ready)  # [3]
     finally:
         trainer.injector.armed = False
+    windows = pipe.windows  # an asynchronous schedule: the gradients are the step before's
+    loss, grad_norm, skipped = math.nan, math.nan, False
+    if windows is None or windows.versions.gave_grads:  # not a first, filling step
+        loss, grad_norm, skipped = _update(trainer, step, result.loss if windows is None
+                                           else result.previous_loss)
+    if windows is not None and _drain_due(trainer, step):  # the record keeps the first
+        drained = pipe.drain(step=step, on_grads_ready=trainer.on_grads_ready)  # update's
+        last = _update(trainer, step, drained.previous_loss)
+        loss, grad_norm, skipped = (loss, grad_norm, skipped) if math.isfinite(loss) else last
+    trainer.step = step + 1
+    seconds = time.perf_counter() - start
+    return StepStats(step, mesh.dp_mean(loss), lr, grad_norm,
+                     cfg.batch_size * cfg.seq_len / seconds, result.bubble_fraction,
+                     skipped, seconds, result.timeline, _expert_load(trainer))
+
+
+def _update(trainer: Trainer, step: int, scaled: torch.Tensor | None
+            ) -> tuple[float, float, bool]:
+    """[3]-[7] on the gradients in ``.grad``: their batch's loss (``scaled``, None where this
+    rank has none), the norm before clipping (NaN when skipped) and whether it was skipped."""
+    cfg, mesh = trainer.cfg, trainer.mesh
     trainer.finish_grads()  # [3]
     trainer.scale.unscale_(trainer.params)  # [4]
-    loss = trainer.scale.unscale_loss(float(result.loss if result.loss is not None else "nan"))
+    loss = trainer.scale.unscale_loss(float(scaled if scaled is not None else "nan"))
     square_sum = grad_square_sum(trainer.counted, mesh.comm_device) + mesh.tp_sum_(
         grad_square_sum(trainer.split, mesh.comm_device))
     experts = mesh.ep_sum_(grad_square_sum(trainer.experts, mesh.comm_device))
@@ -255,11 +287,13 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
         trainer.optimizer.step()  # [7]
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.scale.update(overflow=verdict.level == OVERFLOW)
-    trainer.step = step + 1
-    seconds = time.perf_counter() - start
-    return StepStats(step, mesh.dp_mean(loss), lr, grad_norm,
-                     cfg.batch_size * cfg.seq_len / seconds, result.bubble_fraction,
-                     verdict.skip, seconds, result.timeline, _expert_load(trainer))
+    return loss, grad_norm, verdict.skip
+
+
+def _drain_due(trainer: Trainer, step: int) -> bool:
+    """An asynchronous schedule drains before a checkpoint and after the last step."""
+    cfg, done = trainer.cfg, step + 1
+    return done == cfg.steps or bool(cfg.out) and _due(cfg.checkpoint_every, done, cfg.steps)
 
 
 def _counting(load: Any) -> contextlib.AbstractContextManager[None]:

@@ -211,6 +211,11 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.compile and (cfg.recompute != "never" or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
         problems.append("--compile runs with neither --recompute nor --fsdp, --tp or --ep "
                         "(yet); drop --compile or those")
+    if cfg.schedule == "pipedream-2bw" and (cfg.compile or cfg.precision == "fp16"
+                                            or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
+        problems.append("--schedule pipedream-2bw runs without --compile, fp16, --fsdp, --tp "
+                        "and --ep (yet): its gradients are a step older than the loss scale "
+                        "and the sharded weights; use bf16 or fp32, or a synchronous schedule")
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.nonfinite not in ("skip", "abort"):
