@@ -49,7 +49,8 @@ def windows(losses: Sequence[float], size: int) -> list[float]:
 def format_table(runs: list[dict[str, Any]], size: int) -> str:
     means = {r["schedule"]: windows(r["losses"], size) for r in runs}
     n = max(len(v) for v in means.values())
-    head = f"{'batches':<12}" + "".join(f"{r['schedule']:>16}" for r in runs) + f"{'2bw - 1f1b':>12}"
+    head = (f"{'batches':<12}" + "".join(f"{r['schedule']:>16}" for r in runs)
+            + f"{'2bw - 1f1b':>12}")
     lines = [head, "-" * len(head)]
     for i in range(n):
         cells = [means[r["schedule"]][i] if i < len(means[r["schedule"]]) else float("nan")
