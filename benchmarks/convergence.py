@@ -31,7 +31,7 @@ def train(schedule: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     command = [sys.executable, "-m", "pipetrain", "train", "--nproc", str(args.nproc),
                "--preset", args.preset, "--schedule", schedule, "--steps", str(args.steps),
                "--eval-every", "0", "--sample-tokens", "0", "--checkpoint-every", "0",
-               "--no-progress", "--out", str(out)]
+               "--no-progress", "--out", str(out), *(["--lr", str(args.lr)] if args.lr else [])]
     subprocess.run(command, check=True, capture_output=True, text=True)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     steps = {r["step"]: r["loss"] for r in records if r["kind"] == "step"}
@@ -85,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--window", type=int, default=50, help="batches per table row")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: train's)")
     parser.add_argument("--png", help="draw both curves here")
     parser.add_argument("--json", help="write the curves here")
     parser.add_argument("--tiny", action="store_true", help="tiny preset, 20 steps (CI)")

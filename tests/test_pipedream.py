@@ -1,5 +1,7 @@
-"""PipeDream-2BW in one process: weights, gradients and losses bitwise equal to its update rule
-W(t+1) = W(t) - lr * grad f(W(t-1)) applied on one process (testing.Reference2BW)."""
+"""PipeDream-2BW and PipeDream in one process: weights, gradients and losses bitwise equal to
+their update rules applied on one process: W(t+1) = W(t) - lr * grad f(W(t-1))
+(testing.Reference2BW), and weight stashing, an update after every backward
+(testing.ReferenceStash)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from torch import nn
 
 import pipetrain as pt
 from models import batch, mlp
-from pipetrain.testing import Reference2BW
+from pipetrain.testing import Reference2BW, ReferenceStash
 from test_grads_ready import tied_mlp
 
 LOSS = nn.MSELoss()
@@ -177,3 +179,54 @@ def test_what_it_does_not_run_with_is_refused() -> None:
         pt.Pipeline(mlp(), "pipedream-2bw", 4, LOSS, local_ranks=2, compile=True)
     with pytest.raises(ValueError, match="m >= p"):
         pt.Pipeline(mlp(), "pipedream-2bw", 2, LOSS, local_ranks=4)
+
+
+# -- PipeDream: weight stashing, an update after every backward --------------------------
+
+
+def stash_pair(model: nn.Module, ranks: int, optimizer: Optimizer, m: int = 4,
+               **kw: Any) -> tuple[pt.Pipeline, ReferenceStash, nn.Module]:
+    """A PipeDream pipeline and its one-process reference over the same stages."""
+    ref_model = copy.deepcopy(model)
+    pipe = pt.Pipeline(model, "pipedream", m, LOSS, optimizer=optimizer, **kw)
+    layers, bounds = list(ref_model), [0]
+    for size in pipe.balance:
+        bounds.append(bounds[-1] + size)
+    stages = [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return pipe, ReferenceStash(stages, LOSS, m, optimizer), ref_model
+
+
+@pytest.mark.parametrize(("ranks", "optimizer"), [(2, sgd), (4, adamw)])
+def test_pipedream_follows_weight_stashing_bitwise(ranks: int, optimizer: Optimizer) -> None:
+    """Every step's loss (its micro-batches on each stage's version of the moment) and the
+    weights after the drain equal ReferenceStash's; twice, the pipeline filled again."""
+    pipe, ref, ref_model = stash_pair(mlp(), ranks, optimizer, local_ranks=ranks)
+    for rounds in range(2):
+        for x, y in batches(4):
+            assert torch.equal(pipe.step(x, y).loss, ref.step(x, y))  # type: ignore[arg-type]
+        pipe.drain()
+        ref.drain()
+        got = dict(pipe.named_parameters())
+        for n, q in ref_model.named_parameters():
+            assert torch.equal(got[n], q) and got[n].grad is None, (rounds, n)
+
+
+def test_pipedream_keeps_the_versions_of_the_micro_batches_in_flight() -> None:
+    pipe, _, _ = stash_pair(mlp(), 4, sgd, m=8, local_ranks=4)
+    pipe.step(*batch(16))
+    assert pipe.windows is not None
+    held = {s: {v for v, leaves in pipe.windows.versions.leaves.items()
+                if any(id(p) in leaves for p in st.parameters())}
+            for s, st in pipe.stages.items()}
+    assert [len(held[s]) for s in range(4)] == [3, 2, 1, 0]  # d micro-batches after a step
+
+
+def test_pipedream_refusals() -> None:
+    with pytest.raises(ValueError, match="pass optimizer="):
+        pt.Pipeline(mlp(), "pipedream", 4, LOSS, local_ranks=2)
+    with pytest.raises(ValueError, match="optimizer= is for schedule 'pipedream'"):
+        pt.Pipeline(mlp(), "pipedream-2bw", 4, LOSS, local_ranks=2, optimizer=sgd)
+    with pytest.raises(ValueError, match="optimizer= is for schedule 'pipedream'"):
+        pt.Pipeline(mlp(), "1f1b", 4, LOSS, local_ranks=2, optimizer=sgd)
+    with pytest.raises(ValueError, match="a weight tied between stages"):
+        pt.Pipeline(tied_mlp(), "pipedream", 4, LOSS, local_ranks=2, optimizer=sgd)

@@ -1,6 +1,6 @@
-"""PipeDream-2BW on 2 and 4 processes (gloo): every rank's weights and gradients bitwise
-equal to its update rule on one process (testing.Reference2BW), a tied weight to rounding,
-data parallel x pipeline, and an eval step between windows."""
+"""PipeDream-2BW and PipeDream on 2 and 4 processes (gloo): every rank's weights and gradients
+bitwise equal to their update rules on one process (testing.Reference2BW, ReferenceStash), a
+tied weight to rounding, data parallel x pipeline, an eval step between windows, failures."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pipetrain as pt
 from models import batch, mlp
 from pipetrain.testing import Reference2BW
 from test_grads_ready import tied_mlp
-from test_pipedream import adamw, sgd
+from test_pipedream import adamw, batches, sgd, stash_pair
 
 LOSS = nn.MSELoss()
 
@@ -99,13 +99,35 @@ def _eval_between(ctx: pt.RankContext) -> list[str]:
     return problems + _compare(pipe, ref.model, "after the evals")
 
 
+def _stash(ctx: pt.RankContext, optimizer: Any, m: int = 4) -> list[str]:
+    """PipeDream on every rank: the last rank's losses, everyone's previous_loss, and each
+    rank's weights after the drain, bitwise ReferenceStash's."""
+    pipe, ref, ref_model = stash_pair(mlp(2 * ctx.world_size), ctx.world_size, optimizer, m,
+                                      timeout=30)
+    problems, losses = [], []
+    last = ctx.rank == ctx.world_size - 1
+    for t, (x, y) in enumerate(batches(4)):
+        got, want = pipe.step(x, y), ref.step(x, y)
+        losses.append(want)
+        if last and (got.loss is None or not torch.equal(got.loss, want)):
+            problems.append(f"stash step {t}: loss {got.loss} != {want}")
+        before = None if t == 0 else losses[t - 1]
+        if not (before is None and got.previous_loss is None) and not (
+                before is not None and got.previous_loss is not None
+                and torch.equal(got.previous_loss, before)):
+            problems.append(f"stash step {t}: previous_loss {got.previous_loss} != {before}")
+    pipe.drain()
+    ref.drain()
+    return problems + _compare(pipe, ref_model, "stash after the drain")
+
+
 def _two(ctx: pt.RankContext) -> list[str]:
     return (_rule(ctx, sgd) + _rule(ctx, adamw, m=5) + _rule(ctx, sgd, tied=True)
-            + _eval_between(ctx))
+            + _eval_between(ctx) + _stash(ctx, sgd))
 
 
 def _four(ctx: pt.RankContext) -> list[str]:
-    return _rule(ctx, adamw, m=6) + _data_parallel(ctx)
+    return _rule(ctx, adamw, m=6) + _data_parallel(ctx) + _stash(ctx, adamw, m=5)
 
 
 def _data_parallel(ctx: pt.RankContext) -> list[str]:

@@ -143,6 +143,9 @@ class Pipeline:
             the name of another ``torch.compile`` backend. Every schedule, split backward
             included; not with ``recompute`` or ``parallelize``, nor with a model that
             draws (dropout) unless ``rng=False``.
+        optimizer: PipeDream's weight stashing (``schedule="pipedream"``) only, where the
+            pipeline steps each stage after every backward: a function that makes an optimizer
+            from a stage's parameters (``lambda ps: torch.optim.SGD(ps, lr=0.1)``).
 
     Raises:
         ValueError: for an unknown schedule or integers outside its constraints.
@@ -161,6 +164,7 @@ class Pipeline:
         split_points: Sequence[str] | str | None = None, example_inputs: Any = None,
         parallelize: Callable[[int, list[nn.Module]], None] | None = None,
         rng: bool | None = None, compile: bool | str = False,
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
@@ -223,9 +227,15 @@ class Pipeline:
         deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
         self.windows: Windows | None = None  # an asynchronous schedule's phases and versions
         if self.schedule.update is not None:
-            _asynchronous_fits(self.schedule, compile, parallelize)
+            _asynchronous_fits(self.schedule, compile, parallelize, optimizer, self.tied)
             self.windows = Windows(self.schedule, self.stages, self.hosted, self.transport,
-                                   linked, self.routes)
+                                   linked, self.routes, None if optimizer is None else {
+                                       s: optimizer(st.parameters())
+                                       for s, st in self.stages.items()})
+        elif optimizer is not None:
+            raise ValueError(f"optimizer= is for schedule 'pipedream' (an update after every "
+                             f"backward); under {self.schedule.name!r} step your optimizer "
+                             "after each step")
         self.executor = self.windows.steady if self.windows else Executor(
             self.schedule, self.stages, self.hosted, self.transport, linked, deferred,
             routes=self.routes)
@@ -498,7 +508,7 @@ class Pipeline:
             with eval_mode(m for _, m in modal):  # a layer list: eval() while it runs
                 executor.run(data)
             if train and self.windows is not None:
-                self.windows.end(data)
+                self.windows.end(data, drain)
             loss, times = self._finish(data, executor, schedule)
         except BaseException as e:
             error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
@@ -586,9 +596,19 @@ class Pipeline:
                              relay=isinstance(error, PeerFailed))
 
 
-def _asynchronous_fits(schedule: Schedule, compile: bool | str, parallelize: Any) -> None:
+def _asynchronous_fits(schedule: Schedule, compile: bool | str, parallelize: Any,
+                       optimizer: Any, tied: Sequence[Any]) -> None:
     """Refuse what an asynchronous schedule does not run with yet."""
-    refused = [what for what, on in (("compile=", compile),
+    stash = schedule.update == "stash"
+    if stash and optimizer is None:
+        raise ValueError(f"{schedule.name!r} steps each stage after every backward: pass "
+                         "optimizer=, a function making an optimizer from a stage's "
+                         "parameters, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
+    if not stash and optimizer is not None:
+        raise ValueError(f"optimizer= is for schedule 'pipedream'; under {schedule.name!r} "
+                         "step your optimizer after each step")
+    refused = [what for what, on in (("compile=", compile), ("a weight tied between stages",
+                                                             stash and bool(tied)),
                                      ("parallelize=", parallelize is not None)) if on]
     if refused:
         raise ValueError(f"{schedule.name!r} (asynchronous: weight versions per step) does not "

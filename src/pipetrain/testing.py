@@ -13,7 +13,7 @@ rank holds fails it too.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -25,8 +25,8 @@ from pipetrain.pipeline import Pipeline
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as streams
 
-__all__ = ["reference_step", "Reference2BW", "grad_mismatches", "reload_mismatches",
-           "train_tokenizer"]
+__all__ = ["reference_step", "Reference2BW", "ReferenceStash", "grad_mismatches",
+           "reload_mismatches", "train_tokenizer"]
 
 
 def reference_step(
@@ -117,6 +117,79 @@ class Reference2BW:
     def _set_grads(self, grads: dict[str, torch.Tensor | None] | None) -> None:
         for n, p in self.model.named_parameters():
             p.grad = None if grads is None else grads[n]
+
+
+class ReferenceStash:
+    """PipeDream's weight stashing on one process, micro-batch by micro-batch.
+
+    ``stages`` are the pipeline's stages as modules (one per rank, in order). Stage ``s``
+    updates after every backward with that micro-batch's gradient, taken on the version its
+    forward used, applied to its newest version (``optimizer``, one per stage). With ``d =
+    len(stages) - 1 - s`` micro-batches in flight above it, micro-batch ``n`` runs on stage
+    ``s``'s version ``max(0, n - d)``: the one made by the updates of micro-batches ``0 .. n -
+    d - 1`` (counted from the last drain, after which the pipeline fills again). Each micro-batch runs forward and backward through the stages at those versions
+    (:func:`torch.func.functional_call`); :meth:`step` returns the batch's loss as
+    :func:`reference_step` weights it, and :meth:`drain` applies the updates still owed, so
+    the stages then hold what ``Pipeline(..., "pipedream", optimizer=...)`` holds after its
+    own ``drain()``.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor],
+                 microbatches: int,
+                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+        self.stages, self.loss_fn, self.m = list(stages), loss_fn, microbatches
+        self.optimizers = [optimizer(list(s.parameters())) for s in self.stages]
+        self.versions: list[list[dict[str, torch.Tensor]]] = [[_state(s)] for s in self.stages]
+        self.grads: list[list[dict[str, torch.Tensor | None]]] = [[] for _ in self.stages]
+        self.count = 0  # micro-batches run
+        self.start = 0  # the first micro-batch after the last drain (which filled again)
+
+    def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        xs, ys = microbatch.split(inputs, self.m, 0), microbatch.split(targets, self.m, 0)
+        total_size = microbatch.batch_size(targets, 0)
+        sizes = microbatch.sizes(total_size, self.m)
+        total: torch.Tensor | None = None
+        last = len(self.stages) - 1
+        for x, y, n in zip(xs, ys, sizes):
+            leaves = []
+            for s in range(len(self.stages)):
+                version = self.start + max(0, self.count - self.start - (last - s))
+                self._make(s, version)
+                leaves.append({k: v.clone().requires_grad_(True)
+                               for k, v in self.versions[s][version].items()})
+                x = torch.func.functional_call(self.stages[s], leaves[s], (x,))
+            loss = self.loss_fn(x, y) * (n / total_size)
+            loss.backward()  # type: ignore[no-untyped-call]
+            for s, own in enumerate(leaves):
+                self.grads[s].append({k: v.grad for k, v in own.items()})
+            total = loss.detach() if total is None else total + loss.detach()
+            self.count += 1
+        if total is None:
+            raise ValueError("no micro-batches")
+        return total
+
+    def drain(self) -> None:
+        for s in range(len(self.stages)):
+            self._make(s, self.count)
+        self.start = self.count  # the next micro-batches fill the pipeline again
+
+    def _make(self, stage: int, version: int) -> None:
+        """Apply stage ``stage``'s updates in order until ``version`` exists."""
+        module, made = self.stages[stage], self.versions[stage]
+        while len(made) <= version:
+            k = len(made) - 1
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    p.copy_(made[k][name])
+            for name, p in module.named_parameters():
+                p.grad = self.grads[stage][k][name]
+            self.optimizers[stage].step()
+            self.optimizers[stage].zero_grad(set_to_none=True)
+            made.append(_state(module))
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
 def _keywords(model: Callable[..., Any], x: Any) -> bool:

@@ -159,7 +159,8 @@ class Executor:
                 continue
             self.current = (rank, action)
             if self.versions is not None and train:
-                self.versions.use(action.stage, data.version + (action.version or 0))
+                self.versions.use(action.stage, max(0, data.version + (action.version or 0)),
+                                  op is Op.F)
             if op is Op.B or op is Op.I:  # recompute (if any) before waiting for the gradient
                 activity.computing()
                 self._guarded(rank, action, data, self.stages[action.stage].prepare_backward)
@@ -218,6 +219,8 @@ class Executor:
             got = stage.backward(mb, [m.tensors for m in msgs], split=a.op is Op.I)
             for dst, grads in zip(self._grad_out[a.stage], got):
                 self._put(rank, Message(Key(GRAD, step, mb, a.stage, dst), grads))
+            if self.versions is not None:  # PipeDream: the stage's update after each B
+                self.versions.finished(a.stage, max(0, data.version + (a.version or 0)))
 
     def _forward(self, rank: int, stage: Stage, a: Action, msgs: list[Message],
                  data: StepData) -> None:

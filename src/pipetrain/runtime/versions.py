@@ -14,6 +14,12 @@ forward records them and the backward accumulates its gradients on them, each ve
 So two versions live at once (the paper's two buffered weights), one weight copy per step is
 made, and any ``torch.optim`` optimizer, its state keyed by ``P`` as always, applies the rule
 W(t+1) = W(t) - lr * grad f(W(t-1)) (Narayanan et al., PipeDream-2BW, ICML 2021).
+
+PipeDream's weight stashing (SOSP 2019) updates a stage after every backward instead: the
+version a forward uses is a copy of ``P`` made at its first use, kept (stashed) while a
+micro-batch forwarded on it is in flight; after each B, ``P.grad`` takes that micro-batch's
+gradient on its version, the stage's own optimizer steps ``P``, and the next forward copies
+the result. A stage holds the versions of its micro-batches in flight.
 """
 
 from __future__ import annotations
@@ -33,11 +39,16 @@ Slot = tuple[dict[str, nn.Parameter | None], str, nn.Parameter]  # where a param
 class Versions:
     """The weight versions of the stages one process holds (local mode: all of them)."""
 
-    def __init__(self, stages: dict[int, Stage]) -> None:
+    def __init__(self, stages: dict[int, Stage],
+                 optimizers: dict[int, torch.optim.Optimizer] | None = None) -> None:
         self.slots: dict[int, list[Slot]] = {s: list(_slots(st.module))
                                              for s, st in stages.items()}
         self.leaves: dict[int, dict[int, torch.Tensor]] = {}
         """Per version, per ``id(P)``: the leaf its actions run on."""
+        self.optimizers = optimizers
+        """PipeDream (weight stashing): each stage's optimizer, stepped after each of its B;
+        None: PipeDream-2BW, the user steps after each step."""
+        self.users: dict[tuple[int, int], int] = {}  # (stage, version): micro-batches on it
         self.installed: dict[int, int] = {}  # stage -> the version now in its modules
         self.gave_grads = False
         """Whether the last step ended with gradients (of the step before it) in ``.grad``:
@@ -48,8 +59,11 @@ class Versions:
         """Whether a version other than P is alive (the pipeline holds micro-batches)."""
         return bool(self.leaves)
 
-    def use(self, stage: int, version: int) -> None:
-        """Put ``version``'s leaves into ``stage``'s modules (made from P when first used)."""
+    def use(self, stage: int, version: int, forward: bool = False) -> None:
+        """Put ``version``'s leaves into ``stage``'s modules (made from P when first used);
+        ``forward``: a micro-batch starts on it."""
+        if forward:
+            self.users[stage, version] = self.users.get((stage, version), 0) + 1
         if self.installed.get(stage) == version:
             return
         leaves = self.leaves.get(version)
@@ -58,17 +72,44 @@ class Versions:
         for held, name, p in self.slots[stage]:
             leaf = leaves.get(id(p))
             if leaf is None:
-                # .data, not detach(): the leaf shares P's storage but not its version
-                # counter, so the optimizer's in-place step on P's next storage is not taken
-                # for a change of what this version's backward saved
-                leaf = leaves[id(p)] = nn.Parameter(p.data, requires_grad=True)
+                # .data, not detach(): the leaf shares P's storage (a copy of it when P is
+                # stepped while it lives) but not its version counter, so the optimizer's
+                # in-place step on P is not taken for a change of what its backward saved
+                leaf = leaves[id(p)] = nn.Parameter(
+                    p.data if self.optimizers is None else p.data.clone(), requires_grad=True)
             held[name] = leaf  # type: ignore[assignment]
         self.installed[stage] = version
+
+    def finished(self, stage: int, version: int) -> None:
+        """A micro-batch of ``stage`` on ``version`` ended its B. PipeDream: step the stage's
+        optimizer with its gradient, and drop the version once none is left on it."""
+        left = self.users.pop((stage, version), 1) - 1
+        if left:
+            self.users[stage, version] = left
+        if self.optimizers is None:
+            return
+        leaves = self.leaves[version]
+        for _, _, p in self.slots[stage]:
+            leaf = leaves[id(p)]
+            p.grad, leaf.grad = leaf.grad, None
+        optimizer = self.optimizers[stage]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if not left:
+            for _, _, p in self.slots[stage]:
+                del leaves[id(p)]
+            if not leaves:
+                del self.leaves[version]
+            self.installed.pop(stage, None)
 
     def end_step(self, version: int) -> None:
         """After step ``version``: P holds version ``version``'s values in storage of its own
         and, as ``.grad``, the gradients of version ``version - 1``, now complete; the
-        modules hold P again."""
+        modules hold P again. (PipeDream: P is the newest version already.)"""
+        if self.optimizers is not None:
+            self.gave_grads = False
+            self.restore()
+            return
         done = self.leaves.pop(version - 1, {})
         self.gave_grads = bool(done)
         current = self.leaves.get(version, {})

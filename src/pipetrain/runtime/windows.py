@@ -31,11 +31,13 @@ class Windows:
     """The phases, versions and step count of an asynchronous schedule on one process."""
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], hosted: Sequence[int],
-                 transport: P2P | None, linked: dict[int, set[int]], routes: Routes) -> None:
-        self.versions = Versions(stages)
+                 transport: P2P | None, linked: dict[int, set[int]], routes: Routes,
+                 optimizers: dict[int, torch.optim.Optimizer] | None = None) -> None:
+        self.versions = Versions(stages, optimizers)
         self._build = (stages, hosted, transport, linked, routes)
         self.steady = self._executor(schedule, None)
         self.phases: dict[str, Executor] = {"steady": self.steady}
+        self.filled = False  # a step ran since the last drain (or ever)
         self.version = 0  # the weight version of the next step's forwards
         self.previous = -1  # the number of the last step run
         self.owed: int | None = None  # the step whose peers' end-of-step messages are owed
@@ -53,8 +55,9 @@ class Windows:
 
     @property
     def in_flight(self) -> bool:
-        """Whether micro-batches of an earlier step are still to be finished."""
-        return self.versions.in_flight
+        """Whether micro-batches of an earlier step are still to be finished, on some rank
+        (the same answer on every rank: a last stage finishes its own within the step)."""
+        return self.filled
 
     def phase(self, drain: bool) -> str:
         return "drain" if drain else "steady" if self.in_flight else "fill"
@@ -68,11 +71,13 @@ class Windows:
     def begin(self, data: StepData) -> None:
         data.previous, data.version = self.previous, self.version
 
-    def end(self, data: StepData) -> None:
-        """After a step ran everywhere here: P holds the step's version and the gradients of
-        the step before (:meth:`Versions.end_step`)."""
+    def end(self, data: StepData, drain: bool) -> None:
+        """After a step (``drain``: the drain) ran everywhere here: P holds the step's version
+        and the gradients of the step before (:meth:`Versions.end_step`)."""
         self.versions.end_step(data.version)
-        self.previous, self.version = data.step, self.version + 1
+        self.filled = not drain
+        self.previous = data.step
+        self.version += self.steady.schedule.versions_per_step
 
     def finish(self, transport: P2P | None, schedule: Schedule, data: StepData,
                own: Sequence[tuple[int, Any]]) -> tuple[torch.Tensor | None, StepTimes]:

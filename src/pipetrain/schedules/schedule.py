@@ -65,7 +65,13 @@ class Schedule:
     picked). Such a schedule is forward-only. None: micro-batches are independent."""
     update: str | None = None
     """An asynchronous window's weight-update rule (``"2bw"``: PipeDream-2BW, one new
-    version per step from the gradients of the step before); None: a flush ends each step."""
+    version per step from the gradients of the step before; ``"stash"``: PipeDream, one per
+    backward, from its gradient on the stashed version); None: a flush ends each step."""
+
+    @property
+    def versions_per_step(self) -> int:
+        """How many weight versions a stage makes per step (0 for a flushed schedule)."""
+        return {None: 0, "2bw": 1}.get(self.update, self.n_microbatches)
 
     @classmethod
     def from_lists(
@@ -98,7 +104,8 @@ class Schedule:
     def unroll(self, steps: int) -> Schedule:
         """``steps`` steps of an asynchronous window and the drain after them, as one flushed
         schedule of ``steps * m`` micro-batches with absolute micro-batches and versions
-        (step ``t``'s F of ``mb`` is ``t*m + mb`` at version ``t + version``).
+        (step ``t``'s F of ``mb`` is ``t*m + mb`` at version ``t*k + version``, ``k`` the
+        versions made per step; a version below 0 is the first, 0).
 
         Raises:
             ValueError: for a schedule without ``update`` or ``steps < 1``.
@@ -110,7 +117,8 @@ class Schedule:
         lists: list[list[Action]] = [[] for _ in self.actions]
         for t in range(steps + 1):
             for rank, acts in enumerate(self.actions):
-                lists[rank] += [Action(a.stage, a.op, t * m + a.mb, t + (a.version or 0))
+                lists[rank] += [Action(a.stage, a.op, t * m + a.mb,
+                                       max(0, t * self.versions_per_step + (a.version or 0)))
                                 for a in acts
                                 if t * m + a.mb >= 0 and (t < steps or a.mb < 0)]
         return Schedule.from_lists(f"{self.name} x{steps}", steps * m, self.placement, lists)

@@ -16,7 +16,8 @@ A schedule whose actions name weight versions also has every action of a (stage,
 version. An asynchronous window (``schedule.update``) is checked as a window first (each
 step's micro-batches each forwarded and finished once, F and B only, the versions of its
 update rule), then unrolled over three steps and a drain (:meth:`Schedule.unroll`) and
-checked as above, with at most two weight versions alive on any stage (PipeDream-2BW).
+checked as above, with at most two weight versions alive on any stage (PipeDream-2BW), or at
+most p and each forward on its stage's newest (PipeDream's weight stashing).
 
 Check 3 is implied by check 4; it runs first because "W before I on rank 0" says more than
 "rank 0 is stuck". Every message names rank, step (index in that rank's list) and action, and
@@ -78,9 +79,13 @@ def _validate_window(schedule: Schedule) -> None:
         raise ScheduleError(_message(schedule, "is not a valid asynchronous window", problems))
     unrolled = schedule.unroll(3)
     validate(unrolled)
-    problems = _check_alive(unrolled, 2)
+    problems = _check_alive(unrolled, 2 if schedule.update == "2bw" else schedule.n_ranks)
     if problems:
         raise ScheduleError(_message(unrolled, "keeps too many weight versions", problems))
+    if schedule.update == "stash":
+        problems = _check_stashed(unrolled)
+        if problems:
+            raise ScheduleError(_message(unrolled, "breaks PipeDream's versions", problems))
 
 
 def format_grid(
@@ -243,12 +248,14 @@ def _check_versions(schedule: Schedule) -> list[Problem]:
 
 
 def _check_window(schedule: Schedule) -> list[Problem]:
-    """PipeDream-2BW's window: each step's micro-batches forwarded once on the step's version
-    (0) and finished once by a B on the same version, in this step (``mb``, version 0) or
-    the next (``mb - m``, version -1 there)."""
-    if schedule.update != "2bw":
+    """An asynchronous window: each step's micro-batches forwarded once and finished once by a
+    B, in this step (``mb``) or the next (``mb - m``), F and B only. Under 2BW every forward
+    uses the step's version (0) and a B its forward's (0, or -1 for the step before's);
+    PipeDream's versions are checked on the unrolled steps (:func:`_check_stashed`)."""
+    if schedule.update not in ("2bw", "stash"):
         return [(f"update rule {schedule.update!r} is unknown; asynchronous windows have "
-                 "update '2bw'", set())]
+                 "update '2bw' or 'stash'", set())]
+    two = schedule.update == "2bw"
     m = schedule.n_microbatches
     problems: list[Problem] = []
     seen: dict[tuple[Op, int, int], list[Cell]] = {}
@@ -257,11 +264,12 @@ def _check_window(schedule: Schedule) -> list[Problem]:
         want = 0 if a.mb >= 0 else -1
         low = 0 if a.op is Op.F else -m
         if a.op not in (Op.F, Op.B):
-            problems.append((f"{where}: a 2BW window has F and B only", {(rank, step)}))
+            problems.append((f"{where}: an asynchronous window has F and B only",
+                             {(rank, step)}))
         elif not low <= a.mb < m:
             problems.append((f"{where} names mb {a.mb}; a window's {a.op.value} names "
                              f"{low}..{m - 1}", {(rank, step)}))
-        elif a.version != want:
+        elif a.version is None or (two and a.version != want):
             problems.append((f"{where} uses version {a.version}; under 2BW it uses {want} "
                              "(the version of its step's forward)", {(rank, step)}))
         seen.setdefault((a.op, a.stage, a.mb % m), []).append((rank, step))
@@ -273,6 +281,23 @@ def _check_window(schedule: Schedule) -> list[Problem]:
                     problems.append((f"stage {stage}, mb {mb}: {len(cells)} {op.value} actions "
                                      f"in the window (one {op.value}{mb} or "
                                      f"{op.value}{mb - m} is needed)", set(cells)))
+    return problems
+
+
+def _check_stashed(schedule: Schedule) -> list[Problem]:
+    """PipeDream (weight stashing): a stage's F runs on its newest version, one made after
+    each of its backwards: its version is the count of the stage's B before it (a B's is its
+    forward's, :func:`_check_versions`)."""
+    problems: list[Problem] = []
+    for rank, acts in enumerate(schedule.actions):
+        done: dict[int, int] = {}
+        for step, a in enumerate(acts):
+            if a.op is Op.B:
+                done[a.stage] = done.get(a.stage, 0) + 1
+            elif a.op is Op.F and a.version != done.get(a.stage, 0):
+                problems.append((f"rank {rank}, step {step}: {a} uses version {a.version}, but "
+                                 f"stage {a.stage} made {done.get(a.stage, 0)} updates before "
+                                 "it (one after each backward)", {(rank, step)}))
     return problems
 
 
