@@ -127,7 +127,8 @@ class ReferenceStash:
     forward used, applied to its newest version (``optimizer``, one per stage). With ``d =
     len(stages) - 1 - s`` micro-batches in flight above it, micro-batch ``n`` runs on stage
     ``s``'s version ``max(0, n - d)``: the one made by the updates of micro-batches ``0 .. n -
-    d - 1`` (counted from the last drain, after which the pipeline fills again). Each micro-batch runs forward and backward through the stages at those versions
+    d - 1`` (counted from the last drain, after which the pipeline fills again). Each
+    micro-batch runs forward and backward through the stages at those versions
     (:func:`torch.func.functional_call`); :meth:`step` returns the batch's loss as
     :func:`reference_step` weights it, and :meth:`drain` applies the updates still owed, so
     the stages then hold what ``Pipeline(..., "pipedream", optimizer=...)`` holds after its
