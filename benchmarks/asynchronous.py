@@ -1,11 +1,12 @@
-"""PipeDream-2BW against 1F1B and ZB-V on sleep-calibrated stages: time per step and the bound.
+"""PipeDream-2BW and PipeDream against 1F1B and ZB-V on sleep-calibrated stages: time per step.
 
 The layers are ``calibrated.py``'s (fixed sleeps for F, I and W, so only bubbles and runtime
 overhead show). Every schedule runs ``--steps`` steps back to back after its warm-up, timed as
 one block with a barrier only before and after it: a synchronous schedule's step ends with its
 flush anyway, while PipeDream-2BW's ranks run on into the next step. Its drain runs after the
 block, untimed (once per run). The bound is the simulator's: a synchronous schedule's makespan,
-PipeDream-2BW's steady-state period (``pipetrain.schedules.steady``).
+an asynchronous one's steady-state period (``pipetrain.schedules.steady``). PipeDream steps an
+SGD optimizer after every backward, inside its step.
 
     python benchmarks/asynchronous.py                 # p = 4, m = 8, F = I = W = 10 ms
     python benchmarks/asynchronous.py --m 16 --json out.json
@@ -28,7 +29,7 @@ from calibrated import Case, _loss, stage_costs
 import pipetrain as pt
 from pipetrain.schedules.steady import steady_state
 
-SCHEDULES = ("1f1b", "zbv", "pipedream-2bw")
+SCHEDULES = ("1f1b", "zbv", "pipedream-2bw", "pipedream")
 
 
 def bound(case: Case, name: str) -> float:
@@ -46,7 +47,9 @@ def rank_body(ctx: pt.RankContext, case: Case) -> list[dict[str, Any]]:
     x, y = torch.randn(n, 8), torch.randn(n, 8)
     rows = []
     for name in case.schedules:
-        pipe = pt.Pipeline(case.make_layers(), name, case.microbatches, _loss, timeout=300.0)
+        stash = (lambda ps: torch.optim.SGD(ps, lr=1e-3)) if name == "pipedream" else None
+        pipe = pt.Pipeline(case.make_layers(), name, case.microbatches, _loss, timeout=300.0,
+                           optimizer=stash)  # PipeDream steps each stage after every B
         for _ in range(case.warmup):
             pipe.step(x, y)
         dist.barrier()

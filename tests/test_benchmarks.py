@@ -45,7 +45,7 @@ def test_asynchronous_tiny_prints_a_table_and_writes_json(
                    capsys=capsys)
     assert "of bound" in stdout and "pipedream-2bw" in stdout
     rows = {row["schedule"]: row for row in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"1f1b", "zbv", "pipedream-2bw"}
+    assert set(rows) == {"1f1b", "zbv", "pipedream-2bw", "pipedream"}
     for row in rows.values():
         assert 0 < row["bound_s"] and 0 < row["measured_s"]
     # the simulator's bounds: 2BW's steady period below ZB-V's and 1F1B's makespans

@@ -423,11 +423,14 @@ def test_the_asynchronous_rows_are_what_the_simulator_says() -> None:
                 ", ".join(f"{x:g}" for x in got.peak_activations),
                 ", ".join(str(v) for v in got.peak_versions))
 
-    row = re.search(r"^\| PipeDream-2BW, `pipedream-2bw` \| 1 \| (\S+) \| (\S+) \| ([\d, ]+) \| "
-                    r"([\d, ]+) \| p \|$", (ROOT / "README.md").read_text(), re.M)
-    assert row is not None
-    period, _, bubble, peaks, versions = figures(4, 8)
-    assert row.groups() == (period, bubble, peaks, versions)
+    for title, name in (("PipeDream-2BW", "pipedream-2bw"), ("PipeDream", "pipedream")):
+        row = re.search(rf"^\| {title}, `{name}` \| 1 \| (\S+) \| (\S+) \| ([\d, ]+) \| "
+                        r"([\d, ]+) \| p \|$", (ROOT / "README.md").read_text(), re.M)
+        assert row is not None, name
+        got = steady_state(pt.make_schedule(name, 4, 8), pt.Costs(F=1, B=2))
+        assert row.groups() == (f"{got.period:g}", f"{got.bubble_fraction:.3f}",
+                                ", ".join(f"{x:g}" for x in got.peak_activations),
+                                ", ".join(str(v) for v in got.peak_versions)), name
     page = (ROOT / "docs" / "schedules.md").read_text()
     for p, m in ((4, 8), (4, 16)):
         period, makespan, bubble, peaks, versions = figures(p, m)

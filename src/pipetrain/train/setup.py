@@ -211,6 +211,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.compile and (cfg.recompute != "never" or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
         problems.append("--compile runs with neither --recompute nor --fsdp, --tp or --ep "
                         "(yet); drop --compile or those")
+    if cfg.schedule == "pipedream":
+        problems.append("--schedule pipedream updates each stage after every backward, inside "
+                        "the pipeline, where train's loop owns the optimizer step: use "
+                        "pipedream-2bw, or run pipedream from Python (Pipeline(optimizer=...))")
     if cfg.schedule == "pipedream-2bw" and (cfg.compile or cfg.precision == "fp16"
                                             or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
         problems.append("--schedule pipedream-2bw runs without --compile, fp16, --fsdp, --tp "
