@@ -119,3 +119,46 @@ def test_compiled_stages_on_one_gpu(name: str) -> None:
     scale = max(float(p.grad.abs().max()) for p in ref.parameters())
     for n, p in ref.named_parameters():
         assert float((grads[n].grad - p.grad).abs().max()) <= 1e-5 * scale, n
+
+
+@needs_cuda
+def test_asynchronous_schedules_on_one_gpu() -> None:
+    """PipeDream-2BW and PipeDream in local mode on the GPU: weights (their versions made and
+    kept on the device) against the rules on one process, within 1e-6."""
+    import copy
+
+    from pipetrain.testing import Reference2BW, ReferenceStash
+
+    def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    model = mlp().cuda()
+    data = [tuple(t.cuda() for t in batch(12, seed=t)) for t in range(4)]
+    ref = Reference2BW(copy.deepcopy(model), LOSS, 4)
+    pipe = pt.Pipeline(model, "pipedream-2bw", 4, LOSS, local_ranks=2, device="cuda")
+    mine, theirs = sgd(list(pipe.parameters())), sgd(list(ref.model.parameters()))
+    for x, y in data:
+        torch.testing.assert_close(pipe.step(x, y).loss, ref.step(x, y), rtol=1e-6, atol=1e-7)
+        mine.step()
+        theirs.step()
+    pipe.drain()
+    ref.drain()
+    got = dict(pipe.named_parameters())
+    for n, q in ref.model.named_parameters():
+        torch.testing.assert_close(got[n].grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+    model = mlp().cuda()
+    ref_model = copy.deepcopy(model)
+    pipe = pt.Pipeline(model, "pipedream", 4, LOSS, local_ranks=2, device="cuda",
+                       optimizer=sgd)
+    layers, bounds = list(ref_model), [0, pipe.balance[0], sum(pipe.balance)]
+    stash = ReferenceStash([nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])],
+                           LOSS, 4, sgd)
+    for x, y in data:
+        torch.testing.assert_close(pipe.step(x, y).loss, stash.step(x, y), rtol=1e-6, atol=1e-7)
+    pipe.drain()
+    stash.drain()
+    got = dict(pipe.named_parameters())
+    for n, q in ref_model.named_parameters():
+        assert got[n].is_cuda
+        torch.testing.assert_close(got[n], q, rtol=1e-5, atol=1e-7, msg=n)

@@ -163,6 +163,7 @@ def _data_parallel(ctx: pt.RankContext) -> list[str]:
         mine.step()
         for opt in theirs:
             opt.step()
+    pipe.drain()  # (a pipeline dropped with micro-batches in flight leaves its sends behind)
     return problems
 
 

@@ -101,7 +101,7 @@ class P2P:
                            max_message_bytes, self._tag, self._tag + 1)
         self.inbox = Inbox({peer: Inbound(self._link, peer, self.globals[peer])
                             for peer in range(n_ranks) if peer != rank}, timeout)
-        weakref.finalize(self, _close, self.inbox, [self._pending, self._carried], timeout)
+        weakref.finalize(self, _close, self.inbox, self._pending, self._carried, timeout)
 
     def name(self, rank: int) -> str:
         """Pipeline rank ``rank`` as the job knows it (:func:`~.groups.rank_name`)."""
@@ -227,7 +227,7 @@ class P2P:
 
     def close(self) -> None:
         """Let the last sends complete (bounded)."""
-        _close(self.inbox, [self._pending, self._carried], self.timeout)
+        _close(self.inbox, self._pending, self._carried, self.timeout)
 
     def abort(self, step: int, stage: int, mb: int, op: int, text: str,
               relay: bool = False) -> None:
@@ -282,17 +282,21 @@ def _wait_all(works: list[tuple[Any, torch.Tensor]]) -> None:
             continue
 
 
-def _close(inbox: Inbox, pending: list[dict[Any, list[tuple[Any, Any, Any]]]], timeout: float
-           ) -> None:
+def _close(inbox: Inbox, pending: dict[Any, list[tuple[Any, Any, Any]]],
+           carried: dict[Any, list[tuple[Any, Any, Any]]], timeout: float) -> None:
     """Wait (bounded, errors ignored: the peer may be gone) for sends still in flight, so none
-    is dropped before its peer takes it; keep any receive still posted for good."""
+    is dropped before its peer takes it; keep any receive still posted for good. An
+    asynchronous schedule's sends for a next step (``carried``: the pipeline was dropped
+    without a drain) are kept, not waited for: no peer may ever take them."""
     deadline = time.monotonic() + timeout
-    for held in pending:
-        for entries in held.values():
-            for w, _, _ in entries:
-                try:
-                    w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                except RuntimeError:
-                    continue
-        held.clear()
+    for entries in pending.values():
+        for w, _, _ in entries:
+            try:
+                w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError:
+                continue
+    pending.clear()
+    for entries in carried.values():
+        _LEFTOVERS.extend(entries)  # gloo may still read them
+    carried.clear()
     inbox.park()
