@@ -173,6 +173,30 @@ def _pipedream(ctx: pt.RankContext, tmp: str) -> list[str]:
     rest, summary = _curves(cfg)
     if repr(first + rest) != repr(full):
         problems.append(f"2bw resumed {first} + {rest} != uninterrupted {full}")
+    return problems + _pipedream_layouts_and_bf16(tmp, common, full)
+
+
+def _pipedream_layouts_and_bf16(tmp: str, common: dict[str, Any], full: list[float]
+                                ) -> list[str]:
+    """A 2BW checkpoint (drained) resumed at another layout, dp = 2 instead of pp = 2: the
+    curve goes on within rounding (the replicas' mean sums in another order); and bf16."""
+    problems = []
+    cfg = _cfg(tmp, "2bw-layout", **common)
+    trainer = build(cfg)
+    for step in range(4):
+        train_step(trainer, step)
+    save(trainer)
+    del trainer
+    rest, summary = _curves(_cfg(tmp, "2bw-layout", **{**common, "pp": 1, "dp": 2}))
+    if summary["layout"]["dp"] != 2 or not all(
+            math.isclose(a, b, rel_tol=1e-4) or (math.isnan(a) and math.isnan(b))
+            for a, b in zip(rest, full[8:], strict=True)):
+        problems.append(f"2bw resumed at dp=2: {rest} != pp=2 {full[8:]}")
+    losses, summary = _curves(_cfg(tmp, "2bw-bf16", **{**common, "precision": "bf16"}))
+    fills = {0, 1, 8, 9}  # steps 0 and 4 fill the pipeline (the second after the checkpoint)
+    if not all(math.isfinite(x) != (i in fills) for i, x in enumerate(losses)) \
+            or not 3.0 < summary["eval_loss"] < 6.0:
+        problems.append(f"2bw bf16: {losses}, eval {summary['eval_loss']}")
     return problems
 
 

@@ -81,6 +81,10 @@ def twin_group(members: Sequence[int], rank: int, generation: int, timeout: floa
     key = f"pipetrain/twin/{'-'.join(map(str, members))}/{generation}/"
     backend = dist.ProcessGroupGloo(dist.distributed_c10d.PrefixStore(key, store), rank,
                                     len(members), timedelta(seconds=timeout))
+    # gloo's mesh is whole on one side before the other: without this wait, a rank that built
+    # its pipeline last and returned (a test, a script that only builds) could close its
+    # sockets while a peer still connects ("Connection closed by peer" in connectFullMesh)
+    backend.barrier(dist.BarrierOptions()).wait()  # type: ignore[attr-defined]
     return cast(Channel, backend)  # torch's stubs give a backend no send/recv; it has them
 
 
