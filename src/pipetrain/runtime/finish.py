@@ -77,30 +77,44 @@ def total_loss(data: StepData) -> torch.Tensor | None:
     return total
 
 
-def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
-             own: Sequence[tuple[int, Action]]) -> tuple[torch.Tensor | None, StepTimes]:
-    """Send this rank's end-of-step message, receive everyone else's; the loss and the times."""
+def _send_done(transport: P2P, schedule: Schedule, rank: int, data: StepData
+               ) -> tuple[torch.Tensor | None, list[int]]:
+    """Send every other rank this rank's end-of-step message; its loss and those ranks."""
     loss = total_loss(data)
-    times = torch.tensor(data.times, dtype=torch.float64)
-    tensors: list[torch.Tensor | None] = [times]
+    tensors: list[torch.Tensor | None] = [torch.tensor(data.times, dtype=torch.float64)]
     if loss is not None:
         tensors.append(loss.detach().reshape(()).cpu())
-    where = f"[rank {rank}] end of step {data.step}"
     peers = [peer for peer in range(schedule.n_ranks) if peer != rank]
     transport.send(peers, Message(done_key(data.step, rank), tensors))
     data.done_sent = True
-    holder = schedule.rank_of(schedule.n_stages - 1)
-    result = StepTimes(schedule, data.train, own, data.times)
-    received = transport.receive_last({peer: done_key(data.step, peer) for peer in peers}, where)
+    return loss, peers
+
+
+def _take_done(transport: P2P, schedule: Schedule, step: int, peers: list[int], where: str,
+               result: StepTimes | None) -> torch.Tensor | None:
+    """Every peer's end-of-step message of ``step``: their times into ``result`` (if given),
+    and the loss the last stage's rank sent."""
+    holder, loss = schedule.rank_of(schedule.n_stages - 1), None
+    received = transport.receive_last({peer: done_key(step, peer) for peer in peers}, where)
     for peer, msg in received.items():
-        if msg.tensors and msg.tensors[0] is not None:
+        if result is not None and msg.tensors and msg.tensors[0] is not None:
             result.peer_times[peer] = msg.tensors[0]
         if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
             loss = msg.tensors[1].clone()
+    return loss
+
+
+def exchange(transport: P2P, schedule: Schedule, rank: int, data: StepData,
+             own: Sequence[tuple[int, Action]]) -> tuple[torch.Tensor | None, StepTimes]:
+    """Send this rank's end-of-step message, receive everyone else's; the loss and the times."""
+    where = f"[rank {rank}] end of step {data.step}"
+    loss, peers = _send_done(transport, schedule, rank, data)
+    result = StepTimes(schedule, data.train, own, data.times)
+    sent = _take_done(transport, schedule, data.step, peers, where, result)
     # every peer finished, so it took every message this rank sent it, except perhaps these
     # end-of-step messages, which it has posted the receive of: this wait is short
     transport.settle(where)
-    return loss, result
+    return loss if sent is None else sent, result
 
 
 def exchange_window(transport: P2P, schedule: Schedule, rank: int, data: StepData,
@@ -110,29 +124,13 @@ def exchange_window(transport: P2P, schedule: Schedule, rank: int, data: StepDat
     every peer's of step ``earlier`` (None: none is owed), and with ``drain`` this step's
     too. Returns this rank's own loss (the last stage's rank), the loss of step ``earlier``
     and the times (every rank's only for a drain)."""
-    loss = total_loss(data)
-    times = torch.tensor(data.times, dtype=torch.float64)
-    tensors: list[torch.Tensor | None] = [times]
-    if loss is not None:
-        tensors.append(loss.detach().reshape(()).cpu())
     where = f"[rank {rank}] end of step {data.step}"
-    peers = [peer for peer in range(schedule.n_ranks) if peer != rank]
-    transport.send(peers, Message(done_key(data.step, rank), tensors))
-    data.done_sent = True
-    holder = schedule.rank_of(schedule.n_stages - 1)
+    loss, peers = _send_done(transport, schedule, rank, data)
     result = StepTimes(schedule, data.train, own, data.times)
-    before = None
-    for step, this in ((earlier, False), (data.step if drain else None, True)):
-        if step is None:  # (a drain may carry the number of the step before it)
-            continue
-        received = transport.receive_last({peer: done_key(step, peer) for peer in peers}, where)
-        for peer, msg in received.items():
-            if this and msg.tensors and msg.tensors[0] is not None:
-                result.peer_times[peer] = msg.tensors[0]
-            if peer == holder and len(msg.tensors) > 1 and msg.tensors[1] is not None:
-                if this:
-                    loss = msg.tensors[1].clone()
-                else:
-                    before = msg.tensors[1].clone()
+    before = None if earlier is None else _take_done(transport, schedule, earlier, peers,
+                                                     where, None)
+    if drain:  # (a drain may carry the number of the step before it: taken in that order)
+        sent = _take_done(transport, schedule, data.step, peers, where, result)
+        loss = loss if sent is None else sent
     transport.settle_before(where, everything=drain)
     return loss, before, result
