@@ -56,6 +56,16 @@ def test_a_user_module_passes_and_every_parameter_is_counted() -> None:
     result.check()
 
 
+def test_pipedream_2bw_passes_through_its_drain_and_pipedream_is_refused() -> None:
+    """2BW's first step leaves no gradients; its drain leaves that step's, which equal one
+    device's. PipeDream applies them inside the step, so there is nothing to compare."""
+    model, inputs = _net()
+    result = pt.verify(model, inputs, schedule="pipedream-2bw", ranks=2, microbatches=4)
+    assert result.passed, result.table()
+    with pytest.raises(ValueError, match="ReferenceStash"):
+        pt.verify(model, inputs, schedule="pipedream", ranks=2, microbatches=4)
+
+
 def test_a_layer_list_passes_under_1f1b() -> None:
     torch.manual_seed(0)
     layers = [nn.Linear(8, 8) for _ in range(4)]

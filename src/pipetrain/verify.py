@@ -176,6 +176,11 @@ def verify(
             model fails on one process (the message says why).
         PipelineError: when the pipelined step fails where one process did not.
     """
+    if schedule == "pipedream":
+        raise ValueError("verify compares one step's gradients with one device's, and "
+                         "'pipedream' applies them inside its step (an update after every "
+                         "backward): verify 'pipedream-2bw' or a synchronous schedule; "
+                         "PipeDream's rule is checked by pipetrain.testing.ReferenceStash")
     layers = not isinstance(model, nn.Module) or split_points is None
     module = nn.Sequential(*model) if not isinstance(model, nn.Module) else model
     inputs = example_inputs if layers else _as_forward_inputs(module, example_inputs)
@@ -216,6 +221,8 @@ def verify_with(build: Build, model: nn.Module, inputs: Any, targets: Any = None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         result = pipe.step(inputs, targets)
+        if pipe.windows is not None:  # PipeDream-2BW: its drain leaves the step's gradients
+            pipe.drain()
     if result.loss is None:
         raise ValueError("the pipeline returned no loss")
     found = _compare(pipe, reference)
