@@ -230,3 +230,43 @@ def test_pipedream_refusals() -> None:
         pt.Pipeline(mlp(), "1f1b", 4, LOSS, local_ranks=2, optimizer=sgd)
     with pytest.raises(ValueError, match="a weight tied between stages"):
         pt.Pipeline(tied_mlp(), "pipedream", 4, LOSS, local_ranks=2, optimizer=sgd)
+
+
+def test_a_2bw_run_stopped_between_steps_resumes_bitwise_through_refill() -> None:
+    """Saved mid-stream (parameters, optimizer, in_flight_state) after step 2, resumed in a
+    new pipeline by refill() on step 2's batch: steps 3-5 and the drain equal the
+    uninterrupted run's, bitwise."""
+    data = batches(6)
+    whole = pt.Pipeline(mlp(), "pipedream-2bw", 4, LOSS, local_ranks=2)
+    opt = adamw(list(whole.parameters()))
+    want = []
+    for x, y in data:
+        want.append(whole.step(x, y).loss)
+        opt.step()
+    whole.drain()
+    opt.step()
+    first = pt.Pipeline(mlp(), "pipedream-2bw", 4, LOSS, local_ranks=2)
+    opt = adamw(list(first.parameters()))
+    for x, y in data[:3]:
+        first.step(x, y)
+        opt.step()
+    saved = (copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict()),
+             copy.deepcopy(first.in_flight_state()))
+    del first, opt
+    model = mlp(seed=7)  # other values: every one must come from the checkpoint
+    model.load_state_dict(saved[0])
+    second = pt.Pipeline(model, "pipedream-2bw", 4, LOSS, local_ranks=2)
+    opt = adamw(list(second.parameters()))
+    opt.load_state_dict(saved[1])
+    assert torch.equal(second.refill(*data[2], saved[2]).loss, want[2])  # type: ignore[arg-type]
+    for t in range(3, 6):
+        assert torch.equal(second.step(*data[t]).loss, want[t])  # type: ignore[arg-type]
+        opt.step()
+    second.drain()
+    opt.step()
+    got = dict(second.named_parameters())
+    for n, p in whole.named_parameters():
+        assert torch.equal(got[n], p), n
+    with pytest.raises(ValueError, match="nothing in flight"):
+        second.refill(*data[2], saved[2])  # (drained: allowed) then twice in a row is not
+        second.refill(*data[2], saved[2])

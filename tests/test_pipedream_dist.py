@@ -138,9 +138,51 @@ def _dropped(ctx: pt.RankContext) -> list[str]:
     return problems + ([] if ctx.rank == 0 or after is not None else ["no loss after"])
 
 
+def _refill(ctx: pt.RankContext) -> list[str]:
+    """Each rank saves its part mid-stream (parameters, optimizer, in_flight_state) after
+    step 2; a new pipeline refills step 2 and goes on: the last rank's losses and every
+    rank's weights after the drain equal the uninterrupted run's, bitwise."""
+    data = batches(5)
+
+    def run(pipe: pt.Pipeline, opt: Any, part: list[Any]) -> list[Any]:
+        losses = []
+        for x, y in part:
+            losses.append(pipe.step(x, y).loss)
+            opt.step()
+        return losses
+
+    whole = pt.Pipeline(mlp(4), "pipedream-2bw", 4, LOSS, timeout=30)
+    opt = adamw(list(whole.parameters()))
+    want = run(whole, opt, data)
+    whole.drain()
+    opt.step()
+    first = pt.Pipeline(mlp(4), "pipedream-2bw", 4, LOSS, timeout=30)
+    opt = adamw(list(first.parameters()))
+    run(first, opt, data[:3])
+    saved = (copy.deepcopy(first.state_dict()), copy.deepcopy(opt.state_dict()),
+             copy.deepcopy(first.in_flight_state()))
+    first.drain()  # (the old pipeline's peers must not be left with its sends)
+    model = mlp(4, seed=7)
+    model.load_state_dict({**model.state_dict(), **saved[0]})
+    second = pt.Pipeline(model, "pipedream-2bw", 4, LOSS, timeout=30)
+    opt = adamw(list(second.parameters()))
+    opt.load_state_dict(saved[1])
+    second.refill(*data[2], saved[2])
+    got = run(second, opt, data[3:])
+    second.drain()
+    opt.step()
+    problems = []
+    if ctx.rank == ctx.world_size - 1 and not all(
+            torch.equal(a, b) for a, b in zip(got, want[3:], strict=True)):
+        problems.append(f"refilled losses {got} != {want[3:]}")
+    mine = dict(whole.named_parameters())
+    return problems + [f"refill: {n} differs" for n, p in second.named_parameters()
+                       if not torch.equal(p, mine[n])]
+
+
 def _two(ctx: pt.RankContext) -> list[str]:
     return (_rule(ctx, sgd) + _rule(ctx, adamw, m=5) + _rule(ctx, sgd, tied=True)
-            + _eval_between(ctx) + _stash(ctx, sgd) + _dropped(ctx))
+            + _eval_between(ctx) + _stash(ctx, sgd) + _dropped(ctx) + _refill(ctx))
 
 
 def _four(ctx: pt.RankContext) -> list[str]:

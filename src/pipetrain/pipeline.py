@@ -414,6 +414,36 @@ class Pipeline:
         return self._run(None, None, train=True, keep_outputs=False,
                          on_grads_ready=on_grads_ready, number=step, drain=True)
 
+    def in_flight_state(self) -> dict[str, Any]:
+        """``pipedream-2bw`` between steps: what an exact resume needs beside
+        :meth:`state_dict` and the optimizer's: the older weight version, on which the last
+        step's micro-batches in flight run, with the step counters (save it with them).
+
+        Raises:
+            ValueError: under another schedule, or with nothing in flight.
+        """
+        if self.windows is None:
+            raise ValueError(f"in_flight_state() is for pipedream-2bw; {self.schedule.name!r} "
+                             "keeps nothing in flight between steps")
+        return self.windows.state({id(p): n for n, p in self.named_parameters()})
+
+    def refill(self, inputs: Any, targets: Any, state: dict[str, Any], *,
+               step: int | None = None) -> StepResult:
+        """Resume ``pipedream-2bw`` exactly where :meth:`in_flight_state` was saved: with
+        ``state_dict()`` and the optimizer loaded, run the saved step's micro-batches
+        (``inputs``, ``targets``: the same batch) forward again on the saved version, and its
+        first backwards, as that step did; the next :meth:`step` then goes on bitwise as the
+        uninterrupted run. Its loss is the saved step's again.
+
+        Raises:
+            ValueError: under another schedule, with micro-batches in flight, or for a state
+                of other stages.
+        """
+        if self.windows is None:
+            raise ValueError(f"refill() is for pipedream-2bw, not {self.schedule.name!r}")
+        self.windows.restore(state, dict(self.named_parameters()))
+        return self._run(inputs, targets, train=True, keep_outputs=False, number=step)
+
     def eval_step(self, inputs: Any = None, targets: Any = None, *,
                   step: int | None = None) -> StepResult:
         """Forward only, without autograd: the loss (if targets are given) and the outputs.

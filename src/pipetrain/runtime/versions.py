@@ -102,7 +102,7 @@ class Versions:
                 del self.leaves[version]
             self.installed.pop(stage, None)
 
-    def end_step(self, version: int) -> None:
+    def end_step(self, version: int, keep: bool = False) -> None:
         """After step ``version``: P holds version ``version``'s values in storage of its own
         and, as ``.grad``, the gradients of version ``version - 1``, now complete; the
         modules hold P again. (PipeDream: P is the newest version already.)"""
@@ -115,7 +115,8 @@ class Versions:
         current = self.leaves.get(version, {})
         for p in self._params():
             leaf, old = current.get(id(p)), done.get(id(p))
-            if leaf is not None:  # P's storage is the version's: give P its own
+            if leaf is not None and not keep:  # P's storage is the version's: give P its own
+                # (``keep``: a refill, whose version was restored apart from P)
                 spare = old.data if old is not None else torch.empty_like(p)
                 with torch.no_grad():
                     spare.copy_(leaf)

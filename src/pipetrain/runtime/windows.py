@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import Executor, StepData
@@ -38,6 +39,7 @@ class Windows:
         self.steady = self._executor(schedule, None)
         self.phases: dict[str, Executor] = {"steady": self.steady}
         self.filled = False  # a step ran since the last drain (or ever)
+        self.refilling = False  # the next step runs a saved step's fill again (restore)
         self.version = 0  # the weight version of the next step's forwards
         self.previous = -1  # the number of the last step run
         self.owed: int | None = None  # the step whose peers' end-of-step messages are owed
@@ -68,14 +70,47 @@ class Windows:
             self.phases[which] = self._executor(self.steady.schedule.phase(which), self.steady)
         return self.phases[which]
 
+    def state(self, names: dict[int, str]) -> dict[str, Any]:
+        """PipeDream-2BW between steps: the version the last step's micro-batches in flight
+        run on (this process's stages, by parameter name, from ``names``: ``id(P)`` to name),
+        with the step counters.
+
+        Raises:
+            ValueError: under PipeDream, or with nothing in flight.
+        """
+        if self.steady.schedule.update != "2bw" or not self.filled:
+            raise ValueError("in_flight_state() is for pipedream-2bw between steps, with "
+                             "micro-batches in flight (after a step, before a drain)")
+        version = self.version - 1
+        return {"version": version, "previous": self.previous,
+                "weights": {names[i]: t.detach() for i, t in
+                            self.versions.leaves.get(version, {}).items()}}
+
+    def restore(self, state: dict[str, Any], params: dict[str, nn.Parameter]) -> None:
+        """Take :meth:`state` back into a pipeline with nothing in flight: the next step runs
+        the saved step's fill again on the saved version (:meth:`Pipeline.refill`)."""
+        if self.filled:
+            raise ValueError("refill() needs a pipeline with nothing in flight: a new one, or "
+                             "one after drain()")
+        weights = state["weights"]
+        missing = [n for n in params if n not in weights]
+        if missing:
+            raise ValueError(f"the in-flight state lacks {missing[:4]}: it was saved on "
+                             "another layout or rank; refill on the one that saved it")
+        self.version, self.previous = int(state["version"]), int(state["previous"])
+        self.versions.leaves[self.version] = {
+            id(p): nn.Parameter(weights[n].detach().to(p.device, p.dtype).clone())
+            for n, p in params.items()}
+        self.refilling = True
+
     def begin(self, data: StepData) -> None:
         data.previous, data.version = self.previous, self.version
 
     def end(self, data: StepData, drain: bool) -> None:
         """After a step (``drain``: the drain) ran everywhere here: P holds the step's version
         and the gradients of the step before (:meth:`Versions.end_step`)."""
-        self.versions.end_step(data.version)
-        self.filled = not drain
+        self.versions.end_step(data.version, keep=self.refilling)
+        self.filled, self.refilling = not drain, False
         self.previous = data.step
         self.version += self.steady.schedule.versions_per_step
 
