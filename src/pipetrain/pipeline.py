@@ -12,16 +12,22 @@ runs exactly the same action lists.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.construction import (
+    asynchronous_fits,
+    broadcast_costs,
+    carries_rng,
+    device_of,
+    resolve,
+)
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.parallel.parallelize import Gathering, held_parameter, join, parallelize_stages
+from pipetrain.result import StepResult
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
 from pipetrain.runtime.comm import P2P
@@ -44,10 +50,8 @@ from pipetrain.runtime.tied import LocalCopies, TiedGrads, find_tied
 from pipetrain.runtime.watchdog import Watchdog, diagnosed
 from pipetrain.runtime.windows import Windows
 from pipetrain.runtime.wire import OPS
-from pipetrain.schedules.generators import make_schedule
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.timeline import Timeline
-from pipetrain.split.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
+from pipetrain.split.balance import MODES, BalancePlan, plan_balance, profile_layers
 from pipetrain.split.capture import on_model_device
 from pipetrain.split.layers import Layers, packed, profiling_sample, trace_stages
 from pipetrain.split.lazy import LayerSpec
@@ -56,33 +60,6 @@ from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.split.trace import TracedSplit
 
 __all__ = ["Pipeline", "StepResult"]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one step returns on every rank."""
-
-    loss: torch.Tensor | None
-    """The batch loss (sum of the weighted micro-batch losses); None without targets."""
-    outputs: Any
-    """Merged model outputs, on the rank(s) holding the last stage, when asked for."""
-    times: StepTimes | Timeline = field(repr=False)
-    """The measured action times, as recorded (read ``timeline``). An asynchronous
-    schedule's step has only this rank's (its peers' come a step late), a drain everyone's."""
-    previous_loss: torch.Tensor | None = None
-    """An asynchronous schedule (``pipedream-2bw``): the loss of the step before, on every
-    rank. Its ranks do not wait for each other at the end of a step, so ``loss`` is there only
-    on the rank holding the last stage (and in local mode)."""
-
-    @cached_property
-    def timeline(self) -> Timeline:
-        """Measured start/end (seconds, wall clock) of every action of every rank."""
-        return self.times if isinstance(self.times, Timeline) else self.times.timeline()
-
-    @property
-    def bubble_fraction(self) -> float:
-        """Measured 1 - busy / (ranks x makespan) of this step."""
-        return self.timeline.bubble_fraction
 
 
 class Pipeline:
@@ -171,8 +148,8 @@ class Pipeline:
         self.loss_fn, self.split_dim, self.loss_reduction = loss_fn, split_dim, loss_reduction
         self.local = local_ranks is not None
         n_ranks, self.rank = self._ranks(group, local_ranks)
-        self.schedule = _resolve(schedule, n_ranks, microbatches, stages_per_rank)
-        self.device = _device(device, group)
+        self.schedule = resolve(schedule, n_ranks, microbatches, stages_per_rank)
+        self.device = device_of(device, group)
         n_stages = self.schedule.n_stages
         if isinstance(model, nn.Module) and example_inputs is not None:
             example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
@@ -184,7 +161,7 @@ class Pipeline:
             self._modal = (model, example_inputs)
         source = Layers(model, self.traced, init_seed)
         layers = source.items
-        self.rng = _carries_rng(rng, self.traced, layers)
+        self.rng = carries_rng(rng, self.traced, layers)
         if split_points == "auto" and balance is None:
             balance = "params"
         self.balance_plan: BalancePlan | None = None
@@ -227,7 +204,7 @@ class Pipeline:
         deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
         self.windows: Windows | None = None  # an asynchronous schedule's phases and versions
         if self.schedule.update is not None:
-            _asynchronous_fits(self.schedule, compile, parallelize, optimizer, self.tied)
+            asynchronous_fits(self.schedule, compile, parallelize, optimizer, self.tied)
             self.windows = Windows(self.schedule, self.stages, self.hosted, self.transport,
                                    linked, self.routes, None if optimizer is None else {
                                        s: optimizer(st.parameters())
@@ -291,7 +268,7 @@ class Pipeline:
                                  "pass example_inputs= (the first layer's input)")
             costs = profile_layers(built, sample)
         if mode != "params" and not self.local:
-            costs = _broadcast_costs(costs, len(built), group)
+            costs = broadcast_costs(costs, len(built), group)
         return plan_balance(built, self.schedule, mode, sample, layer_costs=costs)
 
     def _build_stages(self, layers: list[tuple[str, nn.Module | LayerSpec]],
@@ -624,74 +601,3 @@ class Pipeline:
                  ) if current else (-1, -1, 0)
         self.transport.abort(step, *where, f"{type(error).__name__}: {error}",
                              relay=isinstance(error, PeerFailed))
-
-
-def _asynchronous_fits(schedule: Schedule, compile: bool | str, parallelize: Any,
-                       optimizer: Any, tied: Sequence[Any]) -> None:
-    """Refuse what an asynchronous schedule does not run with yet."""
-    stash = schedule.update == "stash"
-    if stash and optimizer is None:
-        raise ValueError(f"{schedule.name!r} steps each stage after every backward: pass "
-                         "optimizer=, a function making an optimizer from a stage's "
-                         "parameters, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
-    if not stash and optimizer is not None:
-        raise ValueError(f"optimizer= is for schedule 'pipedream'; under {schedule.name!r} "
-                         "step your optimizer after each step")
-    refused = [what for what, on in (("compile=", compile), ("a weight tied between stages",
-                                                             stash and bool(tied)),
-                                     ("parallelize=", parallelize is not None)) if on]
-    if refused:
-        raise ValueError(f"{schedule.name!r} (asynchronous: weight versions per step) does not "
-                         f"run with {', '.join(refused)} yet; use a synchronous schedule "
-                         "such as '1f1b' there")
-
-
-def _carries_rng(given: bool | None, traced: TracedSplit | None,
-                 layers: Sequence[tuple[str, nn.Module | LayerSpec]]) -> bool:
-    """Whether micro-batches carry their random streams (given, or: whether the model draws)."""
-    if given is not None:
-        return bool(given)
-    if traced is not None:
-        return any(traced.draws)
-    return any(isinstance(m, nn.Module) and rng_streams.module_draws(m)
-               for _, m in layers)
-
-
-def _broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessGroup | None
-                     ) -> list[LayerCost]:
-    table = torch.zeros(n, 8, dtype=torch.float64)
-    if costs is not None:
-        table = torch.tensor([[c.f, c.i, c.w, c.param_bytes, c.activation_bytes, c.frozen_bytes,
-                               c.i_held_bytes, c.largest_grad_bytes] for c in costs],
-                             dtype=torch.float64)
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast(table, src=src, group=group)
-    return [LayerCost(r[0], r[1], r[2], *(int(b) for b in r[3:])) for r in table.tolist()]
-
-
-def _resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,
-             stages_per_rank: int | None) -> Schedule:
-    if isinstance(schedule, Schedule):
-        if schedule.n_ranks != n_ranks:
-            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_ranks} ranks but the "
-                             f"pipeline group has {n_ranks}")
-        if microbatches not in (None, schedule.n_microbatches):
-            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_microbatches} "
-                             f"micro-batches, but microbatches={microbatches} was passed")
-        resolved = schedule
-    else:
-        if microbatches is None:
-            raise ValueError("microbatches is required with a schedule name")
-        resolved = make_schedule(schedule, n_ranks, microbatches, stages_per_rank)
-    from pipetrain.schedules.validate import validate
-
-    validate(resolved)
-    return resolved
-
-
-def _device(device: torch.device | str | None, group: dist.ProcessGroup | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

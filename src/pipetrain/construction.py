@@ -1,0 +1,90 @@
+"""Construction: what the Pipeline constructor resolves and refuses beside building stages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.runtime import rng as rng_streams
+from pipetrain.schedules.generators import make_schedule
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.split.balance import LayerCost
+from pipetrain.split.lazy import LayerSpec
+from pipetrain.split.trace import TracedSplit
+
+__all__: list[str] = []
+
+
+def asynchronous_fits(schedule: Schedule, compile: bool | str, parallelize: Any,
+                       optimizer: Any, tied: Sequence[Any]) -> None:
+    """Refuse what an asynchronous schedule does not run with yet."""
+    stash = schedule.update == "stash"
+    if stash and optimizer is None:
+        raise ValueError(f"{schedule.name!r} steps each stage after every backward: pass "
+                         "optimizer=, a function making an optimizer from a stage's "
+                         "parameters, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
+    if not stash and optimizer is not None:
+        raise ValueError(f"optimizer= is for schedule 'pipedream'; under {schedule.name!r} "
+                         "step your optimizer after each step")
+    refused = [what for what, on in (("compile=", compile), ("a weight tied between stages",
+                                                             stash and bool(tied)),
+                                     ("parallelize=", parallelize is not None)) if on]
+    if refused:
+        raise ValueError(f"{schedule.name!r} (asynchronous: weight versions per step) does not "
+                         f"run with {', '.join(refused)} yet; use a synchronous schedule "
+                         "such as '1f1b' there")
+
+
+def carries_rng(given: bool | None, traced: TracedSplit | None,
+                 layers: Sequence[tuple[str, nn.Module | LayerSpec]]) -> bool:
+    """Whether micro-batches carry their random streams (given, or: whether the model draws)."""
+    if given is not None:
+        return bool(given)
+    if traced is not None:
+        return any(traced.draws)
+    return any(isinstance(m, nn.Module) and rng_streams.module_draws(m)
+               for _, m in layers)
+
+
+def broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessGroup | None
+                     ) -> list[LayerCost]:
+    table = torch.zeros(n, 8, dtype=torch.float64)
+    if costs is not None:
+        table = torch.tensor([[c.f, c.i, c.w, c.param_bytes, c.activation_bytes, c.frozen_bytes,
+                               c.i_held_bytes, c.largest_grad_bytes] for c in costs],
+                             dtype=torch.float64)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(table, src=src, group=group)
+    return [LayerCost(r[0], r[1], r[2], *(int(b) for b in r[3:])) for r in table.tolist()]
+
+
+def resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,
+             stages_per_rank: int | None) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if schedule.n_ranks != n_ranks:
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_ranks} ranks but the "
+                             f"pipeline group has {n_ranks}")
+        if microbatches not in (None, schedule.n_microbatches):
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_microbatches} "
+                             f"micro-batches, but microbatches={microbatches} was passed")
+        resolved = schedule
+    else:
+        if microbatches is None:
+            raise ValueError("microbatches is required with a schedule name")
+        resolved = make_schedule(schedule, n_ranks, microbatches, stages_per_rank)
+    from pipetrain.schedules.validate import validate
+
+    validate(resolved)
+    return resolved
+
+
+def device_of(device: torch.device | str | None, group: dist.ProcessGroup | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
