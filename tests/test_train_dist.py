@@ -179,7 +179,7 @@ def _pipedream(ctx: pt.RankContext, tmp: str) -> list[str]:
 def _pipedream_layouts_and_bf16(tmp: str, common: dict[str, Any], full: list[float]
                                 ) -> list[str]:
     """A 2BW checkpoint (drained) resumed at another layout, dp = 2 instead of pp = 2: the
-    curve goes on within rounding (the replicas' mean sums in another order); and bf16."""
+    curve goes on within rounding (the replicas' mean sums in another order); bf16 and fp16."""
     problems = []
     cfg = _cfg(tmp, "2bw-layout", **common)
     trainer = build(cfg)
@@ -192,11 +192,14 @@ def _pipedream_layouts_and_bf16(tmp: str, common: dict[str, Any], full: list[flo
             math.isclose(a, b, rel_tol=1e-4) or (math.isnan(a) and math.isnan(b))
             for a, b in zip(rest, full[8:], strict=True)):
         problems.append(f"2bw resumed at dp=2: {rest} != pp=2 {full[8:]}")
-    losses, summary = _curves(_cfg(tmp, "2bw-bf16", **{**common, "precision": "bf16"}))
-    fills = {0, 1, 8, 9}  # steps 0 and 4 fill the pipeline (the second after the checkpoint)
-    if not all(math.isfinite(x) != (i in fills) for i, x in enumerate(losses)) \
-            or not 3.0 < summary["eval_loss"] < 6.0:
-        problems.append(f"2bw bf16: {losses}, eval {summary['eval_loss']}")
+    for precision in ("bf16", "fp16"):  # fp16: each update unscaled by the scale that made
+        # its gradients, the step before's (an overflow there halves the next step's)
+        curves, summary = _curves(_cfg(tmp, f"2bw-{precision}",
+                                       **{**common, "precision": precision}))
+        losses = curves[0::2]  # steps 0 and 4 fill the pipeline (the second after a checkpoint)
+        if not all(math.isfinite(x) != (i in (0, 4)) for i, x in enumerate(losses)) \
+                or not 3.0 < summary["eval_loss"] < 6.0:
+            problems.append(f"2bw {precision}: {curves}, eval {summary['eval_loss']}")
     return problems
 
 

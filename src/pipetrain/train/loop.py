@@ -239,6 +239,7 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     lr = lr_at(step, peak=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps)
     set_lr(trainer.optimizer, lr)
     inputs, targets = trainer.batch(step)
+    used = trainer.scale.value  # the loss scale of this step's forwards (fp16)
     try:
         with autocast(cfg.precision, mesh.device), faults.wrong_shape(pipe, fault == "shape"), \
                 _counting(trainer.expert_load):  # tokens per expert, F only
@@ -248,12 +249,15 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
         trainer.injector.armed = False
     windows = pipe.windows  # an asynchronous schedule: the gradients are the step before's
     loss, grad_norm, skipped = math.nan, math.nan, False
-    if windows is None or windows.versions.gave_grads:  # not a first, filling step
-        loss, grad_norm, skipped = _update(trainer, step, result.loss if windows is None
-                                           else result.previous_loss)
+    if windows is None:
+        loss, grad_norm, skipped = _update(trainer, step, result.loss, used)
+    elif windows.versions.gave_grads:  # not a first, filling step: the step before's batch
+        loss, grad_norm, skipped = _update(trainer, step, result.previous_loss,
+                                           trainer.last_scale)
+    trainer.last_scale = used
     if windows is not None and _drain_due(trainer, step):  # the record keeps the first
         drained = pipe.drain(step=step, on_grads_ready=trainer.on_grads_ready)  # update's
-        last = _update(trainer, step, drained.previous_loss)
+        last = _update(trainer, step, drained.previous_loss, used)
         loss, grad_norm, skipped = (loss, grad_norm, skipped) if math.isfinite(loss) else last
     trainer.step = step + 1
     seconds = time.perf_counter() - start
@@ -262,14 +266,15 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
                      skipped, seconds, result.timeline, _expert_load(trainer))
 
 
-def _update(trainer: Trainer, step: int, scaled: torch.Tensor | None
+def _update(trainer: Trainer, step: int, scaled: torch.Tensor | None, value: float
             ) -> tuple[float, float, bool]:
     """[3]-[7] on the gradients in ``.grad``: their batch's loss (``scaled``, None where this
-    rank has none), the norm before clipping (NaN when skipped) and whether it was skipped."""
+    rank has none, by the loss scale ``value``, which made the gradients), the norm before
+    clipping (NaN when skipped) and whether it was skipped."""
     cfg, mesh = trainer.cfg, trainer.mesh
     trainer.finish_grads()  # [3]
-    trainer.scale.unscale_(trainer.params)  # [4]
-    loss = trainer.scale.unscale_loss(float(scaled if scaled is not None else "nan"))
+    trainer.scale.unscale_(trainer.params, value)  # [4]
+    loss = trainer.scale.unscale_loss(float(scaled if scaled is not None else "nan"), value)
     square_sum = grad_square_sum(trainer.counted, mesh.comm_device) + mesh.tp_sum_(
         grad_square_sum(trainer.split, mesh.comm_device))
     experts = mesh.ep_sum_(grad_square_sum(trainer.experts, mesh.comm_device))

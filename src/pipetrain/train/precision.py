@@ -69,16 +69,18 @@ class LossScale:
             return loss * self.value if self.enabled else loss
         return scaled
 
-    def unscale_(self, params: Iterable[nn.Parameter]) -> None:
-        """Divide the gradients by the scale (exact: the scale is a power of two)."""
+    def unscale_(self, params: Iterable[nn.Parameter], value: float | None = None) -> None:
+        """Divide the gradients by the scale (exact: the scale is a power of two); ``value``:
+        the scale they were made with, where that was an earlier one (PipeDream-2BW's
+        gradients are a step older than the current scale)."""
         if not self.enabled:
             return
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, 1.0 / self.value)
+            torch._foreach_mul_(grads, 1.0 / (self.value if value is None else value))
 
-    def unscale_loss(self, loss: float) -> float:
-        return loss / self.value if self.enabled else loss
+    def unscale_loss(self, loss: float, value: float | None = None) -> float:
+        return loss / (self.value if value is None else value) if self.enabled else loss
 
     def update(self, overflow: bool) -> None:
         """After a step: halve on overflow, double after ``growth_interval`` clean steps."""

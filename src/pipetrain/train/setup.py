@@ -73,6 +73,9 @@ class Trainer:
     source: Source | None = None
     """The model's source (built-in GPT or ``--hf``): input, logits and text."""
     loaded: dict[str, Any] = field(default_factory=dict)
+    last_scale: float = 1.0
+    """PipeDream-2BW: the loss scale the last step's forwards used, which its gradients,
+    applied a step later, are made with."""
     """What this rank read of stored weights (``--hf``), and its peak memory after."""
     sharded: ShardedStages | None = None
     """With ``--fsdp``: FSDP2 on the stages, which averages the gradients over the
@@ -215,11 +218,10 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append("--schedule pipedream updates each stage after every backward, inside "
                         "the pipeline, where train's loop owns the optimizer step: use "
                         "pipedream-2bw, or run pipedream from Python (Pipeline(optimizer=...))")
-    if cfg.schedule == "pipedream-2bw" and (cfg.compile or cfg.precision == "fp16"
-                                            or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
-        problems.append("--schedule pipedream-2bw runs without --compile, fp16, --fsdp, --tp "
-                        "and --ep (yet): its gradients are a step older than the loss scale "
-                        "and the sharded weights; use bf16 or fp32, or a synchronous schedule")
+    if cfg.schedule == "pipedream-2bw" and (cfg.compile or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
+        problems.append("--schedule pipedream-2bw runs without --compile, --fsdp, --tp and "
+                        "--ep (yet): its weight versions are whole tensors of one process; "
+                        "drop those, or use a synchronous schedule")
     if cfg.precision not in PRECISIONS:
         problems.append(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
     if cfg.nonfinite not in ("skip", "abort"):
