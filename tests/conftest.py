@@ -39,7 +39,8 @@ SLOWEST_FIRST = [  # each file's total on 2 cores, 135 s down to 8 s (measured a
     "test_sharded_dist.py", "test_benchmarks_compute.py", "test_examples_train_dist.py",
     "test_hf.py", "test_placement_dist.py", "test_failures_scale_dist.py", "test_plan_cli.py",
     "test_generation.py", "test_meta_dist.py", "test_hf_dist.py", "test_failures_exit_dist.py",
-    "test_hf_router_loss.py", "test_generate_cli.py", "test_failures_dist.py",
+    "test_hf_router_loss.py", "test_pipedream_dist.py", "test_generate_cli.py",
+    "test_failures_dist.py", "test_pipedream.py",
     "test_routes_dist.py", "test_verify.py", "test_train_faults.py", "test_ladder.py",
     "test_runtime_dist.py", "test_plan_module.py", "test_readme.py"]
 

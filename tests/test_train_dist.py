@@ -95,8 +95,7 @@ def _faults(plan: str, out: Path) -> Iterator[None]:
 # -- two processes ----------------------------------------------------------------------------
 def _two(ctx: pt.RankContext, tmp: str) -> list[str]:
     return _cases(ctx, tmp, [_resume_at_pp2, _runs, _resume_bitwise, _clipping, _skip, _abort,
-                             _precisions, _overlap, _compiled, _failure_names_the_step,
-                             _pipedream])
+                             _precisions, _overlap, _compiled, _failure_names_the_step])
 
 
 def _runs(ctx: pt.RankContext, tmp: str) -> list[str]:
@@ -529,3 +528,7 @@ def test_dp_x_pp_equivalence_and_a_save_at_pp4(four_ranks: tuple[str, list[str]]
 def test_training_on_two_ranks_and_resuming_at_pp2(four_ranks: tuple[str, list[str]]) -> None:
     results = pt.launch(_two, 2, four_ranks[0], timeout=300)
     assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
+
+
+def test_pipedream_2bw_trains_resumes_bitwise_and_at_another_layout(tmp_path: Path) -> None:
+    assert _corpus_and_launch(_pipedream, 2, tmp_path) == []
