@@ -11,6 +11,7 @@ SGD optimizer after every backward, inside its step.
     python benchmarks/asynchronous.py                 # p = 4, m = 8, F = I = W = 10 ms
     python benchmarks/asynchronous.py --m 16 --json out.json
     python benchmarks/asynchronous.py --tiny
+    python benchmarks/asynchronous.py --gpt small --p 2 --steps 4    # real compute
 """
 
 from __future__ import annotations
@@ -41,15 +42,27 @@ def bound(case: Case, name: str) -> float:
     return pt.simulate(schedule, costs).makespan
 
 
-def rank_body(ctx: pt.RankContext, case: Case) -> list[dict[str, Any]]:
-    """Each schedule's measured seconds per step on this rank (the block's wall time / steps)."""
+def rank_body(ctx: pt.RankContext, case: Case, gpt: str | None = None
+              ) -> list[dict[str, Any]]:
+    """Each schedule's measured seconds per step on this rank (the block's wall time / steps);
+    ``gpt``: real compute, a GPT preset's layers on rows of random tokens (2 per
+    micro-batch), instead of the sleep layers."""
+    from pipetrain.models.gpt import PRESETS, gpt_layers, lm_loss
+
     n = case.microbatches * 2
     x, y = torch.randn(n, 8), torch.randn(n, 8)
+    if gpt is not None:
+        config = PRESETS[gpt]
+        x = torch.randint(0, config.vocab_size, (n, config.seq_len + 1))
+        x, y = x[:, :-1], x[:, 1:]
     rows = []
     for name in case.schedules:
+        torch.manual_seed(0)
+        layers = case.make_layers() if gpt is None else gpt_layers(PRESETS[gpt])
         stash = (lambda ps: torch.optim.SGD(ps, lr=1e-3)) if name == "pipedream" else None
-        pipe = pt.Pipeline(case.make_layers(), name, case.microbatches, _loss, timeout=300.0,
-                           optimizer=stash)  # PipeDream steps each stage after every B
+        pipe = pt.Pipeline(layers, name, case.microbatches, _loss if gpt is None else lm_loss,
+                           timeout=300.0, optimizer=stash,  # PipeDream steps after every B
+                           balance="params" if gpt is not None else None)
         for _ in range(case.warmup):
             pipe.step(x, y)
         dist.barrier()
@@ -64,12 +77,13 @@ def rank_body(ctx: pt.RankContext, case: Case) -> list[dict[str, Any]]:
     return rows
 
 
-def summarize(case: Case, per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def summarize(case: Case, per_rank: list[list[dict[str, Any]]], gpt: str | None = None
+              ) -> list[dict[str, Any]]:
     rows = []
     first = {r["schedule"]: max(rank[j]["measured_s"] for rank in per_rank)
              for j, r in enumerate(per_rank[0])}
     for name, measured in first.items():
-        predicted = bound(case, name)
+        predicted = bound(case, name) if not gpt else float("nan")
         rows.append({"schedule": name, "p": case.ranks, "m": case.microbatches,
                      "bound_s": predicted, "measured_s": measured,
                      "of_bound": predicted / measured,
@@ -83,8 +97,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         vs = "-" if r["speed_vs_1f1b"] is None else f"{r['speed_vs_1f1b']:.3f}"
-        lines.append(f"{r['schedule']:<15}{r['p']:>3}{r['m']:>4}{r['bound_s']:>10.3f}"
-                     f"{r['measured_s']:>12.3f}{r['of_bound']:>10.3f}{vs:>8}")
+        bound, of = ((f"{r['bound_s']:.3f}", f"{r['of_bound']:.3f}")
+                     if r["bound_s"] == r["bound_s"] else ("-", "-"))  # (GPT: no bound)
+        lines.append(f"{r['schedule']:<15}{r['p']:>3}{r['m']:>4}{bound:>10}"
+                     f"{r['measured_s']:>12.3f}{of:>10}{vs:>8}")
     return "\n".join(lines)
 
 
@@ -98,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", help="write the rows and machine description here")
     parser.add_argument("--tiny", action="store_true", help="p = 2, m = 4, 1 ms, 3 steps (CI)")
+    parser.add_argument("--gpt", metavar="PRESET", help="real compute: a GPT preset's layers "
+                        "(small, ...), no bound")
     args = parser.parse_args(argv)
     if args.tiny:
         args.p, args.m, args.f, args.warmup, args.steps = 2, [4], 1.0, 1, 3
@@ -106,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f = args.f / 1e3
         case = Case(f"F=I=W={args.f:g}", args.p, m, f, f, f, 2 * args.p,
                     tuple(args.schedules.split(",")), args.warmup, args.steps)
-        rows += summarize(case, pt.launch(rank_body, args.p, case, timeout=1800))
+        rows += summarize(case, pt.launch(rank_body, args.p, case, args.gpt, timeout=1800),
+                          args.gpt)
     print(format_table(rows))
     if args.json:
         gb.save_json(args.json, {"rows": rows})
