@@ -8,7 +8,7 @@ For every action of its list, in order, a rank does exactly this::
                s > 0: send input gradients to s-1                      (I defers the W part)
     W(s, mb):  weight gradients deferred by I(s, mb)
 
-An asynchronous window (``schedule.update``, PipeDream-2BW) runs like any other step, except
+An asynchronous window (``schedule.update``: PipeDream-2BW, PipeDream) runs like any step, except
 that a B of ``mb < 0`` finishes the previous step's micro-batch ``m + mb`` (its messages carry
 that step's number) and each F and B first puts its weight version into the stage
 (:mod:`pipetrain.runtime.versions`).
@@ -205,8 +205,13 @@ class Executor:
                  ) -> list[Message]:
         """The messages ``a`` takes from ``sources`` (where a rank waits for its peers)."""
         kind = ACT if a.op is Op.F else GRAD
-        step, mb = (data.step, a.mb) if a.mb >= 0 else (data.previous, a.mb + self.m)
+        step, mb = self._step_mb(data, a.mb)
         return [self._take(rank, Key(kind, step, mb, src, a.stage), a) for src in sources]
+
+    def _step_mb(self, data: StepData, mb: int) -> tuple[int, int]:
+        """The step and micro-batch a message of ``mb`` belongs to: below 0, the step
+        before's ``m + mb`` (an asynchronous window)."""
+        return (data.step, mb) if mb >= 0 else (data.previous, mb + self.m)
 
     def _compute(self, rank: int, a: Action, msgs: list[Message], data: StepData) -> None:
         stage = self.stages[a.stage]
@@ -215,7 +220,7 @@ class Executor:
         elif a.op is Op.W:
             stage.weight(a.mb)
         else:
-            step, mb = (data.step, a.mb) if a.mb >= 0 else (data.previous, a.mb + self.m)
+            step, mb = self._step_mb(data, a.mb)
             got = stage.backward(mb, [m.tensors for m in msgs], split=a.op is Op.I)
             for dst, grads in zip(self._grad_out[a.stage], got):
                 self._put(rank, Message(Key(GRAD, step, mb, a.stage, dst), grads))
