@@ -437,3 +437,13 @@ def test_the_asynchronous_rows_are_what_the_simulator_says() -> None:
         line = (f"| {p}, {m} | {period} | {makespan} | {bubble} | {peaks}"
                 f"{' (1F1B' + chr(39) + 's)' if m == 8 else ''} | {versions} |")
         assert line in page, line
+
+
+def test_cli_page_lists_the_schedules_the_command_prints(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from pipetrain.cli import main
+
+    assert main(["schedules"]) == 0
+    printed = capsys.readouterr().out.strip()
+    block = (ROOT / "docs" / "cli.md").read_text().split("$ pipetrain schedules\n", 1)[1]
+    assert block.split("```", 1)[0].strip() == printed
