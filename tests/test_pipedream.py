@@ -110,29 +110,39 @@ def test_a_weight_tied_between_the_first_and_last_stage() -> None:
         ref_opt.step()
 
 
-def test_a_captured_hf_encoder_with_adamw() -> None:
+@pytest.mark.parametrize(("name", "tolerance"), [("bert", 0.0), ("llama", 1e-3)])
+def test_captured_hf_models_with_adamw(name: str, tolerance: float) -> None:
+    """Models we did not write, captured and called with keywords: an encoder (BERT)
+    bitwise; a decoder (Llama) within 1e-3 of each tensor's largest value: its capture
+    rounds otherwise than eager (an explicit causal mask where eager passes is_causal=True;
+    see test_hf.py), and AdamW turns that into 1.8e-4 of the weights over 4 steps."""
     pytest.importorskip("transformers")
-    from hf import batch as hf_batch
-    from hf import bert, cls_loss, points
+    import hf
 
-    model = bert()
-    ref = Reference2BW(copy.deepcopy(model), cls_loss, 4)
-    ref.model = _Keywords(ref.model)  # type: ignore[assignment]
-    data = [hf_batch("bert", seed=t) for t in range(4)]
-    pipe = pt.Pipeline(model, "pipedream-2bw", 4, cls_loss, local_ranks=2,
-                       split_points=points("bert", 2), example_inputs=data[0][0])
-    packed = [(pipe.pack(**x), y) for x, y in data]
-    ref_batches = [(x, y) for x, y in data]
+    model = getattr(hf, name)()
+    loss_fn = hf.LOSSES[name]
+    ref = Reference2BW(_Keywords(copy.deepcopy(model)), loss_fn, 4)
+    data = [hf.batch(name, seed=t) for t in range(4)]
+    pipe = pt.Pipeline(model, "pipedream-2bw", 4, loss_fn, local_ranks=2,
+                       split_points=hf.points(name, 2), example_inputs=data[0][0])
     mine, theirs = adamw(list(pipe.parameters())), adamw(list(ref.model.parameters()))
-    for (px, y), (rx, _) in zip(packed, ref_batches):
-        assert torch.equal(pipe.step(px, y).loss, ref.step(rx, y))  # type: ignore[arg-type]
+
+    def close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        scale = float(b.detach().abs().max()) or 1.0
+        return torch.equal(a, b) if tolerance == 0.0 else float(
+            (a - b).abs().max()) <= tolerance * scale
+
+    for x, y in data:
+        assert close(pipe.step(pipe.pack(**x), y).loss, ref.step(x, y))
         mine.step()
         theirs.step()
     pipe.drain()
     ref.drain()
     got = dict(pipe.named_parameters())
     for n, q in ref.model.inner.named_parameters():
-        assert torch.equal(got[n], q) and _same(got[n].grad, q.grad), n
+        assert close(got[n], q) and close(got[n].grad, q.grad), n
 
 
 class _Keywords(nn.Module):

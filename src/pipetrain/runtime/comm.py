@@ -199,9 +199,8 @@ class P2P:
         completes only once its receiver posts the receive, which for a message the next
         step takes is during that step. ``everything``: this step's too (a drain)."""
         if everything:
-            self._pending.update({k: [*self._carried.pop(k, []), *v]
-                                  for k, v in self._pending.items()})
-            self._pending.update(self._carried)
+            for key, entries in self._carried.items():
+                self._pending.setdefault(key, []).extend(entries)
             self._carried.clear()
             self.settle(describe)
             return

@@ -54,11 +54,6 @@ class Versions:
         """Whether the last step ended with gradients (of the step before it) in ``.grad``:
         not after a first step, which fills the pipeline."""
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether a version other than P is alive (the pipeline holds micro-batches)."""
-        return bool(self.leaves)
-
     def use(self, stage: int, version: int, forward: bool = False) -> None:
         """Put ``version``'s leaves into ``stage``'s modules (made from P when first used);
         ``forward``: a micro-batch starts on it."""
