@@ -186,7 +186,8 @@ def _two(ctx: pt.RankContext) -> list[str]:
 
 
 def _four(ctx: pt.RankContext) -> list[str]:
-    return _rule(ctx, adamw, m=6) + _data_parallel(ctx) + _stash(ctx, adamw, m=5)
+    return (_rule(ctx, adamw, m=6) + _data_parallel(ctx) + _stash(ctx, adamw, m=5)
+            + _stash_data_parallel(ctx))
 
 
 def _data_parallel(ctx: pt.RankContext) -> list[str]:
@@ -224,6 +225,41 @@ def _data_parallel(ctx: pt.RankContext) -> list[str]:
             opt.step()
     pipe.drain()  # (a pipeline dropped with micro-batches in flight leaves its sends behind)
     return problems
+
+
+def _stash_data_parallel(ctx: pt.RankContext) -> list[str]:
+    """PipeDream, 2 replicas x 2 pipeline ranks: ``on_grads_ready`` averages each backward's
+    gradient over the replicas before the stage's optimizer steps (in the steps and the
+    drain); losses and weights bitwise ``ReferenceStash(replicas=2)``'s."""
+    replica, pp_rank = divmod(ctx.rank, 2)
+    pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipe, ref, ref_model = stash_pair(mlp(4), 2, adamw, replicas=2, group=pipes[replica],
+                                      timeout=30)
+    calls = []
+
+    def average(stage: int) -> None:
+        calls.append(stage)
+        for _, p in pipe.named_parameters(stage):
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=dps[pp_rank])
+                p.grad /= 2
+
+    problems: list[str] = []
+    for t in range(3):
+        x, y = batch(16, seed=t)
+        mine = slice(8 * replica, 8 * replica + 8)
+        got, want = pipe.step(x[mine], y[mine], on_grads_ready=average), ref.step(x, y)
+        if pp_rank == 1:
+            loss = got.loss.clone() if got.loss is not None else torch.tensor(float("nan"))
+            dist.all_reduce(loss, group=dps[1])
+            if not torch.equal(loss / 2, want):
+                problems.append(f"stash dp step {t}: loss {float(loss) / 2} != {float(want)}")
+    pipe.drain(on_grads_ready=average)
+    ref.drain()
+    if calls != [pp_rank] * 12:  # one call per backward: 3 steps of 4 micro-batches
+        problems.append(f"stash dp: on_grads_ready calls {calls}")
+    return problems + _compare(pipe, ref_model, "stash dp after the drain")
 
 
 def _flatten(results: list[Any]) -> list[str]:

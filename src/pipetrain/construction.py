@@ -30,8 +30,14 @@ def asynchronous_fits(schedule: Schedule, compile: bool | str, parallelize: Any,
     if not stash and optimizer is not None:
         raise ValueError(f"optimizer= is for schedule 'pipedream'; under {schedule.name!r} "
                          "step your optimizer after each step")
-    refused = [what for what, on in (("compile=", compile), ("a weight tied between stages",
-                                                             stash and bool(tied)),
+    if stash and tied:
+        raise ValueError(
+            f"'pipedream' updates each stage after each of its backwards, stage by stage a "
+            f"different number of micro-batches late: the copies of a weight tied between "
+            f"stages ({tied[0].name!r}) would take the halves of its gradient at different times "
+            f"and drift apart. Use 'pipedream-2bw' (one update per step, the halves summed) "
+            f"or a synchronous schedule, or untie the weight")
+    refused = [what for what, on in (("compile=", compile),
                                      ("parallelize=", parallelize is not None)) if on]
     if refused:
         raise ValueError(f"{schedule.name!r} (asynchronous: weight versions per step) does not "

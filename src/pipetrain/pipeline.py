@@ -363,6 +363,10 @@ class Pipeline:
 
             pipe.step(x, y, on_grads_ready=lambda s: reduce(pipe.named_parameters(s)))
 
+        Under ``pipedream-2bw`` it is called at the end of the step, for the gradients of the
+        step before; under ``pipedream``, after each backward of the stage, for that
+        micro-batch's gradient in ``.grad``, before the stage's optimizer steps (m calls per
+        stage and step: the same hook averages PipeDream's updates across replicas).
         A hook that raises fails the step like a stage error.
 
         ``step`` is the caller's number for this step (a training loop's, which goes on

@@ -133,12 +133,20 @@ class ReferenceStash:
     :func:`reference_step` weights it, and :meth:`drain` applies the updates still owed, so
     the stages then hold what ``Pipeline(..., "pipedream", optimizer=...)`` holds after its
     own ``drain()``.
+
+    ``replicas`` > 1: data parallelism. The batch is cut into that many equal parts along
+    dimension 0 (replica ``r`` takes the ``r``-th), each replica's micro-batch ``n`` runs on
+    the same versions, and each update applies their gradients' mean (summed in replica
+    order, then divided), as an all-reduce in ``on_grads_ready`` does; :meth:`step` returns
+    the mean of the replicas' losses.
     """
 
     def __init__(self, stages: Sequence[nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor],
                  microbatches: int,
-                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+                 optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 replicas: int = 1) -> None:
         self.stages, self.loss_fn, self.m = list(stages), loss_fn, microbatches
+        self.replicas = replicas
         self.optimizers = [optimizer(list(s.parameters())) for s in self.stages]
         self.versions: list[list[dict[str, torch.Tensor]]] = [[_state(s)] for s in self.stages]
         self.grads: list[list[dict[str, torch.Tensor | None]]] = [[] for _ in self.stages]
@@ -146,28 +154,43 @@ class ReferenceStash:
         self.start = 0  # the first micro-batch after the last drain (which filled again)
 
     def step(self, inputs: Any, targets: Any) -> torch.Tensor:
+        parts = zip(microbatch.split(inputs, self.replicas, 0),
+                    microbatch.split(targets, self.replicas, 0))
+        runs = [self._weighted(x, y) for x, y in parts]
+        totals: list[torch.Tensor] = []
+        for n in range(self.m):
+            per_replica = [self._microbatch(*run[n]) for run in runs]
+            for s in range(len(self.stages)):
+                self.grads[s].append(_mean([grads[s] for grads, _ in per_replica]))
+            losses = [loss for _, loss in per_replica]
+            totals = losses if not totals else [t + x for t, x in zip(totals, losses)]
+            self.count += 1
+        if not totals:
+            raise ValueError("no micro-batches")
+        return totals[0] if len(totals) == 1 else sum(totals[1:], totals[0]) / len(totals)
+
+    def _weighted(self, inputs: Any, targets: Any) -> list[tuple[Any, Any, float]]:
+        """A replica's micro-batches, each with the weight of its loss."""
         xs, ys = microbatch.split(inputs, self.m, 0), microbatch.split(targets, self.m, 0)
         total_size = microbatch.batch_size(targets, 0)
         sizes = microbatch.sizes(total_size, self.m)
-        total: torch.Tensor | None = None
+        return [(x, y, n / total_size) for x, y, n in zip(xs, ys, sizes)]
+
+    def _microbatch(self, x: Any, y: Any, weight: float
+                    ) -> tuple[list[dict[str, torch.Tensor | None]], torch.Tensor]:
+        """Forward and backward of one micro-batch on each stage's version for it: the
+        gradients per stage, and the weighted loss."""
+        leaves = []
         last = len(self.stages) - 1
-        for x, y, n in zip(xs, ys, sizes):
-            leaves = []
-            for s in range(len(self.stages)):
-                version = self.start + max(0, self.count - self.start - (last - s))
-                self._make(s, version)
-                leaves.append({k: v.clone().requires_grad_(True)
-                               for k, v in self.versions[s][version].items()})
-                x = torch.func.functional_call(self.stages[s], leaves[s], (x,))
-            loss = self.loss_fn(x, y) * (n / total_size)
-            loss.backward()  # type: ignore[no-untyped-call]
-            for s, own in enumerate(leaves):
-                self.grads[s].append({k: v.grad for k, v in own.items()})
-            total = loss.detach() if total is None else total + loss.detach()
-            self.count += 1
-        if total is None:
-            raise ValueError("no micro-batches")
-        return total
+        for s in range(len(self.stages)):
+            version = self.start + max(0, self.count - self.start - (last - s))
+            self._make(s, version)
+            leaves.append({k: v.clone().requires_grad_(True)
+                           for k, v in self.versions[s][version].items()})
+            x = torch.func.functional_call(self.stages[s], leaves[s], (x,))
+        loss = self.loss_fn(x, y) * weight
+        loss.backward()  # type: ignore[no-untyped-call]
+        return [{k: v.grad for k, v in own.items()} for own in leaves], loss.detach()
 
     def drain(self) -> None:
         for s in range(len(self.stages)):
@@ -187,6 +210,24 @@ class ReferenceStash:
             self.optimizers[stage].step()
             self.optimizers[stage].zero_grad(set_to_none=True)
             made.append(_state(module))
+
+
+def _mean(grads: list[dict[str, torch.Tensor | None]]) -> dict[str, torch.Tensor | None]:
+    """The replicas' gradients summed in order, then divided by their number (one: as is)."""
+    if len(grads) == 1:
+        return grads[0]
+    mean: dict[str, torch.Tensor | None] = {}
+    for name in grads[0]:
+        got = [g[name] for g in grads]
+        present = [g for g in got if g is not None]
+        if len(present) < len(got):
+            mean[name] = None
+            continue
+        total = present[0]
+        for g in present[1:]:
+            total = total + g
+        mean[name] = total / len(present)
+    return mean
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:

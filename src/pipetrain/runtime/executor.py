@@ -225,7 +225,10 @@ class Executor:
             for dst, grads in zip(self._grad_out[a.stage], got):
                 self._put(rank, Message(Key(GRAD, step, mb, a.stage, dst), grads))
             if self.versions is not None:  # PipeDream: the stage's update after each B
-                self.versions.finished(a.stage, max(0, data.version + (a.version or 0)))
+                self.versions.finished(
+                    a.stage, max(0, data.version + (a.version or 0)),
+                    None if data.on_grads_ready is None else
+                    lambda s: self.grads_ready(rank, a, (s,), data))
 
     def _forward(self, rank: int, stage: Stage, a: Action, msgs: list[Message],
                  data: StepData) -> None:

@@ -24,7 +24,7 @@ the result. A stage holds the versions of its micro-batches in flight.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -75,18 +75,24 @@ class Versions:
             held[name] = leaf  # type: ignore[assignment]
         self.installed[stage] = version
 
-    def finished(self, stage: int, version: int) -> None:
+    def finished(self, stage: int, version: int,
+                 ready: Callable[[int], None] | None = None) -> None:
         """A micro-batch of ``stage`` on ``version`` ended its B. PipeDream: step the stage's
-        optimizer with its gradient, and drop the version once none is left on it."""
+        optimizer with its gradient (``ready(stage)`` first: ``on_grads_ready``, where data
+        parallelism averages it), and drop the version once none is left on it."""
         left = self.users.pop((stage, version), 1) - 1
         if left:
             self.users[stage, version] = left
         if self.optimizers is None:
             return
         leaves = self.leaves[version]
-        for _, _, p in self.slots[stage]:
+        for held, name, p in self.slots[stage]:  # P back in the modules, with the gradient
             leaf = leaves[id(p)]
             p.grad, leaf.grad = leaf.grad, None
+            held[name] = p
+        self.installed.pop(stage, None)
+        if ready is not None:
+            ready(stage)
         optimizer = self.optimizers[stage]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -95,7 +101,6 @@ class Versions:
                 del leaves[id(p)]
             if not leaves:
                 del self.leaves[version]
-            self.installed.pop(stage, None)
 
     def end_step(self, version: int, keep: bool = False) -> None:
         """After step ``version``: P holds version ``version``'s values in storage of its own

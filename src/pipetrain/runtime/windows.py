@@ -6,7 +6,7 @@ micro-batches (:meth:`~pipetrain.schedules.schedule.Schedule.phase`). The three 
 the weight versions (:mod:`pipetrain.runtime.versions`) and the hand-offs between stages of this
 process, so a gradient one step sends for the next waits there. A stage's gradients are final
 only at the end of a step (those of the step before), so every stage's ``on_grads_ready`` is
-called then.
+called then; under PipeDream, after each of the stage's B, before its optimizer steps.
 """
 
 from __future__ import annotations
