@@ -218,8 +218,13 @@ def _final_state(out: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: Path) -> None:
-    common = ["--steps", "8", "--checkpoint-every", "3", "--eval-every", "0", "--timeout", "5"]
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream-2bw"])
+def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: Path,
+                                                                      schedule: str) -> None:
+    # pipedream-2bw: killed mid-stream (micro-batches in flight), restarted from the drained
+    # checkpoint of step 3
+    common = ["--steps", "8", "--checkpoint-every", "3", "--eval-every", "0", "--timeout", "5",
+              "--schedule", schedule]
     # both runs skip step 2 (NaN loss on rank 0); only the second loses rank 1 at step 5
     plain = _start(tmp_path / "plain", *common, faults="nan@rank0:step2")
     killed = _start(tmp_path / "killed", *common, "--max-restarts", "1",
@@ -238,3 +243,9 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: P
              for run in ("plain", "killed")]
     assert steps[0] == steps[1] and len(steps[0]) == 8
     assert [s for s, (_, skipped) in steps[0].items() if skipped] == [2]
+    if schedule == "pipedream-2bw":  # drained before each checkpoint and at the end: step 2's
+        # record carries batch 1's update, and batch 2's (NaN, skipped) as drained
+        drained = {r["step"]: (r["loss"] is not None, r["drained"]["skipped"])
+                   for r in report.read_log(tmp_path / "plain" / "log.jsonl")
+                   if r["kind"] == "step" and "drained" in r}
+        assert drained == {2: (True, True), 5: (True, False), 7: (True, False)}, drained

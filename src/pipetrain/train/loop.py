@@ -21,8 +21,9 @@ Under the asynchronous ``pipedream-2bw`` the gradients [2] leaves are the previo
 loss and gradient norm of the batch they come from (the previous one), and the first step,
 which fills the pipeline, applies none (its record has NaN there). Before a checkpoint and at
 the end the pipeline is drained and the step's own batch applied as well (at the same learning
-rate; the record keeps the first update's figures), so that a checkpoint holds no micro-batch
-in flight and a resumed run goes on exactly as one that was not stopped.
+rate; the record keeps the first update's figures and adds the second's as ``drained``), so
+that a checkpoint holds no micro-batch in flight and a resumed run goes on exactly as one that
+was not stopped.
 
 Eval losses, checkpoints and the one timeline picture come between steps; generated text and
 the summary at the end. :func:`run` returns the same summary on every rank.
@@ -79,12 +80,16 @@ class StepStats:
     timeline: Timeline
     experts: dict[str, Any] | None = None
     """A mixture of experts' load this step (:func:`pipetrain.hf.expert_load.summarize`)."""
+    drained: dict[str, Any] | None = None
+    """``pipedream-2bw``, a step that drained after its update: the second update's (its own
+    batch's) loss, grad_norm and skipped; ``skipped`` above is then either's."""
 
     def fields(self) -> dict[str, Any]:
         return {"step": self.step, "loss": self.loss, "lr": self.lr,
                 "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s,
                 "bubble": self.bubble, "skipped": self.skipped,
-                **({"experts": self.experts} if self.experts is not None else {})}
+                **({"experts": self.experts} if self.experts is not None else {}),
+                **({"drained": self.drained} if self.drained is not None else {})}
 
 
 @dataclass
@@ -249,21 +254,27 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
         trainer.injector.armed = False
     windows = pipe.windows  # an asynchronous schedule: the gradients are the step before's
     loss, grad_norm, skipped = math.nan, math.nan, False
+    updated = windows is None or windows.versions.gave_grads  # not a first, filling step
     if windows is None:
         loss, grad_norm, skipped = _update(trainer, step, result.loss, used)
-    elif windows.versions.gave_grads:  # not a first, filling step: the step before's batch
+    elif updated:  # the step before's batch
         loss, grad_norm, skipped = _update(trainer, step, result.previous_loss,
                                            trainer.last_scale)
     trainer.last_scale = used
-    if windows is not None and _drain_due(trainer, step):  # the record keeps the first
-        drained = pipe.drain(step=step, on_grads_ready=trainer.on_grads_ready)  # update's
-        last = _update(trainer, step, drained.previous_loss, used)
-        loss, grad_norm, skipped = (loss, grad_norm, skipped) if math.isfinite(loss) else last
+    drained: dict[str, Any] | None = None
+    if windows is not None and _drain_due(trainer, step):  # the step's own batch too
+        last = _update(trainer, step, pipe.drain(
+            step=step, on_grads_ready=trainer.on_grads_ready).previous_loss, used)
+        if updated:  # the record keeps the first update's figures, the drain's apart
+            drained = {"loss": mesh.dp_mean(last[0]), "grad_norm": last[1], "skipped": last[2]}
+        else:
+            loss, grad_norm, skipped = last
     trainer.step = step + 1
     seconds = time.perf_counter() - start
     return StepStats(step, mesh.dp_mean(loss), lr, grad_norm,
                      cfg.batch_size * cfg.seq_len / seconds, result.bubble_fraction,
-                     skipped, seconds, result.timeline, _expert_load(trainer))
+                     skipped or bool(drained and drained["skipped"]), seconds, result.timeline,
+                     _expert_load(trainer), drained)
 
 
 def _update(trainer: Trainer, step: int, scaled: torch.Tensor | None, value: float
