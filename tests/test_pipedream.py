@@ -145,6 +145,86 @@ def test_captured_hf_models_with_adamw(name: str, tolerance: float) -> None:
         assert close(got[n], q) and close(got[n].grad, q.grad), n
 
 
+@pytest.mark.parametrize("name", ["t5", "vit"])
+def test_an_encoder_decoder_and_a_vision_model_we_did_not_write(name: str) -> None:
+    """T5 (its own loss from ``labels``, padding mask, relative position bias) and ViT (patch
+    embedding, class token), captured in float64 from test_zoo's configs with dropout 0 and
+    fed their keyword inputs: losses, weights and gradients within 1e-12 of each tensor's
+    largest value of Reference2BW's, SGD with momentum, 3 steps and the drain."""
+    pytest.importorskip("transformers")
+    import test_zoo as zoo
+    import transformers as tf
+
+    arch = zoo.BY_NAME[name]
+    config = arch.config()
+    for attr in ("dropout_rate", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if hasattr(config, attr):
+            setattr(config, attr, 0.0)
+    torch.manual_seed(0)
+    model = getattr(tf, arch.cls)(config).to(arch.dtype)
+    ref = Reference2BW(_Keywords(copy.deepcopy(model)), arch.loss, 4)
+    x, y = zoo.batch(arch)
+    data = [({k: v.roll(3 * t, 0) for k, v in x.items()}, y.roll(3 * t, 0))
+            for t in range(3)]  # each step its rows in another order: other micro-batches
+    example = {k: v[:2] for k, v in x.items()}
+    pipe = pt.Pipeline(model, "pipedream-2bw", 4, arch.loss, local_ranks=2,
+                       split_points="auto", example_inputs=example)
+    mine, theirs = sgd(list(pipe.parameters())), sgd(list(ref.model.parameters()))
+
+    def close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        return float((a - b).abs().max()) <= 1e-12 * (float(b.detach().abs().max()) or 1.0)
+
+    for t, (x, y) in enumerate(data):
+        assert close(pipe.step(x, y).loss, ref.step(x, y)), t
+        mine.step()
+        theirs.step()
+    pipe.drain()
+    ref.drain()
+    got = dict(pipe.named_parameters())
+    assert len(got) == len(dict(ref.model.inner.named_parameters()))
+    for n, q in ref.model.inner.named_parameters():
+        assert close(got[n], q) and close(got[n].grad, q.grad), n
+
+
+class _Pair(nn.Module):
+    """A user's layer that takes and returns a tuple: (activations, a per-row scale that
+    needs no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, xs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, scale = xs
+        return torch.tanh(self.lin(x)) * scale, scale
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, xs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.lin(xs[0])
+
+
+def test_tuples_between_stages_follow_the_rule_bitwise() -> None:
+    """A layer list whose layers pass a tuple (one member without gradient) between stages,
+    its input a tuple too: bitwise Reference2BW's with AdamW at p = 3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Pair(), _Pair(), _Pair(), _Pair(), _Pair(), _Head())
+    ref = Reference2BW(copy.deepcopy(model), LOSS, 4)
+    pipe = pt.Pipeline(model, "pipedream-2bw", 4, LOSS, local_ranks=3)
+    data = []
+    for t in range(4):
+        x, _ = batch(12, seed=t)
+        g = torch.Generator().manual_seed(100 + t)
+        data.append(((x, torch.rand(12, 1, generator=g) + 0.5), torch.randn(12, 4, generator=g)))
+    assert run(pipe, ref, adamw, data) == []
+
+
 class _Keywords(nn.Module):
     """A model called with a dict of keyword arguments, as the pipeline's packed input."""
 
