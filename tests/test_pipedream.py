@@ -152,8 +152,9 @@ def test_an_encoder_decoder_and_a_vision_model_we_did_not_write(name: str) -> No
     fed their keyword inputs: losses, weights and gradients within 1e-12 of each tensor's
     largest value of Reference2BW's, SGD with momentum, 3 steps and the drain."""
     pytest.importorskip("transformers")
-    import test_zoo as zoo
     import transformers as tf
+
+    import test_zoo as zoo
 
     arch = zoo.BY_NAME[name]
     config = arch.config()
