@@ -170,6 +170,14 @@ def on_model_device(model: nn.Module, example: Any) -> Any:
 
 def _capture(model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments
              ) -> Captured:
+    program, seconds = export(model, bound)
+    return from_program(program, model, signature, bound, seconds)
+
+
+def export(model: nn.Module, bound: inspect.BoundArguments
+           ) -> tuple[torch.export.ExportedProgram, float]:
+    """torch.export of ``model`` on ``bound`` (every dimension symbolic where the code allows),
+    and the seconds it took."""
     import time
 
     start = time.perf_counter()
@@ -178,7 +186,15 @@ def _capture(model: nn.Module, signature: inspect.Signature, bound: inspect.Boun
                                       dynamic_shapes=_auto_dims(model, bound))
     except Exception as e:
         raise PartitionError(_explain(model, e)) from e
-    seconds = time.perf_counter() - start
+    return program, time.perf_counter() - start
+
+
+def from_program(program: torch.export.ExportedProgram, model: nn.Module,
+                 signature: inspect.Signature, bound: inspect.BoundArguments, seconds: float,
+                 named: dict[str, str] | None = None) -> Captured:
+    """The capture of ``model`` that ``program`` (its export on ``bound``) records;
+    ``named``: the ``get_attr`` targets to read from ``model`` by another name (a program
+    exported elsewhere: its tensors are stand-ins)."""
     module = program.module()
     graph = module.graph
     for sub in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
@@ -190,6 +206,7 @@ def _capture(model: nn.Module, signature: inspect.Signature, bound: inspect.Boun
              if n.op == "get_attr" and _has_attr(module, str(n.target))}
     attrs.update({str(n.target): _attr(model, str(n.target)) for n in graph.nodes
                   if n.op == "get_attr" and str(n.target) not in attrs})
+    attrs.update({target: _attr(model, held) for target, held in (named or {}).items()})
     if is_meta(model):
         _check_constants(model, graph, attrs)
     flat, in_spec = pytree.tree_flatten_with_path((bound.args, bound.kwargs))

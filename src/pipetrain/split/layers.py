@@ -138,8 +138,10 @@ def profiling_sample(modules: Sequence[nn.Module], mode: Any, sample: Any) -> An
 
 
 def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: Any,
-                 balance: Any, n_stages: int) -> TracedSplit:
-    """The traced stages for ``Pipeline(model, split_points=..., example_inputs=...)``.
+                 balance: Any, n_stages: int, share: Any = None) -> TracedSplit:
+    """The traced stages for ``Pipeline(model, split_points=..., example_inputs=...)``;
+    ``share``: the pipeline's process group, whose rank 0 exports the model for all
+    (:mod:`pipetrain.split.shared`; None: this process captures).
 
     Raises:
         TypeError: without one ``nn.Module`` and ``example_inputs``.
@@ -147,6 +149,7 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
     """
     from pipetrain.split.autosplit import cut_points
     from pipetrain.split.capture import capture
+    from pipetrain.split.shared import capture_shared
     from pipetrain.split.trace import split_model
 
     if not isinstance(model, nn.Module) or example_inputs is None:
@@ -164,7 +167,8 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
         raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} units, fewer "
                              f"than the schedule's {n_stages} stages; give at least "
                              f"{n_stages - 1} split points")
-    captured = capture(model, example_inputs)
+    captured = capture(model, example_inputs) if share is None else \
+        capture_shared(model, example_inputs, share)
     if split_points == "auto":  # one small stage per unit; the balancer groups them
         split_points = cut_points(model, example_inputs, captured=captured)
     return split_model(model, split_points, example_inputs, captured=captured)

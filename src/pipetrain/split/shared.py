@@ -1,0 +1,200 @@
+"""Shared capture: one rank of a pipeline group exports the model, the others load its program.
+
+Every rank of a pipeline needs the same graph, and torch.export takes seconds (a symbolic trace
+of every op; on a test-sized Llama, 2-5 s against 0.3 s to load the result). So rank 0 of the
+group exports, and its program travels to the others through the job's store, as
+``torch.export.save`` writes it but without the model's tensors (meta tensors stand in for its
+parameters and buffers: what travels is the graph, its signature and export's own constants).
+Each other rank loads it and builds its capture on its own model's tensors::
+
+    rank 0      export ──► save (no weights) ──► store[key] ──► its capture
+    rank r > 0  ........ wait for store[key] ──► load ──► its capture, on its own tensors
+
+A job of p ranks on one machine so spends one export's CPU instead of p, and every rank splits
+the very same graph: a rank whose model or example differs from rank 0's (their
+:func:`~pipetrain.split.recall.key` differs), or whose loaded graph does not print as rank
+0's, captures on its own instead, as does every rank when rank 0 could not save its program.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import json
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipetrain.errors import PipelineError
+from pipetrain.runtime import news
+from pipetrain.split import recall
+from pipetrain.split.capture import (
+    RECALL,
+    Captured,
+    _bind,
+    capture,
+    export,
+    from_program,
+    on_model_device,
+)
+
+__all__: list[str] = []
+
+WAIT_S = 1800.0
+"""The longest a rank waits for rank 0's program (an export of a very large model)."""
+_OWN = b"-"  # rank 0's word for "capture on your own"
+_count: dict[int, int] = {}  # per group (its rank 0's global rank): captures shared so far
+
+
+def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> Captured:
+    """:func:`~pipetrain.split.capture.capture` of ``model`` on ``example``, exported once in
+    ``group`` (every rank of it calls this, in the same order as its other collectives).
+
+    Raises:
+        PartitionError: as ``capture`` does (on every rank: the others export on their own
+            when rank 0 could not).
+        JobFailed: when the job's news says a peer failed while this rank waited.
+    """
+    if dist.get_world_size(group) < 2:
+        return capture(model, example)
+    example = on_model_device(model, example)
+    signature = inspect.signature(model.forward)
+    bound = _bind(signature, example)
+    k = recall.key(model, example)
+    digest = hashlib.sha256(repr(k).encode()).hexdigest()
+    root = dist.get_global_rank(group, 0)
+    n = _count[root] = _count.get(root, -1) + 1
+    name = f"pipetrain/capture/{root}/{n}"
+    store = dist.distributed_c10d._get_default_store()
+    kept = RECALL.get(k, model)
+    if dist.get_rank(group) == 0:
+        return _export_and_share(model, signature, bound, kept, k, digest, store, name)
+    payload = _fetch(store, name)
+    if store.add(f"{name}/read", 1) == dist.get_world_size(group) - 1:
+        store.delete_key(name)  # the last reader
+    if kept is not None:
+        return kept  # type: ignore[no-any-return]
+    captured = None
+    if payload != _OWN:
+        try:
+            captured = _load(payload, model, signature, bound, digest)
+        except _Other:
+            pass  # a model or example of its own (e.g. parallelized otherwise): its own export
+        except _Mismatch as e:
+            warnings.warn(f"[rank {dist.get_rank()}] captures on its own: {e}", stacklevel=2)
+    if captured is None:
+        return capture(model, example)
+    RECALL.put(k, captured, model)
+    return captured
+
+
+class _Mismatch(Exception):
+    """Rank 0's program does not serve this rank."""
+
+
+class _Other(_Mismatch):
+    """This rank's model or example is not rank 0's."""
+
+
+def _export_and_share(model: nn.Module, signature: inspect.Signature,
+                      bound: inspect.BoundArguments, kept: Any, k: Any, digest: str,
+                      store: Any, name: str) -> Captured:
+    if kept is not None:  # captured here before; the others may not have: they export
+        store.set(name, _OWN)
+        return kept  # type: ignore[no-any-return]
+    try:
+        program, seconds = export(model, bound)
+    except BaseException:
+        store.set(name, _OWN)  # they fail alike on their own
+        raise
+    captured = from_program(program, model, signature, bound, seconds)
+    try:
+        payload = _payload(program, model, captured, digest)
+    except Exception as e:  # noqa: BLE001  (what the program holds may not save)
+        warnings.warn(f"[rank {dist.get_rank()}] could not share its capture, every rank "
+                      f"captures on its own: {e!r}", stacklevel=3)
+        payload = _OWN
+    store.set(name, payload)
+    RECALL.put(k, captured, model)
+    return captured
+
+
+def _payload(program: torch.export.ExportedProgram, model: nn.Module, captured: Captured,
+             digest: str) -> bytes:
+    """``program`` saved with meta tensors for ``model``'s, behind a JSON head: the recall
+    key's digest, the graph's, and which ``get_attr`` targets read which model tensor."""
+    owned = _owned(model)
+    named = {t: owned[id(v)] for t, v in captured.attrs.items()
+             if isinstance(v, torch.Tensor) and id(v) in owned}
+    state, constants = program._state_dict, program._constants
+    program._state_dict = {n: _meta(t) for n, t in state.items()}
+    program._constants = {n: _meta(t) if isinstance(t, torch.Tensor) and id(t) in owned else t
+                          for n, t in constants.items()}
+    try:
+        out = io.BytesIO()
+        torch.export.save(program, out)
+    finally:
+        program._state_dict, program._constants = state, constants
+    head = json.dumps({"key": digest, "graph": _graph_digest(captured), "named": named})
+    return len(head).to_bytes(8, "little") + head.encode() + out.getvalue()
+
+
+def _load(payload: bytes, model: nn.Module, signature: inspect.Signature,
+          bound: inspect.BoundArguments, digest: str) -> Captured:
+    size = int.from_bytes(payload[:8], "little")
+    head = json.loads(payload[8:8 + size])
+    if head["key"] != digest:
+        raise _Other()
+    program = torch.export.load(io.BytesIO(payload[8 + size:]))
+    # this rank's own tensors, not the stand-ins
+    captured = from_program(program, model, signature, bound, 0.0, head["named"])
+    if not all(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        stand_ins = [t for t, v in captured.attrs.items()
+                     if isinstance(v, torch.Tensor) and v.is_meta]
+        if stand_ins:
+            raise _Mismatch(f"{stand_ins[:3]} have no tensor of this rank's model")
+    if _graph_digest(captured) != head["graph"]:
+        raise _Mismatch("the loaded graph differs from rank 0's")
+    return captured
+
+
+def _fetch(store: Any, name: str) -> bytes:
+    """Rank 0's payload under ``name``, once it is there (polled, so that a failed peer's
+    news ends the wait)."""
+    start, pause = time.monotonic(), 0.001
+    while not store.check([name]):
+        text = news.latest()
+        if text is not None:
+            raise news.JobFailed(f"[rank {dist.get_rank()}] waiting for rank 0's capture of "
+                                 f"the model: {text}")
+        if time.monotonic() - start > WAIT_S:
+            raise PipelineError(f"[rank {dist.get_rank()}] rank 0 of the pipeline group did "
+                                f"not share its capture of the model within {WAIT_S:.0f} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    value: bytes = store.get(name)
+    return value
+
+
+def _owned(model: nn.Module) -> dict[int, str]:
+    """``id`` of each of the model's parameters and buffers -> its first name."""
+    owned: dict[int, str] = {}
+    for n, t in (*model.named_parameters(remove_duplicate=False),
+                 *model.named_buffers(remove_duplicate=False)):
+        owned.setdefault(id(t), n)
+    return owned
+
+
+def _meta(t: Any) -> Any:
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(t.detach().to("meta"), requires_grad=t.requires_grad)
+    return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+
+def _graph_digest(captured: Captured) -> str:
+    return hashlib.sha256(str(captured.graph).encode()).hexdigest()
