@@ -1,6 +1,7 @@
 """Shared capture on 2 processes (gloo): rank 0 exports, rank 1 loads its program (no weights
 in it) and builds the same graph on its own model's tensors; a rank whose model or example
-differs, a rank 0 that captured before and an export that fails each end without a hang."""
+differs, a rank 0 that captured before, an export that fails and a rank 0 that never comes each
+end without a hang."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.errors import PartitionError
+from pipetrain.errors import PartitionError, PipelineError
 
 pytest.importorskip("transformers")
 
@@ -99,6 +100,16 @@ def _fallbacks(ctx: pt.RankContext) -> list[str]:
         problems.append("a model export cannot capture was captured")
     except PartitionError:
         pass
+    if ctx.rank == 1:  # (last: the ranks' counts of shared captures part here)
+        from pipetrain.split import shared
+
+        shared.START_S = 1.0  # a rank 0 that never builds the pipeline: an error, not a hang
+        try:
+            _shared("vit")
+            problems.append("waited for a rank 0 that never came")
+        except PipelineError as e:
+            if "did not start exporting the model within 1 s" not in str(e):
+                problems.append(f"no rank 0: {e}")
     return problems
 
 

@@ -154,10 +154,10 @@ class Pipeline:
         if isinstance(model, nn.Module) and example_inputs is not None:
             example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
         # one export for the group (not where parallelize= makes each rank's model its own)
-        share = None if local_ranks is not None or parallelize is not None else \
+        self._share = None if local_ranks is not None or parallelize is not None else \
             group or dist.group.WORLD
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
-            model, split_points, example_inputs, balance, n_stages, share)
+            model, split_points, example_inputs, balance, n_stages, self._share)
         self._modal: tuple[nn.Module, Any] | None = None  # its eval graph: made when used
         if isinstance(model, nn.Module) and self.traced is not None and parallelize is None \
                 and depends_on_mode(model, self.traced):
@@ -243,7 +243,8 @@ class Pipeline:
         is kept until then, and let go after): its stages on this rank's tensors."""
         if self._modal is not None:
             model, example_inputs = self._modal
-            split = eval_split(model, self.traced, example_inputs)  # type: ignore[arg-type]
+            split = eval_split(model, self.traced, example_inputs,  # type: ignore[arg-type]
+                               self._share)
             stages = eval_stages(split, self.balance, self.stages, self._stage_layers,
                                  self.device, self.loss_fn, self.split_dim)
             self.evaluator = Executor(self.schedule, stages, self.hosted, self.transport,

@@ -23,6 +23,7 @@ from pipetrain.errors import PartitionError
 from pipetrain.runtime.stage import Stage
 from pipetrain.split.capture import move_graph
 from pipetrain.split.partition import stage_bounds
+from pipetrain.split.shared import capture_shared
 from pipetrain.split.trace import TracedSplit, split_model
 
 __all__: list[str] = []
@@ -63,14 +64,17 @@ def eval_mode(models: nn.Module | Iterable[nn.Module]) -> Iterator[None]:
             m.training = flag
 
 
-def eval_split(model: nn.Module, traced: TracedSplit, example_inputs: Any) -> TracedSplit:
-    """``model`` captured in eval mode and cut where ``traced`` was cut.
+def eval_split(model: nn.Module, traced: TracedSplit, example_inputs: Any,
+               share: Any = None) -> TracedSplit:
+    """``model`` captured in eval mode and cut where ``traced`` was cut (``share``: the
+    pipeline group, whose rank 0 exports for all: :mod:`pipetrain.split.shared`).
 
     Raises:
         PartitionError: when the eval graph cuts into another number of units.
     """
     with eval_mode(model), torch.no_grad():
-        split = split_model(model, list(traced.points), example_inputs)
+        captured = None if share is None else capture_shared(model, example_inputs, share)
+        split = split_model(model, list(traced.points), example_inputs, captured=captured)
     if len(split.stages) != len(traced.stages):
         raise PartitionError(f"the model captured in eval mode cuts into {len(split.stages)} "
                              f"units at {list(traced.points)}, in training mode into "

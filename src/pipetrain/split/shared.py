@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.errors import PipelineError
-from pipetrain.runtime import news
 from pipetrain.split import recall
 from pipetrain.split.capture import (
     RECALL,
@@ -45,8 +44,10 @@ from pipetrain.split.capture import (
 
 __all__: list[str] = []
 
+START_S = 120.0
+"""The longest a rank waits for rank 0 to start its export (it reaches the pipeline later)."""
 WAIT_S = 1800.0
-"""The longest a rank waits for rank 0's program (an export of a very large model)."""
+"""The longest a rank then waits for rank 0's program (an export of a very large model)."""
 _OWN = b"-"  # rank 0's word for "capture on your own"
 _count: dict[int, int] = {}  # per group (its rank 0's global rank): captures shared so far
 
@@ -58,7 +59,8 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
     Raises:
         PartitionError: as ``capture`` does (on every rank: the others export on their own
             when rank 0 could not).
-        JobFailed: when the job's news says a peer failed while this rank waited.
+        PipelineError: when rank 0 does not start its export within :data:`START_S`, or its
+            program does not come within :data:`WAIT_S`.
     """
     if dist.get_world_size(group) < 2:
         return capture(model, example)
@@ -74,36 +76,27 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
     kept = RECALL.get(k, model)
     if dist.get_rank(group) == 0:
         return _export_and_share(model, signature, bound, kept, k, digest, store, name)
-    payload = _fetch(store, name)
+    _fetch(store, f"{name}/start", START_S, "start exporting the model")
+    payload = _fetch(store, name, WAIT_S, "share its capture of the model")
     if store.add(f"{name}/read", 1) == dist.get_world_size(group) - 1:
         store.delete_key(name)  # the last reader
+        store.delete_key(f"{name}/start")
     if kept is not None:
         return kept  # type: ignore[no-any-return]
-    captured = None
-    if payload != _OWN:
-        try:
-            captured = _load(payload, model, signature, bound, digest)
-        except _Other:
-            pass  # a model or example of its own (e.g. parallelized otherwise): its own export
-        except _Mismatch as e:
-            warnings.warn(f"[rank {dist.get_rank()}] captures on its own: {e}", stacklevel=2)
-    if captured is None:
+    captured, why = (None, "") if payload == _OWN else _load(payload, model, signature,
+                                                             bound, digest)
+    if why:
+        warnings.warn(f"[rank {dist.get_rank()}] captures on its own: {why}", stacklevel=2)
+    if captured is None:  # (without a word where its model or example is not rank 0's)
         return capture(model, example)
     RECALL.put(k, captured, model)
     return captured
 
 
-class _Mismatch(Exception):
-    """Rank 0's program does not serve this rank."""
-
-
-class _Other(_Mismatch):
-    """This rank's model or example is not rank 0's."""
-
-
 def _export_and_share(model: nn.Module, signature: inspect.Signature,
                       bound: inspect.BoundArguments, kept: Any, k: Any, digest: str,
                       store: Any, name: str) -> Captured:
+    store.set(f"{name}/start", b"")
     if kept is not None:  # captured here before; the others may not have: they export
         store.set(name, _OWN)
         return kept  # type: ignore[no-any-return]
@@ -145,11 +138,13 @@ def _payload(program: torch.export.ExportedProgram, model: nn.Module, captured: 
 
 
 def _load(payload: bytes, model: nn.Module, signature: inspect.Signature,
-          bound: inspect.BoundArguments, digest: str) -> Captured:
+          bound: inspect.BoundArguments, digest: str) -> tuple[Captured | None, str]:
+    """This rank's capture from rank 0's payload; or None, and why it does not serve (empty
+    where this rank's model or example is not rank 0's)."""
     size = int.from_bytes(payload[:8], "little")
     head = json.loads(payload[8:8 + size])
     if head["key"] != digest:
-        raise _Other()
+        return None, ""
     program = torch.export.load(io.BytesIO(payload[8 + size:]))
     # this rank's own tensors, not the stand-ins
     captured = from_program(program, model, signature, bound, 0.0, head["named"])
@@ -157,24 +152,23 @@ def _load(payload: bytes, model: nn.Module, signature: inspect.Signature,
         stand_ins = [t for t, v in captured.attrs.items()
                      if isinstance(v, torch.Tensor) and v.is_meta]
         if stand_ins:
-            raise _Mismatch(f"{stand_ins[:3]} have no tensor of this rank's model")
+            return None, f"{stand_ins[:3]} have no tensor of this rank's model"
     if _graph_digest(captured) != head["graph"]:
-        raise _Mismatch("the loaded graph differs from rank 0's")
-    return captured
+        return None, "the loaded graph differs from rank 0's"
+    return captured, ""
 
 
-def _fetch(store: Any, name: str) -> bytes:
-    """Rank 0's payload under ``name``, once it is there (polled, so that a failed peer's
-    news ends the wait)."""
+def _fetch(store: Any, name: str, limit: float, what: str) -> bytes:
+    """The value under ``name``, once rank 0 set it, waiting at most ``limit`` seconds. (No
+    news can end the wait: the pipeline being built has none yet; a launcher ends a job whose
+    process died.)"""
     start, pause = time.monotonic(), 0.001
     while not store.check([name]):
-        text = news.latest()
-        if text is not None:
-            raise news.JobFailed(f"[rank {dist.get_rank()}] waiting for rank 0's capture of "
-                                 f"the model: {text}")
-        if time.monotonic() - start > WAIT_S:
+        if time.monotonic() - start > limit:
             raise PipelineError(f"[rank {dist.get_rank()}] rank 0 of the pipeline group did "
-                                f"not share its capture of the model within {WAIT_S:.0f} s")
+                                f"not {what} within {limit:.0f} s: did it build the same "
+                                "Pipeline? (every rank of the group builds it, in the same "
+                                "order)")
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
     value: bytes = store.get(name)
