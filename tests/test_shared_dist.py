@@ -68,7 +68,46 @@ def _cases(ctx: pt.RankContext) -> list[str]:
         problems.append("the shared program carries weights")
     if not all(not p.is_meta for p in program.state_dict.values()):
         problems.append("saving left meta tensors in rank 0's own program")
-    return problems + _fallbacks(ctx)
+    return problems + _eval_capture(ctx) + _fallbacks(ctx)
+
+
+def _eval_capture(ctx: pt.RankContext) -> list[str]:
+    """A GPT-2 with dropout: its first eval step captures it in eval mode, shared too (rank 1
+    loads it), and evaluates as the model in eval mode on one process."""
+    import copy
+
+    import transformers as tf
+
+    from hf import batch, lm_loss
+    from pipetrain.split.capture import RECALL
+
+    RECALL.clear()
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64,
+                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, use_cache=False)
+    model = tf.GPT2LMHeadModel(cfg).double()
+    ref = copy.deepcopy(model).eval()
+    inputs, targets = batch("gpt2", rows=8, seq=10)
+    pipe = pt.Pipeline(model, "1f1b", 4, lm_loss, split_points=["transformer.h.1"],
+                       example_inputs=inputs, timeout=30)
+    loaded: list[float] = []
+    export = torch.export.export  # rank 1 exports nothing: it loads the eval capture too
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        loaded.append(1.0)
+        return export(*args, **kwargs)
+    torch.export.export = counted
+    try:
+        got = pipe.eval_step(pipe.pack(**inputs), targets).loss
+    finally:
+        torch.export.export = export
+    with torch.no_grad():
+        want = lm_loss(ref(**inputs), targets)
+    problems = [] if pipe.evaluator is not None else ["no eval graph was made"]
+    if ctx.rank == 1 and (loaded or got is None
+                          or not torch.allclose(got, want, rtol=1e-10, atol=0)):
+        problems.append(f"eval: {got} != {want}, own exports {len(loaded)}")
+    return problems
 
 
 def _fallbacks(ctx: pt.RankContext) -> list[str]:
