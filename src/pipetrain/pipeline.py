@@ -153,9 +153,8 @@ class Pipeline:
         n_stages = self.schedule.n_stages
         if isinstance(model, nn.Module) and example_inputs is not None:
             example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
-        # one export for the group (not where parallelize= makes each rank's model its own)
-        self._share = None if local_ranks is not None or parallelize is not None else \
-            group or dist.group.WORLD
+        # one export for the group (parallelize= works on the stages, after the capture)
+        self._share = None if local_ranks is not None else group or dist.group.WORLD
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
             model, split_points, example_inputs, balance, n_stages, self._share)
         self._modal: tuple[nn.Module, Any] | None = None  # its eval graph: made when used

@@ -49,7 +49,7 @@ START_S = 120.0
 WAIT_S = 1800.0
 """The longest a rank then waits for rank 0's program (an export of a very large model)."""
 _OWN = b"-"  # rank 0's word for "capture on your own"
-_count: dict[int, int] = {}  # per group (its rank 0's global rank): captures shared so far
+_count: dict[tuple[int, ...], int] = {}  # per group (its ranks): captures shared so far
 
 
 def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> Captured:
@@ -69,9 +69,9 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
     bound = _bind(signature, example)
     k = recall.key(model, example)
     digest = hashlib.sha256(repr(k).encode()).hexdigest()
-    root = dist.get_global_rank(group, 0)
-    n = _count[root] = _count.get(root, -1) + 1
-    name = f"pipetrain/capture/{root}/{n}"
+    members = tuple(dist.get_process_group_ranks(group))  # (a key of this group's own: another
+    n = _count[members] = _count.get(members, -1) + 1  # group with this rank 0 counts apart)
+    name = f"pipetrain/capture/{'-'.join(map(str, members))}/{n}"
     store = dist.distributed_c10d._get_default_store()
     kept = RECALL.get(k, model)
     if dist.get_rank(group) == 0:
