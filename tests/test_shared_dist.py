@@ -68,7 +68,25 @@ def _cases(ctx: pt.RankContext) -> list[str]:
         problems.append("the shared program carries weights")
     if not all(not p.is_meta for p in program.state_dict.values()):
         problems.append("saving left meta tensors in rank 0's own program")
-    return problems + _eval_capture(ctx) + _fallbacks(ctx)
+    return problems + _eval_capture(ctx) + _across(ctx) + _fallbacks(ctx)
+
+
+def _across(ctx: pt.RankContext) -> list[str]:
+    """Inside ``across(world)`` (pipetrain train's replicas), a pipeline group of one rank
+    each still shares: rank 1 loads rank 0's export."""
+    import test_zoo as zoo
+    from pipetrain.split.capture import RECALL
+    from pipetrain.split.shared import across, capture_shared
+
+    RECALL.clear()
+    alone = [dist.new_group([0]), dist.new_group([1])][ctx.rank]
+    arch = zoo.BY_NAME["gpt2"]
+    example = {k: v[:2] for k, v in zoo.batch(arch)[0].items()}
+    with across(dist.group.WORLD):
+        captured = capture_shared(zoo.build(arch), example, alone)
+    if (captured.seconds == 0.0) != (ctx.rank == 1):
+        return [f"across: rank {ctx.rank} took {captured.seconds} s"]
+    return []
 
 
 def _eval_capture(ctx: pt.RankContext) -> list[str]:

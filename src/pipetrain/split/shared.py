@@ -18,12 +18,14 @@ the very same graph: a rank whose model or example differs from rank 0's (their
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import io
 import json
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,6 +52,23 @@ WAIT_S = 1800.0
 """The longest a rank then waits for rank 0's program (an export of a very large model)."""
 _OWN = b"-"  # rank 0's word for "capture on your own"
 _count: dict[tuple[int, ...], int] = {}  # per group (its ranks): captures shared so far
+_WIDER: list[dist.ProcessGroup] = []  # the innermost ``across`` group
+
+
+@contextlib.contextmanager
+def across(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Share the captures made inside with all of ``group``, not the pipeline group alone:
+    for pipelines that every rank of ``group`` builds at once, of the same model (the replicas
+    of ``pipetrain train``, each its own pipeline group: one export for the job). None:
+    no change."""
+    if group is None:
+        yield
+        return
+    _WIDER.append(group)
+    try:
+        yield
+    finally:
+        _WIDER.pop()
 
 
 def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> Captured:
@@ -62,6 +81,7 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
         PipelineError: when rank 0 does not start its export within :data:`START_S`, or its
             program does not come within :data:`WAIT_S`.
     """
+    group = _WIDER[-1] if _WIDER else group
     if dist.get_world_size(group) < 2:
         return capture(model, example)
     example = on_model_device(model, example)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -26,6 +27,7 @@ from pipetrain.pipeline import Pipeline
 from pipetrain.schedules.generators import REGISTRY, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.validate import validate
+from pipetrain.split.shared import across
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data import Batches, Corpus
 from pipetrain.train.examples import ExampleBatches, ExampleCorpus, data_problems, example_batches
@@ -245,7 +247,6 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
 
     ``progress`` shows a bar if this rank tokenizes the corpus (``--hf``, first use).
     """
-    import torch.distributed as dist
 
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
     mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp, cfg.tp, cfg.mesh_order, cfg.ep)
@@ -262,10 +263,11 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     if spread is not None and sharded is not None:
         sharded.ignored = spread.params  # filled by the time FSDP2 shards a stage
     hooks = [h for h in (spread, split, sharded) if h is not None]  # experts, tp, FSDP2
-    pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap, group=mesh.pp_group,
-                           device=mesh.device, timeout=cfg.timeout, compile=cfg.compile,
-                           parallelize=Composed(*hooks) if len(hooks) > 1 else
-                           (hooks[0] if hooks else None))
+    with across(dist.group.WORLD):  # every replica builds it now: one export for the job
+        pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap,
+                               group=mesh.pp_group, device=mesh.device, timeout=cfg.timeout,
+                               compile=cfg.compile, parallelize=Composed(*hooks)
+                               if len(hooks) > 1 else (hooks[0] if hooks else None))
     loaded = source.loaded(pipe)
     if load is not None:
         _count_forwards(load, pipe, tapped=spread is not None)
