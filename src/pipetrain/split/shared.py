@@ -103,8 +103,11 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
         store.delete_key(f"{name}/start")
     if kept is not None:
         return kept  # type: ignore[no-any-return]
-    captured, why = (None, "") if payload == _OWN else _load(payload, model, signature,
-                                                             bound, digest)
+    try:
+        captured, why = (None, "") if payload == _OWN else _load(payload, model, signature,
+                                                                 bound, digest)
+    except Exception as e:  # noqa: BLE001  (a program this process cannot load)
+        captured, why = None, f"rank 0's program does not load here: {e!r}"
     if why:
         warnings.warn(f"[rank {dist.get_rank()}] captures on its own: {why}", stacklevel=2)
     if captured is None:  # (without a word where its model or example is not rank 0's)
