@@ -1,4 +1,5 @@
-"""Capture: export+split cost of a meta GPT by size; captured-split vs layer-list step time."""
+"""Capture: export+split cost of a meta GPT by size; captured-split vs layer-list step time;
+what a rank that loads rank 0's shared export pays instead of exporting (split/shared.py)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,33 @@ def capture_table(first: float, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def shared_costs(cfg: GPTConfig) -> dict[str, Any]:
+    """One GPT exported, its program saved without weights (as rank 0 shares it), and loaded
+    into a capture on another copy of the model (as every other rank of the group builds
+    its own): seconds of each, the payload's size, and whether the graphs print alike."""
+    import inspect
+
+    from pipetrain.split.capture import _bind, export, from_program
+    from pipetrain.split.shared import _load, _payload
+
+    torch.manual_seed(0)
+    model, other = nn.Sequential(*gpt_layers(cfg)), nn.Sequential(*gpt_layers(cfg))
+    ids = torch.zeros(2, cfg.seq_len, dtype=torch.long)
+    signature = inspect.signature(model.forward)
+    bound = _bind(signature, (ids,))
+    program, export_s = export(model, bound)
+    mine = from_program(program, model, signature, bound, export_s)
+    t0 = time.perf_counter()
+    payload = _payload(program, model, mine, "")
+    t1 = time.perf_counter()
+    theirs, why = _load(payload, other, signature, bound, "")
+    t2 = time.perf_counter()
+    return {"export_s": export_s, "save_s": t1 - t0, "load_s": t2 - t1,
+            "payload_kib": len(payload) / 1024, "weights_kib": 4 * cfg.n_params / 1024,
+            "same_graph": theirs is not None and str(theirs.graph) == str(mine.graph),
+            "why": why}
+
+
 def step_times(cfg: GPTConfig, batch: int, m: int, warmup: int, steps: int) -> dict[str, Any]:
     """Median step seconds of the same GPT as a layer list (balance) and as one captured
     module (split_points at the same boundary), timed alternately; losses and grads compared."""
@@ -181,6 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = PRESETS[args.preset]
     if args.seq_len:
         cfg = dataclasses.replace(cfg, seq_len=args.seq_len)
+    print(f"\n== one export per pipeline group: {args.preset}, rank 0 exports and saves its "
+          "program without the weights, another rank loads it ==")
+    shared = shared_costs(cfg)
+    print(f"export {shared['export_s']:.2f} s | save {shared['save_s']:.2f} s | load "
+          f"{shared['load_s']:.2f} s | payload {shared['payload_kib']:.0f} KiB (fp32 weights "
+          f"{shared['weights_kib']:.0f} KiB) | same graph: {shared['same_graph']} "
+          f"{shared['why']}")
     print(f"\n== 1f1b step, 2 local ranks: {args.preset} (seq {cfg.seq_len}), batch "
           f"{args.batch}, m={args.m}, {args.warmup} warm-up + {args.steps} steps each ==")
     s = step_times(cfg, args.batch, args.m, args.warmup, args.steps)
@@ -198,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"grads step 0: max rel diff {s['grad_rel_diff_step0']:.3g}")
     if args.json:
         gb.save_json(args.json, {"capture": {"first_export_s": first, "sizes": rows},
-                                 "step": s})
+                                 "shared": shared, "step": s})
     return 0 if all("error" not in r for r in rows) else 1
 
 
