@@ -56,6 +56,11 @@ def _plain(module: nn.Module) -> tuple[tuple[str, str], ...]:
                         for k, v in vars(module).items() if k not in _MODULE_STATE))
 
 
+def names_by_id(model: nn.Module) -> dict[int, str]:
+    """``id`` of each of ``model``'s parameters and buffers -> its first name."""
+    return {id(t): name for name, t in (*model.named_parameters(), *model.named_buffers())}
+
+
 class Recall:
     """The captures of this process by :func:`key`, at most :data:`SIZE` of them."""
 
@@ -76,8 +81,7 @@ class Recall:
     def put(self, k: Hashable, captured: Any, model: nn.Module) -> None:
         """Keep ``captured`` (a :class:`~pipetrain.split.capture.Captured` of ``model``)
         without ``model``'s tensors."""
-        owned = {id(t): name for name, t in (*model.named_parameters(),
-                                              *model.named_buffers())}
+        owned = names_by_id(model)
         attrs = {t: (None if owned[id(v)] == t else _Named(owned[id(v)])) if id(v) in owned
                  else v for t, v in captured.attrs.items()}
         self._kept[k] = dataclasses.replace(captured, graph=_detached(captured.graph),

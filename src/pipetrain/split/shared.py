@@ -99,8 +99,8 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
     _fetch(store, f"{name}/start", START_S, "start exporting the model")
     payload = _fetch(store, name, WAIT_S, "share its capture of the model")
     if store.add(f"{name}/read", 1) == dist.get_world_size(group) - 1:
-        store.delete_key(name)  # the last reader
-        store.delete_key(f"{name}/start")
+        for key in (name, f"{name}/start", f"{name}/read"):  # the last reader
+            store.delete_key(key)
     if kept is not None:
         return kept  # type: ignore[no-any-return]
     try:
@@ -144,7 +144,7 @@ def _payload(program: torch.export.ExportedProgram, model: nn.Module, captured: 
              digest: str) -> bytes:
     """``program`` saved with meta tensors for ``model``'s, behind a JSON head: the recall
     key's digest, the graph's, and which ``get_attr`` targets read which model tensor."""
-    owned = _owned(model)
+    owned = recall.names_by_id(model)
     named = {t: owned[id(v)] for t, v in captured.attrs.items()
              if isinstance(v, torch.Tensor) and id(v) in owned}
     state, constants = program._state_dict, program._constants
@@ -196,15 +196,6 @@ def _fetch(store: Any, name: str, limit: float, what: str) -> bytes:
         pause = min(2 * pause, 0.05)
     value: bytes = store.get(name)
     return value
-
-
-def _owned(model: nn.Module) -> dict[int, str]:
-    """``id`` of each of the model's parameters and buffers -> its first name."""
-    owned: dict[int, str] = {}
-    for n, t in (*model.named_parameters(remove_duplicate=False),
-                 *model.named_buffers(remove_duplicate=False)):
-        owned.setdefault(id(t), n)
-    return owned
 
 
 def _meta(t: Any) -> Any:

@@ -75,10 +75,10 @@ class Trainer:
     source: Source | None = None
     """The model's source (built-in GPT or ``--hf``): input, logits and text."""
     loaded: dict[str, Any] = field(default_factory=dict)
+    """What this rank read of stored weights (``--hf``), and its peak memory after."""
     last_scale: float = 1.0
     """PipeDream-2BW: the loss scale the last step's forwards used, which its gradients,
     applied a step later, are made with."""
-    """What this rank read of stored weights (``--hf``), and its peak memory after."""
     sharded: ShardedStages | None = None
     """With ``--fsdp``: FSDP2 on the stages, which averages the gradients over the
     data-parallel ranks instead of :attr:`reducer`."""
@@ -247,7 +247,6 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
 
     ``progress`` shows a bar if this rank tokenizes the corpus (``--hf``, first use).
     """
-
     check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
     mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp, cfg.tp, cfg.mesh_order, cfg.ep)
     ranks = gather_rank_map(mesh.placement)
