@@ -6,7 +6,7 @@ wrapped in timers (wall clock and the main thread's own CPU time), per step and 
     Executor.run         every action of the step
     Stage.forward        F (its send included)          Stage.backward   B or I (send included)
     Stage.weight         W                              _Graph           I's walk of the graph
-    P2P.send             one message: encode + post     encode           the copy into a buffer
+    P2P.send             one message: encode + post     encode           header, copy into a buffer
     post                 handing the buffer to gloo     P2P.recv         wait for and take one
 
 A piece whose wall time is well above its CPU time waited (for a lock, or for a core); one
@@ -30,7 +30,7 @@ import gptbench as gb
 import torch
 
 import pipetrain as pt
-from pipetrain.runtime import backward, comm, stage
+from pipetrain.runtime import backward, comm, encoder, stage
 from pipetrain.runtime import executor as runtime
 
 Record = dict[str, list[tuple[float, float]]]  # piece -> (wall s, cpu s) per call
@@ -42,7 +42,7 @@ PIECES: list[tuple[Any, str, str]] = [
     (stage.Stage, "weight", "Stage.weight"),
     (backward._Graph, "__init__", "_Graph"),
     (comm.P2P, "send", "P2P.send"),
-    (comm, "encode", "encode"),
+    (encoder.Encoder, "__call__", "encode"),
     (comm.P2P, "recv", "P2P.recv"),
 ]
 

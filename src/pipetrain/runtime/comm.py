@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from pipetrain.errors import CommError
 from pipetrain.runtime.delivery import Proofs, Route
+from pipetrain.runtime.encoder import Encoder
 from pipetrain.runtime.groups import (
     frame_group,
     next_instance,
@@ -85,6 +86,8 @@ class P2P:
         self._proofs: Proofs = {}
         self._carried: dict[tuple[int, Route], list[tuple[Any, torch.Tensor, Any]]] = {}
         """An asynchronous schedule's sends of the last step, waited for after the next."""
+        self.encode = Encoder(rank)
+        """Encodes this rank's messages, each route's header written once (:mod:`.encoder`)."""
         self.posted = 0
         """How many point-to-point sends this transport posted (one or two per message)."""
         self._capacity = {peer: Capacity() for peer in range(n_ranks) if peer != rank}
@@ -110,7 +113,8 @@ class P2P:
     def start_step(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key],
                    proofs: Proofs | None = None, carry: tuple[int, int] | None = None) -> None:
         """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends,
-        and ``last[peer]`` is its end-of-step message, after them.
+        and ``last[peer]`` is its end-of-step message, after them (a peer not in ``last``
+        sends none to this rank: :func:`~pipetrain.runtime.finish.ending_keys`).
 
         ``proofs`` (:func:`~pipetrain.runtime.delivery.delivery_proofs`) lets :meth:`recv` free the
         sends that a received message proves complete. ``carry`` (an asynchronous schedule's
@@ -143,7 +147,7 @@ class P2P:
         forms: dict[bool, tuple[torch.Tensor, torch.Tensor | None, int]] = {}  # by: one send
         for dst_rank in [dst] if isinstance(dst, int) else dst:
             capacity = self._capacity[dst_rank]
-            first, payload, size = _encoded(msg, self.rank, op, capacity.bytes, forms)
+            first, payload, size = _encoded(msg, self.encode, op, capacity.bytes, forms)
             on_device = payload is not None and payload.device.type != "cpu"
             group = self._link.to(dst_rank)
             works: list[Any] = [group.send([first], dst_rank, self._tag)]  # as dist.isend
@@ -258,7 +262,7 @@ class P2P:
         waiter.join(2.0)
 
 
-def _encoded(msg: Message, rank: int, op: int, capacity: int,
+def _encoded(msg: Message, encoder: Encoder, op: int, capacity: int,
              forms: dict[bool, tuple[torch.Tensor, torch.Tensor | None, int]]
              ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """``msg`` encoded for a destination of ``capacity``, reusing a form made for another."""
@@ -267,7 +271,7 @@ def _encoded(msg: Message, rank: int, op: int, capacity: int,
         one_send = size <= capacity and (payload is None or payload.device.type == "cpu")
         if one_send in forms:
             return forms[one_send]
-    form = encode(msg, rank, op, capacity)
+    form = encoder(msg, op, capacity)
     forms[form[1] is None] = form
     return form
 
