@@ -20,13 +20,15 @@ parameter per layer).
     python benchmarks/overhead.py --switch-interval 0.0001   # the GIL handed over sooner
     python benchmarks/overhead.py --profile   # pipetrain's rank 0 under cProfile, p = 2
     python benchmarks/overhead.py --threads   # CPU per action of each thread, p = 2
+    python benchmarks/overhead.py --threads --p 4   # ... p = 4 (four processes)
+    python benchmarks/overhead.py --runs 8 --steps 30   # 8 launches: the spread, the median
 
 ``--profile`` prints the functions pipetrain's main thread spent most time in over 30 steps
 (p = 2, m = 16), and then what one ``dist.isend`` of the same small tensor costs with nothing
 else running (200 sends, a receive blocked on another thread of the sender): the gap between
 the two is the contention the step meets.
 
-``--threads`` splits each library's CPU per action by thread (p = 2, m = 16, 30 steps; the
+``--threads`` splits each library's CPU per action by thread (``--p`` ranks, m = 16, 30 steps; the
 kernel's per-thread run time from ``/proc/self/task/*/schedstat``): the main thread, pipetrain's
 other threads (its watchdog; none touches a message), gloo's socket loop (``gloo_tcp_loop``)
 and the rest, with how many times per action each was switched in. Then a bare gloo ping-pong
@@ -109,14 +111,37 @@ def run(ps: Sequence[int], m: int, steps: int, switch: float | None = None) -> l
     return lines + missing("deepspeed")
 
 
-def _profiled(ctx: pt.RankContext) -> str:
-    """pipetrain's 1F1B (p = 2, m = 16) under cProfile on rank 0: the top of its functions."""
+def repeated(ps: Sequence[int], m: int, steps: int, runs: int) -> list[str]:
+    """``run`` ``runs`` times (a launch each): per p, each run's CPU per action of pipetrain and
+    torch, then the median of the runs' ratios and how many runs pipetrain spent less."""
+    seen: dict[int, list[tuple[float, float]]] = {p: [] for p in ps}
+    for _ in range(runs):
+        for p in ps:
+            case = Case(f"p{p}", p, m, 0.0, 0.0, 0.0, p, ("1f1b",), 2, steps)
+            per_rank = pt.launch(_body, p, [case], None, timeout=600)
+            seen[p].append(tuple(max(r[0][lib][0] for r in per_rank)  # type: ignore[misc]
+                                 for lib in ("pipetrain", "torch")))
+    lines = [f"{'p':>2s} {'m':>3s}  {'pipetrain us/action, run by run':40s} "
+             f"{'torch':40s} {'median ratio':>12s} {'lower':>6s}"]
+    for p, pairs in seen.items():
+        ratios = [ours / theirs for ours, theirs in pairs]
+        ours_s = " ".join(f"{o * 1e6:.0f}" for o, _ in pairs)
+        theirs_s = " ".join(f"{t * 1e6:.0f}" for _, t in pairs)
+        lower = sum(r < 1.0 for r in ratios)
+        lines.append(f"{p:2d} {m:3d}  {ours_s:40s} {theirs_s:40s} "
+                     f"{statistics.median(ratios):11.2f}x {lower:3d}/{len(ratios)}")
+    return lines
+
+
+def _profiled(ctx: pt.RankContext, p: int = 2) -> str:
+    """pipetrain's 1F1B (p ranks, m = 16) under cProfile on every rank: the top of its
+    functions (rank 0's is printed; at p = 4 also rank 1's, a middle rank)."""
     import cProfile
     import io
     import pstats
 
     torch.set_num_threads(1)
-    case = Case("p2", 2, 16, 0.0, 0.0, 0.0, 2, ("1f1b",), 5, 30)
+    case = Case(f"p{p}", p, 16, 0.0, 0.0, 0.0, p, ("1f1b",), 5, 30)
     runner = _Runner("pipetrain", "1f1b", case, ctx.rank)
     for _ in range(case.warmup):
         runner.step()
@@ -184,10 +209,10 @@ def _by_thread() -> dict[str, tuple[int, int]]:
 THREADS = ("main", "pipetrain's", "gloo loop", "other")
 
 
-def _threads(ctx: pt.RankContext, lib: str) -> dict[str, tuple[float, float]]:
-    """Per kind of thread: CPU µs and switches-in per action over 30 steps (p = 2, m = 16)."""
+def _threads(ctx: pt.RankContext, lib: str, p: int) -> dict[str, tuple[float, float]]:
+    """Per kind of thread: CPU µs and switches-in per action over 30 steps (p ranks, m = 16)."""
     torch.set_num_threads(1)
-    case = Case("p2", 2, 16, 0.0, 0.0, 0.0, 2, ("1f1b",), 5, 30)
+    case = Case(f"p{p}", p, 16, 0.0, 0.0, 0.0, p, ("1f1b",), 5, 30)
     runner = _Runner(lib, "1f1b", case, ctx.rank)
     for _ in range(case.warmup):
         runner.step()
@@ -229,12 +254,12 @@ def _ping_pong(ctx: pt.RankContext, n: int = 500) -> float:
     return (end - start) / n / 1e3
 
 
-def threads() -> list[str]:
+def threads(p: int = 2) -> list[str]:
     """The ``--threads`` table: CPU µs per action of each thread, each library and rank."""
     lines = [f"{'library':10s} {'rank':>4s} " + " ".join(f"{k:>15s}" for k in THREADS)
              + f" {'total':>7s}"]
     for lib in ("pipetrain", "torch"):
-        for rank, seen in enumerate(pt.launch(_threads, 2, lib, timeout=600)):
+        for rank, seen in enumerate(pt.launch(_threads, p, lib, p, timeout=600)):
             cells = [seen.get(k, (0.0, 0.0)) for k in THREADS]
             lines.append(f"{lib:10s} {rank:4d} " + " ".join(
                 f"{us:6.0f} us {sw:4.2f}x" for us, sw in cells)
@@ -253,20 +278,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="pipetrain's rank 0 under cProfile, and one isend alone")
     parser.add_argument("--threads", action="store_true",
-                        help="CPU per action of each thread (main, pipetrain's, gloo), p = 2")
+                        help="CPU per action of each thread (main, pipetrain's, gloo)")
+    parser.add_argument("--runs", type=int, metavar="N",
+                        help="the p = 2 and 4 comparison N times, a launch each: each run's "
+                             "figures, the median pipetrain/torch ratio, runs pipetrain was lower")
+    parser.add_argument("--p", type=int, default=2, metavar="P",
+                        help="pipeline ranks for --threads and --profile (default 2)")
     args = parser.parse_args(argv)
     if args.profile:
-        print(pt.launch(_profiled, 2, timeout=600)[0])
+        profiles = pt.launch(_profiled, args.p, args.p, timeout=600)
+        print(profiles[0] if args.p < 3 else profiles[0] + "\n# rank 1\n" + profiles[1])
         alone = pt.launch(_send_alone, 2, timeout=600)[1]
         print(f"one dist.isend of 4 floats, nothing else running: {alone * 1e6:.1f} us")
         return 0
     if args.threads:
-        print("# CPU us per action, and times switched in per action (x), 1F1B p = 2 m = 16")
-        print("\n".join(threads()))
+        print(f"# CPU us per action, and times switched in per action (x), 1F1B p = {args.p}"
+              " m = 16")
+        print("\n".join(threads(args.p)))
         return 0
     print(f"# torch {torch.__version__}; 1F1B, one zero-cost layer per stage; medians over "
           f"steps, the larger rank")
     ps, m, steps = ((2,), 8, 3) if args.tiny else ((2, 4), 16, args.steps)
+    if args.runs:
+        print("\n".join(repeated(ps, m, steps, args.runs)))
+        return 0
     print("\n".join(run(ps, m, steps, args.switch_interval)))
     return 0
 

@@ -236,3 +236,26 @@ def test_overhead_tiny_prints_each_librarys_cost_per_action(
     assert {"pipetrain", "torch"} <= set(rows), out  # DeepSpeed too, when installed
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows.values()), out
     assert rows["pipetrain"][5] == "1.00x"
+
+
+def test_overhead_runs_reports_each_run_the_median_ratio_and_how_often_pipetrain_was_lower(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import overhead
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    figures = iter([(100e-6, 120e-6), (300e-6, 250e-6), (110e-6, 100e-6), (280e-6, 300e-6),
+                    (90e-6, 100e-6), (270e-6, 300e-6)])  # (pipetrain, torch): p 2, p 4, ...
+
+    def launch(_body: object, p: int, *_args: object, **_kw: object) -> list[object]:
+        ours, theirs = next(figures)  # the larger rank holds these; the other less
+        return [[{"pipetrain": (ours, 0.0), "torch": (theirs, 0.0)}],
+                [{"pipetrain": (ours / 2, 0.0), "torch": (theirs / 2, 0.0)}]]
+
+    monkeypatch.setattr(overhead.pt, "launch", launch)
+    lines = overhead.repeated((2, 4), 16, 3, runs=3)
+    p2, p4 = lines[1].split(), lines[2].split()
+    assert p2[:8] == ["2", "16", "100", "110", "90", "120", "100", "100"]
+    assert p2[8:] == ["0.90x", "2/3"]  # ratios 0.83, 1.10, 0.90
+    assert p4[2:5] == ["300", "280", "270"] and p4[8:] == ["0.93x", "2/3"]  # 1.2, .93, .9

@@ -33,6 +33,9 @@ def _case(name: str, m: int, v: int, n_layers: int, steps: int = 2) -> list[str]
         if got.loss is None or not torch.equal(got.loss, want.to(got.loss.dtype)):
             problems.append(f"{name} m={m} v={v} step {step}: loss {got.loss} != {want}")
         problems += [f"{name} m={m} v={v} step {step}: {b}" for b in grad_mismatches(pipe, ref)]
+        spans = [len(got.timeline.of_rank(r)) for r in range(pipe.schedule.n_ranks)]
+        if spans != [len(acts) for acts in pipe.schedule.actions]:  # every rank's, through the root
+            problems.append(f"{name} m={m} v={v} step {step}: timeline spans per rank {spans}")
         opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
     return problems
 

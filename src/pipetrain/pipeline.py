@@ -41,7 +41,7 @@ from pipetrain.runtime.executor import (
     grad_links,
     message_plans,
 )
-from pipetrain.runtime.finish import StepTimes, done_key, exchange, total_loss
+from pipetrain.runtime.finish import StepTimes, ending_keys, exchange, total_loss
 from pipetrain.runtime.receiver import PeerFailed
 from pipetrain.runtime.recompute import Policy, layer_flags
 from pipetrain.runtime.routes import chain
@@ -508,8 +508,9 @@ class Pipeline:
                     else {}  # a window's routes repeat across steps: sends wait a step
             carry = None if self.windows is None else (self.windows.previous,
                                                        self.schedule.n_microbatches)
+            window = train and self.windows is not None
             self.transport.start_step(step, self._plans[key],
-                                      {p: done_key(step, p) for p in self._plans[key]},
+                                      ending_keys(schedule, self.rank, step, window),
                                       self._proofs[key], carry)
         try:
             self._copies.refresh()

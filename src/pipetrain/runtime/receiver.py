@@ -44,7 +44,7 @@ from pipetrain.runtime.wire import (
     expected_bytes,
     inline_payload,
     layout,
-    new_frame,
+    new_buffer,
     read_header,
     read_spec,
     views,
@@ -125,7 +125,9 @@ class Inbound:
         self.capacity = Capacity()  # of this peer's messages to this rank, across steps
         self.keys: Sequence[Key] = ()  # the step's messages, in the order the peer sends them
         self.next = 0
-        self.posted: tuple[torch.Tensor, Any] | None = None
+        self.posted: tuple[torch.Tensor, Any, Any] | None = None
+        """The receive posted for the peer's next message: its frame, gloo's work, and a numpy
+        array over the frame's memory."""
         self.known: dict[tuple[int, int, int], Known] = {}
         """Per route (kind, source and destination stage), the peer's last message on it sent
         behind its header: its header after the key, payload bytes, spec bytes, layout and
@@ -156,11 +158,11 @@ class Inbound:
         if key is None or posted is None:
             raise CommError(f"{_text(describe)}: {rank_name(self.peer, self.src)} sends no more "
                             "messages this step")
-        frame, work = posted
+        _, work, buffer = posted
         self._wait(work, key, deadline, describe)
         self.posted = None
         self.next += 1
-        msg = self._unpack(key, frame, deadline)
+        msg = self._unpack(key, buffer, deadline)
         if self.next < len(self.keys):
             self.posted = self._post()  # after _unpack recorded this message in the capacity
         return msg
@@ -178,25 +180,25 @@ class Inbound:
         except (RuntimeError, CommError):
             return
 
-    def _post(self) -> tuple[torch.Tensor, Any]:
-        frame = new_frame(self.capacity.bytes)  # what the peer's copy allows it to send
+    def _post(self) -> tuple[torch.Tensor, Any, Any]:
+        frame, buffer = new_buffer(self.capacity.bytes)  # what the peer's copy allows it to send
         work = self.link.from_(self.peer).recv([frame], self.peer, self.link.frame_tag)
         if work is None:
             raise CommError(f"{self.link.me}: not part of the pipeline group")
-        return frame, work
+        return frame, work, buffer
 
     def _where(self, key: Key) -> str:
         return (f"{self.link.me} receiving the {key.describe()} from "
                 f"{rank_name(self.peer, self.src)}")
 
-    def _unpack(self, key: Key, frame: torch.Tensor, deadline: float) -> Message:
-        buffer = frame.numpy()
+    def _unpack(self, key: Key, buffer: Any, deadline: float) -> Message:
+        """The message in a received frame (``buffer``: numpy's array over it), checked."""
         known = self.known.get((key.kind, key.src_stage, key.dst_stage))
         if (known is not None and _LEAD.unpack_from(buffer.data, 0) == (MAGIC, *key)
                 and buffer[_LEAD.size:HEADER_BYTES].tobytes() == known[0]
-                and known[1] <= frame.numel() - HEADER_BYTES):
-            return self._known_form(key, frame, buffer, known, deadline)
-        header = read_header(frame)
+                and known[1] <= buffer.size - HEADER_BYTES):
+            return self._known_form(key, buffer, known, deadline)
+        header = read_header(buffer)
         if header[0] != MAGIC:
             raise CommError(f"{self._where(key)}: received a message without pipetrain's magic "
                             "number")
@@ -206,17 +208,17 @@ class Inbound:
                             f"describes {expected_bytes(header)} (limit {self.link.max_bytes}); "
                             "refusing it")
         try:
-            payload = inline_payload(header, frame)
+            payload: Any = inline_payload(header, buffer)
         except CommError as e:
             raise CommError(f"{self._where(key)}: {e}; refusing it") from None
         if payload is None:
-            room = frame.numel() - HEADER_BYTES
+            room = buffer.size - HEADER_BYTES
             if size <= room and not header[11]:  # an honest sender put it behind the header
                 raise CommError(f"{self._where(key)}: the header sends {size} payload bytes "
                                 f"separately although the agreed {room} hold them; refusing it")
             payload = self._receive_payload(key, header, size, deadline)
-        elif frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
-            payload = payload.clone()  # a small message in a large receive: free the rest now
+        elif buffer.size > FRAME_BYTES and 2 * size < buffer.size:
+            payload = payload.copy()  # a small message in a large receive: free the rest now
         self.capacity.record(size, bool(header[11]))  # before the next receive is posted
         where, spec = layout(header), read_spec(header, payload)
         msg = views(Key(*header[1:6]), payload, where, spec)
@@ -233,8 +235,7 @@ class Inbound:
                             "a step?)")
         return msg
 
-    def _known_form(self, key: Key, frame: torch.Tensor, buffer: Any, known: Known,
-                    deadline: float) -> Message:
+    def _known_form(self, key: Key, buffer: Any, known: Known, deadline: float) -> Message:
         """A message whose header (but for its step and mb) and structure are those of the
         peer's last one, all checked then: its tensors are read where they lay then, and its
         spec is the last one's (read only: its leaves are JSON scalars)."""
@@ -242,10 +243,10 @@ class Inbound:
         if spec_bytes and buffer[HEADER_BYTES:HEADER_BYTES + len(spec_bytes)].tobytes() \
                 != spec_bytes:
             del self.known[(key.kind, key.src_stage, key.dst_stage)]  # another structure
-            return self._unpack(key, frame, deadline)  # the full checks and decode
-        payload = frame[HEADER_BYTES:HEADER_BYTES + size]
-        if frame.numel() > FRAME_BYTES and 2 * size < frame.numel():
-            payload = payload.clone()  # a small message in a large receive: free the rest now
+            return self._unpack(key, buffer, deadline)  # the full checks and decode
+        payload = buffer[HEADER_BYTES:HEADER_BYTES + size]
+        if buffer.size > FRAME_BYTES and 2 * size < buffer.size:
+            payload = payload.copy()  # a small message in a large receive: free the rest now
         self.capacity.record(size, False)
         return views(key, payload, known[3], known[4])
 
@@ -292,6 +293,7 @@ class Inbox:
         self.arrived: dict[Key, Message] = {}
         self.error: BaseException | None = None
         self._plans: object = None
+        self._last: tuple[int, ...] = ()
         self._sender: dict[tuple[int, int, int, int], int] = {}  # route: its peer
 
     def start(self, step: int, plans: Mapping[int, Plan], last: Mapping[int, Key],
@@ -303,16 +305,18 @@ class Inbox:
         taken are kept, and each peer's stream goes on (:meth:`Inbound.begin`).
         """
         back, m = carry if carry is not None else (step, 0)
-        if plans is not self._plans:
-            self._plans = plans
+        if plans is not self._plans or tuple(last) != self._last:
+            self._plans, self._last = plans, tuple(last)
             self._sender = {(k, mb % m if m else mb, s, d): peer for peer, plan in plans.items()
-                            for k, mb, s, d in (*plan, last[peer].route())}
+                            for k, mb, s, d in plan}
+            self._sender.update({key.route(): peer for peer, key in last.items()})
         if carry is None:
             self.arrived.clear()
         for peer, plan in plans.items():
+            ending = [last[peer]] if peer in last else []
             self.peers[peer].begin([*(Key(k, step, mb, s, d) if mb >= 0 else
                                       Key(k, back, mb + m, s, d) for k, mb, s, d in plan),
-                                    last[peer]], carry is not None)
+                                    *ending], carry is not None)
 
     def fail(self, error: BaseException) -> None:
         """News from outside (the watchdog's thread): raised at the next wait, first one wins."""
