@@ -240,10 +240,17 @@ def _leaf(t: torch.Tensor, requires_grad: bool, device: torch.device) -> torch.T
 
 def _check_rows(out: Any, target: Any, dim: int) -> None:
     """Outputs and targets of one micro-batch must agree on its size (when both have one)."""
-    try:
-        rows, wanted = batch_size(out, dim), batch_size(target, dim)
-    except (ValueError, IndexError):
-        return  # no single batch size to compare: leave it to the loss function
+    if isinstance(out, torch.Tensor) and isinstance(target, torch.Tensor):  # the usual case
+        if out.dim() and target.dim() and -out.dim() <= dim < out.dim() \
+                and -target.dim() <= dim < target.dim():
+            rows, wanted = out.shape[dim], target.shape[dim]
+        else:
+            return  # no size to compare: leave it to the loss function
+    else:
+        try:
+            rows, wanted = batch_size(out, dim), batch_size(target, dim)
+        except (ValueError, IndexError):
+            return  # no single batch size to compare: leave it to the loss function
     if rows != wanted:
         raise ValueError(f"the model output has {rows} rows along dim {dim} but the targets have "
                          f"{wanted}: pass targets with the same batch size as the inputs")
