@@ -22,6 +22,7 @@ parameter per layer).
     python benchmarks/overhead.py --threads   # CPU per action of each thread, p = 2
     python benchmarks/overhead.py --threads --p 4   # ... p = 4 (four processes)
     python benchmarks/overhead.py --runs 8 --steps 30   # 8 launches: the spread, the median
+    python benchmarks/overhead.py --calls --p 4   # the main thread's CPU, call by call
 
 ``--profile`` prints the functions pipetrain's main thread spent most time in over 30 steps
 (p = 2, m = 16), and then what one ``dist.isend`` of the same small tensor costs with nothing
@@ -130,6 +131,70 @@ def repeated(ps: Sequence[int], m: int, steps: int, runs: int) -> list[str]:
         lower = sum(r < 1.0 for r in ratios)
         lines.append(f"{p:2d} {m:3d}  {ours_s:40s} {theirs_s:40s} "
                      f"{statistics.median(ratios):11.2f}x {lower:3d}/{len(ratios)}")
+    return lines
+
+
+def _timed_calls(lib: str) -> dict[str, list[int]]:
+    """Wrap the calls of ``lib``'s message path and stages in thread-CPU timers: per label,
+    [nanoseconds, calls] (pieces nest: a send holds its encode)."""
+    from pipetrain.runtime import comm, receiver, stage
+
+    try:  # (before 571af9a a send encoded through comm.encode)
+        from pipetrain.runtime.encoder import Encoder
+        encode: tuple[Any, str, str] = (Encoder, "__call__", "  encode")
+    except ImportError:
+        encode = (comm, "encode", "  encode")
+    seen: dict[str, list[int]] = {}
+    if lib == "pipetrain":
+        pieces: list[tuple[Any, str, str]] = [
+            (comm.P2P, "send", "send"), encode,
+            (comm.P2P, "recv", "receive"), (receiver.Inbound, "_post", "  post the next"),
+            (receiver.Inbound, "_wait", "  wait"), (receiver.Inbound, "_unpack", "  check, decode"),
+            (comm.P2P, "_release", "  free proven sends"), (stage.Stage, "forward", "F"),
+            (stage.Stage, "backward", "B"), (comm.P2P, "start_step", "start of step"),
+            (comm.P2P, "receive_last", "end of step")]
+    else:
+        from torch.distributed.pipelining import schedules as tps
+        from torch.distributed.pipelining import stage as tstage
+        base = tstage._PipelineStageBase
+        pieces = [(tps, "_batch_p2p", "post sends, receives"), (tps, "_wait_batch_p2p", "wait"),
+                  (base, "get_fwd_send_ops", "ops"), (base, "get_bwd_send_ops", "ops"),
+                  (base, "get_fwd_recv_ops", "ops"), (base, "get_bwd_recv_ops", "ops"),
+                  (base, "forward_one_chunk", "F"), (base, "backward_one_chunk", "B")]
+    for owner, attr, label in pieces:
+        fn, cell = getattr(owner, attr), seen.setdefault(label, [0, 0])
+
+        def timed(*args: Any, _fn: Any = fn, _cell: list[int] = cell, **kwargs: Any) -> Any:
+            start = time.thread_time_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _cell[0] += time.thread_time_ns() - start
+                _cell[1] += 1
+        setattr(owner, attr, timed)
+    return seen
+
+
+def _calls(ctx: pt.RankContext, lib: str, p: int) -> list[str]:
+    """This rank's main-thread CPU per action over 40 steps (1F1B, m = 16), call by call."""
+    torch.set_num_threads(1)
+    seen = _timed_calls(lib)
+    case = Case(f"p{p}", p, 16, 0.0, 0.0, 0.0, p, ("1f1b",), 5, 40)
+    runner = _Runner(lib, "1f1b", case, ctx.rank)
+    for _ in range(case.warmup):
+        runner.step()
+    for cell in seen.values():
+        cell[0] = cell[1] = 0
+    dist.barrier()
+    start = time.thread_time_ns()
+    for _ in range(case.steps):
+        runner.step()
+    total = time.thread_time_ns() - start
+    dist.barrier()
+    actions = case.steps * 2 * case.microbatches
+    lines = [f"{lib} rank {ctx.rank}: main thread {total / actions / 1e3:.0f} us per action"]
+    lines += [f"  {label:22s} {ns / actions / 1e3:6.1f} us/action {ns / max(n, 1) / 1e3:6.1f} "
+              f"us/call {n / actions:5.2f} calls/action" for label, (ns, n) in seen.items()]
     return lines
 
 
@@ -282,14 +347,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, metavar="N",
                         help="the p = 2 and 4 comparison N times, a launch each: each run's "
                              "figures, the median pipetrain/torch ratio, runs pipetrain was lower")
+    parser.add_argument("--calls", action="store_true",
+                        help="each library's main-thread CPU per action, call by call")
     parser.add_argument("--p", type=int, default=2, metavar="P",
-                        help="pipeline ranks for --threads and --profile (default 2)")
+                        help="pipeline ranks for --threads, --calls and --profile (default 2)")
     args = parser.parse_args(argv)
     if args.profile:
         profiles = pt.launch(_profiled, args.p, args.p, timeout=600)
         print(profiles[0] if args.p < 3 else profiles[0] + "\n# rank 1\n" + profiles[1])
         alone = pt.launch(_send_alone, 2, timeout=600)[1]
         print(f"one dist.isend of 4 floats, nothing else running: {alone * 1e6:.1f} us")
+        return 0
+    if args.calls:
+        for lib in ("pipetrain", "torch"):
+            for lines in pt.launch(_calls, args.p, lib, args.p, timeout=600):
+                print("\n".join(lines))
         return 0
     if args.threads:
         print(f"# CPU us per action, and times switched in per action (x), 1F1B p = {args.p}"
