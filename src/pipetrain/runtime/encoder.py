@@ -52,7 +52,7 @@ def _signature(msg: Message) -> Signature | None:
         if t is None:
             out.append(None)
             continue
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             return None
         out.append((t.dtype, t.shape, bool(flags[i]) if i < len(flags) else False))
     return tuple(out)

@@ -184,7 +184,7 @@ def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTE
 def flat_bytes(t: torch.Tensor) -> Any:
     """``t``'s bytes, flat: a numpy array on the CPU (byte copies without a tensor operation
     each; a copy only where ``t`` is not contiguous), else a uint8 tensor on its device."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         return t.detach().reshape(-1).view(torch.uint8)
     if t.dtype in _NUMPY:  # (force: detached, conjugate and negative bits resolved)
         return t.numpy(force=True).reshape(-1).view(np.uint8)
