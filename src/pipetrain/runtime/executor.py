@@ -329,9 +329,9 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True,
     """For each peer, the messages it sends ``rank`` in one step, in the order it sends them.
 
     Each entry is ``(kind, mb, src_stage, dst_stage)``; ``routes`` (default: a chain) says
-    which stages an action sends to, in the order :class:`Executor` sends. Every peer ends its
-    step with an end-of-step message (:func:`pipetrain.runtime.finish.done_key`), not listed: the
-    end of the step receives it directly.
+    which stages an action sends to, in the order :class:`Executor` sends. The end-of-step
+    messages (:func:`pipetrain.runtime.finish.ending_keys`) are not listed: the end of the
+    step receives them directly.
     """
     ports = (chain(schedule.n_stages) if routes is None else routes).ports
     mine = [[d for d, _ in p.act_out if schedule.rank_of(d) == rank] for p in ports]
