@@ -28,36 +28,29 @@ from pipetrain.construction import (
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.parallel.parallelize import Gathering, held_parameter, join, parallelize_stages
 from pipetrain.result import StepResult
-from pipetrain.runtime import microbatch
-from pipetrain.runtime import rng as rng_streams
 from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.compiled import compile_stages
-from pipetrain.runtime.delivery import Proofs, delivery_proofs
 from pipetrain.runtime.executor import (
     Executor,
     GradsReady,
     Loop,
-    StepData,
     grad_links,
-    message_plans,
 )
-from pipetrain.runtime.finish import StepTimes, ending_keys, exchange, total_loss
-from pipetrain.runtime.receiver import PeerFailed
 from pipetrain.runtime.recompute import Policy, layer_flags
 from pipetrain.runtime.routes import chain
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tied import LocalCopies, TiedGrads, find_tied
-from pipetrain.runtime.watchdog import Watchdog, diagnosed
+from pipetrain.runtime.watchdog import Watchdog
 from pipetrain.runtime.windows import Windows
-from pipetrain.runtime.wire import OPS
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.balance import MODES, BalancePlan, plan_balance, profile_layers
 from pipetrain.split.capture import on_model_device
 from pipetrain.split.layers import Layers, packed, profiling_sample, trace_stages
 from pipetrain.split.lazy import LayerSpec
-from pipetrain.split.modes import depends_on_mode, eval_mode, eval_split, eval_stages
+from pipetrain.split.modes import depends_on_mode, eval_split, eval_stages
 from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.split.trace import TracedSplit
+from pipetrain.stepper import Feed, Stepper
 
 __all__ = ["Pipeline", "StepResult"]
 
@@ -224,12 +217,12 @@ class Pipeline:
         (:mod:`pipetrain.split.modes`), captured at the first eval step; None: not (yet)."""
         self.watchdog = None if self.transport is None else Watchdog.of(
             self.transport, self.executor.activity)
-        self._plans: dict[tuple[bool, Schedule | str | None],
-                          dict[int, list[tuple[int, int, int, int]]]] = {}
-        self._proofs: dict[tuple[bool, Schedule | str | None], Proofs] = {}  # sends that each
-        self._decoder: Executor | None = None  # received message proves done; decode()'s
-        self._step = 0
-        self._broken: str | None = None
+        self._decoder: Executor | None = None  # decode()'s
+        self._stepper = Stepper(
+            Feed(self.rank, self.schedule, self.traced, self.rng, lambda: self._draws_in_eval,
+                 self.device, loss_fn, split_dim, loss_reduction),
+            self.stages, self.executor, self.transport, self.windows, self.watchdog,
+            self._copies, self._tied_grads)
 
     @property
     def _draws_in_eval(self) -> bool:
@@ -476,6 +469,7 @@ class Pipeline:
              on_grads_ready: GradsReady | None = None, number: int | None = None,
              decoding: tuple[Schedule, Loop] | None = None, drain: bool = False
              ) -> StepResult:
+        """One step on the executor the call needs (:class:`~pipetrain.stepper.Stepper`)."""
         schedule = self.schedule if decoding is None else decoding[0]
         executor = self._executor(schedule)
         tag: Schedule | str | None = None if decoding is None else schedule
@@ -485,127 +479,8 @@ class Pipeline:
         evaluator = None if decoding is not None or train else self._evaluating()
         if evaluator is not None:
             executor, tag = evaluator, "eval"
-        if self._broken is not None:
-            raise PipelineError(f"[rank {self.rank}] this pipeline failed earlier and cannot run "
-                                f"again: {self._broken}")
-        if number is not None and (not isinstance(number, int) or isinstance(number, bool)):
-            raise TypeError(f"step must be an int (the caller's step number), got {number!r}")
-        step = self._step if number is None else number
-        self._step += 1
-        data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready,
-                        loop=None if decoding is None else decoding[1])
-        if train and self.windows is not None:
-            self.windows.begin(data)
-        if self.transport is not None:
-            key = (train, tag)
-            if key not in self._plans:  # per peer, what it sends this rank in a step
-                if decoding is not None:  # one decoding schedule kept at a time
-                    self._plans = {k: v for k, v in self._plans.items()
-                                   if not isinstance(k[1], Schedule)}
-                self._plans[key] = message_plans(schedule, self.rank, train, executor.routes)
-                self._proofs[key] = delivery_proofs(schedule, self.rank, train,
-                                                    executor.routes) if self.windows is None \
-                    else {}  # a window's routes repeat across steps: sends wait a step
-            carry = None if self.windows is None else (self.windows.previous,
-                                                       self.schedule.n_microbatches)
-            window = train and self.windows is not None
-            self.transport.start_step(step, self._plans[key],
-                                      ending_keys(schedule, self.rank, step, window),
-                                      self._proofs[key], carry)
-        try:
-            self._copies.refresh()
-            if decoding is None and not drain:
-                self._prepare(data, inputs, targets)
-            else:
-                data.inputs, data.targets = inputs, [None] * schedule.n_microbatches
-                data.weights = [1.0] * schedule.n_microbatches
-            modal = [] if train or self.traced is not None else self._hosted_layers()
-            with eval_mode(m for _, m in modal):  # a layer list: eval() while it runs
-                executor.run(data)
-            if train and self.windows is not None:
-                self.windows.end(data, drain)
-            loss, times = self._finish(data, executor, schedule)
-        except BaseException as e:
-            error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
-            if self.watchdog is not None:
-                self.watchdog.failed(error)
-            self._fail(step, error, data.done_sent, executor)
-            if error is e:
-                raise
-            raise error from e
-        outputs = None
-        previous = None if self.windows is None or not train else self.windows.previous_loss
-        if keep_outputs and data.outputs:
-            outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
-                                       self.split_dim)
-        return StepResult(loss, outputs, times, previous)
-
-    def _prepare(self, data: StepData, inputs: Any, targets: Any) -> None:
-        m = self.schedule.n_microbatches
-        first, last = 0, self.schedule.n_stages - 1
-        where = f"[rank {self.rank}] step {data.step}"
-        if first in self.stages:
-            if inputs is None:
-                raise ValueError(f"{where}: this rank holds stage 0 and needs inputs, got None")
-            if self.traced is not None:
-                try:
-                    inputs = self.traced.payload(inputs)
-                except ValueError as e:
-                    raise ValueError(f"{where}, stage 0: {e}") from None
-            data.inputs = microbatch.split(inputs, m, self.split_dim)
-            if self.rng and (data.train or self._draws_in_eval):
-                base = rng_streams.draw_base()
-                data.rng = [rng_streams.start(base, i, self.device) for i in range(m)]
-        data.targets, data.weights = [None] * m, [1.0] * m
-        if last in self.stages and self.loss_fn is not None:
-            if targets is None and data.train:
-                raise ValueError(f"{where}: this rank holds the last stage {last} and computes "
-                                 "the loss, so it needs targets, got None")
-            if targets is not None:
-                data.targets = microbatch.split(targets, m, self.split_dim)
-                total = microbatch.batch_size(targets, self.split_dim)
-                sizes = microbatch.sizes(total, m)
-                if self.loss_reduction == "mean":
-                    data.weights = [n / total for n in sizes]
-
-    def _finish(self, data: StepData, executor: Executor, schedule: Schedule
-                ) -> tuple[torch.Tensor | None, StepTimes]:
-        own = executor.executed(data.train)
-        if self.transport is None and self.windows is not None and data.train:
-            loss, times = self.windows.finish(None, schedule, data, own)
-        elif self.transport is None:
-            loss, times = total_loss(data), StepTimes(schedule, data.train, own, data.times)
-        else:
-            executor.activity.waiting("the end-of-step exchange", tuple(
-                r for r in range(schedule.n_ranks) if r != self.rank), data.step)
-            loss, times = exchange(self.transport, schedule, self.rank, data, own) if \
-                self.windows is None or not data.train else \
-                self.windows.finish(self.transport, schedule, data, own)
-            executor.activity.idle()
-        if data.train and self.windows is not None and not self.windows.versions.gave_grads:
-            return loss, times  # a first asynchronous step: no gradients yet
-        if data.train:
-            self._copies.merge_grads()
-        if data.train and self._tied_grads is not None:
-            self._tied_grads.all_reduce()
-        if data.train and self.executor.deferred:
-            self.executor.grads_ready(self.rank, None, self.executor.deferred, data)
-        return loss, times
-
-    def _fail(self, step: int, error: BaseException, done_sent: bool, executor: Executor
-              ) -> None:
-        for stage in self.stages.values():
-            stage.clear()
-        if self.windows is not None:
-            self.windows.versions.restore()
-        self._broken = f"{type(error).__name__}: {error}"
-        if self.transport is None:
-            return
-        self.transport.discard()
-        if done_sent:  # every peer has (or gets) this rank's end-of-step message: it is done
-            return
-        current = executor.current
-        where = (current[1].stage, current[1].mb, OPS.index(current[1].op.value)
-                 ) if current else (-1, -1, 0)
-        self.transport.abort(step, *where, f"{type(error).__name__}: {error}",
-                             relay=isinstance(error, PeerFailed))
+        modal = [] if train or self.traced is not None else self._hosted_layers()
+        return self._stepper.run(executor, schedule, tag, inputs, targets, train=train,
+                                 keep_outputs=keep_outputs, on_grads_ready=on_grads_ready,
+                                 number=number, loop=None if decoding is None else decoding[1],
+                                 drain=drain, modal=[m for _, m in modal])
