@@ -9,10 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.runtime import rng as rng_streams
 from pipetrain.schedules.generators import make_schedule
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.split.balance import LayerCost
+from pipetrain.split.balance import MODES, BalancePlan, LayerCost, plan_balance, profile_layers
+from pipetrain.split.layers import profiling_sample
 from pipetrain.split.lazy import LayerSpec
 from pipetrain.split.trace import TracedSplit
 
@@ -94,3 +96,41 @@ def device_of(device: torch.device | str | None, group: dist.ProcessGroup | None
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def pipeline_ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
+    """The pipeline's number of ranks and this process's rank in it (0 for ``local_ranks``)."""
+    if local_ranks is not None:
+        if local_ranks < 1:
+            raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
+        return local_ranks, 0
+    if not dist.is_initialized():
+        raise PipelineError(
+            "torch.distributed is not initialised: start the processes with pt.launch or "
+            "torchrun, or pass local_ranks=N to run all ranks in this process"
+        )
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def auto_balance(layers: list[tuple[str, nn.Module | LayerSpec]], mode: Any, sample: Any,
+                 schedule: Schedule, local: bool, rank: int, group: dist.ProcessGroup | None
+                 ) -> BalancePlan:
+    """Automatic balance: rank 0 profiles, every rank plans from the same layer costs."""
+    modules = [m for _, m in layers]
+    if not all(isinstance(m, nn.Module) for m in modules):
+        raise PartitionError(f"balance={mode!r} needs the layers built (it measures them); "
+                             "with LayerSpec or meta layers pass balance=[...] explicitly")
+    if isinstance(mode, str) and mode not in MODES:
+        raise ValueError(f"unknown balance mode {mode!r}; choose one of {list(MODES)}, a "
+                         "cost function, or a list of layers per stage")
+    built = [m for m in modules if isinstance(m, nn.Module)]
+    sample = profiling_sample(built, mode, sample)
+    costs = None
+    if mode != "params" and (local or rank == 0):
+        if sample is None:
+            raise ValueError(f"balance={mode!r} profiles every layer on a sample micro-batch: "
+                             "pass example_inputs= (the first layer's input)")
+        costs = profile_layers(built, sample)
+    if mode != "params" and not local:
+        costs = broadcast_costs(costs, len(built), group)
+    return plan_balance(built, schedule, mode, sample, layer_costs=costs)

@@ -20,12 +20,12 @@ from torch import nn
 
 from pipetrain.construction import (
     asynchronous_fits,
-    broadcast_costs,
+    auto_balance,
     carries_rng,
     device_of,
+    pipeline_ranks,
     resolve,
 )
-from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.parallel.parallelize import Gathering, held_parameter, join, parallelize_stages
 from pipetrain.result import StepResult
 from pipetrain.runtime.comm import P2P
@@ -43,9 +43,9 @@ from pipetrain.runtime.tied import LocalCopies, TiedGrads, find_tied
 from pipetrain.runtime.watchdog import Watchdog
 from pipetrain.runtime.windows import Windows
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.split.balance import MODES, BalancePlan, plan_balance, profile_layers
+from pipetrain.split.balance import BalancePlan
 from pipetrain.split.capture import on_model_device
-from pipetrain.split.layers import Layers, packed, profiling_sample, trace_stages
+from pipetrain.split.layers import Layers, packed, trace_stages
 from pipetrain.split.lazy import LayerSpec
 from pipetrain.split.modes import depends_on_mode, eval_split, eval_stages
 from pipetrain.split.partition import check_balance, even_balance, stage_bounds
@@ -140,7 +140,7 @@ class Pipeline:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         self.loss_fn, self.split_dim, self.loss_reduction = loss_fn, split_dim, loss_reduction
         self.local = local_ranks is not None
-        n_ranks, self.rank = self._ranks(group, local_ranks)
+        n_ranks, self.rank = pipeline_ranks(group, local_ranks)
         self.schedule = resolve(schedule, n_ranks, microbatches, stages_per_rank)
         self.device = device_of(device, group)
         n_stages = self.schedule.n_stages
@@ -163,7 +163,8 @@ class Pipeline:
         if isinstance(balance, str) or callable(balance):
             sample = example_inputs if self.traced is None else packed(self.traced,
                                                                        example_inputs)
-            self.balance_plan = self._plan(layers, balance, sample, group)
+            self.balance_plan = auto_balance(layers, balance, sample, self.schedule,
+                                             self.local, self.rank, group)
             sizes = self.balance_plan.balance
         else:
             sizes = (even_balance(len(layers), n_stages) if balance is None
@@ -245,28 +246,6 @@ class Pipeline:
             self._modal = None
         return self.evaluator
 
-    def _plan(self, layers: list[tuple[str, nn.Module | LayerSpec]], mode: Any,
-              sample: Any, group: dist.ProcessGroup | None) -> BalancePlan:
-        """Automatic balance: rank 0 profiles, every rank plans from the same layer costs."""
-        modules = [m for _, m in layers]
-        if not all(isinstance(m, nn.Module) for m in modules):
-            raise PartitionError(f"balance={mode!r} needs the layers built (it measures them); "
-                                 "with LayerSpec or meta layers pass balance=[...] explicitly")
-        if isinstance(mode, str) and mode not in MODES:
-            raise ValueError(f"unknown balance mode {mode!r}; choose one of {list(MODES)}, a "
-                             "cost function, or a list of layers per stage")
-        built = [m for m in modules if isinstance(m, nn.Module)]
-        sample = profiling_sample(built, mode, sample)
-        costs = None
-        if mode != "params" and (self.local or self.rank == 0):
-            if sample is None:
-                raise ValueError(f"balance={mode!r} profiles every layer on a sample micro-batch: "
-                                 "pass example_inputs= (the first layer's input)")
-            costs = profile_layers(built, sample)
-        if mode != "params" and not self.local:
-            costs = broadcast_costs(costs, len(built), group)
-        return plan_balance(built, self.schedule, mode, sample, layer_costs=costs)
-
     def _build_stages(self, layers: list[tuple[str, nn.Module | LayerSpec]],
                       replay: Sequence[bool], source: Layers) -> None:
         """Build (or materialise) the layers of hosted stages; others stay as they are."""
@@ -283,19 +262,6 @@ class Pipeline:
                                    recompute=replay[lo:hi], split_dim=self.split_dim,
                                    ports=self.routes.ports[s] if self.routes.keyed else None,
                                    carry_rng=self.rng)
-
-    @staticmethod
-    def _ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
-        if local_ranks is not None:
-            if local_ranks < 1:
-                raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
-            return local_ranks, 0
-        if not dist.is_initialized():
-            raise PipelineError(
-                "torch.distributed is not initialised: start the processes with pt.launch or "
-                "torchrun, or pass local_ranks=N to run all ranks in this process"
-            )
-        return dist.get_world_size(group), dist.get_rank(group)
 
     # -- parameters ----------------------------------------------------------------------
     def named_parameters(self, stage: int | None = None) -> Iterator[tuple[str, nn.Parameter]]:
