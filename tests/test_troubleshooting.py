@@ -31,10 +31,10 @@ COMMANDS = {  # the module of a command's code -> the commands its exit codes be
 }
 
 QUOTED = [  # (a fragment the page quotes, the source file under src/pipetrain that says it)
-    ("this pipeline failed earlier and cannot run again", "pipeline.py"),
+    ("this pipeline failed earlier and cannot run again", "stepper.py"),
     ("torch.distributed is not initialised: start the processes with pt.launch or torchrun, "
-     "or pass local_ranks=N to run all ranks in this process", "pipeline.py"),
-    ("this rank holds stage 0 and needs inputs, got None", "pipeline.py"),
+     "or pass local_ranks=N to run all ranks in this process", "construction.py"),
+    ("this rank holds stage 0 and needs inputs, got None", "stepper.py"),
     ("micro-batches; use a batch of at least", "runtime/microbatch.py"),
     ("the peer closed the connection (did its process die?)", "runtime/receiver.py"),
     ("[passed on by ", "runtime/receiver.py"),
