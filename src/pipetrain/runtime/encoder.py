@@ -12,7 +12,7 @@ and copies its tensors' bytes behind::
     next     [     kept bytes, step and mb written over them      | tensor 0 | pad | ... ]
 
 The bytes are those :func:`~pipetrain.runtime.wire.encode` writes for the same message
-(``tests/test_comm_codec.py`` checks them equal), so a receiver cannot tell the two apart.
+(``tests/test_encoder.py`` checks them equal), so a receiver cannot tell the two apart.
 """
 
 from __future__ import annotations

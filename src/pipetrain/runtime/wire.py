@@ -64,8 +64,7 @@ _DESC = [struct.Struct(f"<{4 + n}q") for n in range(MAX_DIMS + 1)]
 _ONE_TENSOR = {"t": 0}  # the spec of a payload that is one tensor: the common case
 _NP_OF = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
           torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
-          torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
-_NUMPY = set(_NP_OF)  # the dtypes numpy holds (not bfloat16)
+          torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}  # not bfloat16
 Bytes = Any  # a flat uint8 buffer: a tensor, or a numpy array (CPU)
 
 
@@ -186,7 +185,7 @@ def flat_bytes(t: torch.Tensor) -> Any:
     each; a copy only where ``t`` is not contiguous), else a uint8 tensor on its device."""
     if not t.is_cpu:
         return t.detach().reshape(-1).view(torch.uint8)
-    if t.dtype in _NUMPY:  # (force: detached, conjugate and negative bits resolved)
+    if t.dtype in _NP_OF:  # (force: detached, conjugate and negative bits resolved)
         return t.numpy(force=True).reshape(-1).view(np.uint8)
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
