@@ -13,7 +13,7 @@ runs it (training, eval graph, decoding, an asynchronous window's phase).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,11 +58,11 @@ class Feed:
     split_dim: int
     loss_reduction: str
 
-    def prepare(self, data: StepData, stages: Iterable[int], inputs: Any, targets: Any) -> None:
+    def prepare(self, data: StepData, hosted: Container[int], inputs: Any, targets: Any
+                ) -> None:
         m = self.schedule.n_microbatches
         first, last = 0, self.schedule.n_stages - 1
         where = f"[rank {self.rank}] step {data.step}"
-        hosted = set(stages)
         if first in hosted:
             if inputs is None:
                 raise ValueError(f"{where}: this rank holds stage 0 and needs inputs, got None")
@@ -182,8 +182,9 @@ class Stepper:
         elif self.transport is None:
             loss, times = total_loss(data), StepTimes(schedule, data.train, own, data.times)
         else:
+            window = data.train and self.windows is not None  # the peers whose message it takes
             executor.activity.waiting("the end-of-step exchange", tuple(
-                r for r in range(schedule.n_ranks) if r != rank), data.step)
+                ending_keys(schedule, rank, data.step, window)), data.step)
             loss, times = exchange(self.transport, schedule, rank, data, own) if \
                 self.windows is None or not data.train else \
                 self.windows.finish(self.transport, schedule, data, own)
