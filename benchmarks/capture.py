@@ -1,5 +1,6 @@
 """Capture: export+split cost of a meta GPT by size; captured-split vs layer-list step time;
-what a rank that loads rank 0's shared export pays instead of exporting (split/shared.py)."""
+what a rank that loads rank 0's shared export pays instead of exporting (split/shared.py),
+with every dimension symbolic (the default) and at fixed shapes (``dynamic=False``)."""
 
 from __future__ import annotations
 
@@ -96,10 +97,12 @@ def capture_table(first: float, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def shared_costs(cfg: GPTConfig) -> dict[str, Any]:
-    """One GPT exported, its program saved without weights (as rank 0 shares it), and loaded
-    into a capture on another copy of the model (as every other rank of the group builds
-    its own): seconds of each, the payload's size, and whether the graphs print alike."""
+def shared_costs(cfg: GPTConfig, dynamic: bool = True) -> dict[str, Any]:
+    """One GPT exported (``dynamic``: every dimension symbolic, else at fixed shapes), its
+    program saved without weights (as rank 0 shares it), and loaded into a capture on another
+    copy of the model (as every other rank of the group builds its own): seconds of each
+    (CPU seconds: what the ranks sharing a machine pay), the payload's size, and whether the
+    graphs print alike."""
     import inspect
 
     from pipetrain.split.capture import _bind, export, from_program
@@ -110,13 +113,15 @@ def shared_costs(cfg: GPTConfig) -> dict[str, Any]:
     ids = torch.zeros(2, cfg.seq_len, dtype=torch.long)
     signature = inspect.signature(model.forward)
     bound = _bind(signature, (ids,))
-    program, export_s = export(model, bound)
-    mine = from_program(program, model, signature, bound, export_s)
-    t0 = time.perf_counter()
+    start = time.process_time()
+    program, _ = export(model, bound, dynamic)
+    export_s = time.process_time() - start
+    mine = from_program(program, model, signature, bound, export_s, dynamic=dynamic)
+    t0 = time.process_time()
     payload = _payload(program, model, mine, "")
-    t1 = time.perf_counter()
-    theirs, why = _load(payload, other, signature, bound, "")
-    t2 = time.perf_counter()
+    t1 = time.process_time()
+    theirs, why = _load(payload, other, signature, bound, "", dynamic)
+    t2 = time.process_time()
     return {"export_s": export_s, "save_s": t1 - t0, "load_s": t2 - t1,
             "payload_kib": len(payload) / 1024, "weights_kib": 4 * cfg.n_params / 1024,
             "same_graph": theirs is not None and str(theirs.graph) == str(mine.graph),
@@ -212,10 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n== one export per pipeline group: {args.preset}, rank 0 exports and saves its "
           "program without the weights, another rank loads it ==")
     shared = shared_costs(cfg)
-    print(f"export {shared['export_s']:.2f} s | save {shared['save_s']:.2f} s | load "
-          f"{shared['load_s']:.2f} s | payload {shared['payload_kib']:.0f} KiB (fp32 weights "
-          f"{shared['weights_kib']:.0f} KiB) | same graph: {shared['same_graph']} "
-          f"{shared['why']}")
+    fixed = shared_costs(cfg, dynamic=False)
+    for label, c in (("symbolic", shared), ("fixed shapes", fixed)):
+        print(f"{label:12s} CPU: export {c['export_s']:.2f} s | save {c['save_s']:.2f} s | "
+              f"load {c['load_s']:.2f} s | payload {c['payload_kib']:.0f} KiB (fp32 weights "
+              f"{c['weights_kib']:.0f} KiB) | same graph: {c['same_graph']} {c['why']}")
     print(f"\n== 1f1b step, 2 local ranks: {args.preset} (seq {cfg.seq_len}), batch "
           f"{args.batch}, m={args.m}, {args.warmup} warm-up + {args.steps} steps each ==")
     s = step_times(cfg, args.batch, args.m, args.warmup, args.steps)
@@ -233,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"grads step 0: max rel diff {s['grad_rel_diff_step0']:.3g}")
     if args.json:
         gb.save_json(args.json, {"capture": {"first_export_s": first, "sizes": rows},
-                                 "shared": shared, "step": s})
+                                 "shared": shared, "shared_fixed": fixed, "step": s})
     return 0 if all("error" not in r for r in rows) else 1
 
 

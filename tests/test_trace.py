@@ -10,7 +10,7 @@ from torch import nn
 
 import pipetrain as pt
 from lm import captured_lm, lm_batch, lm_loss, tiny_lm
-from pipetrain.errors import PartitionError
+from pipetrain.errors import PartitionError, StageError
 from pipetrain.split.trace import TracedSplit, split_model
 
 POINTS = [[], ["blocks.2"], ["blocks.1", "blocks.3"], ["pos", "blocks.1.attn", "norm"],
@@ -286,3 +286,49 @@ def test_auto_split_points_balance_the_units(schedule: str, balance: str | None)
 def test_auto_split_points_need_example_inputs() -> None:
     with pytest.raises(TypeError, match="example_inputs="):
         pt.Pipeline(tiny_lm(), "1f1b", 2, lm_loss, local_ranks=2, split_points="auto")
+
+
+def test_a_capture_at_fixed_shapes_steps_like_the_symbolic_one_and_refuses_other_shapes(
+) -> None:
+    """``dynamic=False`` (what ``pipetrain train`` captures with): a Hugging Face Llama under
+    ZB-V gives bitwise the loss and gradients of the default capture (every dimension symbolic;
+    its loss is one device's bitwise), every input dimension is fixed, and a step of another
+    sequence length is refused naming the dimension, where the default capture takes it."""
+    pytest.importorskip("transformers")
+    from hf import llama, lm_loss, points
+    from pipetrain.testing import grad_mismatches, reference_step
+
+    ids = torch.randint(1, 64, (8, 12), generator=torch.Generator().manual_seed(0))
+    pipes, losses = [], []
+    for dynamic in (False, True):
+        torch.manual_seed(0)
+        pipes.append(pt.Pipeline(llama(), "zbv", 4, lm_loss, local_ranks=2,
+                                 split_points=points("llama", 4),
+                                 example_inputs={"input_ids": ids[:2]}, dynamic=dynamic))
+        losses.append(pipes[-1].step({"input_ids": ids}, ids).loss)
+    fixed, symbolic = pipes
+    torch.manual_seed(0)
+    want = reference_step(llama(), {"input_ids": ids}, ids, lm_loss, 4)
+    assert losses[0] is not None and torch.equal(losses[0], want) and torch.equal(*losses)
+    assert grad_mismatches(fixed.named_parameters(), _held(symbolic)) == []
+    assert fixed.traced is not None and symbolic.traced is not None
+    assert [leaf.static for leaf in fixed.traced.captured.inputs] == [((0, 2), (1, 12))]
+    assert [leaf.static for leaf in symbolic.traced.captured.inputs] == [()]
+    with pytest.raises(StageError, match=r"dimension 1 of input_ids was fixed at 12 when the "
+                       r"model was captured \(at fixed shapes: dynamic=False\)"):
+        fixed.step({"input_ids": ids[:, :10]}, ids[:, :10])
+    assert symbolic.step({"input_ids": ids[:, :10]}, ids[:, :10]).loss is not None
+
+
+def _held(pipe: pt.Pipeline) -> nn.Module:
+    """A module holding ``pipe``'s parameters under their names (a reference to compare with)."""
+    held = nn.Module()
+    for name, p in pipe.named_parameters():
+        *path, leaf = name.split(".")
+        parent = held
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.register_parameter(leaf, p)
+    return held

@@ -93,6 +93,11 @@ class Pipeline:
             :meth:`pack`'s payload (to mix positional and keyword arguments).
         example_inputs: with ``split_points``, positional (tuple) or keyword (dict) arguments
             of ``model.forward``; with a profiling ``balance``, one micro-batch of input.
+        dynamic: with ``split_points``, capture every input dimension symbolic where the code
+            allows, so that steps may give other batch sizes and sequence lengths (default);
+            False captures at ``example_inputs``' shapes, which every step must then give (a
+            step that does not is refused, naming the dimension): about a third of the
+            CPU time to capture (:mod:`pipetrain.split.capture`).
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
             layers, and of the by-name initialisation of a traced ``meta`` model, whose
             parameters then equal ``NamedInit(model, init_seed).materialize(model)`` (see
@@ -132,7 +137,7 @@ class Pipeline:
         loss_reduction: str = "mean", timeout: float = 60.0, max_message_bytes: int = 1 << 36,
         recompute: Policy = "never", init_seed: int = 0,
         split_points: Sequence[str] | str | None = None, example_inputs: Any = None,
-        parallelize: Callable[[int, list[nn.Module]], None] | None = None,
+        dynamic: bool = True, parallelize: Callable[[int, list[nn.Module]], None] | None = None,
         rng: bool | None = None, compile: bool | str = False,
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
@@ -148,8 +153,9 @@ class Pipeline:
             example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
         # one export for the group (parallelize= works on the stages, after the capture)
         self._share = None if local_ranks is not None else group or dist.group.WORLD
+        self._dynamic = dynamic
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
-            model, split_points, example_inputs, balance, n_stages, self._share)
+            model, split_points, example_inputs, balance, n_stages, self._share, dynamic)
         self._modal: tuple[nn.Module, Any] | None = None  # its eval graph: made when used
         if isinstance(model, nn.Module) and self.traced is not None and parallelize is None \
                 and depends_on_mode(model, self.traced):
@@ -237,7 +243,7 @@ class Pipeline:
         if self._modal is not None:
             model, example_inputs = self._modal
             split = eval_split(model, self.traced, example_inputs,  # type: ignore[arg-type]
-                               self._share)
+                               self._share, self._dynamic)
             stages = eval_stages(split, self.balance, self.stages, self._stage_layers,
                                  self.device, self.loss_fn, self.split_dim)
             self.evaluator = Executor(self.schedule, stages, self.hosted, self.transport,

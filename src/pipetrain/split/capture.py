@@ -6,7 +6,10 @@ arguments and ``**kwargs``, Hugging Face's mask builders, ``torch.ones(t, t)`` w
 shape, ``ModelOutput`` dataclasses. :func:`capture` asks for every dimension of every tensor
 argument to stay symbolic where the code allows (``Dim.AUTO``), so one capture serves every
 batch size and sequence length; a dimension the code decides on is fixed, and
-:meth:`Captured.leaves` names it when a later input differs.
+:meth:`Captured.leaves` names it when a later input differs. ``dynamic=False`` captures at the
+example's shapes instead: every dimension is fixed, and export does no symbolic shape
+reasoning, which made GPT ``small``'s export 2.8x longer (``docs/own-model.md``;
+``pipetrain train`` captures at fixed shapes: its flags fix them).
 
 What this module returns is the graph of ``ExportedProgram.module()``: parameters and buffers
 are ``get_attr`` nodes under the model's own names (the model's own tensors, a tied weight
@@ -80,6 +83,8 @@ class Captured:
     """The ``forward`` arguments the example gave, in order (the others keep defaults)."""
     seconds: float
     """How long torch.export took."""
+    dynamic: bool = True
+    """Whether the capture asked for symbolic dimensions (else every one is fixed)."""
 
     def pack(self, *args: Any, **kwargs: Any) -> Packed:
         """Stage 0's payload for ``model(*args, **kwargs)``: argument name -> value.
@@ -106,7 +111,7 @@ class Captured:
                 f"gives {list(payload)} (or the same names with another structure); pass the "
                 "same arguments as example_inputs, or capture again with these")
         for leaf, value in zip(self.inputs, flat):
-            _check_leaf(leaf, value)
+            _check_leaf(leaf, value, self.dynamic)
         return flat
 
     def output(self, flat: list[Any]) -> Any:
@@ -114,7 +119,7 @@ class Captured:
         return pytree.tree_unflatten(flat, self.out_spec)
 
 
-def _check_leaf(leaf: Leaf, value: Any) -> None:
+def _check_leaf(leaf: Leaf, value: Any, dynamic: bool) -> None:
     if not leaf.tensor:
         if value != leaf.constant or type(value) is not type(leaf.constant):
             raise ValueError(
@@ -123,6 +128,12 @@ def _check_leaf(leaf: Leaf, value: Any) -> None:
                 "arguments are constants of the capture: pass the same value, or a tensor")
         return
     for dim, size in leaf.static:
+        if (value.dim() <= dim or value.shape[dim] != size) and not dynamic:
+            raise ValueError(
+                f"dimension {dim} of {leaf.path} was fixed at {size} when the model was "
+                f"captured (at fixed shapes: dynamic=False), but this step gives shape "
+                f"{tuple(value.shape)}; give every step example_inputs' shapes, or capture "
+                "with dynamic=True")
         if value.dim() <= dim or value.shape[dim] != size:
             raise ValueError(
                 f"dimension {dim} of {leaf.path} was fixed at {size} when the model was "
@@ -131,8 +142,10 @@ def _check_leaf(leaf: Leaf, value: Any) -> None:
                 "shapes the run will use (size >= 2 where a size changes), or keep it fixed")
 
 
-def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any]) -> Captured:
-    """Record ``model.forward`` on ``example`` (positional tuple or keyword dict).
+def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any],
+            dynamic: bool = True) -> Captured:
+    """Record ``model.forward`` on ``example`` (positional tuple or keyword dict); ``dynamic``:
+    every input dimension symbolic where the code allows, else all fixed (see the module).
 
     A model on the ``meta`` device is captured on meta copies of the example's tensors, and a
     model wholly on one other device (a GPU) on copies there: an example made on the CPU
@@ -147,11 +160,11 @@ def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any]) -> Capt
     signature = inspect.signature(model.forward)
     example = on_model_device(model, example)
     bound = _bind(signature, example)
-    k = recall.key(model, example)
+    k = recall.key(model, example, dynamic)
     kept = RECALL.get(k, model)
     if kept is not None:
         return kept  # type: ignore[no-any-return]
-    captured = _capture(model, signature, bound)
+    captured = _capture(model, signature, bound, dynamic)
     RECALL.put(k, captured, model)
     return captured
 
@@ -168,22 +181,23 @@ def on_model_device(model: nn.Module, example: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), example)
 
 
-def _capture(model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments
-             ) -> Captured:
-    program, seconds = export(model, bound)
-    return from_program(program, model, signature, bound, seconds)
+def _capture(model: nn.Module, signature: inspect.Signature, bound: inspect.BoundArguments,
+             dynamic: bool = True) -> Captured:
+    program, seconds = export(model, bound, dynamic)
+    return from_program(program, model, signature, bound, seconds, dynamic=dynamic)
 
 
-def export(model: nn.Module, bound: inspect.BoundArguments
+def export(model: nn.Module, bound: inspect.BoundArguments, dynamic: bool = True
            ) -> tuple[torch.export.ExportedProgram, float]:
-    """torch.export of ``model`` on ``bound`` (every dimension symbolic where the code allows),
-    and the seconds it took."""
+    """torch.export of ``model`` on ``bound`` (``dynamic``: every dimension symbolic where the
+    code allows; else at ``bound``'s shapes), and the seconds it took."""
     import time
 
     start = time.perf_counter()
     try:
         program = torch.export.export(model, bound.args, bound.kwargs, strict=False,
-                                      dynamic_shapes=_auto_dims(model, bound))
+                                      dynamic_shapes=_auto_dims(model, bound) if dynamic
+                                      else None)
     except Exception as e:
         raise PartitionError(_explain(model, e)) from e
     return program, time.perf_counter() - start
@@ -191,10 +205,10 @@ def export(model: nn.Module, bound: inspect.BoundArguments
 
 def from_program(program: torch.export.ExportedProgram, model: nn.Module,
                  signature: inspect.Signature, bound: inspect.BoundArguments, seconds: float,
-                 named: dict[str, str] | None = None) -> Captured:
-    """The capture of ``model`` that ``program`` (its export on ``bound``) records;
-    ``named``: the ``get_attr`` targets to read from ``model`` by another name (a program
-    exported elsewhere: its tensors are stand-ins)."""
+                 named: dict[str, str] | None = None, dynamic: bool = True) -> Captured:
+    """The capture of ``model`` that ``program`` (its export on ``bound``, ``dynamic`` or at
+    fixed shapes) records; ``named``: the ``get_attr`` targets to read from ``model`` by
+    another name (a program exported elsewhere: its tensors are stand-ins)."""
     module = program.module()
     graph = module.graph
     for sub in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
@@ -217,7 +231,7 @@ def from_program(program: torch.export.ExportedProgram, model: nn.Module,
     leaves = tuple(_leaf(signature, path, value, node)
                    for (path, value), node in zip(flat, placeholders))
     return Captured(graph, attrs, signature, in_spec, program.call_spec.out_spec, leaves,
-                    tuple(bound.arguments), seconds)
+                    tuple(bound.arguments), seconds, dynamic)
 
 
 def _bind(signature: inspect.Signature, example: Any) -> inspect.BoundArguments:

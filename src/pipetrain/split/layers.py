@@ -138,10 +138,12 @@ def profiling_sample(modules: Sequence[nn.Module], mode: Any, sample: Any) -> An
 
 
 def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: Any,
-                 balance: Any, n_stages: int, share: Any = None) -> TracedSplit:
+                 balance: Any, n_stages: int, share: Any = None, dynamic: bool = True
+                 ) -> TracedSplit:
     """The traced stages for ``Pipeline(model, split_points=..., example_inputs=...)``;
     ``share``: the pipeline's process group, whose rank 0 exports the model for all
-    (:mod:`pipetrain.split.shared`; None: this process captures).
+    (:mod:`pipetrain.split.shared`; None: this process captures); ``dynamic``: as
+    :func:`~pipetrain.split.capture.capture`.
 
     Raises:
         TypeError: without one ``nn.Module`` and ``example_inputs``.
@@ -167,8 +169,8 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
         raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} units, fewer "
                              f"than the schedule's {n_stages} stages; give at least "
                              f"{n_stages - 1} split points")
-    captured = capture(model, example_inputs) if share is None else \
-        capture_shared(model, example_inputs, share)
+    captured = capture(model, example_inputs, dynamic) if share is None else \
+        capture_shared(model, example_inputs, share, dynamic)
     if split_points == "auto":  # one small stage per unit; the balancer groups them
         split_points = cut_points(model, example_inputs, captured=captured)
     return split_model(model, split_points, example_inputs, captured=captured)

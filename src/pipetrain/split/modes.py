@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from pipetrain.errors import PartitionError
 from pipetrain.runtime.stage import Stage
-from pipetrain.split.capture import move_graph
+from pipetrain.split.capture import capture, move_graph
 from pipetrain.split.partition import stage_bounds
 from pipetrain.split.shared import capture_shared
 from pipetrain.split.trace import TracedSplit, split_model
@@ -65,15 +65,17 @@ def eval_mode(models: nn.Module | Iterable[nn.Module]) -> Iterator[None]:
 
 
 def eval_split(model: nn.Module, traced: TracedSplit, example_inputs: Any,
-               share: Any = None) -> TracedSplit:
+               share: Any = None, dynamic: bool = True) -> TracedSplit:
     """``model`` captured in eval mode and cut where ``traced`` was cut (``share``: the
-    pipeline group, whose rank 0 exports for all: :mod:`pipetrain.split.shared`).
+    pipeline group, whose rank 0 exports for all: :mod:`pipetrain.split.shared`; ``dynamic``:
+    as :func:`~pipetrain.split.capture.capture`).
 
     Raises:
         PartitionError: when the eval graph cuts into another number of units.
     """
     with eval_mode(model), torch.no_grad():
-        captured = None if share is None else capture_shared(model, example_inputs, share)
+        captured = capture(model, example_inputs, dynamic) if share is None else \
+            capture_shared(model, example_inputs, share, dynamic)
         split = split_model(model, list(traced.points), example_inputs, captured=captured)
     if len(split.stages) != len(traced.stages):
         raise PartitionError(f"the model captured in eval mode cuts into {len(split.stages)} "

@@ -33,8 +33,10 @@ SIZE = 8
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "training"}
 
 
-def key(model: nn.Module, example: Any) -> Hashable:
-    """What the capture of ``model`` on ``example`` depends on (see the module docstring)."""
+def key(model: nn.Module, example: Any, dynamic: bool = True) -> Hashable:
+    """What the capture of ``model`` on ``example`` depends on (see the module docstring);
+    ``dynamic``: whether its dimensions are symbolic (a capture at fixed shapes serves no other
+    request)."""
     modules = tuple((name, type(m).__module__, type(m).__qualname__, m.training, _plain(m))
                     for name, m in model.named_modules(remove_duplicate=False))
     first: dict[int, str] = {}
@@ -46,7 +48,7 @@ def key(model: nn.Module, example: Any) -> Hashable:
     inputs = tuple((tuple(v.shape), str(v.dtype), v.device.type) if isinstance(v, torch.Tensor)
                    else (type(v).__qualname__, repr(v)) for v in flat)
     state = (torch.is_grad_enabled(), str(torch.get_default_dtype()))
-    return (modules, tensors, str(spec), inputs, state)
+    return (modules, tensors, str(spec), inputs, state, dynamic)
 
 
 def _plain(module: nn.Module) -> tuple[tuple[str, str], ...]:

@@ -71,9 +71,11 @@ def across(group: dist.ProcessGroup | None) -> Iterator[None]:
         _WIDER.pop()
 
 
-def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> Captured:
-    """:func:`~pipetrain.split.capture.capture` of ``model`` on ``example``, exported once in
-    ``group`` (every rank of it calls this, in the same order as its other collectives).
+def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup,
+                   dynamic: bool = True) -> Captured:
+    """:func:`~pipetrain.split.capture.capture` of ``model`` on ``example`` (``dynamic`` as
+    there), exported once in ``group`` (every rank of it calls this, in the same order as its
+    other collectives).
 
     Raises:
         PartitionError: as ``capture`` does (on every rank: the others export on their own
@@ -83,11 +85,11 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
     """
     group = _WIDER[-1] if _WIDER else group
     if dist.get_world_size(group) < 2:
-        return capture(model, example)
+        return capture(model, example, dynamic)
     example = on_model_device(model, example)
     signature = inspect.signature(model.forward)
     bound = _bind(signature, example)
-    k = recall.key(model, example)
+    k = recall.key(model, example, dynamic)
     digest = hashlib.sha256(repr(k).encode()).hexdigest()
     members = tuple(dist.get_process_group_ranks(group))  # (a key of this group's own: another
     n = _count[members] = _count.get(members, -1) + 1  # group with this rank 0 counts apart)
@@ -95,7 +97,8 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
     store = dist.distributed_c10d._get_default_store()
     kept = RECALL.get(k, model)
     if dist.get_rank(group) == 0:
-        return _export_and_share(model, signature, bound, kept, k, digest, store, name)
+        return _export_and_share(model, signature, bound, kept, k, digest, store, name,
+                                 dynamic)
     _fetch(store, f"{name}/start", START_S, "start exporting the model")
     payload = _fetch(store, name, WAIT_S, "share its capture of the model")
     if store.add(f"{name}/read", 1) == dist.get_world_size(group) - 1:
@@ -105,30 +108,30 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup) -> 
         return kept  # type: ignore[no-any-return]
     try:
         captured, why = (None, "") if payload == _OWN else _load(payload, model, signature,
-                                                                 bound, digest)
+                                                                 bound, digest, dynamic)
     except Exception as e:  # noqa: BLE001  (a program this process cannot load)
         captured, why = None, f"rank 0's program does not load here: {e!r}"
     if why:
         warnings.warn(f"[rank {dist.get_rank()}] captures on its own: {why}", stacklevel=2)
     if captured is None:  # (without a word where its model or example is not rank 0's)
-        return capture(model, example)
+        return capture(model, example, dynamic)
     RECALL.put(k, captured, model)
     return captured
 
 
 def _export_and_share(model: nn.Module, signature: inspect.Signature,
                       bound: inspect.BoundArguments, kept: Any, k: Any, digest: str,
-                      store: Any, name: str) -> Captured:
+                      store: Any, name: str, dynamic: bool) -> Captured:
     store.set(f"{name}/start", b"")
     if kept is not None:  # captured here before; the others may not have: they export
         store.set(name, _OWN)
         return kept  # type: ignore[no-any-return]
     try:
-        program, seconds = export(model, bound)
+        program, seconds = export(model, bound, dynamic)
     except BaseException:
         store.set(name, _OWN)  # they fail alike on their own
         raise
-    captured = from_program(program, model, signature, bound, seconds)
+    captured = from_program(program, model, signature, bound, seconds, dynamic=dynamic)
     try:
         payload = _payload(program, model, captured, digest)
     except Exception as e:  # noqa: BLE001  (what the program holds may not save)
@@ -161,7 +164,8 @@ def _payload(program: torch.export.ExportedProgram, model: nn.Module, captured: 
 
 
 def _load(payload: bytes, model: nn.Module, signature: inspect.Signature,
-          bound: inspect.BoundArguments, digest: str) -> tuple[Captured | None, str]:
+          bound: inspect.BoundArguments, digest: str, dynamic: bool = True
+          ) -> tuple[Captured | None, str]:
     """This rank's capture from rank 0's payload; or None, and why it does not serve (empty
     where this rank's model or example is not rank 0's)."""
     size = int.from_bytes(payload[:8], "little")
@@ -170,7 +174,7 @@ def _load(payload: bytes, model: nn.Module, signature: inspect.Signature,
         return None, ""
     program = torch.export.load(io.BytesIO(payload[8 + size:]))
     # this rank's own tensors, not the stand-ins
-    captured = from_program(program, model, signature, bound, 0.0, head["named"])
+    captured = from_program(program, model, signature, bound, 0.0, head["named"], dynamic)
     if not all(t.is_meta for t in (*model.parameters(), *model.buffers())):
         stand_ins = [t for t, v in captured.attrs.items()
                      if isinstance(v, torch.Tensor) and v.is_meta]

@@ -84,7 +84,9 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
                 wrap: LossWrap, *, examples: bool = False, **where: Any) -> Pipeline:
     """``model`` (on ``meta`` or real) cut as ``pipetrain train --hf`` cuts it: at its decoder
     layers, which ``cfg.balance`` groups into the schedule's stages (``even``: equal counts),
-    ``rows`` sequences of ``cfg.seq_len`` tokens per micro-batch; ``where`` as in
+    ``rows`` sequences of ``cfg.seq_len`` tokens per micro-batch, captured at those shapes
+    (``dynamic=False``: every step gives them, and export does no symbolic shape reasoning,
+    about a third of the CPU time to capture); ``where`` as in
     :meth:`Source.pipeline` (or ``local_ranks``). The profiling balances (``time``,
     ``memory``) run every layer, so under them a ``meta`` model is materialised whole first.
 
@@ -104,7 +106,7 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
     return Pipeline(model, schedule, cfg.microbatches,
                     wrap(masked_lm_loss if examples else causal_lm_loss_of(model)),
                     split_points=points, balance=balance, recompute=cfg.recompute,
-                    init_seed=cfg.seed, example_inputs=example,
+                    init_seed=cfg.seed, example_inputs=example, dynamic=False,
                     loss_reduction="sum" if examples else "mean", **where)
 
 

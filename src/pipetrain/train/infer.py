@@ -4,7 +4,10 @@ Both run ``Pipeline.eval_step`` (forward only) on every rank of a replica. The l
 generation step exist only on the rank holding the last stage: that rank picks the next token
 and broadcasts it over the pipeline group, so the rank holding stage 0 (and every other) can
 feed it back in. Each eval step needs one row per micro-batch, so the context is repeated
-``microbatches`` times and row 0's logits are used.
+``microbatches`` times and row 0's logits are used. A pipeline captured at fixed shapes
+(``pipetrain train``'s: ``Pipeline(..., dynamic=False)``) takes only those: the window is
+padded at its end to the captured positions (a causal model's logits at the window's last
+token do not see what follows it) and repeated to the captured rows of every micro-batch.
 """
 
 from __future__ import annotations
@@ -79,12 +82,14 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
     holder = pipe.schedule.rank_of(last)
     src = mesh.global_rank(mesh.dp_rank, holder)
     generator = torch.Generator().manual_seed(seed)
-    rows = pipe.schedule.n_microbatches
+    per_mb, positions = fixed_shape(pipe)
+    rows = pipe.schedule.n_microbatches * per_mb
     ids = list(prompt)
     for _ in range(n_tokens):
         window = ids[-context:]
         last = len(window) - 1
-        window = window + window[-1:] * (-len(window) % multiple)  # after it: causal, unseen
+        pad = positions - len(window) if positions else -len(window) % multiple
+        window = window + window[-1:] * pad  # after the last token: causal, unseen
         batch = torch.tensor(window, dtype=torch.long).repeat(rows, 1)
         outputs = pipe.eval_step(batch if feed is None else feed(batch), step=step).outputs
         token = torch.zeros(1, dtype=torch.long, device=mesh.comm_device)
@@ -94,3 +99,15 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
         dist.broadcast(token, src=src, group=mesh.pp_group)
         ids.append(int(token))
     return ids[len(prompt):]
+
+
+def fixed_shape(pipe: Pipeline) -> tuple[int, int | None]:
+    """The rows per micro-batch and the positions of the token ids a pipeline captured at
+    fixed shapes takes; else ``(1, None)`` (any)."""
+    traced = pipe.traced
+    if traced is None or traced.captured.dynamic:
+        return 1, None
+    leaves = [leaf for leaf in traced.captured.inputs if leaf.tensor]
+    ids = next((leaf for leaf in leaves if leaf.path == "input_ids"), leaves[0])
+    dims = dict(ids.static)
+    return dims.get(0, 1), dims.get(1)
