@@ -2,8 +2,9 @@
 
 On 4 gloo processes, pipelines of 2 ranks whose 2 data-parallel ranks share each layer's
 experts (pp 2 x ep 2), the loss and every gradient of one step equal one device's running the
-same micro-batches: Mixtral under ZB-H1 with FSDP2 on the other weights, Qwen3-MoE (float64)
-under ZB-V, DeepSeek-V3 and gpt-oss under ZB-H1 (a split I/W backward each; 1F1B and
+same micro-batches: Mixtral under ZB-H1 with FSDP2 on the other weights (captured with every
+size symbolic), Qwen3-MoE (float64) under ZB-V, DeepSeek-V3 and gpt-oss under ZB-H1 (captured
+at fixed shapes, as ``pipetrain train`` captures; a split I/W backward each; 1F1B and
 interleaved 1F1B run through ``pipetrain train`` below); the experts' all-to-alls (forward
 and backward) run in F and I, never in W (a W waits for nothing but its own inputs) except on
 the first stage, whose backward is all W (its input, token ids, has no gradient); and
@@ -106,6 +107,8 @@ def _spread(ctx: pt.RankContext) -> list[str]:
                            split_points=["model.layers.1", "model.layers.2", "model.layers.3"]
                            if schedule == "zbv" else ["model.layers.2"],
                            example_inputs={"input_ids": x[:2]}, group=pp_group, timeout=60,
+                           dynamic=name == "mixtral",  # the others as pipetrain train --ep
+                           # captures: at fixed shapes
                            parallelize=Composed(spread, sharded) if sharded else spread)
         ops.clear()
         ops.append(pipe.executor)
