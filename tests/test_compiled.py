@@ -249,3 +249,31 @@ def test_train_refuses_compile_with_sharding() -> None:
 
     with pytest.raises(ValueError, match="--compile"):
         check_config(TrainConfig(compile=True, fsdp=2, pp=1, batch_size=16), 2)
+
+
+def test_the_compiled_graphs_kept_are_bounded_the_least_recently_used_going_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that builds pipeline after pipeline keeps at most ``KEPT`` compiled graphs:
+    a graph asked for again is kept (not made again), the one unused longest goes first, and
+    a graph without a key (it reads constants of its own) is never kept."""
+    from collections import OrderedDict
+
+    from pipetrain.runtime import compiled
+
+    monkeypatch.setattr(compiled, "_COMPILED", OrderedDict())
+    monkeypatch.setattr(compiled, "KEPT", 3)
+    made: list[str] = []
+
+    def get(name: str | None) -> Any:
+        return compiled.kept(None if name is None else (name,),
+                             lambda: made.append(str(name)) or nn.Identity())
+
+    first = get("a")
+    get("b"), get("c")
+    assert get("a") is first and made == ["a", "b", "c"]  # kept, and now the latest used
+    get("d")  # b goes: the least recently used
+    assert list(compiled._COMPILED) == [("c",), ("a",), ("d",)]
+    get("b")
+    assert made == ["a", "b", "c", "d", "b"] and len(compiled._COMPILED) == 3
+    get(None), get(None)
+    assert made[-2:] == ["None", "None"] and len(compiled._COMPILED) == 3

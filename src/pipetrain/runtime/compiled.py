@@ -22,6 +22,7 @@ user's own backward) runs both.
 from __future__ import annotations
 
 import operator
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -130,19 +131,30 @@ class CompiledLayers:
     def _c(self, gm: fx.GraphModule) -> Graph:
         if self.backend == "eager" or not any(n.op == "call_function" for n in gm.graph.nodes):
             return gm  # the split graph itself (nothing to compile, or asked so)
-        key = _graph_key(gm, self.backend)
-        compiled = _COMPILED.get(key) if key is not None else None
-        if compiled is None:
-            compiled = torch.compile(gm, backend=self.backend, fullgraph=True, dynamic=False)
-            if key is not None:
-                _COMPILED[key] = compiled
-        return compiled
+        backend = self.backend
+        return kept(_graph_key(gm, backend), lambda: torch.compile(
+            gm, backend=backend, fullgraph=True, dynamic=False))
 
 
-_COMPILED: dict[tuple[str, ...], Graph] = {}
+_COMPILED: OrderedDict[tuple[str, ...], Graph] = OrderedDict()
 """Compiled graphs by their code and inputs: stages of the same layers (a transformer's
 blocks, on the stages of every rank in local mode, or the pipelines of one process) share one
-compilation."""
+compilation. At most :data:`KEPT`, the least recently used going first."""
+KEPT = 64
+
+
+def kept(key: tuple[str, ...] | None, make: Callable[[], Graph]) -> Graph:
+    """The compiled graph kept under ``key``, else ``make()``'s, kept (None: never kept)."""
+    if key is None:
+        return make()
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        _COMPILED.move_to_end(key)
+        return compiled
+    compiled = _COMPILED[key] = make()
+    while len(_COMPILED) > KEPT:
+        _COMPILED.popitem(last=False)
+    return compiled
 
 
 def _graph_key(gm: fx.GraphModule, backend: str) -> tuple[str, ...] | None:
