@@ -47,20 +47,17 @@ from pipetrain.runtime.dtensors import whole
 from pipetrain.schedules.timeline import Timeline
 from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.data import decode, encode
 from pipetrain.train.events import Reporter
-from pipetrain.train.infer import eval_loss, generate
 from pipetrain.train.memory import MemoryMeter
 from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
 from pipetrain.train.optim import clip_grads_, grad_square_sum, lr_at, set_lr
 from pipetrain.train.precision import autocast
 from pipetrain.train.resume import restore, save
+from pipetrain.train.sample import cache_length, evaluate, prompt_ids, sample
 from pipetrain.train.setup import Trainer, build
 from pipetrain.train.timing import predict
 
 __all__ = ["run", "train_step", "evaluate", "sample", "StepStats"]
-
-NEWLINE = 10
 
 
 @dataclass(frozen=True)
@@ -198,7 +195,7 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
                           predict(basis.timeline, trainer.pipe.schedule), basis.step)
     text = sample(trainer)
     if text is not None:
-        cached = _cache_length(trainer, _prompt(trainer)) is not None
+        cached = cache_length(trainer, prompt_ids(trainer)) is not None
         reporter.record("sample", {"text": text, "kv_cache": cached})
     summary = {**_summary(trainer, tally, elapsed, final_eval, text),
                "peak_memory_bytes": _every_rank_value(meter.peak_bytes),
@@ -329,77 +326,6 @@ def _expert_load(trainer: Trainer) -> dict[str, Any] | None:
     if torch.distributed.is_initialized():
         news.all_reduce(counts, "the experts' token counts")
     return summarize(counts // mesh.tp)
-
-
-def evaluate(trainer: Trainer) -> float:
-    """The held-out loss (mean over the eval batches and the replicas)."""
-    with autocast(trainer.cfg.precision, trainer.mesh.device):
-        scaled = eval_loss(trainer.pipe, trainer.mesh, trainer.eval_set, step=_last(trainer),
-                           feed=trainer.feed)
-    return trainer.scale.unscale_loss(scaled)  # the loss function multiplies by the fp16 scale
-
-
-def _split_sequence(trainer: Trainer) -> bool:
-    """The run's tensor parallelism splits activations along the sequence (windows padded)."""
-    return bool(getattr(trainer.tensor_parallel, "sequence_parallel", False))
-
-
-def sample(trainer: Trainer) -> str | None:
-    """``cfg.sample_tokens`` tokens after ``cfg.prompt``, as text; None when none are asked."""
-    cfg = trainer.cfg
-    if cfg.sample_tokens <= 0:
-        return None
-    source, prompt = trainer.source, _prompt(trainer)
-    ids = _cached_sample(trainer, prompt)
-    if ids is not None:
-        return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
-    with autocast(cfg.precision, trainer.mesh.device):
-        ids = generate(trainer.pipe, trainer.mesh, prompt, cfg.sample_tokens,
-                       context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
-                       step=_last(trainer), feed=trainer.feed,
-                       logits=source.logits if source is not None else None,
-                       multiple=trainer.mesh.tp if _split_sequence(trainer) else 1)
-    return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
-
-
-def _cached_sample(trainer: Trainer, prompt: list[int]) -> list[int] | None:
-    """The sample of an ``--hf`` run with an ``out``, generated with a KV cache per stage from
-    the ``<out>/hf`` just written (:class:`pipetrain.generation.Generator`, each pipeline rank
-    reading its own stage); None where there is none, or the model's positions are too few
-    (then the whole window is run again per token, :func:`pipetrain.train.infer.generate`)."""
-    cfg, mesh = trainer.cfg, trainer.mesh
-    length = _cache_length(trainer, prompt)
-    if length is None:
-        return None
-    from pipetrain.generation import Generator, Sampling
-
-    torch.distributed.barrier()  # every shard of <out>/hf written
-    gen = Generator.from_pretrained(str(Path(cfg.out) / "hf"), rows=1, length=length,
-                                    group=mesh.pp_group, timeout=cfg.timeout,
-                                    device=mesh.device)
-    sampling = Sampling(1.0 if cfg.sample_top_k > 0 else 0.0, max(cfg.sample_top_k, 0),
-                        seed=cfg.seed)
-    return gen.generate([prompt], cfg.sample_tokens, sampling=sampling)[0]
-
-
-def _cache_length(trainer: Trainer, prompt: list[int]) -> int | None:
-    """The positions a cached sample of ``prompt`` needs, or None when it cannot have one."""
-    cfg, source = trainer.cfg, trainer.source
-    hf = getattr(source, "hf", None)
-    length = len(prompt) + cfg.sample_tokens - 1
-    if not cfg.out or hf is None or (hf.max_positions is not None and length > hf.max_positions):
-        return None
-    return length
-
-
-def _prompt(trainer: Trainer) -> list[int]:
-    source, text = trainer.source, trainer.cfg.prompt
-    return (source.encode(text) if source is not None else encode(text).tolist()) or [NEWLINE]
-
-
-def _last(trainer: Trainer) -> int:
-    """The number of the last training step done, which eval steps and sampling follow."""
-    return max(trainer.step - 1, 0)
 
 
 def _start_fields(trainer: Trainer) -> dict[str, Any]:
