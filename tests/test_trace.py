@@ -297,6 +297,7 @@ def test_a_capture_at_fixed_shapes_steps_like_the_symbolic_one_and_refuses_other
     pytest.importorskip("transformers")
     from hf import llama, lm_loss, points
     from pipetrain.testing import grad_mismatches, reference_step
+    from pipetrain.train.infer import fixed_shape
 
     ids = torch.randint(1, 64, (8, 12), generator=torch.Generator().manual_seed(0))
     pipes, losses = [], []
@@ -314,6 +315,8 @@ def test_a_capture_at_fixed_shapes_steps_like_the_symbolic_one_and_refuses_other
     assert fixed.traced is not None and symbolic.traced is not None
     assert [leaf.static for leaf in fixed.traced.captured.inputs] == [((0, 2), (1, 12))]
     assert [leaf.static for leaf in symbolic.traced.captured.inputs] == [()]
+    # what train.infer.generate pads a window to: the captured rows and positions, or nothing
+    assert fixed_shape(fixed) == (2, 12) and fixed_shape(symbolic) == (1, None)
     with pytest.raises(StageError, match=r"dimension 1 of input_ids was fixed at 12 when the "
                        r"model was captured \(at fixed shapes: dynamic=False\)"):
         fixed.step({"input_ids": ids[:, :10]}, ids[:, :10])
