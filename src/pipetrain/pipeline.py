@@ -94,10 +94,9 @@ class Pipeline:
         example_inputs: with ``split_points``, positional (tuple) or keyword (dict) arguments
             of ``model.forward``; with a profiling ``balance``, one micro-batch of input.
         dynamic: with ``split_points``, capture every input dimension symbolic where the code
-            allows, so that steps may give other batch sizes and sequence lengths (default);
-            False captures at ``example_inputs``' shapes, which every step must then give (a
-            step that does not is refused, naming the dimension): about a third of the
-            CPU time to capture (:mod:`pipetrain.split.capture`).
+            allows, so steps may change batch size and sequence length (default); False: at
+            ``example_inputs``' shapes, which every step must give, in about a third of the
+            CPU time (:mod:`pipetrain.split.capture`).
         init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
             layers, and of the by-name initialisation of a traced ``meta`` model, whose
             parameters then equal ``NamedInit(model, init_seed).materialize(model)`` (see
@@ -153,13 +152,12 @@ class Pipeline:
             example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
         # one export for the group (parallelize= works on the stages, after the capture)
         self._share = None if local_ranks is not None else group or dist.group.WORLD
-        self._dynamic = dynamic
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
             model, split_points, example_inputs, balance, n_stages, self._share, dynamic)
-        self._modal: tuple[nn.Module, Any] | None = None  # its eval graph: made when used
+        self._modal: tuple[nn.Module, Any, TracedSplit] | None = None  # eval graph: when used
         if isinstance(model, nn.Module) and self.traced is not None and parallelize is None \
                 and depends_on_mode(model, self.traced):
-            self._modal = (model, example_inputs)
+            self._modal = (model, example_inputs, self.traced)
         source = Layers(model, self.traced, init_seed)
         layers = source.items
         self.rng = carries_rng(rng, self.traced, layers)
@@ -241,9 +239,9 @@ class Pipeline:
         """The eval graph's executor, captured now if this is the first eval step (the model
         is kept until then, and let go after): its stages on this rank's tensors."""
         if self._modal is not None:
-            model, example_inputs = self._modal
-            split = eval_split(model, self.traced, example_inputs,  # type: ignore[arg-type]
-                               self._share, self._dynamic)
+            model, example_inputs, traced = self._modal
+            split = eval_split(model, traced, example_inputs, self._share,
+                               traced.captured.dynamic)
             stages = eval_stages(split, self.balance, self.stages, self._stage_layers,
                                  self.device, self.loss_fn, self.split_dim)
             self.evaluator = Executor(self.schedule, stages, self.hosted, self.transport,

@@ -128,18 +128,19 @@ def _check_leaf(leaf: Leaf, value: Any, dynamic: bool) -> None:
                 "arguments are constants of the capture: pass the same value, or a tensor")
         return
     for dim, size in leaf.static:
-        if (value.dim() <= dim or value.shape[dim] != size) and not dynamic:
+        if value.dim() > dim and value.shape[dim] == size:
+            continue
+        if not dynamic:
             raise ValueError(
                 f"dimension {dim} of {leaf.path} was fixed at {size} when the model was "
                 f"captured (at fixed shapes: dynamic=False), but this step gives shape "
                 f"{tuple(value.shape)}; give every step example_inputs' shapes, or capture "
                 "with dynamic=True")
-        if value.dim() <= dim or value.shape[dim] != size:
-            raise ValueError(
-                f"dimension {dim} of {leaf.path} was fixed at {size} when the model was "
-                f"captured (forward makes a decision on it, or the example had size 1 there), "
-                f"but this step gives shape {tuple(value.shape)}; give example_inputs the "
-                "shapes the run will use (size >= 2 where a size changes), or keep it fixed")
+        raise ValueError(
+            f"dimension {dim} of {leaf.path} was fixed at {size} when the model was "
+            f"captured (forward makes a decision on it, or the example had size 1 there), "
+            f"but this step gives shape {tuple(value.shape)}; give example_inputs the "
+            "shapes the run will use (size >= 2 where a size changes), or keep it fixed")
 
 
 def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any],

@@ -108,6 +108,7 @@ def fixed_shape(pipe: Pipeline) -> tuple[int, int | None]:
     if traced is None or traced.captured.dynamic:
         return 1, None
     leaves = [leaf for leaf in traced.captured.inputs if leaf.tensor]
-    ids = next((leaf for leaf in leaves if leaf.path == "input_ids"), leaves[0])
-    dims = dict(ids.static)
+    ids = next((leaf for leaf in leaves if leaf.path == "input_ids"), None) or \
+        next(iter(leaves), None)
+    dims = dict(ids.static) if ids is not None else {}
     return dims.get(0, 1), dims.get(1)
