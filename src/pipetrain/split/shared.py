@@ -1,8 +1,8 @@
 """Shared capture: one rank of a pipeline group exports the model, the others load its program.
 
 Every rank of a pipeline needs the same graph, and torch.export takes seconds (a symbolic trace
-of every op; on a test-sized Llama, 2-5 s against 0.3 s to load the result). So rank 0 of the
-group exports, and its program travels to the others through the job's store, as
+of every op). So rank 0 of the group exports, and its program travels to the others through the
+job's store, as
 ``torch.export.save`` writes it but without the model's tensors (meta tensors stand in for its
 parameters and buffers: what travels is the graph, its signature and export's own constants).
 Each other rank loads it and builds its capture on its own model's tensors::
@@ -10,8 +10,10 @@ Each other rank loads it and builds its capture on its own model's tensors::
     rank 0      export ──► save (no weights) ──► store[key] ──► its capture
     rank r > 0  ........ wait for store[key] ──► load ──► its capture, on its own tensors
 
-A job of p ranks on one machine so spends one export's CPU instead of p, and every rank splits
-the very same graph: a rank whose model or example differs from rank 0's (their
+Loading is not free: torch's loader parses every symbolic shape again, so a load took 0.7 of
+an export's CPU for GPT ``small`` (``benchmarks/capture.py``; a third at fixed shapes, where
+both are cheaper). What sharing guarantees is that every rank splits the very same graph: a
+rank whose model or example differs from rank 0's (their
 :func:`~pipetrain.split.recall.key` differs), or whose loaded graph does not print as rank
 0's, captures on its own instead, as does every rank when rank 0 could not save its program.
 """
