@@ -94,6 +94,9 @@ def _loaded(directory: Path, ranks: int) -> tuple[pt.Pipeline, Any]:
     cfg = TrainConfig(hf=str(directory), seq_len=16, microbatches=2)
     pipe = hf_pipeline(hf.model, cfg, pt.make_schedule("1f1b", ranks, 2), 2, lambda f: f,
                        local_ranks=ranks)
+    # pipetrain train --hf captures at its fixed shapes: 2 rows of seq_len tokens
+    assert pipe.traced is not None and not pipe.traced.captured.dynamic
+    assert [leaf.static for leaf in pipe.traced.captured.inputs] == [((0, 2), (1, 16))]
     return pipe, load_weights(hf, pipe.state_dict())
 
 
