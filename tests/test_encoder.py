@@ -94,3 +94,29 @@ def test_an_end_of_step_message_round_trips_through_the_encoder() -> None:
                       [torch.arange(6, dtype=torch.float64) + step, torch.tensor(0.5)])
         _same_as_encode(enc, msg)
     assert enc.reused == 2
+
+
+def test_every_buffer_gloo_holds_is_torchs_own_memory_not_numpys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sends (written afresh or from a kept header, with the payload behind or apart) and
+    posted receives are memory torch allocated, not tensors over numpy arrays: gloo's threads
+    may drop one at the process's exit, and a tensor over a numpy array then needs the GIL of
+    an interpreter shutting down, which aborts the process."""
+    from pipetrain.runtime.wire import new_buffer
+
+    over_numpy: list[torch.Tensor] = []  # kept alive: their memory cannot be handed out again
+    wrap = torch.from_numpy
+
+    def recorded(array: object) -> torch.Tensor:
+        over_numpy.append(wrap(array))
+        return over_numpy[-1]
+
+    monkeypatch.setattr(torch, "from_numpy", recorded)
+    enc = Encoder(src_rank=0)
+    x = torch.randn(4, 3)
+    sends = [encode(_msg(x, 0, 0), 0), encode(_msg(x, 0, 0), 0, capacity=16),
+             enc(_msg(x, 0, 0), 0, INLINE_BYTES), enc(_msg(x, 0, 1), 0, INLINE_BYTES)]
+    assert enc.reused == 1 and sends[1][1] is not None  # the payload apart, once
+    held = [first for first, _, _ in sends] + [sends[1][1], new_buffer()[0]]
+    numpys = {t.untyped_storage().data_ptr() for t in over_numpy}
+    assert not [t for t in held if t.untyped_storage().data_ptr() in numpys]

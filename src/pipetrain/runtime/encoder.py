@@ -21,10 +21,9 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from pipetrain.runtime.wire import HEADER_BYTES, Message, encode, flat_bytes
+from pipetrain.runtime.wire import HEADER_BYTES, Message, encode, flat_bytes, new_bytes
 
 __all__: list[str] = []
 
@@ -99,7 +98,7 @@ class Encoder:
 
     @staticmethod
     def _fill(form: _Form, msg: Message) -> torch.Tensor:
-        buffer: Any = np.empty(HEADER_BYTES + form.size, dtype=np.uint8)
+        out, buffer = new_bytes(HEADER_BYTES + form.size)
         end = form.kept.size
         buffer[:end] = form.kept
         _STEP_MB.pack_into(buffer, 16, msg.key.step, msg.key.mb)
@@ -110,7 +109,7 @@ class Encoder:
             end = at + nbytes
             buffer[at:end] = flat_bytes(t)
         buffer[end:] = 0
-        return torch.from_numpy(buffer)
+        return out
 
 
 def _keep(msg: Message, signature: Signature, first: torch.Tensor, size: int) -> _Form:

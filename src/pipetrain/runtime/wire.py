@@ -160,12 +160,11 @@ def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTE
     head = (MAGIC, k.kind, k.step, k.mb, k.src_stage, k.dst_stage, src_rank, len(tensors),
             len(spec), offset, op, int(device.type != "cpu"), int(inline), int(one_tensor))
     if not inline:
-        first = np.empty(HEADER_BYTES, dtype=np.uint8)
-        _header_into(first, head, descs)
-        return torch.from_numpy(first), _payload(spec, raws, offset, device, 0), offset
-    # allocated and written through numpy (plain byte writes, no tensor op each), one tensor
-    # over the same memory at the end: each tensor op costs a few µs on cold caches
-    buffer = np.empty(HEADER_BYTES + offset, dtype=np.uint8)
+        first, array = new_bytes(HEADER_BYTES)
+        _header_into(array, head, descs)
+        return first, _payload(spec, raws, offset, device, 0), offset
+    # written through numpy: plain byte writes, no tensor op each (a few µs on cold caches)
+    out, buffer = new_bytes(HEADER_BYTES + offset)
     _header_into(buffer, head, descs)
     end = HEADER_BYTES
     if spec:
@@ -177,7 +176,20 @@ def encode(msg: Message, src_rank: int, op: int = 0, capacity: int = INLINE_BYTE
         end = at + raw.nbytes
         buffer[at:end] = raw
     buffer[end:] = 0
-    return torch.from_numpy(buffer), None, offset
+    return out, None, offset
+
+
+def new_bytes(n: int) -> tuple[torch.Tensor, Any]:
+    """A buffer of ``n`` bytes for gloo to send or receive, and numpy's array over it (what
+    pipetrain writes and reads).
+
+    torch owns the memory, not numpy: gloo's threads may drop a buffer at the process's exit
+    (a receive kept posted for a peer's ABORT, a send of a failed step), and a tensor over a
+    numpy array then needs the GIL of an interpreter that is shutting down, which aborts the
+    process ("terminate called without an active exception", seen under torchrun).
+    """
+    tensor = torch.empty(n, dtype=torch.uint8)
+    return tensor, tensor.numpy()
 
 
 def flat_bytes(t: torch.Tensor) -> Any:
@@ -227,9 +239,9 @@ def new_frame(capacity: int = INLINE_BYTES) -> torch.Tensor:
 
 def new_buffer(capacity: int = INLINE_BYTES) -> tuple[torch.Tensor, Any]:
     """:func:`new_frame`, and a numpy array over the same memory (what a receiver reads)."""
-    buffer = np.empty(HEADER_BYTES + capacity, dtype=np.uint8)
+    frame, buffer = new_bytes(HEADER_BYTES + capacity)
     buffer[:HEADER_BYTES] = 0
-    return torch.from_numpy(buffer), buffer
+    return frame, buffer
 
 
 def read_header(frame: Bytes) -> list[int]:
