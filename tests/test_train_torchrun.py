@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipetrain.train import report
 from test_train_launch import TINY
 
@@ -32,7 +34,9 @@ def test_two_torchrun_agents_rendezvous_and_train_pp_by_fsdp_to_the_end(tmp_path
     agents = [subprocess.Popen(agent, env=env, text=True, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE) for _ in range(2)]
     ends = [a.communicate(timeout=240) for a in agents]
-    assert [a.returncode for a in agents] == [0, 0], [_why(e[1]) for e in ends]
+    if [a.returncode for a in agents] != [0, 0]:  # the whole of each agent's reason
+        pytest.fail("\n\n".join(f"agent {i} exited {a.returncode}:\n{_why(e[1])}"
+                                  for i, (a, e) in enumerate(zip(agents, ends))))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["layout"]["world"] == 4
     assert (summary["layout"]["pp"], summary["layout"]["fsdp"]) == (2, 2)
