@@ -19,7 +19,7 @@ def _msg(obj: object, step: int, mb: int, kind: int = ACT, stages: tuple[int, in
 
 def _same_as_encode(encoder: Encoder, msg: Message, op: int = 0,
                     capacity: int = INLINE_BYTES) -> None:
-    got, want = encoder(msg, op, capacity), encode(msg, encoder.src_rank, op, capacity)
+    got, want = encoder(msg, op, capacity)[:3], encode(msg, encoder.src_rank, op, capacity)
     assert got[2] == want[2]
     assert torch.equal(got[0], want[0])
     assert (got[1] is None) == (want[1] is None)
@@ -117,6 +117,40 @@ def test_every_buffer_gloo_holds_is_torchs_own_memory_not_numpys(
     sends = [encode(_msg(x, 0, 0), 0), encode(_msg(x, 0, 0), 0, capacity=16),
              enc(_msg(x, 0, 0), 0, INLINE_BYTES), enc(_msg(x, 0, 1), 0, INLINE_BYTES)]
     assert enc.reused == 1 and sends[1][1] is not None  # the payload apart, once
-    held = [first for first, _, _ in sends] + [sends[1][1], new_buffer()[0]]
+    held = [send[0] for send in sends] + [sends[1][1], new_buffer()[0]]
     numpys = {t.untyped_storage().data_ptr() for t in over_numpy}
     assert not [t for t in held if t.untyped_storage().data_ptr() in numpys]
+
+
+def test_a_send_buffer_given_back_is_written_again_as_encode_writes_it() -> None:
+    """Once its send completed, a route's buffer is handed back (``Encoder.done``) and the
+    route's next message is written into the same memory, its bytes still encode's; a buffer
+    not handed back is never written again."""
+    enc = Encoder(src_rank=3)
+    g = torch.Generator().manual_seed(1)
+    obj = lambda: {"h": torch.randn(3, 5, generator=g), "n": 2,  # noqa: E731
+                   "m": torch.rand(7, generator=g) > 0.5}
+    _same_as_encode(enc, _msg(obj(), 0, 0))  # the first, encoded afresh: kept as the form
+    held = enc(_msg(obj(), 0, 1), 0, INLINE_BYTES)  # never handed back (its send failed)
+    assert held.home is not None
+    snapshot = held.first.clone()
+    sent = enc(_msg(obj(), 0, 2), 0, INLINE_BYTES)
+    assert sent.home is not None and sent.first.data_ptr() != held.first.data_ptr()
+    Encoder.done(sent.first, sent.home)
+    for mb in range(3, 6):
+        msg = _msg(obj(), 1, mb)
+        again = enc(msg, 0, INLINE_BYTES)
+        assert again.first.data_ptr() == sent.first.data_ptr()  # the same memory
+        assert torch.equal(again.first, encode(msg, 3, 0, INLINE_BYTES)[0])
+        assert again.home is not None
+        Encoder.done(again.first, again.home)
+    assert torch.equal(held.first, snapshot)  # untouched
+
+
+def test_a_large_or_fresh_send_has_no_home() -> None:
+    enc = Encoder(src_rank=0)
+    assert enc(_msg(torch.ones(3), 0, 0), 0, INLINE_BYTES).home is None  # afresh
+    assert enc(_msg(torch.ones(3), 0, 1), 0, INLINE_BYTES).home is not None
+    big = torch.ones(300_000)  # 1.2 MB: its copy dwarfs an allocation
+    enc(_msg(big, 0, 0, kind=GRAD), 0, 1 << 21)
+    assert enc(_msg(big, 0, 1, kind=GRAD), 0, 1 << 21).home is None

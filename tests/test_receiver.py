@@ -184,3 +184,55 @@ def test_a_structured_message_alike_takes_the_short_path_and_one_unlike_does_not
         got.append(unflatten([t for t in msg.tensors if t is not None], msg.spec))
     assert [g["names"] for g in got] == [["a", "b"], ["a", "b"], ["c", "d"]]
     assert [g["x"].tolist() for g in got] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+
+
+def test_a_frame_is_received_into_again_only_once_no_tensor_of_its_message_is_left() -> None:
+    """Frames go back to a spare pool after their message is taken; a later receive takes one
+    only if nothing holds a tensor of the message it held: not the tensor, a view of it, nor
+    autograd's saved copy."""
+    wire = _Wire()
+    box = _inbox(wire)
+    mbs = list(range(8))
+    _start(box, 0, mbs)
+    for mb in mbs:
+        wire.send(_act(0, mb))
+
+    def frame_of_next() -> int:  # the memory the next message is received into
+        posted = box.peers[0].posted
+        assert posted is not None
+        return int(posted[0].untyped_storage().data_ptr())
+
+    into = [frame_of_next()]
+    got = []
+    for mb in mbs[:-1]:
+        got.append(box.take(Key(ACT, 0, mb, 0, 1), f"F{mb}").tensors[0])
+        into.append(frame_of_next())
+        if mb == 0:
+            view = got[0][1:3]  # type: ignore[index]  # mb 0: held through a view
+        if mb == 1:
+            w = torch.ones(4, requires_grad=True)  # mb 1: held by autograd (mul saves it)
+            graph = (got[1].detach().requires_grad_() * w).sum()  # type: ignore[union-attr]
+        got[-1] = None  # no tensor kept but those
+    # frames, in order: mb 0's and 1's held, 2's free when mb 4's receive is posted (after
+    # mb 3 is taken), and so on
+    assert into[4] == into[2] and into[5] == into[3]
+    assert into[0] not in into[1:] and into[1] not in into[2:]
+    graph.backward()
+    assert w.grad is not None and w.grad.tolist() == [2.0] * 4  # mb 1's values, untouched
+    assert view.tolist() == [1.0, 1.0]  # mb 0's values, untouched
+    assert len(box.peers[0].spare) <= 4  # the oldest frames leave the pool
+
+
+def test_a_reused_frame_of_a_shorter_send_reads_no_stale_header() -> None:
+    """A frame received into again has its header zeroed: a send too short to hold a header
+    is refused, not read as the last message."""
+    wire = _Wire()
+    box = _inbox(wire)
+    _start(box, 0, [0, 1, 2])
+    wire.send(_act(0, 0))
+    box.take(Key(ACT, 0, 0, 0, 1), "F0")  # its frame is free at once
+    wire.send(_act(0, 1))  # received into the frame posted before: mb 0's goes to the spares
+    box.take(Key(ACT, 0, 1, 0, 1), "F1")  # ... and mb 2's receive is posted into it
+    wire.sent.append(torch.zeros(8, dtype=torch.uint8))  # a send of 8 bytes
+    with pytest.raises(CommError, match="without pipetrain's magic number"):
+        box.take(Key(ACT, 0, 2, 0, 1), "F2")

@@ -8,8 +8,10 @@ waits on it when an action needs it (:mod:`pipetrain.runtime.receiver`), checks 
 against what it expects before touching the payload, and posts the next::
 
     main thread   start_step: post each peer's message 0
-                  send(...)   ──► async, freed once a later message proves it taken
-                  recv(key)   ──► wait on the sender's posted receive, check, decode, post the next
+                  send(...)   ──► async; its buffer goes back to the route once a later
+                                  message proves it taken (:mod:`.encoder`)
+                  recv(key)   ──► wait on the sender's posted receive, check, decode, post the
+                                  next (into a frame no message uses any more, if one is spare)
 
 Headers and CPU payloads travel over two gloo groups, one for messages to a higher rank and one
 for those to a lower rank (:func:`~pipetrain.runtime.groups.twin_group`); payloads on a GPU travel
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from pipetrain.errors import CommError
 from pipetrain.runtime.delivery import Proofs, Route
-from pipetrain.runtime.encoder import Encoder
+from pipetrain.runtime.encoder import Encoded, Encoder
 from pipetrain.runtime.groups import (
     frame_group,
     next_instance,
@@ -63,6 +65,7 @@ from pipetrain.runtime.wire import (
 
 __all__: list[str] = []
 
+Pending = tuple[Any, torch.Tensor, Any, Any]  # a send: gloo's work, its buffers, its home
 _TAG_BASE = 17  # pipeline n over a group: tags 17 + 3n (frames), 18 + 3n (payloads), 19 + 3n
 
 
@@ -81,10 +84,10 @@ class P2P:
                          for r in range(n_ranks)]
         """The global rank of each pipeline rank."""
         self.first_global = self.globals[0]
-        self._pending: dict[tuple[int, Route], list[tuple[Any, torch.Tensor, Any]]] = {}
+        self._pending: dict[tuple[int, Route], list[Pending]] = {}
         """The sends in flight, by destination and route (kind, mb, src_stage, dst_stage)."""
         self._proofs: Proofs = {}
-        self._carried: dict[tuple[int, Route], list[tuple[Any, torch.Tensor, Any]]] = {}
+        self._carried: dict[tuple[int, Route], list[Pending]] = {}
         """An asynchronous schedule's sends of the last step, waited for after the next."""
         self.encode = Encoder(rank)
         """Encodes this rank's messages, each route's header written once (:mod:`.encoder`)."""
@@ -144,20 +147,23 @@ class P2P:
         else it follows as a second send, and that capacity grows for the next messages. The
         message is encoded at most once per form (one send, or two).
         """
-        forms: dict[bool, tuple[torch.Tensor, torch.Tensor | None, int]] = {}  # by: one send
-        for dst_rank in [dst] if isinstance(dst, int) else dst:
+        forms: dict[bool, Encoded] = {}  # by: one send
+        dsts = [dst] if isinstance(dst, int) else dst
+        for dst_rank in dsts:
             capacity = self._capacity[dst_rank]
-            first, payload, size = _encoded(msg, self.encode, op, capacity.bytes, forms)
-            on_device = payload is not None and payload.device.type != "cpu"
+            first, payload, size, home = _encoded(msg, self.encode, op, capacity.bytes, forms)
             group = self._link.to(dst_rank)
-            works: list[Any] = [group.send([first], dst_rank, self._tag)]  # as dist.isend
-            if payload is not None:
-                works.append(dist.isend(payload, dst=self.globals[dst_rank], tag=self._tag + 1,
-                                        group=self.device_groups[(self.rank, dst_rank)])
-                             if on_device else group.send([payload], dst_rank, self._tag + 1))
+            work = group.send([first], dst_rank, self._tag)  # as dist.isend
             held = self._pending.setdefault((dst_rank, msg.key.route()), [])
-            held += [(work, first, payload) for work in works]
-            self.posted += len(works)
+            # a buffer of one send goes back to its route once the send completed
+            held.append((work, first, payload, home if len(dsts) == 1 else None))
+            on_device = payload is not None and payload.device.type != "cpu"
+            if payload is not None:
+                held.append((dist.isend(payload, dst=self.globals[dst_rank], tag=self._tag + 1,
+                                        group=self.device_groups[(self.rank, dst_rank)])
+                             if on_device else group.send([payload], dst_rank, self._tag + 1),
+                             first, payload, None))
+            self.posted += 1 + (payload is not None)
             capacity.record(size, on_device)
 
     def recv(self, key: Key, describe: str | Describe) -> Message:
@@ -171,12 +177,14 @@ class P2P:
         """Wait for (at once: the peer took them) and drop the sends of ``routes`` to ``dst``."""
         pending = self._pending
         for route in routes:
-            for w, _, _ in pending.pop((dst, route), ()):
+            for w, first, _, home in pending.pop((dst, route), ()):
                 try:
                     w.wait(timedelta(seconds=self.timeout))
                 except RuntimeError as e:
                     where = describe if isinstance(describe, str) else describe()
                     raise CommError(f"{where}: a send did not complete: {e}") from None
+                if home is not None:
+                    Encoder.done(first, home)
 
     def settle(self, describe: str) -> None:
         """Wait for every send (within the timeout); raise a receiver's error.
@@ -188,11 +196,13 @@ class P2P:
         """
         deadline = time.monotonic() + self.timeout
         for entries in self._pending.values():
-            for w, _, _ in entries:
+            for w, first, _, home in entries:
                 try:
                     w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 except RuntimeError as e:
                     raise CommError(f"{describe}: a send did not complete: {e}") from None
+                if home is not None:
+                    Encoder.done(first, home)
         self._pending.clear()  # in place: the finaliser holds this dict
         if self.inbox.error is not None:
             raise self.inbox.error
@@ -263,11 +273,10 @@ class P2P:
 
 
 def _encoded(msg: Message, encoder: Encoder, op: int, capacity: int,
-             forms: dict[bool, tuple[torch.Tensor, torch.Tensor | None, int]]
-             ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+             forms: dict[bool, Encoded]) -> Encoded:
     """``msg`` encoded for a destination of ``capacity``, reusing a form made for another."""
     if forms:
-        _, payload, size = next(iter(forms.values()))
+        _, payload, size, _ = next(iter(forms.values()))
         one_send = size <= capacity and (payload is None or payload.device.type == "cpu")
         if one_send in forms:
             return forms[one_send]
@@ -285,15 +294,15 @@ def _wait_all(works: list[tuple[Any, torch.Tensor]]) -> None:
             continue
 
 
-def _close(inbox: Inbox, pending: dict[Any, list[tuple[Any, Any, Any]]],
-           carried: dict[Any, list[tuple[Any, Any, Any]]], timeout: float) -> None:
+def _close(inbox: Inbox, pending: dict[Any, list[Pending]],
+           carried: dict[Any, list[Pending]], timeout: float) -> None:
     """Wait (bounded, errors ignored: the peer may be gone) for sends still in flight, so none
     is dropped before its peer takes it; keep any receive still posted for good. An
     asynchronous schedule's sends for a next step (``carried``: the pipeline was dropped
     without a drain) are kept, not waited for: no peer may ever take them."""
     deadline = time.monotonic() + timeout
     for entries in pending.values():
-        for w, _, _ in entries:
+        for w, *_ in entries:
             try:
                 w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError:

@@ -13,13 +13,18 @@ and copies its tensors' bytes behind::
 
 The bytes are those :func:`~pipetrain.runtime.wire.encode` writes for the same message
 (``tests/test_encoder.py`` checks them equal), so a receiver cannot tell the two apart.
+
+A buffer written so is lent to its sends; once they completed (a later message proved them
+taken: :mod:`pipetrain.runtime.delivery`), the transport hands it back (:meth:`Encoder.done`)
+and the route's next message is written into it: the kept header and padding are still there,
+so only the step, the mb and the tensors' bytes are written again.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +34,20 @@ __all__: list[str] = []
 
 _STEP_MB = struct.Struct("<2q")  # the header's step and mb fields (int64 2 and 3)
 Signature = tuple[tuple[torch.dtype, torch.Size, bool] | None, ...]
+Spare = list[tuple[torch.Tensor, Any]]  # a route's buffers whose sends completed, with numpy's
+Home = tuple[Spare, Any]  # where a buffer goes back, and numpy's array over it
+KEEP = 4  # spare buffers kept per route
+KEEP_BYTES = 1 << 20  # the largest buffer kept (a larger one's copy dwarfs its allocation)
+
+
+class Encoded(NamedTuple):
+    """A message encoded: its first send, its separate payload or None, its payload bytes,
+    and where ``first`` goes back once every send of it completed (None: nowhere)."""
+
+    first: torch.Tensor
+    payload: torch.Tensor | None
+    size: int
+    home: Home | None
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,7 @@ class _Form:
     kept: Any  # numpy uint8: the header, the spec and its padding
     offsets: tuple[tuple[int, int], ...]  # per present tensor: (offset in the payload, bytes)
     size: int  # payload bytes
+    spare: Spare  # buffers of this form whose sends completed: written again as they are
 
 
 def _signature(msg: Message) -> Signature | None:
@@ -80,8 +100,7 @@ class Encoder:
         self.reused = 0
         """How many messages were encoded from a kept form (for tests and benchmarks)."""
 
-    def __call__(self, msg: Message, op: int, capacity: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    def __call__(self, msg: Message, op: int, capacity: int) -> Encoded:
         """As :func:`~pipetrain.runtime.wire.encode` (``msg`` from this rank)."""
         k = msg.key
         route = (k.kind, k.src_stage, k.dst_stage, op)
@@ -90,26 +109,43 @@ class Encoder:
         if (form is not None and signature == form.signature and form.size <= capacity
                 and same_spec(msg.spec, form.spec)):
             self.reused += 1
-            return self._fill(form, msg), None, form.size
+            out, buffer = self._fill(form, msg)
+            keep = HEADER_BYTES + form.size <= KEEP_BYTES
+            return Encoded(out, None, form.size, (form.spare, buffer) if keep else None)
         first, payload, size = encode(msg, self.src_rank, op, capacity)
         if payload is None and signature is not None:
             self._forms[route] = _keep(msg, signature, first, size)
-        return first, payload, size
+        return Encoded(first, payload, size, None)
 
     @staticmethod
-    def _fill(form: _Form, msg: Message) -> torch.Tensor:
+    def done(first: torch.Tensor, home: Home) -> None:
+        """Every send of ``first`` (from a call that gave ``home``) completed: the route's
+        next message may be written into it."""
+        spare, buffer = home
+        if len(spare) < KEEP:
+            spare.append((first, buffer))
+
+    @staticmethod
+    def _fill(form: _Form, msg: Message) -> tuple[torch.Tensor, Any]:
+        present = (t for t in msg.tensors if t is not None)
+        if form.spare:  # the kept header and the padding are in it still
+            out, buffer = form.spare.pop()
+            _STEP_MB.pack_into(buffer, 16, msg.key.step, msg.key.mb)
+            for (at, nbytes), t in zip(form.offsets, present):
+                at += HEADER_BYTES
+                buffer[at:at + nbytes] = flat_bytes(t)
+            return out, buffer
         out, buffer = new_bytes(HEADER_BYTES + form.size)
         end = form.kept.size
         buffer[:end] = form.kept
         _STEP_MB.pack_into(buffer, 16, msg.key.step, msg.key.mb)
-        present = (t for t in msg.tensors if t is not None)
         for (at, nbytes), t in zip(form.offsets, present):
             at += HEADER_BYTES
             buffer[end:at] = 0  # the padding: no stale bytes on the wire
             end = at + nbytes
             buffer[at:end] = flat_bytes(t)
         buffer[end:] = 0
-        return out
+        return out, buffer
 
 
 def _keep(msg: Message, signature: Signature, first: torch.Tensor, size: int) -> _Form:
@@ -125,4 +161,4 @@ def _keep(msg: Message, signature: Signature, first: torch.Tensor, size: int) ->
         offsets.append((at, nbytes))
     offsets.reverse()
     kept = first.numpy()[:HEADER_BYTES + at].copy()
-    return _Form(msg.spec, signature, kept, tuple(offsets), size)
+    return _Form(msg.spec, signature, kept, tuple(offsets), size, [])

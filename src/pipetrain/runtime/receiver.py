@@ -11,6 +11,10 @@ in another order than this rank consumes) is kept by key until asked for::
     recv(key)  ──► kept? take it : wait on the sender's posted receive, check, decode,
                                    post its next; repeat until ``key`` came
 
+A received message's tensors are views of its frame. The frame goes to the peer's spares, and
+a later receive is posted into it once no tensor of that message is left (:func:`_free_frame`):
+no allocation per message in a steady step.
+
 No pipetrain thread touches a message: the one that needs it receives it. An ABORT frame from
 a peer fails the wait with the peer's news (:class:`PeerFailed`). A receive whose wait failed
 stays posted for good (``_UNCLAIMED``). :mod:`pipetrain.runtime.comm` owns the sends.
@@ -19,6 +23,7 @@ stays posted for good (``_UNCLAIMED``). :mod:`pipetrain.runtime.comm` owns the s
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,6 +63,8 @@ RELAY = -2  # the destination stage of an ABORT that passes on another rank's fa
 Describe = Callable[[], str]
 Known = tuple[bytes, int, bytes, Layout, Any]
 _LEAD = struct.Struct("<6q")  # magic and key: what differs between messages alike
+KEEP = 4  # frames kept per peer for later receives
+KEEP_BYTES = 1 << 20  # the largest frame kept
 
 _UNCLAIMED: list[Any] = []
 """Posted receives whose step failed, kept for good.
@@ -128,6 +136,9 @@ class Inbound:
         self.posted: tuple[torch.Tensor, Any, Any] | None = None
         """The receive posted for the peer's next message: its frame, gloo's work, and a numpy
         array over the frame's memory."""
+        self.spare: list[tuple[torch.Tensor, Any]] = []
+        """Frames received into before, each free again once no tensor of its message is left
+        (:func:`_free_frame`)."""
         self.known: dict[tuple[int, int, int], Known] = {}
         """Per route (kind, source and destination stage), the peer's last message on it sent
         behind its header: its header after the key, payload bytes, spec bytes, layout and
@@ -158,13 +169,16 @@ class Inbound:
         if key is None or posted is None:
             raise CommError(f"{_text(describe)}: {rank_name(self.peer, self.src)} sends no more "
                             "messages this step")
-        _, work, buffer = posted
+        frame, work, buffer = posted
         self._wait(work, key, deadline, describe)
         self.posted = None
         self.next += 1
         msg = self._unpack(key, buffer, deadline)
         if self.next < len(self.keys):
             self.posted = self._post()  # after _unpack recorded this message in the capacity
+        if buffer.size <= KEEP_BYTES:  # for a later receive, once its message is gone
+            self.spare.append((frame, buffer))
+            del self.spare[:-KEEP]
         return msg
 
     def drain(self, deadline: float) -> None:
@@ -181,7 +195,8 @@ class Inbound:
             return
 
     def _post(self) -> tuple[torch.Tensor, Any, Any]:
-        frame, buffer = new_buffer(self.capacity.bytes)  # what the peer's copy allows it to send
+        frame, buffer = (_free_frame(self.spare, HEADER_BYTES + self.capacity.bytes)
+                         or new_buffer(self.capacity.bytes))  # what the peer may send
         work = self.link.from_(self.peer).recv([frame], self.peer, self.link.frame_tag)
         if work is None:
             raise CommError(f"{self.link.me}: not part of the pipeline group")
@@ -363,6 +378,33 @@ class Inbox:
             if inbound.posted is not None:
                 _UNCLAIMED.append(inbound.posted)
                 inbound.posted = None
+
+
+def _holders(entry: tuple[torch.Tensor, Any]) -> int:
+    """The references to a spare frame's numpy array, as counted here."""
+    return sys.getrefcount(entry[1])
+
+
+_FREE = _holders((torch.empty(0), np.empty(0, dtype=np.uint8)))
+"""What :func:`_holders` counts for a frame nothing but its pool holds (measured, not assumed)."""
+
+
+def _free_frame(spare: list[tuple[torch.Tensor, Any]], size: int
+                ) -> tuple[torch.Tensor, Any] | None:
+    """A frame of ``size`` bytes from ``spare`` that no message's tensor uses any more, its
+    header zeroed; None if there is none.
+
+    A received message's tensors are views of its frame's memory, and each holds numpy's
+    array over the frame (torch's storage of a ``from_numpy`` tensor keeps the array): while
+    any of them (or a view of one, or autograd's saved copy of one) lives, the array has more
+    references than its pool gives it.
+    """
+    for i, entry in enumerate(spare):
+        if entry[1].size == size and _holders(entry) <= _FREE:
+            frame, buffer = spare.pop(i)
+            buffer[:HEADER_BYTES] = 0  # no stale header is read as a message
+            return frame, buffer
+    return None
 
 
 def _text(describe: str | Describe) -> str:
