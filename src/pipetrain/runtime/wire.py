@@ -347,13 +347,13 @@ def views(key: Key, payload: Bytes, where: Layout, spec: Any) -> Message:
             flags.append(False)
             continue
         offset, nbytes, dtype, shape, requires_grad = entry
-        part = payload[offset: offset + nbytes]
-        if not raw:
-            tensors.append(part.view(dtype).view(shape))
-        elif dtype in _NP_OF:
-            tensors.append(torch.from_numpy(part.view(_NP_OF[dtype]).reshape(shape)))
+        if raw and dtype in _NP_OF:  # one numpy array over the bytes, of the right dtype
+            tensors.append(torch.from_numpy(np.ndarray(shape, _NP_OF[dtype], payload, offset)))
+        elif raw:
+            tensors.append(torch.from_numpy(payload[offset: offset + nbytes]).view(dtype)
+                           .view(shape))
         else:
-            tensors.append(torch.from_numpy(part).view(dtype).view(shape))
+            tensors.append(payload[offset: offset + nbytes].view(dtype).view(shape))
         flags.append(requires_grad)
     return Message(key, tensors, spec, flags)
 
