@@ -5,3 +5,7 @@
 
 May import: the rungs up to :mod:`pipetrain.models`.
 """
+
+RESHARD = ("step", "layer", "part")
+"""How long FSDP2's gathered weights live (:class:`~pipetrain.parallel.sharded.ShardedStages`),
+most memory first. Here, apart from FSDP2's import, for the command line's flags."""

@@ -39,12 +39,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from pipetrain.errors import PartitionError, PipelineError
+from pipetrain.parallel import RESHARD
 from pipetrain.runtime.dtensors import strided_on
 
 __all__ = ["RESHARD", "ShardedStages", "unit_bytes"]
-
-RESHARD = ("step", "layer", "part")
-"""How long gathered weights live (see :class:`ShardedStages`), most memory first."""
 
 
 class ShardedStages:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pipetrain.parallel.sharded import RESHARD
+from pipetrain.parallel import RESHARD
 from pipetrain.train.config import TrainConfig
 
 __all__ = ["HELP", "configure", "run"]

@@ -211,7 +211,7 @@ def check(cfg: TrainConfig) -> None:
                          f"{sorted(REGISTRY)}, or give a schedule file")
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
-    from pipetrain.parallel.sharded import RESHARD
+    from pipetrain.parallel import RESHARD
 
     if cfg.fsdp_reshard not in RESHARD:
         raise ValueError(f"--fsdp-reshard must be one of {', '.join(RESHARD)}, "
