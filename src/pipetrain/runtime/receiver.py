@@ -387,6 +387,8 @@ def _holders(entry: tuple[torch.Tensor, Any]) -> int:
 
 _FREE = _holders((torch.empty(0), np.empty(0, dtype=np.uint8)))
 """What :func:`_holders` counts for a frame nothing but its pool holds (measured, not assumed)."""
+_COUNTED = getattr(sys, "_is_gil_enabled", lambda: True)()
+"""Whether reference counts are exact here (not in a free-threaded build: no frame is reused)."""
 
 
 def _free_frame(spare: list[tuple[torch.Tensor, Any]], size: int
@@ -400,7 +402,7 @@ def _free_frame(spare: list[tuple[torch.Tensor, Any]], size: int
     references than its pool gives it.
     """
     for i, entry in enumerate(spare):
-        if entry[1].size == size and _holders(entry) <= _FREE:
+        if _COUNTED and entry[1].size == size and _holders(entry) <= _FREE:
             frame, buffer = spare.pop(i)
             buffer[:HEADER_BYTES] = 0  # no stale header is read as a message
             return frame, buffer
