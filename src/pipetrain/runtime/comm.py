@@ -79,6 +79,7 @@ class P2P:
                  device: torch.device, timeout: float, max_message_bytes: int) -> None:
         self.group, self.rank, self.n_ranks = group, rank, n_ranks
         self.device, self.timeout, self.max_bytes = device, timeout, max_message_bytes
+        self._patience = timedelta(seconds=timeout)  # a proven send's wait (it returns at once)
         self.cpu_group, self.device_groups = pipeline_groups(group, n_ranks, device)
         self.globals = [r if group is None else dist.get_global_rank(group, r)
                          for r in range(n_ranks)]
@@ -179,7 +180,7 @@ class P2P:
         for route in routes:
             for w, first, _, home in pending.pop((dst, route), ()):
                 try:
-                    w.wait(timedelta(seconds=self.timeout))
+                    w.wait(self._patience)
                 except RuntimeError as e:
                     where = describe if isinstance(describe, str) else describe()
                     raise CommError(f"{where}: a send did not complete: {e}") from None

@@ -47,6 +47,7 @@ from pipetrain.runtime.wire import (
     Key,
     Layout,
     Message,
+    described,
     expected_bytes,
     inline_payload,
     layout,
@@ -141,8 +142,9 @@ class Inbound:
         (:func:`_free_frame`)."""
         self.known: dict[tuple[int, int, int], Known] = {}
         """Per route (kind, source and destination stage), the peer's last message on it sent
-        behind its header: its header after the key, payload bytes, spec bytes, layout and
-        spec (a message alike takes no checks)."""
+        behind its header: its header after the key (up to its last tensor's fields, all
+        that :func:`~pipetrain.runtime.wire.read_header` reads), payload bytes, spec bytes,
+        layout and spec (a message alike takes no checks)."""
 
     def begin(self, keys: Sequence[Key], carry: bool = False) -> None:
         """Start a step whose messages from the peer are ``keys``: post the first receive.
@@ -210,7 +212,7 @@ class Inbound:
         """The message in a received frame (``buffer``: numpy's array over it), checked."""
         known = self.known.get((key.kind, key.src_stage, key.dst_stage))
         if (known is not None and _LEAD.unpack_from(buffer.data, 0) == (MAGIC, *key)
-                and buffer[_LEAD.size:HEADER_BYTES].tobytes() == known[0]
+                and buffer[_LEAD.size:_LEAD.size + len(known[0])].tobytes() == known[0]
                 and known[1] <= buffer.size - HEADER_BYTES):
             return self._known_form(key, buffer, known, deadline)
         header = read_header(buffer)
@@ -239,7 +241,7 @@ class Inbound:
         msg = views(Key(*header[1:6]), payload, where, spec)
         if msg.key == key and header[12]:
             self.known[(key.kind, key.src_stage, key.dst_stage)] = (
-                buffer[_LEAD.size:HEADER_BYTES].tobytes(), size,
+                buffer[_LEAD.size:described(header)].tobytes(), size,
                 bytes(buffer[HEADER_BYTES:HEADER_BYTES + header[8]]), where, spec)
         if msg.key.kind == ABORT:
             error = abort_error(self.peer, self.src, header, msg)

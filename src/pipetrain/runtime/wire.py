@@ -255,6 +255,12 @@ def read_header(frame: Bytes) -> list[int]:
     return values
 
 
+def described(header: Sequence[int]) -> int:
+    """Where a read header's fields end: the fixed ones, then those of the tensors it says it
+    holds (the bytes after are never read)."""
+    return (_FIXED + min(max(header[7], 0), MAX_TENSORS) * _PER_TENSOR) * 8
+
+
 def expected_bytes(header: Sequence[int]) -> int:
     """Payload size implied by the header's tensor descriptions (to cross-check its claim).
 
