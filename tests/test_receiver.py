@@ -225,7 +225,12 @@ def test_a_frame_is_received_into_again_only_once_no_tensor_of_its_message_is_le
 
 def test_a_reused_frame_of_a_shorter_send_reads_no_stale_header() -> None:
     """A frame received into again has its header zeroed: a send too short to hold a header
-    is refused, not read as the last message."""
+    (here the right magic and key, nothing after) is refused, not read with the header and
+    payload of the message the frame held before (which would pass the short path's checks)."""
+    import struct
+
+    from pipetrain.runtime.wire import MAGIC
+
     wire = _Wire()
     box = _inbox(wire)
     _start(box, 0, [0, 1, 2])
@@ -233,6 +238,7 @@ def test_a_reused_frame_of_a_shorter_send_reads_no_stale_header() -> None:
     box.take(Key(ACT, 0, 0, 0, 1), "F0")  # its frame is free at once
     wire.send(_act(0, 1))  # received into the frame posted before: mb 0's goes to the spares
     box.take(Key(ACT, 0, 1, 0, 1), "F1")  # ... and mb 2's receive is posted into it
-    wire.sent.append(torch.zeros(8, dtype=torch.uint8))  # a send of 8 bytes
-    with pytest.raises(CommError, match="without pipetrain's magic number"):
+    lead = struct.pack("<6q", MAGIC, ACT, 0, 2, 0, 1)  # 48 bytes: the magic and mb 2's key
+    wire.sent.append(torch.frombuffer(bytearray(lead), dtype=torch.uint8))
+    with pytest.raises(CommError, match="refusing it"):
         box.take(Key(ACT, 0, 2, 0, 1), "F2")
