@@ -28,7 +28,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pipetrain.runtime.wire import HEADER_BYTES, Message, encode, flat_bytes, new_bytes
+from pipetrain.runtime.wire import (
+    HEADER_BYTES,
+    KEEP,
+    KEEP_BYTES,
+    Message,
+    encode,
+    flat_bytes,
+    new_bytes,
+)
 
 __all__: list[str] = []
 
@@ -36,8 +44,6 @@ _STEP_MB = struct.Struct("<2q")  # the header's step and mb fields (int64 2 and 
 Signature = tuple[tuple[torch.dtype, torch.Size, bool] | None, ...]
 Spare = list[tuple[torch.Tensor, Any]]  # a route's buffers whose sends completed, with numpy's
 Home = tuple[Spare, Any]  # where a buffer goes back, and numpy's array over it
-KEEP = 4  # spare buffers kept per route
-KEEP_BYTES = 1 << 20  # the largest buffer kept (a larger one's copy dwarfs its allocation)
 
 
 class Encoded(NamedTuple):

@@ -41,6 +41,8 @@ from pipetrain.runtime.wire import (
     ABORT,
     FRAME_BYTES,
     HEADER_BYTES,
+    KEEP,
+    KEEP_BYTES,
     MAGIC,
     OPS,
     Capacity,
@@ -64,8 +66,6 @@ RELAY = -2  # the destination stage of an ABORT that passes on another rank's fa
 Describe = Callable[[], str]
 Known = tuple[bytes, int, bytes, Layout, Any]
 _LEAD = struct.Struct("<6q")  # magic and key: what differs between messages alike
-KEEP = 4  # frames kept per peer for later receives
-KEEP_BYTES = 1 << 20  # the largest frame kept
 
 _UNCLAIMED: list[Any] = []
 """Posted receives whose step failed, kept for good.

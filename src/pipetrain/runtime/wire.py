@@ -48,6 +48,8 @@ HEADER_BYTES = HEADER_LEN * 8
 INLINE_BYTES = 6144  # the least capacity: every small message (and every ABORT) fits
 FRAME_BYTES = HEADER_BYTES + INLINE_BYTES  # the least receive a receiver ever posts
 WINDOW = 8  # a capacity covers the largest of the direction's last WINDOW payloads
+KEEP = 4  # buffers kept to be written again: per route (sends), per peer (receives)
+KEEP_BYTES = 1 << 20  # the largest buffer kept (a larger one's copy dwarfs its allocation)
 _FIXED = 16
 _PER_TENSOR = 12
 MAX_TENSORS = (HEADER_LEN - _FIXED) // _PER_TENSOR
@@ -249,16 +251,21 @@ def read_header(frame: Bytes) -> list[int]:
     fixed fields, and those of the tensors it says it holds; the rest reads 0)."""
     buffer = frame if isinstance(frame, np.ndarray) else frame.numpy()
     values = list(_FIXED_FIELDS.unpack_from(buffer.data, 0))
-    n = min(max(values[7], 0), MAX_TENSORS)
+    n = _tensors(values)
     values += _TENSOR_FIELDS[n].unpack_from(buffer.data, _FIXED * 8) if n else ()
     values += [0] * (HEADER_LEN - len(values))
     return values
 
 
+def _tensors(header: Sequence[int]) -> int:
+    """How many tensors' fields a header's reader reads (its claim, within bounds)."""
+    return min(max(header[7], 0), MAX_TENSORS)
+
+
 def described(header: Sequence[int]) -> int:
     """Where a read header's fields end: the fixed ones, then those of the tensors it says it
     holds (the bytes after are never read)."""
-    return (_FIXED + min(max(header[7], 0), MAX_TENSORS) * _PER_TENSOR) * 8
+    return (_FIXED + _tensors(header) * _PER_TENSOR) * 8
 
 
 def expected_bytes(header: Sequence[int]) -> int:
