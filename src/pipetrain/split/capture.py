@@ -8,8 +8,8 @@ argument to stay symbolic where the code allows (``Dim.AUTO``), so one capture s
 batch size and sequence length; a dimension the code decides on is fixed, and
 :meth:`Captured.leaves` names it when a later input differs. ``dynamic=False`` captures at the
 example's shapes instead: every dimension is fixed, and export does no symbolic shape
-reasoning, which made GPT ``small``'s export 2.8x longer (``docs/own-model.md``;
-``pipetrain train`` captures at fixed shapes: its flags fix them).
+reasoning (which made GPT ``small``'s export 2.8x longer: ``docs/own-model.md``;
+``pipetrain train --hf`` captures at fixed shapes: its flags fix them).
 
 What this module returns is the graph of ``ExportedProgram.module()``: parameters and buffers
 are ``get_attr`` nodes under the model's own names (the model's own tensors, a tied weight
