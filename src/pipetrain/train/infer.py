@@ -5,7 +5,7 @@ generation step exist only on the rank holding the last stage: that rank picks t
 and broadcasts it over the pipeline group, so the rank holding stage 0 (and every other) can
 feed it back in. Each eval step needs one row per micro-batch, so the context is repeated
 ``microbatches`` times and row 0's logits are used. A pipeline captured at fixed shapes
-(``pipetrain train``'s: ``Pipeline(..., dynamic=False)``) takes only those: the window is
+(``pipetrain train --hf``'s: ``Pipeline(..., dynamic=False)``) takes only those: the window is
 padded at its end to the captured positions (a causal model's logits at the window's last
 token do not see what follows it) and repeated to the captured rows of every micro-batch.
 """
