@@ -180,3 +180,43 @@ class _Branchy(nn.Module):
 def test_rank_1_loads_rank_0s_capture_and_falls_back_where_it_cannot() -> None:
     assert [f"rank {r}: {p}" for r, ps in enumerate(pt.launch(_cases, 2, timeout=300))
             for p in ps] == []
+
+
+def test_a_load_works_out_each_schema_classs_type_hints_once(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """``hints_once`` gives torch.export.load's program, asks typing for each class's hints
+    once per process (plain loads ask per object), and gives torch back its ``typing``."""
+    import typing
+
+    from torch._export.serde import serialize
+
+    from pipetrain.split.shared import hints_once
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    saved = io.BytesIO()
+    torch.export.save(program, saved)
+    asked: list[Any] = []
+    real = typing.get_type_hints
+
+    def counted(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(obj)
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(typing, "get_type_hints", counted)
+    plain = torch.export.load(io.BytesIO(saved.getvalue()))
+    per_object = len(asked)
+    with hints_once():
+        torch.export.load(io.BytesIO(saved.getvalue()))
+    asked.clear()
+    with hints_once():
+        once = torch.export.load(io.BytesIO(saved.getvalue()))
+    assert per_object > 20 and asked == []  # the second load asks nothing
+    assert str(once.graph) == str(plain.graph)
+    assert str(once.range_constraints) == str(plain.range_constraints)
+    assert torch.equal(once.module()(x), plain.module()(x))
+    assert serialize.typing is typing
+    with pytest.raises(ValueError), hints_once():
+        raise ValueError("a load that fails")
+    assert serialize.typing is typing
