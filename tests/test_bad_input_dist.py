@@ -106,8 +106,8 @@ def test_targets_misaligned_with_inputs(results: list[dict[str, str]]) -> None:
                     "model output has 3 rows along dim 0 but the targets have 2: pass targets "
                     "with the same batch size as the inputs')")
     # the peer's own message or the job's news, whichever reaches rank 0 first (news'
-    # JobFailed is a PeerFailed); either names the failed rank's action
-    assert re.match(r"(PeerFailed|JobFailed): rank 1 failed at stage 1, mb 2, action 1F2 ",
+    # RankFailed is a PeerFailed); either names the failed rank's action
+    assert re.match(r"(PeerFailed|RankFailed): rank 1 failed at stage 1, mb 2, action 1F2 ",
                     results[0]["targets-rows"]), results[0]
 
 

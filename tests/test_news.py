@@ -61,7 +61,7 @@ def test_news_interrupts_a_collective_that_would_never_finish(generation: int) -
     news.heard(generation - 1, "old news")  # an earlier pipeline's failure: not this one's
     news.wait(_Work(0.0), "all-reduce")
     news.heard(generation, "rank 3 failed at stage 1")
-    with pytest.raises(news.JobFailed, match=r"^\[rank 0\] all-reduce: rank 3 failed"):
+    with pytest.raises(news.RankFailed, match=r"^\[rank 0\] all-reduce: rank 3 failed"):
         news.wait(_Work(None), "[rank 0] all-reduce")
 
 
@@ -71,7 +71,7 @@ def test_a_collective_error_is_explained_by_the_news(generation: int,
     with pytest.raises(RuntimeError, match="Connection closed"):
         news.wait(_Work(0.0, "Connection closed by peer"), "x")  # no news within 1.5 s
     news.heard(generation, "rank 2 failed")
-    with pytest.raises(news.JobFailed, match="rank 2 failed") as info:
+    with pytest.raises(news.RankFailed, match="rank 2 failed") as info:
         news.wait(_Work(0.0, "Connection closed by peer"), "x", poll=False)
     assert "Connection closed" in str(info.value.__cause__)
 

@@ -203,7 +203,7 @@ def test_dp2_pp2_hang_is_named_and_restarts_resume(tmp_path: Path) -> None:
     named = "rank 3 (rank 1 of its pipeline) is outside the pipeline for"
     assert "timed out" in err and named in err, err  # rank 1 timed out and named rank 3
     for rank in (0, 2):  # the other replica stopped on the news, not on its own timeout
-        assert f"JobFailed: [rank {rank}] the gradient all-reduce over replicas: rank 1" in err
+        assert f"RankFailed: [rank {rank}] the gradient all-reduce over replicas: rank 1" in err
     assert "restart 1 of 1" in out + err and "resuming at step 2" in out and "step 3/4" in out
 
 

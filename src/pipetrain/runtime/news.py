@@ -41,7 +41,7 @@ import torch.distributed as dist
 from pipetrain.runtime.groups import rank_name
 from pipetrain.runtime.receiver import PeerFailed
 
-__all__ = ["JobFailed", "wait", "all_reduce"]
+__all__ = ["RankFailed", "wait", "all_reduce"]
 
 STORE_HOST_ENV = "PIPETRAIN_STORE_HOST"
 """Set to ``launcher`` by a launcher whose own process hosts the job's store."""
@@ -54,8 +54,10 @@ def enabled() -> bool:
     return os.environ.get(OFF_ENV, "1") != "0"
 
 
-class JobFailed(PeerFailed):
-    """A rank of the job failed, possibly in another pipeline; this rank read the news."""
+class RankFailed(PeerFailed):
+    """Another rank of the job failed, possibly in another pipeline; this rank read the news.
+
+    (Not :class:`pipetrain.train.elastic.JobFailed`: that is the launcher giving up.)"""
 
 
 EXPLAIN_S = 1.5
@@ -126,7 +128,7 @@ def latest() -> str | None:
 
 
 def wait(work: Any, what: str, poll: bool = True) -> None:
-    """Wait for a collective (``async_op=True`` work), raising :class:`JobFailed` as soon as
+    """Wait for a collective (``async_op=True`` work), raising :class:`RankFailed` as soon as
     the job's news arrives: a failed replica never joins, and its peers must not wait for it.
 
     ``poll=False`` (a collective of CUDA tensors) is a plain ``work.wait()``: under NCCL it
@@ -137,7 +139,7 @@ def wait(work: Any, what: str, poll: bool = True) -> None:
         while not work.is_completed():  # wakes 1000 times a second, not 5000
             text = latest()
             if text is not None:
-                raise JobFailed(f"{what}: {text}")
+                raise RankFailed(f"{what}: {text}")
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
     try:
@@ -149,7 +151,7 @@ def wait(work: Any, what: str, poll: bool = True) -> None:
         text = latest()
         if text is None:
             raise
-        raise JobFailed(f"{what}: {text}") from e
+        raise RankFailed(f"{what}: {text}") from e
 
 
 def all_reduce(tensor: torch.Tensor, what: str, **kwargs: Any) -> None:

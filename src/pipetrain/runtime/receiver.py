@@ -418,7 +418,7 @@ def _text(describe: str | Describe) -> str:
 def abort_error(peer: int, src: int, header: Sequence[int], msg: Message) -> PeerFailed:
     t = msg.tensors[0]
     text = bytes(t.cpu().tolist()).decode(errors="replace") if t is not None else ""
-    relayed = [f"{name}: " for name in ("PeerFailed", "JobFailed")]
+    relayed = [f"{name}: " for name in ("PeerFailed", "RankFailed")]
     if header[5] == RELAY and text.startswith(tuple(relayed)):  # the origin's news, passed on
         text = text.split(": ", 1)[1]
         return PeerFailed(text if "[passed on by rank" in text

@@ -77,7 +77,8 @@ class Watchdog:
         rank, n_ranks: this rank and the size of the pipeline group.
         generation, timeout: the pipeline's (:attr:`~pipetrain.runtime.comm.P2P.generation`) and
             its peers' wait bound.
-        on_news: called with :class:`~pipetrain.runtime.news.JobFailed` when the job's news arrives.
+        on_news: called with :class:`~pipetrain.runtime.news.RankFailed` when the job's news
+            arrives.
         name: how errors say pipeline rank r.
         ranks: the global rank of each pipeline rank (default: the same).
     """
@@ -177,7 +178,7 @@ class Watchdog:
         me = dist.get_rank()
         try:
             self.store.set(f"{self.prefix}final/{self.rank}", json.dumps(report))
-            if not isinstance(error, news.JobFailed):
+            if not isinstance(error, news.RankFailed):
                 news.post(self.store, self.generation,
                           {**report, "rank": me, "pipeline_rank": self.rank})
             for r in self.culprits(error):
@@ -215,7 +216,7 @@ def _answer(store: Any, prefix: str, rank: int, activity: Activity, stop: thread
             told = True
             news.heard(generation, text)
             if on_news is not None:
-                on_news(news.JobFailed(text))
+                on_news(news.RankFailed(text))
 
 
 def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int,
