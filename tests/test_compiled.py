@@ -244,8 +244,8 @@ def test_old_torch_is_refused_under_split_schedules(monkeypatch: pytest.MonkeyPa
 
 
 def test_train_refuses_compile_with_sharding() -> None:
+    from pipetrain.train.checks import check_config
     from pipetrain.train.config import TrainConfig
-    from pipetrain.train.setup import check_config
 
     with pytest.raises(ValueError, match="--compile"):
         check_config(TrainConfig(compile=True, fsdp=2, pp=1, batch_size=16), 2)

@@ -21,10 +21,10 @@ import torch
 
 from chat import TEMPLATE, conversations, save_model, tokenizer, write_jsonl
 from pipetrain.train import tokens
+from pipetrain.train.checks import check_config
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.examples import ExampleCorpus, example_batches, example_corpus
 from pipetrain.train.records import Encoder
-from pipetrain.train.setup import check_config
 
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")

@@ -45,8 +45,8 @@ def test_profile_only_plan_writes_a_config_train_runs(tmp_path: Path,
 def test_a_searched_schedule_is_written_out_and_trained_as_planned(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from pipetrain.schedules.schedule import Schedule
+    from pipetrain.train.checks import run_schedule
     from pipetrain.train.config import TrainConfig
-    from pipetrain.train.setup import run_schedule
 
     code = main(["plan", "--preset", "tiny", "--nproc", "2", "--out", str(tmp_path),
                  "--schedules", "zb-auto", "--memory-limit", "64MiB", "--no-calibrate",
@@ -157,8 +157,8 @@ def _layouts(report: dict) -> set[tuple]:
 
 def test_four_processes_search_pp_dp_fsdp_and_tp(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from pipetrain.train.checks import check_config
     from pipetrain.train.config import TrainConfig
-    from pipetrain.train.setup import check_config
 
     args = ("--nproc", "4", "--memory-limit", "64MiB", "--no-calibrate")
     code, report = _plan(tmp_path, capsys, *args)

@@ -14,6 +14,7 @@ from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
 from pipetrain.split.partition import stage_bounds
 from pipetrain.testing import reference_step
 from pipetrain.train import faults
+from pipetrain.train.checks import check_config, run_schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.infer import pick
 from pipetrain.train.mesh import _buckets, layout
@@ -28,7 +29,6 @@ from pipetrain.train.optim import (
     param_groups,
 )
 from pipetrain.train.precision import LossScale, autocast
-from pipetrain.train.setup import check_config, run_schedule
 from pipetrain.train.source import hosted_layers
 from pipetrain.train.source import parse_balance as _balance
 from pipetrain.train.timing import measured_costs, predict

@@ -158,8 +158,8 @@ def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: in
     """
     from pipetrain.plan.experts import ep_choices
     from pipetrain.plan.shardcost import Sharding
+    from pipetrain.train.checks import check_config
     from pipetrain.train.mesh import layout
-    from pipetrain.train.setup import check_config
 
     n, out, why = cfg.nproc, [], None
     moe = _meta(cfg) if ep != 1 else None

@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     """
     cfg, tuned = resolved(args)
     from pipetrain.train import elastic
-    from pipetrain.train.setup import check_config
+    from pipetrain.train.checks import check_config
 
     # what the workers would refuse, refused before any starts (exit 2)
     world = int(os.environ["WORLD_SIZE"]) if elastic.under_torchrun() else cfg.nproc

@@ -11,7 +11,6 @@ batch per step, of which its replica takes rows ``[dp_rank * B/dp, (dp_rank + 1)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,27 +18,23 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pipetrain.errors import ScheduleError
-from pipetrain.models.gpt import PRESETS
 from pipetrain.parallel.parallelize import Composed
 from pipetrain.parallel.sharded import ShardedStages
 from pipetrain.pipeline import Pipeline
-from pipetrain.schedules.generators import REGISTRY, _load_builtin, make_schedule
-from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.validate import validate
 from pipetrain.split.shared import across
+from pipetrain.train.checks import check_config, run_schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data import Batches, Corpus
-from pipetrain.train.examples import ExampleBatches, ExampleCorpus, data_problems, example_batches
+from pipetrain.train.examples import ExampleBatches, ExampleCorpus, example_batches
 from pipetrain.train.hf_source import HFSource
-from pipetrain.train.mesh import GradReducer, Mesh, build_mesh, layout
+from pipetrain.train.mesh import GradReducer, Mesh, build_mesh
 from pipetrain.train.nonfinite import NaNInjector
 from pipetrain.train.optim import build_optimizer, counted_parameters
-from pipetrain.train.placement import check_order, gather_rank_map
-from pipetrain.train.precision import PRECISIONS, LossScale
+from pipetrain.train.placement import gather_rank_map
+from pipetrain.train.precision import LossScale
 from pipetrain.train.source import GPTSource, Source
 
-__all__ = ["Trainer", "build", "check_config", "source_for"]
+__all__ = ["Trainer", "build", "source_for"]
 
 Batch = tuple[Any, Any]
 """(inputs, targets): token ids, or padded examples' dicts (:mod:`pipetrain.train.examples`)."""
@@ -155,93 +150,6 @@ def source_for(cfg: TrainConfig) -> Source:
     return GPTSource(cfg)
 
 
-def run_schedule(cfg: TrainConfig, pp: int) -> Schedule:
-    """``cfg.schedule``: a generator's name, or a schedule file (``pipetrain validate``'s
-    formats; ``pipetrain plan`` writes one for a searched schedule) run exactly as written.
-
-    Raises:
-        ValueError: for integers outside the generator's constraints, or a file that is not a
-            valid schedule of ``pp`` ranks, ``cfg.microbatches`` micro-batches and
-            ``cfg.stages_per_rank`` stages per rank (when set).
-    """
-    _load_builtin()
-    if cfg.schedule in REGISTRY or not Path(cfg.schedule).is_file():
-        return make_schedule(cfg.schedule, pp, cfg.microbatches, cfg.stages_per_rank)
-    try:
-        schedule = Schedule.load(cfg.schedule)
-        validate(schedule)
-    except ScheduleError as e:
-        raise ValueError(f"--schedule {cfg.schedule}: {e}") from None
-    v = schedule.n_stages // schedule.n_ranks
-    wanted = {"ranks (--pp)": (schedule.n_ranks, pp),
-              "micro-batches (--microbatches)": (schedule.n_microbatches, cfg.microbatches),
-              "stages per rank (--stages-per-rank)": (v, cfg.stages_per_rank or v)}
-    wrong = [f"{k} {got} where the run has {want}" for k, (got, want) in wanted.items()
-             if got != want]
-    if wrong:
-        raise ValueError(f"--schedule {cfg.schedule} has " + ", ".join(wrong) + "; run it "
-                         "with the layout it was written for, or write it again")
-    return schedule
-
-
-def check_config(cfg: TrainConfig, world: int) -> None:
-    """Every problem with ``cfg`` for a world of ``world`` ranks, raised at once.
-
-    Raises:
-        ValueError: listing each problem and how to fix it.
-    """
-    problems = []
-    try:
-        dp, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp, cfg.tp)
-        run_schedule(cfg, pp)
-        dp *= cfg.fsdp  # data-parallel ranks
-        problems += _ep_problems(cfg, dp)
-    except ValueError as e:
-        problems.append(str(e))
-        dp = max(cfg.dp, 1) * max(cfg.fsdp, 1)
-    if not cfg.hf and cfg.preset not in PRESETS:
-        problems.append(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
-    elif not cfg.hf and cfg.tp > 1:
-        c = PRESETS[cfg.preset]
-        if c.n_heads % cfg.tp or c.mlp_ratio * c.d_model % cfg.tp:
-            problems.append(f"tp={cfg.tp} must divide the preset's {c.n_heads} heads and "
-                            f"{c.mlp_ratio * c.d_model} MLP units; use a divisor of both")
-        if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
-            problems.append(f"seq_len={cfg.seq_len} must divide by tp={cfg.tp} under sequence "
-                            "parallelism; change --seq-len, or pass --no-sequence-parallel")
-    try:
-        check_order(cfg.mesh_order)
-    except ValueError as e:
-        problems.append(str(e))
-    if cfg.compile and (cfg.recompute != "never" or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
-        problems.append("--compile runs with neither --recompute nor --fsdp, --tp or --ep "
-                        "(yet); drop --compile or those")
-    if cfg.schedule == "pipedream":
-        problems.append("--schedule pipedream updates each stage after every backward, inside "
-                        "the pipeline, where train's loop owns the optimizer step: use "
-                        "pipedream-2bw, or run pipedream from Python (Pipeline(optimizer=...))")
-    if cfg.schedule == "pipedream-2bw" and (cfg.compile or max(cfg.fsdp, cfg.tp, cfg.ep) > 1):
-        problems.append("--schedule pipedream-2bw runs without --compile, --fsdp, --tp and "
-                        "--ep (yet): its weight versions are whole tensors of one process; "
-                        "drop those, or use a synchronous schedule")
-    if cfg.precision not in PRECISIONS:
-        problems.append(f"precision must be one of {list(PRECISIONS)}, got {cfg.precision!r}")
-    if cfg.nonfinite not in ("skip", "abort"):
-        problems.append(f"nonfinite must be 'skip' or 'abort', got {cfg.nonfinite!r}")
-    if cfg.batch_size % dp or cfg.batch_size // dp < cfg.microbatches:
-        ranks = f"dp={dp}" if cfg.fsdp == 1 else f"dp x fsdp = {dp}"
-        problems.append(f"batch_size={cfg.batch_size} must split into {ranks} equal "
-                        f"batches of at least microbatches={cfg.microbatches} sequences; use a "
-                        f"multiple of {dp} that is >= {dp * cfg.microbatches}")
-    if cfg.steps < 1 or cfg.seq_len < 1 or cfg.warmup < 0 or cfg.eval_batches < 1:
-        problems.append("steps, seq_len and eval_batches must be >= 1 and warmup >= 0 (got "
-                        f"{cfg.steps}, {cfg.seq_len}, {cfg.eval_batches}, {cfg.warmup})")
-    problems += data_problems(cfg.data, cfg.hf, cfg.text_field, cfg.chat)
-    if problems:
-        raise ValueError("invalid training configuration:\n" + "\n".join(
-            f"  - {p}" for p in problems))
-
-
 def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     """This rank's part of the run described by ``cfg`` (call on every rank at once).
 
@@ -325,26 +233,6 @@ def _count_forwards(load: Any, pipe: Pipeline, *, tapped: bool) -> None:
     load.when = forward
     if not tapped:
         load.tap(stage.module for stage in pipe.stages.values())
-
-
-def _ep_problems(cfg: TrainConfig, dp: int) -> list[str]:
-    """What keeps ``--ep`` from this layout of ``dp`` data-parallel ranks."""
-    if cfg.ep == 1:
-        return []
-    problems = []
-    if not cfg.hf:
-        problems.append(f"--ep {cfg.ep} spreads a mixture of experts' experts over ranks; "
-                        "the built-in GPT has none: give --hf an MoE model, or leave --ep out")
-    if dp % cfg.ep:
-        problems.append(f"--ep {cfg.ep} must divide the {dp} data-parallel ranks (dp x fsdp) "
-                        "holding each stage: the experts are spread over data-parallel "
-                        f"ranks; give --ep a divisor of {dp}, or make dp x fsdp a multiple of "
-                        f"{cfg.ep}")
-    elif cfg.fsdp > 1 and cfg.ep % cfg.fsdp and cfg.fsdp % cfg.ep:
-        problems.append(f"--ep {cfg.ep} and --fsdp {cfg.fsdp}: one must divide the other")
-    if cfg.tp > 1:
-        problems.append("--ep with --tp is not supported yet: use --ep with --dp/--fsdp")
-    return problems
 
 
 def _eval_batches(corpus: Corpus, cfg: TrainConfig) -> list[Batch]:

@@ -42,7 +42,7 @@ def verify_hf(cfg: TrainConfig, pp: int, *, layers: int | None = None,
             fit the model, or a layout the schedule does not allow.
     """
     from pipetrain.hf.model import open_model, transformers
-    from pipetrain.train.setup import run_schedule
+    from pipetrain.train.checks import run_schedule
 
     opened = open_model(Path(cfg.hf))
     config = shrink(opened.config, layers, width)
