@@ -105,6 +105,21 @@ def test_steady_state_has_no_bubble_and_1f1b_memory() -> None:
         assert got.peak_versions == (2,) * (p - 1) + (1,)
 
 
+def test_the_flush_costs_1f1b_nothing_where_the_first_stage_is_the_bottleneck() -> None:
+    """1F1B's fill comes before stage 0's work and its drain after the last stage's: where
+    stage 0 is the slowest, its rank never waits, and 2BW's period equals 1F1B's makespan.
+    Anywhere else the flush costs 1F1B time that 2BW does not spend."""
+    for p, m in [(2, 2), (2, 4), (3, 6), (4, 8)]:
+        heavy_first = Costs(F=(2.0,) + (0.2,) * (p - 1), B=(4.0,) + (0.4,) * (p - 1))
+        one = simulate(make_schedule("1f1b", p, m), heavy_first).makespan
+        two = steady_state(make_schedule("pipedream-2bw", p, m), heavy_first).period
+        assert two == pytest.approx(one) == pytest.approx(6.0 * m)
+        heavy_last = Costs(F=(0.2,) * (p - 1) + (2.0,), B=(0.4,) * (p - 1) + (4.0,))
+        one = simulate(make_schedule("1f1b", p, m), heavy_last).makespan
+        two = steady_state(make_schedule("pipedream-2bw", p, m), heavy_last).period
+        assert two == pytest.approx(6.0 * m) and one > two + 0.5 * (p - 1)
+
+
 def test_constraints_are_errors() -> None:
     with pytest.raises(ValueError, match="m >= p"):
         make_schedule("pipedream-2bw", 4, 3)

@@ -251,6 +251,8 @@ def test_pipedream_2bw_only_when_allowed(tmp_path: Path,
           for c in found}
     pairs = [(c, by.get(("1f1b", *k[1:]))) for k, c in by.items() if k[0] == "pipedream-2bw"]
     assert pairs and all(o is not None for _, o in pairs)
-    for two, one in pairs:
-        assert two["predicted_step_s"] < one["predicted_step_s"]  # no flush
+    for two, one in pairs:  # no flush: never slower; level where stage 0 is the bottleneck
+        assert two["predicted_step_s"] <= one["predicted_step_s"]  # (1F1B hides its flush
+        # there: tests/test_generators_pipedream.py), faster elsewhere
         assert two["predicted_peak_bytes"][0] > one["predicted_peak_bytes"][0]  # two versions
+    assert any(two["predicted_step_s"] < one["predicted_step_s"] for two, one in pairs)
