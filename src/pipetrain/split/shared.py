@@ -10,10 +10,11 @@ Each other rank loads it and builds its capture on its own model's tensors::
     rank 0      export ──► save (no weights) ──► store[key] ──► its capture
     rank r > 0  ........ wait for store[key] ──► load ──► its capture, on its own tensors
 
-Loading is not free: torch's loader parses every symbolic shape again, so a load took 0.7 of
-an export's CPU for GPT ``small`` (``benchmarks/capture.py``; 0.45 at fixed shapes, where both
-are cheaper), and that after :func:`hints_once` spared it the type hints it worked out again
-for every object it read. What sharing guarantees is that every rank splits the very same graph: a
+Loading is not free: torch's loader builds every node's fake tensors again, so a load took
+half of an export's CPU for GPT ``small`` (``benchmarks/capture.py``; 0.45 at fixed shapes,
+where both are cheaper), and that after :func:`~pipetrain.split.load.load_program` spared it
+the type hints and the parses it repeated for every node (0.7 before, symbolic).
+What sharing guarantees is that every rank splits the very same graph: a
 rank whose model or example differs from rank 0's (their
 :func:`~pipetrain.split.recall.key` differs), or whose loaded graph does not print as rank
 0's, captures on its own instead, as does every rank when rank 0 could not save its program.
@@ -27,7 +28,6 @@ import inspect
 import io
 import json
 import time
-import typing
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -47,6 +47,7 @@ from pipetrain.split.capture import (
     from_program,
     on_model_device,
 )
+from pipetrain.split.load import load_program
 
 __all__: list[str] = []
 
@@ -176,8 +177,7 @@ def _load(payload: bytes, model: nn.Module, signature: inspect.Signature,
     head = json.loads(payload[8:8 + size])
     if head["key"] != digest:
         return None, ""
-    with hints_once():
-        program = torch.export.load(io.BytesIO(payload[8 + size:]))
+    program = load_program(payload[8 + size:])
     # this rank's own tensors, not the stand-ins
     captured = from_program(program, model, signature, bound, 0.0, head["named"], dynamic)
     if not all(t.is_meta for t in (*model.parameters(), *model.buffers())):
@@ -205,56 +205,6 @@ def _fetch(store: Any, name: str, limit: float, what: str) -> bytes:
         pause = min(2 * pause, 0.05)
     value: bytes = store.get(name)
     return value
-
-
-class _HintsOnce:
-    """``typing`` as torch's deserializer sees it while :func:`hints_once` lasts: its
-    ``get_type_hints`` works out each schema class's hints once per process (they never change)
-    and gives the same answer after."""
-
-    def __init__(self) -> None:
-        self._kept: dict[tuple[Any, int], tuple[Any, dict[str, Any]]] = {}  # with the
-        # namespace itself, whose id would otherwise be free to name another
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(typing, name)
-
-    def get_type_hints(self, obj: Any, globalns: dict[str, Any] | None = None,
-                       localns: dict[str, Any] | None = None,
-                       include_extras: bool = False) -> dict[str, Any]:
-        if localns is not None or include_extras:
-            return typing.get_type_hints(obj, globalns, localns, include_extras)
-        key = (obj, id(globalns))
-        kept = self._kept.get(key)
-        if kept is None:
-            kept = self._kept[key] = (globalns, typing.get_type_hints(obj, globalns))
-        return kept[1]
-
-
-_HINTS = _HintsOnce()
-
-
-@contextlib.contextmanager
-def hints_once() -> Iterator[None]:
-    """``torch.export.load`` without working out the same type hints again for every node.
-
-    Its deserializer turns each JSON object into a schema dataclass and calls
-    ``typing.get_type_hints`` on the class every time: a third of a load's CPU at fixed shapes
-    (CPU seconds for a 4-layer Llama: 0.36 plain, 0.25 in this block; symbolic 0.95 and 0.80).
-    Inside this block its module's ``typing`` answers from
-    :class:`_HintsOnce`; where torch's serializer no longer reads ``typing`` so, nothing
-    changes. (The hints of a class depend on nothing a load changes: the class and the schema
-    module's names.)"""
-    from torch._export.serde import serialize
-
-    if getattr(serialize, "typing", None) is not typing:  # another torch, or a load under way
-        yield
-        return
-    serialize.typing = _HINTS  # type: ignore[attr-defined, assignment]
-    try:
-        yield
-    finally:
-        serialize.typing = typing  # type: ignore[attr-defined]
 
 
 def _meta(t: Any) -> Any:
