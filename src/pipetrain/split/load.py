@@ -94,8 +94,9 @@ def _lean(serialize: Any) -> Iterator[None]:
 
 def load_program(data: bytes) -> torch.export.ExportedProgram:
     """``torch.export.load`` of ``data`` (what ``torch.export.save`` wrote): the same program,
-    in about half the CPU time with every size symbolic and two thirds at fixed shapes
-    (``python benchmarks/capture.py`` prints a load's CPU; ``docs/own-model.md`` the figures).
+    in less CPU time. GPT ``small``, CPU seconds on 2 cores, before and after: 0.50-0.74 and
+    0.47 with every size symbolic, 0.25 and 0.17 at fixed shapes (``python
+    benchmarks/capture.py --preset small`` prints the load; ``docs/own-model.md``).
     """
     from torch._export.serde import serialize
 
