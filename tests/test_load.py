@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import typing
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 import sympy
 import torch
+import torch.utils._pytree as pytree
 from torch._export.serde import serialize
 
 from pipetrain.split.load import _ParsedOnce, load_program
@@ -16,19 +18,40 @@ from pipetrain.split.load import _ParsedOnce, load_program
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def saved() -> tuple[bytes, torch.Tensor]:
-    """A 4-layer Llama from transformers, exported with its batch and sequence symbolic."""
-    import hf
-
+@functools.cache
+def _saved(name: str) -> tuple[bytes, tuple[Any, ...], dict[str, Any]]:
+    """A transformers model from a small config, exported with every input dimension
+    symbolic and saved, and arguments at other sizes than the export's: a Llama called with
+    a bare tensor, or a zoo model (T5: encoder-decoder, ViT: vision) called with keywords."""
     torch.manual_seed(0)
-    model = hf.llama()
-    ids = torch.randint(0, hf.VOCAB, (2, 8))
-    dims = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
-    program = torch.export.export(model, (ids,), dynamic_shapes=(dims,), strict=False)
+    if name == "llama":
+        import hf
+
+        model = hf.llama()
+        args: tuple[Any, ...] = (torch.randint(0, hf.VOCAB, (2, 8)),)
+        kwargs: dict[str, Any] = {}
+        other: tuple[tuple[Any, ...], dict[str, Any]] = (
+            (torch.randint(0, hf.VOCAB, (3, 5)),), {})
+    else:
+        import test_zoo as zoo
+
+        arch = zoo.BY_NAME[name]
+        model = zoo.build(arch)
+        inputs, _ = zoo.batch(arch)
+        args, kwargs = (), {k: v[:2] for k, v in inputs.items()}
+        other = ((), {k: v[:3] for k, v in inputs.items()})  # another batch size
+    dims = pytree.tree_map(lambda t: {d: torch.export.Dim.AUTO for d in range(t.dim())},
+                           args or kwargs)  # by position, or by keyword
+    program = torch.export.export(model, args, kwargs, dynamic_shapes=dims, strict=False)
     out = io.BytesIO()
     torch.export.save(program, out)
-    return out.getvalue(), torch.randint(0, hf.VOCAB, (3, 5))  # another batch and length
+    return out.getvalue(), *other
+
+
+def _seeded(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``module`` called at sizes it was not saved at, its dropout (T5's) drawn from seed 0."""
+    torch.manual_seed(0)
+    return module(*args, **kwargs)
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -49,8 +72,9 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return asked
 
 
-def test_the_program_is_torchs_in_every_node(saved: tuple[bytes, torch.Tensor]) -> None:
-    data, other = saved
+@pytest.mark.parametrize("name", ["llama", "t5", "vit"])
+def test_the_program_is_torchs_in_every_node(name: str) -> None:
+    data, args, kwargs = _saved(name)
     plain = torch.export.load(io.BytesIO(data))
     lean = load_program(data)
     assert str(lean.graph) == str(plain.graph)
@@ -62,14 +86,14 @@ def test_the_program_is_torchs_in_every_node(saved: tuple[bytes, torch.Tensor]) 
         if isinstance(va, torch.Tensor):  # symbolic sizes, strides: the same expressions
             assert (str(va.shape), str(va.stride()), va.dtype) == \
                    (str(vb.shape), str(vb.stride()), vb.dtype), a
-    got, want = lean.module()(other), plain.module()(other)  # at a shape it was not saved at
-    assert torch.equal(got[0] if isinstance(got, tuple) else got.logits,
-                       want[0] if isinstance(want, tuple) else want.logits)
+    got, want = (pytree.tree_leaves(_seeded(p.module(), args, kwargs)) for p in (lean, plain))
+    assert len(got) == len(want) > 0
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_a_load_asks_each_class_once_and_parses_each_expression_once(
-        saved: tuple[bytes, torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
-    data, _ = saved
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _saved("llama")[0]
     asked = _counting(monkeypatch)
     torch.export.load(io.BytesIO(data))
     plain = dict(asked)
