@@ -82,7 +82,8 @@ _ONE_AT_A_TIME = threading.Lock()
 @contextlib.contextmanager
 def _lean(serialize: Any) -> Iterator[None]:
     """Hand ``serialize`` the answering ``typing`` and ``sympy`` while the block runs."""
-    if serialize.typing is not typing or serialize.sympy is not sympy:  # another torch
+    if (getattr(serialize, "typing", None) is not typing
+            or getattr(serialize, "sympy", None) is not sympy):  # another torch: as it is
         yield
         return
     serialize.typing, serialize.sympy = _HINTS, _ParsedOnce()
@@ -100,8 +101,5 @@ def load_program(data: bytes) -> torch.export.ExportedProgram:
     """
     from torch._export.serde import serialize
 
-    with _ONE_AT_A_TIME:
-        if not (hasattr(serialize, "typing") and hasattr(serialize, "sympy")):
-            return torch.export.load(io.BytesIO(data))
-        with _lean(serialize):
-            return torch.export.load(io.BytesIO(data))
+    with _ONE_AT_A_TIME, _lean(serialize):
+        return torch.export.load(io.BytesIO(data))
