@@ -224,7 +224,7 @@ class Pipeline:
             self.transport, self.executor.activity)
         self._decoder: Executor | None = None  # decode()'s
         self._stepper = Stepper(
-            Feed(self.rank, self.schedule, self.traced, self.rng, lambda: self._draws_in_eval,
+            Feed(self.rank, self.schedule, self.traced, self.rng,
                  self.device, loss_fn, split_dim, loss_reduction),
             self.stages, self.executor, self.transport, self.windows, self.watchdog,
             self._copies, self._tied_grads)
@@ -453,4 +453,5 @@ class Pipeline:
         return self._stepper.run(executor, schedule, tag, inputs, targets, train=train,
                                  keep_outputs=keep_outputs, on_grads_ready=on_grads_ready,
                                  number=number, loop=None if decoding is None else decoding[1],
-                                 drain=drain, modal=[m for _, m in modal])
+                                 drain=drain, modal=[m for _, m in modal],
+                                 draws_in_eval=self._draws_in_eval)

@@ -52,14 +52,15 @@ class Feed:
     schedule: Schedule
     traced: TracedSplit | None
     rng: bool
-    draws_in_eval: Callable[[], bool]
     device: torch.device
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     split_dim: int
     loss_reduction: str
 
-    def prepare(self, data: StepData, hosted: Container[int], inputs: Any, targets: Any
-                ) -> None:
+    def prepare(self, data: StepData, hosted: Container[int], inputs: Any, targets: Any,
+                draws_in_eval: bool) -> None:
+        """Split the batch into ``data``'s micro-batches (``draws_in_eval``: whether the
+        stages an eval step runs carry random streams)."""
         m = self.schedule.n_microbatches
         first, last = 0, self.schedule.n_stages - 1
         where = f"[rank {self.rank}] step {data.step}"
@@ -72,7 +73,7 @@ class Feed:
                 except ValueError as e:
                     raise ValueError(f"{where}, stage 0: {e}") from None
             data.inputs = microbatch.split(inputs, m, self.split_dim)
-            if self.rng and (data.train or self.draws_in_eval()):
+            if self.rng and (data.train or draws_in_eval):
                 base = rng_streams.draw_base()
                 data.rng = [rng_streams.start(base, i, self.device) for i in range(m)]
         data.targets, data.weights = [None] * m, [1.0] * m
@@ -110,10 +111,11 @@ class Stepper:
 
     def run(self, executor: Executor, schedule: Schedule, tag: Tag, inputs: Any, targets: Any,
             *, train: bool, keep_outputs: bool, on_grads_ready: GradsReady | None,
-            number: int | None, loop: Loop | None, drain: bool, modal: list[nn.Module]
-            ) -> StepResult:
+            number: int | None, loop: Loop | None, drain: bool, modal: list[nn.Module],
+            draws_in_eval: bool = True) -> StepResult:
         """One step of ``executor``, running ``schedule`` (``loop``: a decoding run's;
-        ``modal``: the layers put in eval mode while it runs)."""
+        ``modal``: the layers put in eval mode while it runs; ``draws_in_eval``: see
+        :meth:`Feed.prepare`)."""
         rank = self.feed.rank
         if self.broken is not None:
             raise PipelineError(f"[rank {rank}] this pipeline failed earlier and cannot run "
@@ -130,7 +132,7 @@ class Stepper:
         try:
             self.copies.refresh()
             if loop is None and not drain:
-                self.feed.prepare(data, self.stages, inputs, targets)
+                self.feed.prepare(data, self.stages, inputs, targets, draws_in_eval)
             else:
                 data.inputs, data.targets = inputs, [None] * schedule.n_microbatches
                 data.weights = [1.0] * schedule.n_microbatches
