@@ -11,7 +11,7 @@ from pipetrain.runtime.groups import symmetric_groups
 
 def _pairs(ctx: pt.RankContext, layout: list[list[int]]) -> list[str]:
     members = next(m for m in layout if ctx.rank in m)
-    frames, pairs = symmetric_groups(members, torch.device("cpu"))
+    frames, pairs, _ = symmetric_groups(members, torch.device("cpu"))
     me = members.index(ctx.rank)
     seen = []
     for (a, b), pg in sorted(pairs.items()):  # a sends to b on the group of direction (a, b)

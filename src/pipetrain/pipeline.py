@@ -11,6 +11,7 @@ runs exactly the same action lists.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -228,6 +229,21 @@ class Pipeline:
                  self.device, loss_fn, split_dim, loss_reduction),
             self.stages, self.executor, self.transport, self.windows, self.watchdog,
             self._copies, self._tied_grads)
+        self._closer = weakref.finalize(self, self._stepper.close)
+
+    def close(self) -> None:
+        """End what this pipeline started on this rank: its watchdog thread, its connections
+        and groups (the last sends complete first, bounded by the timeout), the activations
+        its stages hold. Also at the end of ``with Pipeline(...) as pipe:``, and when the last
+        reference to the pipeline goes. Parameters stay usable; a later step raises
+        :class:`~pipetrain.errors.PipelineError`."""
+        self._closer()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def _draws_in_eval(self) -> bool:

@@ -104,6 +104,7 @@ class Stepper:
     tied_grads: TiedGrads | None
     count: int = 0
     broken: str | None = None
+    closed: bool = False
     plans: dict[tuple[bool, Tag], dict[int, list[tuple[int, int, int, int]]]] = field(
         default_factory=dict)
     proofs: dict[tuple[bool, Tag], Proofs] = field(default_factory=dict)
@@ -117,6 +118,9 @@ class Stepper:
         ``modal``: the layers put in eval mode while it runs; ``draws_in_eval``: see
         :meth:`Feed.prepare`)."""
         rank = self.feed.rank
+        if self.closed:
+            raise PipelineError(f"[rank {rank}] this pipeline was closed (Pipeline.close, or the "
+                                "end of its with block): build a new one to run more steps")
         if self.broken is not None:
             raise PipelineError(f"[rank {rank}] this pipeline failed earlier and cannot run "
                                 f"again: {self.broken}")
@@ -155,6 +159,19 @@ class Stepper:
             outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
                                        self.feed.split_dim)
         return StepResult(loss, outputs, times, previous)
+
+    def close(self) -> None:
+        """End what the pipeline started on this rank: its watchdog's thread, its transport
+        (the last sends, its own groups) and the activations its stages hold; once only."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.transport is not None:
+            self.transport.close()
+        for stage in self.stages.values():
+            stage.clear()
 
     def _start(self, transport: P2P, data: StepData, executor: Executor, schedule: Schedule,
                tag: Tag) -> None:

@@ -25,7 +25,6 @@ the origin named, and pass the news on to its own peers.
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -35,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.errors import CommError
+from pipetrain.errors import CommError, PipelineError
+from pipetrain.runtime import lifetime
 from pipetrain.runtime.delivery import Proofs, Route
 from pipetrain.runtime.encoder import Encoded, Encoder
 from pipetrain.runtime.groups import (
@@ -43,6 +43,7 @@ from pipetrain.runtime.groups import (
     next_instance,
     pipeline_groups,
     rank_name,
+    release,
     twin_group,
 )
 from pipetrain.runtime.receiver import (
@@ -80,7 +81,7 @@ class P2P:
         self.group, self.rank, self.n_ranks = group, rank, n_ranks
         self.device, self.timeout, self.max_bytes = device, timeout, max_message_bytes
         self._patience = timedelta(seconds=timeout)  # a proven send's wait (it returns at once)
-        self.cpu_group, self.device_groups = pipeline_groups(group, n_ranks, device)
+        self.cpu_group, self.device_groups, made = pipeline_groups(group, n_ranks, device)
         self.globals = [r if group is None else dist.get_global_rank(group, r)
                          for r in range(n_ranks)]
         """The global rank of each pipeline rank."""
@@ -108,7 +109,11 @@ class P2P:
                            max_message_bytes, self._tag, self._tag + 1)
         self.inbox = Inbox({peer: Inbound(self._link, peer, self.globals[peer])
                             for peer in range(n_ranks) if peer != rank}, timeout)
-        weakref.finalize(self, _close, self.inbox, self._pending, self._carried, timeout)
+        self.failed = False
+        """A step failed: the peers' messages are being drained, and sends may never complete."""
+        self._closer = weakref.finalize(self, _close, self.inbox, self._pending, self._carried,
+                                        timeout, [*made, *([] if twin is None else [twin])])
+        lifetime.own(self)
 
     def name(self, rank: int) -> str:
         """Pipeline rank ``rank`` as the job knows it (:func:`~.groups.rank_name`)."""
@@ -151,21 +156,34 @@ class P2P:
         forms: dict[bool, Encoded] = {}  # by: one send
         dsts = [dst] if isinstance(dst, int) else dst
         for dst_rank in dsts:
-            capacity = self._capacity[dst_rank]
-            first, payload, size, home = _encoded(msg, self.encode, op, capacity.bytes, forms)
-            group = self._link.to(dst_rank)
-            work = group.send([first], dst_rank, self._tag)  # as dist.isend
-            held = self._pending.setdefault((dst_rank, msg.key.route()), [])
-            # a buffer of one send goes back to its route once the send completed
-            held.append((work, first, payload, home if len(dsts) == 1 else None))
-            on_device = payload is not None and payload.device.type != "cpu"
-            if payload is not None:
-                held.append((dist.isend(payload, dst=self.globals[dst_rank], tag=self._tag + 1,
-                                        group=self.device_groups[(self.rank, dst_rank)])
-                             if on_device else group.send([payload], dst_rank, self._tag + 1),
-                             first, payload, None))
-            self.posted += 1 + (payload is not None)
-            capacity.record(size, on_device)
+            try:
+                self._send(dst_rank, msg, op, forms, len(dsts) == 1)
+            except PipelineError:
+                raise
+            except RuntimeError as e:  # gloo refuses a send on a connection the peer closed
+                first = str(e).splitlines()[0][:200]
+                raise PeerClosed(f"{self.name(self.rank)} sending the {msg.key.describe()} to "
+                                 f"{self.name(dst_rank)}: the peer closed the connection (did "
+                                 f"its process die?) [{first}]", dst_rank) from None
+
+    def _send(self, dst_rank: int, msg: Message, op: int, forms: dict[bool, Encoded],
+              alone: bool) -> None:
+        """Post ``msg``'s send(s) to ``dst_rank`` (``alone``: to no other rank)."""
+        capacity = self._capacity[dst_rank]
+        first, payload, size, home = _encoded(msg, self.encode, op, capacity.bytes, forms)
+        group = self._link.to(dst_rank)
+        work = group.send([first], dst_rank, self._tag)  # as dist.isend
+        held = self._pending.setdefault((dst_rank, msg.key.route()), [])
+        # a buffer of one send goes back to its route once the send completed
+        held.append((work, first, payload, home if alone else None))
+        on_device = payload is not None and payload.device.type != "cpu"
+        if payload is not None:
+            held.append((dist.isend(payload, dst=self.globals[dst_rank], tag=self._tag + 1,
+                                    group=self.device_groups[(self.rank, dst_rank)])
+                         if on_device else group.send([payload], dst_rank, self._tag + 1),
+                         first, payload, None))
+        self.posted += 1 + (payload is not None)
+        capacity.record(size, on_device)
 
     def recv(self, key: Key, describe: str | Describe) -> Message:
         msg = self.inbox.take(key, describe)
@@ -183,9 +201,18 @@ class P2P:
                     w.wait(self._patience)
                 except RuntimeError as e:
                     where = describe if isinstance(describe, str) else describe()
-                    raise CommError(f"{where}: a send did not complete: {e}") from None
+                    raise self._unsent(where, dst, e) from None
                 if home is not None:
                     Encoder.done(first, home)
+
+    def _unsent(self, where: str, dst: int, error: RuntimeError) -> CommError:
+        """A send to ``dst`` that did not complete: timed out, or the peer closed the
+        connection (:class:`PeerClosed`, which the job's news then explains)."""
+        first = str(error).splitlines()[0][:200]
+        if "timed out" in first.lower():
+            return CommError(f"{where}: a send to {self.name(dst)} did not complete: {first}")
+        return PeerClosed(f"{where}: a send to {self.name(dst)} did not complete: the peer "
+                          f"closed the connection (did its process die?) [{first}]", dst)
 
     def settle(self, describe: str) -> None:
         """Wait for every send (within the timeout); raise a receiver's error.
@@ -196,12 +223,12 @@ class P2P:
         ``profile_memory=True``; see ``tests/test_regressions.py``).
         """
         deadline = time.monotonic() + self.timeout
-        for entries in self._pending.values():
+        for (dst, _), entries in self._pending.items():
             for w, first, _, home in entries:
                 try:
                     w.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
                 except RuntimeError as e:
-                    raise CommError(f"{describe}: a send did not complete: {e}") from None
+                    raise self._unsent(describe, dst, e) from None
                 if home is not None:
                     Encoder.done(first, home)
         self._pending.clear()  # in place: the finaliser holds this dict
@@ -233,6 +260,7 @@ class P2P:
         The sends are neither waited for (a wait that times out makes gloo close the connection
         to that peer for good) nor freed (gloo may still be reading them).
         """
+        self.failed = True
         for held in (self._pending, self._carried):
             for entries in held.values():
                 _LEFTOVERS.extend(entries)
@@ -240,8 +268,18 @@ class P2P:
         self.inbox.drain()
 
     def close(self) -> None:
-        """Let the last sends complete (bounded)."""
-        _close(self.inbox, self._pending, self._carried, self.timeout)
+        """Let the last sends complete (bounded), then end the groups this transport made
+        (its twin, and on GPUs its pair groups); once only."""
+        self._closer()
+
+    def at_exit(self) -> None:
+        """The interpreter exits: after a failure, close this rank's connections to every
+        peer now (:meth:`~.receiver.Link.cut`), so that no drain or ABORT thread is still
+        in a gloo wait when the interpreter finalises (:mod:`.lifetime`)."""
+        if self.failed:
+            for peer in range(self.n_ranks):
+                if peer != self.rank:
+                    self._link.cut(peer)
 
     def abort(self, step: int, stage: int, mb: int, op: int, text: str,
               relay: bool = False) -> None:
@@ -267,9 +305,7 @@ class P2P:
         # a peer takes an ABORT when it next waits for this rank's message, maybe after its
         # current action: waited for on a thread (a timed-out wait would close the connection
         # for good), and for at most 2 s here, so that a process about to exit sends them first
-        waiter = threading.Thread(target=_wait_all, args=(works,), daemon=True,
-                                  name="pipetrain-abort")
-        waiter.start()
+        waiter = lifetime.start(_wait_all, (works,), "pipetrain-abort")
         waiter.join(2.0)
 
 
@@ -296,11 +332,12 @@ def _wait_all(works: list[tuple[Any, torch.Tensor]]) -> None:
 
 
 def _close(inbox: Inbox, pending: dict[Any, list[Pending]],
-           carried: dict[Any, list[Pending]], timeout: float) -> None:
+           carried: dict[Any, list[Pending]], timeout: float, groups: list[Any]) -> None:
     """Wait (bounded, errors ignored: the peer may be gone) for sends still in flight, so none
     is dropped before its peer takes it; keep any receive still posted for good. An
     asynchronous schedule's sends for a next step (``carried``: the pipeline was dropped
-    without a drain) are kept, not waited for: no peer may ever take them."""
+    without a drain) are kept, not waited for: no peer may ever take them. Then end
+    ``groups``, the ones the transport made."""
     deadline = time.monotonic() + timeout
     for entries in pending.values():
         for w, *_ in entries:
@@ -313,3 +350,8 @@ def _close(inbox: Inbox, pending: dict[Any, list[Pending]],
         _LEFTOVERS.extend(entries)  # gloo may still read them
     carried.clear()
     inbox.park()
+    release([g for g in groups if isinstance(g, dist.ProcessGroup)])
+    for backend in groups:  # the twin: a gloo backend of ours, outside torch's registry
+        if not isinstance(backend, dist.ProcessGroup):
+            backend.shutdown()
+    groups.clear()

@@ -13,6 +13,7 @@ from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed import Store  # type: ignore[attr-defined]  # not in __all__
 
 from pipetrain.errors import CommError
 
@@ -73,38 +74,83 @@ def twin_group(members: Sequence[int], rank: int, generation: int, timeout: floa
     tries that lock, spins on ``epoll_wait`` while either holds it: measured by
     ``benchmarks/overhead.py --threads``. None outside a job with a store (then both directions
     share the pipeline's group).
+
+    The keys the rendezvous wrote are deleted once every member is connected: the store holds
+    nothing of the group after this returns.
     """
     try:
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
         return None
     key = f"pipetrain/twin/{'-'.join(map(str, members))}/{generation}/"
-    backend = dist.ProcessGroupGloo(dist.distributed_c10d.PrefixStore(key, store), rank,
-                                    len(members), timedelta(seconds=timeout))
+    written = _Written(dist.distributed_c10d.PrefixStore(key, store))
+    backend = dist.ProcessGroupGloo(written, rank, len(members), timedelta(seconds=timeout))
     # gloo's mesh is whole on one side before the other: without this wait, a rank that built
     # its pipeline last and returned (a test, a script that only builds) could close its
-    # sockets while a peer still connects ("Connection closed by peer" in connectFullMesh)
+    # sockets while a peer still connects ("Connection closed by peer" in connectFullMesh).
+    # Once it passed, every member has read every key (a member enters it once connected)
     backend.barrier(dist.BarrierOptions()).wait()  # type: ignore[attr-defined]
+    written.forget()
     return cast(Channel, backend)  # torch's stubs give a backend no send/recv; it has them
 
 
+class _Written(Store):
+    """A store that remembers the keys set through it, to delete them (:meth:`forget`)."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self.store, self.keys = store, set[str]()
+
+    def set(self, key: str, value: str) -> None:
+        self.keys.add(key)
+        self.store.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        self.keys.add(key)
+        return int(self.store.add(key, amount))
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.store.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.store.check(keys))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self.store.wait(keys)
+        else:
+            self.store.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.store.delete_key(key))
+
+    def forget(self) -> None:
+        """Delete every key set through this store."""
+        for key in sorted(self.keys):
+            self.store.delete_key(key)
+        self.keys.clear()
+
+
 def pipeline_groups(group: dist.ProcessGroup | None, n_ranks: int, device: torch.device
-            ) -> tuple[dist.ProcessGroup | None, dict[tuple[int, int], dist.ProcessGroup]]:
-    """A gloo group for frames, and on GPUs one NCCL group per ordered pair of ranks."""
+                    ) -> tuple[dist.ProcessGroup | None, dict[tuple[int, int], dist.ProcessGroup],
+                               list[dist.ProcessGroup]]:
+    """A gloo group for frames, on GPUs one NCCL group per ordered pair of ranks, and the
+    groups made for them (:func:`release` ends them with the pipeline)."""
     if device.type == "cpu" and dist.get_backend(group) == "gloo":
-        return group, {}
+        return group, {}, []
     members = [dist.get_global_rank(group, r) if group is not None else r for r in range(n_ranks)]
     return symmetric_groups(members, device)
 
 
 def symmetric_groups(members: list[int], device: torch.device
-                     ) -> tuple[dist.ProcessGroup, dict[tuple[int, int], dist.ProcessGroup]]:
+                     ) -> tuple[dist.ProcessGroup, dict[tuple[int, int], dist.ProcessGroup],
+                                list[dist.ProcessGroup]]:
     """This pipeline's frame group and pair groups, made by every rank of the job alike.
 
     torch names a new group after how many groups the process made before, so a group made by
     some ranks only (a pair) would get different names on different ranks and hang. Instead
     every rank learns every pipeline's members (all pipelines of a data-parallel job are built
-    together) and every rank makes every group, in one order.
+    together) and every rank makes every group, in one order. The last item: every group made.
     """
     world = dist.get_world_size()
     mine = torch.full((world,), -1, dtype=torch.int64, device=collective_device(device))
@@ -115,19 +161,31 @@ def symmetric_groups(members: list[int], device: torch.device
     frames: dist.ProcessGroup | None = None
     pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
     me = dist.get_rank()
+    every: list[dist.ProcessGroup] = []
     for ranks in layouts:
         made = dist.new_group(list(ranks), backend="gloo")
+        every.append(made)
         if list(ranks) == members:
             frames = made
         for a, ra in enumerate(ranks):
             for b, rb in enumerate(ranks):
                 if a != b:
                     pg = dist.new_group([ra, rb])
+                    every.append(pg)
                     if list(ranks) == members and me in (ra, rb):
                         pairs[(a, b)] = pg
     if frames is None:
         raise CommError(f"rank {me}: its pipeline group {members} is missing from the job's")
-    return frames, pairs
+    return frames, pairs, every
+
+
+def release(groups: Sequence[dist.ProcessGroup]) -> None:
+    """End groups a pipeline made (a local call: torch's ``destroy_process_group`` of each)."""
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):  # the job's default group is gone already
+            continue
 
 
 def collective_device(device: torch.device) -> torch.device:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import struct
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.errors import CommError
+from pipetrain.runtime import lifetime
 from pipetrain.runtime.groups import Channel, rank_name
 from pipetrain.runtime.wire import (
     ABORT,
@@ -66,6 +66,8 @@ RELAY = -2  # the destination stage of an ABORT that passes on another rank's fa
 Describe = Callable[[], str]
 Known = tuple[bytes, int, bytes, Layout, Any]
 _LEAD = struct.Struct("<6q")  # magic and key: what differs between messages alike
+_CUT_TAG = 1 << 30  # above every pipeline's tags (17 + 3n ...): nothing is ever sent on it
+_CUT_WAIT = timedelta(milliseconds=1)
 
 _UNCLAIMED: list[Any] = []
 """Posted receives whose step failed, kept for good.
@@ -121,6 +123,22 @@ class Link:
         """The gloo group of rank ``src``'s messages to this rank."""
         return self.up if self.rank > src else self.down
 
+    def cut(self, peer: int) -> None:
+        """Close this rank's connections to ``peer`` now, in both groups: a receive posted
+        on a tag no message uses, waited for 1 ms (gloo closes a connection whose wait timed
+        out), fails every wait still pending on them. For the interpreter's exit after a
+        failure (:mod:`~pipetrain.runtime.lifetime`): gloo has no other local way to end a
+        posted receive."""
+        for channel in {id(c): c for c in (self.up, self.down)}.values():
+            frame = torch.empty(1, dtype=torch.uint8)
+            _UNCLAIMED.append(frame)  # gloo may hold it until the process ends
+            try:
+                work = channel.recv([frame], peer, _CUT_TAG)
+                if work is not None:
+                    work.wait(_CUT_WAIT)
+            except RuntimeError:
+                continue
+
 
 class Inbound:
     """One peer's messages to this rank in a step, received by the main thread when it needs one.
@@ -137,6 +155,8 @@ class Inbound:
         self.posted: tuple[torch.Tensor, Any, Any] | None = None
         """The receive posted for the peer's next message: its frame, gloo's work, and a numpy
         array over the frame's memory."""
+        self.ended = False
+        """The peer sent its ABORT or closed its connection: it sends this rank nothing more."""
         self.spare: list[tuple[torch.Tensor, Any]] = []
         """Frames received into before, each free again once no tensor of its message is left
         (:func:`_free_frame`)."""
@@ -158,7 +178,7 @@ class Inbound:
             return
         if self.posted is not None:  # a receive of an earlier step that never completed
             _UNCLAIMED.append(self.posted)
-        self.keys, self.next = keys, 0
+        self.keys, self.next, self.ended = keys, 0, False
         self.posted = self._post() if keys else None
 
     def expects(self) -> Key | None:
@@ -185,7 +205,11 @@ class Inbound:
 
     def drain(self, deadline: float) -> None:
         """Take the peer's messages until its ABORT, a failed receive or the end of its plan;
-        then keep one receive posted for good, where a later ABORT from it lands."""
+        then keep one receive posted for good, where a later ABORT from it lands. A peer that
+        ended already (its ABORT was the message that failed this rank) sends nothing more:
+        a receive waited for then would wait out the deadline, into the interpreter's exit."""
+        if self.ended:
+            return
         try:
             while self.expects() is not None:
                 self.receive(deadline, "draining")
@@ -244,6 +268,7 @@ class Inbound:
                 buffer[_LEAD.size:described(header)].tobytes(), size,
                 bytes(buffer[HEADER_BYTES:HEADER_BYTES + header[8]]), where, spec)
         if msg.key.kind == ABORT:
+            self.ended = True
             error = abort_error(self.peer, self.src, header, msg)
             raise Relayed(error) if msg.key.dst_stage == RELAY else error
         if msg.key != key:
@@ -290,6 +315,7 @@ class Inbound:
             self.posted = None
             text = str(e)
             first = text.splitlines()[0][:200]
+            self.ended = True  # either way gloo closed the connection: nothing more comes
             if "Timed out" in text or "timeout" in text.lower():
                 raise CommError(f"{_text(describe)}: timed out waiting for the {key.describe()} "
                                 f"from {rank_name(self.peer, self.src)} [{first}]") from None
@@ -371,8 +397,7 @@ class Inbox:
         self.arrived.clear()
         deadline = time.monotonic() + self.timeout
         for peer, inbound in self.peers.items():
-            threading.Thread(target=inbound.drain, args=(deadline,), daemon=True,
-                             name=f"pipetrain-drain-{peer}").start()
+            lifetime.start(inbound.drain, (deadline,), f"pipetrain-drain-{peer}")
 
     def park(self) -> None:
         """Keep every receive still posted for good (gloo may still write into them)."""

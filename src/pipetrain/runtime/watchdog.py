@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pipetrain.errors import CommError
-from pipetrain.runtime import news
+from pipetrain.runtime import lifetime, news
 from pipetrain.runtime.receiver import PeerClosed
 
 __all__: list[str] = []
@@ -96,11 +96,12 @@ class Watchdog:
         self.gone: set[int] = set()
         """Pipeline ranks a diagnosis found dead or hung: they will not count themselves out."""
         self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
         if store is not None:
             news.built(generation)
-            threading.Thread(target=_answer, args=(store, prefix, rank, activity, self.stop,
-                                                   generation, on_news),
-                             daemon=True, name="pipetrain-watchdog").start()
+            self.thread = lifetime.start(_answer, (store, prefix, rank, activity, self.stop,
+                                                   generation, on_news), "pipetrain-watchdog")
+            lifetime.own(self)
 
     @classmethod
     def of(cls, transport: Any, activity: Activity) -> Watchdog:
@@ -120,6 +121,18 @@ class Watchdog:
                   transport.name, transport.globals)
         weakref.finalize(transport, dog.stop.set)
         return dog
+
+    def close(self) -> None:
+        """Stop this rank's thread and wait for it (it ends within one store request). A
+        pipeline that never failed wrote no key (only a timed-out wait probes); a failed one's
+        stay, for its peers to read after this rank is gone."""
+        self.stop.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(_ANSWER_S)
+
+    def at_exit(self) -> None:
+        """The interpreter exits: stop the thread (:mod:`~pipetrain.runtime.lifetime` waits)."""
+        self.stop.set()
 
     def diagnose(self, waited_for: Sequence[int]) -> str:
         """Who stopped making progress, seen from a rank that waited for ``waited_for``."""
