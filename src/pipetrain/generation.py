@@ -187,6 +187,17 @@ class Generator:
         for t, store in zip(self.caches[stage], own):
             t.set_(store.untyped_storage(), store.storage_offset(), store.size(), store.stride())
 
+    def close(self) -> None:
+        """End what the generator's pipeline started (:meth:`Pipeline.close`); also at the end
+        of ``with Generator(...) as gen:`` and when its last reference goes."""
+        self.pipe.close()
+
+    def __enter__(self) -> Generator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: Sampling | None = None, eos_token_id: int | Sequence[int] | None = None,

@@ -13,6 +13,7 @@ runs it (training, eval graph, decoding, an asynchronous window's phase).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +169,11 @@ class Stepper:
         self.closed = True
         if self.watchdog is not None:
             self.watchdog.close()
+        if self.transport is not None and self.transport.carried() and self.broken is None:
+            warnings.warn(f"[rank {self.feed.rank}] a {self.feed.schedule.name} pipeline ended "
+                          "without drain(): its last step's sends stay in flight, with their "
+                          "connections, until the process exits (call pipe.drain() after the "
+                          "last step)", RuntimeWarning, stacklevel=2)
         if self.transport is not None:
             self.transport.close()
         for stage in self.stages.values():

@@ -267,6 +267,10 @@ class P2P:
             held.clear()
         self.inbox.drain()
 
+    def carried(self) -> int:
+        """How many of an asynchronous schedule's sends wait for the next step (or a drain)."""
+        return sum(len(entries) for entries in self._carried.values())
+
     def close(self) -> None:
         """Let the last sends complete (bounded), then end the groups this transport made
         (its twin, and on GPUs its pair groups); once only."""

@@ -24,8 +24,11 @@ traces with ``torch.fx.Tracer``, so there is one capture path.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
+import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +39,7 @@ from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
 from pipetrain.errors import PartitionError
+from pipetrain.runtime.launch import RANK_MODULES
 from pipetrain.split import recall
 from pipetrain.split.inputs import Packed
 from pipetrain.split.lazy import is_meta
@@ -194,6 +198,7 @@ def export(model: nn.Module, bound: inspect.BoundArguments, dynamic: bool = True
     code allows; else at ``bound``'s shapes), and the seconds it took."""
     import time
 
+    _import_torch_parts()
     start = time.perf_counter()
     try:
         program = torch.export.export(model, bound.args, bound.kwargs, strict=False,
@@ -202,6 +207,20 @@ def export(model: nn.Module, bound: inspect.BoundArguments, dynamic: bool = True
     except Exception as e:
         raise PartitionError(_explain(model, e)) from e
     return program, time.perf_counter() - start
+
+
+def _import_torch_parts() -> None:
+    """Import what an export imports lazily (torch's dynamo, its export tracer, symbolic
+    shapes), once per process, on a thread of its own: torch keeps the stack of the call that
+    first imports them alive after the import (a frame outlives it), and from a caller's
+    stack that would hold the caller's objects (the pipeline being built, its stages) for
+    good. ``tests/test_lifetime.py`` checks a captured pipeline is freed when dropped."""
+    if all(name in sys.modules for name in RANK_MODULES):
+        return
+    thread = threading.Thread(target=lambda: [importlib.import_module(m) for m in RANK_MODULES],
+                              name="pipetrain-import")
+    thread.start()
+    thread.join()
 
 
 def from_program(program: torch.export.ExportedProgram, model: nn.Module,
