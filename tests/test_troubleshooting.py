@@ -28,6 +28,7 @@ COMMANDS = {  # the module of a command's code -> the commands its exit codes be
     "pipetrain.train.generate_cli": ("generate",),
     "pipetrain.plan.cli": ("plan",),
     "pipetrain.plan.custom_cli": ("plan",),
+    "pipetrain.plan.cluster_cli": ("plan",),
 }
 
 QUOTED = [  # (a fragment the page quotes, the source file under src/pipetrain that says it)

@@ -7,6 +7,13 @@ plan`` (it profiles the model), ``calibrate.py`` measures collectives on the ran
 ``custom_cli.py``); ``budget.py`` turns a memory budget in bytes into the stage-activations
 of a :class:`~pipetrain.schedules.generators.Target` (:func:`memory_target`).
 
+``pipetrain plan --cluster GPU`` plans for GPUs this machine does not have, from first
+principles: ``arch.py`` (the model's shape and FLOPs), ``hardware.py`` (GPUs, cited),
+``kernels.py`` (measured kernel speeds, ``data/``), ``collectives.py`` (NCCL's costs),
+``layer_cost.py`` (a layer's F, I, W and bytes), ``cluster.py`` (a layout's step and memory,
+through the schedule simulator), ``cluster_search.py`` and ``cluster_cli.py``;
+``published.py`` holds the published runs it is checked against.
+
 May import: every rung below it, :mod:`pipetrain.train` included.
 """
 

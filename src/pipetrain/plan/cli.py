@@ -90,10 +90,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/plan"), metavar="DIR",
                         help="where plan.toml and plan.png go (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    from pipetrain.plan.cluster_cli import configure_cluster
+
+    configure_cluster(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan; exit 3 when no candidate fits the limit (the fastest is still written)."""
+    if args.cluster or args.hardware:
+        from pipetrain.plan.cluster_cli import run_cluster
+
+        return run_cluster(args)
     if args.module:
         from pipetrain.plan.custom_cli import run_module
 

@@ -1,0 +1,238 @@
+"""Cluster: a training job's step time, throughput and memory on GPUs it does not run on.
+
+For one layout (tp x pp x dp x fsdp x cp x ep, a schedule, micro-batches), each pipeline stage's
+F, I and W come from :mod:`.layer_cost` (matrix multiplies at the measured efficiency of their
+shapes, flash attention, memory-bound work, the collectives on the critical path); the
+schedule's own simulator (:func:`pipetrain.schedules.simulate.simulate`) lays them out, with each
+pipeline hop's send as the delay between ranks; then what follows the pipeline::
+
+    step = pipeline makespan                      (the simulator, this schedule's action lists)
+         + gradient reduction over dp x fsdp      (overlapped with the backward but its last
+                                                   bucket: one stage-layer's gradients)
+         + FSDP's first all-gather                (later ones prefetched under compute)
+         + the optimizer step                     (memory-bound: every state byte read, written)
+
+    peak bytes = weights, gradients, AdamW states (sharded by fsdp; the optimizer's by dp when
+                 distributed) + the stage-activations the simulator finds alive at once x what
+                 one keeps + the last stage's fp32 logits + a fixed 2 GiB for CUDA's and NCCL's
+                 own buffers
+
+Ranks are placed tp innermost, then cp, dp and fsdp, pp outermost (Megatron-LM's order): a
+group whose ranks all fit in one node talks over NVLink, any other over the NIC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+from pipetrain.plan.arch import Arch
+from pipetrain.plan.collectives import Fabric
+from pipetrain.plan.hardware import Gpu
+from pipetrain.plan.kernels import Kernels
+from pipetrain.plan.layer_cost import BF16, LayerCost, Shard, head_cost, layer_cost
+from pipetrain.schedules.generators import make_schedule
+from pipetrain.schedules.simulate import Costs, simulate
+
+__all__ = ["Job", "Layout", "Prediction", "predict"]
+
+RESERVED_BYTES = 2 * 2**30
+"""CUDA's context, NCCL's buffers and the allocator's slack per GPU (an assumption)."""
+MAX_SIMULATED = 3_000  # actions; a longer schedule is extrapolated from two shorter ones
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job is cut over its GPUs."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = 1
+    cp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    microbatches: int = 1
+    micro_batch_size: int = 1
+    recompute: str = "never"
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.fsdp * self.cp
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained, on what: the model, the GPUs, the sequence and the batch."""
+
+    arch: Arch
+    gpu: Gpu
+    gpus: int
+    seq: int
+    global_batch: int
+    """Sequences per step."""
+    precision: str = "bf16"
+    distributed_optimizer: bool = True
+    """AdamW's states sharded over the data-parallel ranks (ZeRO-1)."""
+    overlap_grad_reduce: bool = True
+    grad_bytes: int = 4
+    """Bytes per gradient element as reduced (fp32 main gradients)."""
+    memory_limit: float = 0.0
+    """Bytes per GPU; 0: the GPU's own."""
+    flash_attention: bool = True
+    """False: attention's s x s scores in memory (trainers before 2022)."""
+    sequence_parallel: bool = True
+    """Norms and residuals split by tp too (Korthikanti et al. 2022); False: replicated."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One layout's predicted step, throughput and memory."""
+
+    layout: Layout
+    step_s: float
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    peak_bytes_per_gpu: float
+    fits: bool
+    parts: dict[str, float]
+    """Seconds of the step by cause: pipeline, grad_reduce, fsdp_gather, optimizer; and within
+    the pipeline, the busiest rank's compute and communication."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": asdict(self.layout), "step_s": self.step_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "model_tflops_per_gpu": self.model_tflops_per_gpu,
+                "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
+                "peak_bytes_per_gpu": self.peak_bytes_per_gpu, "fits": self.fits,
+                "parts": dict(self.parts)}
+
+
+def predict(job: Job, layout: Layout) -> Prediction:
+    """The step of ``job`` cut as ``layout`` (see the module docstring)."""
+    arch, gpu = job.arch, job.gpu
+    kernels, fabric = Kernels.of(gpu), Fabric.of(gpu)
+    dpf = layout.dp * layout.fsdp
+    shard = Shard(layout.tp, layout.cp, layout.ep,
+                  fabric.group(layout.tp, 1), fabric.group(layout.cp, layout.tp),
+                  fabric.group(layout.ep, layout.tp * layout.cp),
+                  sequence_parallel=job.sequence_parallel, flash=job.flash_attention)
+    layer = layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard, layout.recompute)
+    head = head_cost(arch, kernels, layout.micro_batch_size, job.seq, shard)
+    n_stages = layout.pp * layout.stages_per_rank
+    per_stage = _layers_per_stage(arch.layers, n_stages)
+    costs = _stage_costs(per_stage, layer, head)
+    tokens = layout.micro_batch_size * job.seq / layout.cp
+    hop = fabric.hop(layout.tp * layout.cp * dpf).send(
+        tokens * arch.hidden * BF16 / layout.tp)
+    makespan, peak_units = _timeline(layout.schedule, layout.pp, layout.microbatches,
+                                     layout.stages_per_rank, costs, hop)
+    stage_params = max(per_stage) * _layer_params(arch, layout) + arch.vocab * arch.hidden \
+        / layout.tp
+    reduce_link = fabric.group(dpf, layout.tp * layout.cp)
+    grads = stage_params * layout.stages_per_rank * job.grad_bytes
+    weights = stage_params * layout.stages_per_rank * BF16  # gathered after a sharded update
+    reduce = (reduce_link.reduce_scatter(grads, dpf) + reduce_link.all_gather(weights, dpf)
+              if job.distributed_optimizer or layout.fsdp > 1
+              else reduce_link.all_reduce(grads, dpf))
+    exposed = reduce / max(per_stage) if job.overlap_grad_reduce else reduce
+    gather = (reduce_link.all_gather(stage_params / max(per_stage) * BF16, layout.fsdp)
+              if layout.fsdp > 1 else 0.0)
+    params_here = stage_params * layout.stages_per_rank
+    opt_shard = layout.fsdp * (layout.dp if job.distributed_optimizer else 1)
+    optimizer = kernels.memory(params_here / opt_shard * 32)
+    step = makespan + exposed + gather + optimizer
+    model = arch.model_flops(job.seq) * job.global_batch * job.seq
+    hardware = arch.hardware_flops(job.seq, layout.recompute) * job.global_batch * job.seq
+    peak = _peak(job, layout, params_here, peak_units, per_stage, layer, head)
+    limit = job.memory_limit or gpu.hbm_bytes
+    busy = (sum(costs[op][s] for op in "FIW" for s in range(n_stages)) / layout.pp
+            * layout.microbatches)
+    return Prediction(
+        layout, step, job.global_batch * job.seq / step / job.gpus,
+        model / step / job.gpus / 1e12, hardware / step / job.gpus / 1e12,
+        model / step / job.gpus / gpu.bf16_flops, peak, peak <= limit,
+        {"pipeline": makespan, "grad_reduce": exposed, "fsdp_gather": gather,
+         "optimizer": optimizer, "busy_per_rank": busy, "bubble": makespan - busy})
+
+
+def _layers_per_stage(layers: int, n_stages: int) -> list[int]:
+    if n_stages > layers:
+        raise ValueError(f"{n_stages} pipeline stages (pp x stages per rank) exceed the "
+                         f"model's {layers} layers: lower --pp or --stages-per-rank")
+    base, extra = divmod(layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
+def _layer_params(arch: Arch, layout: Layout) -> float:
+    """One layer's parameters on one GPU: matrices split by tp, experts by ep too."""
+    if not arch.moe:
+        return arch.layer_params() / layout.tp
+    experts = arch.experts * arch.mlp_params(arch.ffn)
+    return (arch.layer_params() - experts) / layout.tp + experts / layout.tp / layout.ep
+
+
+def _stage_costs(per_stage: list[int], layer: LayerCost, head: LayerCost
+                 ) -> dict[str, tuple[float, ...]]:
+    last = len(per_stage) - 1
+    out: dict[str, tuple[float, ...]] = {}
+    for op in "fiw":
+        own = getattr(layer, op)
+        out[op.upper()] = tuple(n * own + (getattr(head, op) if s == last else 0.0)
+                                for s, n in enumerate(per_stage))
+    out["B"] = tuple(i + w for i, w in zip(out["I"], out["W"]))
+    return out
+
+
+def _timeline(name: str, pp: int, m: int, v: int, costs: dict[str, tuple[float, ...]],
+              hop: float) -> tuple[float, float]:
+    """The schedule's makespan and its largest count of stage-activations alive on one rank;
+    a schedule too long to simulate is extrapolated linearly in m from two shorter ones
+    (both quantities are affine in m once m is a few times pp)."""
+    key = (name, pp, v, tuple((op, tuple(round(x, 12) for x in c))
+                              for op, c in sorted(costs.items())), round(hop, 12))
+    if pp * m * v * 3 <= MAX_SIMULATED:
+        return _simulated(*key[:3], m, key[3], key[4])
+    a = 2 * pp
+    b = 3 * pp
+    ta, ua = _simulated(*key[:3], a, key[3], key[4])
+    tb, ub = _simulated(*key[:3], b, key[3], key[4])
+    return ta + (tb - ta) * (m - a) / (b - a), ua + (ub - ua) * (m - a) / (b - a)
+
+
+@lru_cache(maxsize=4096)
+def _simulated(name: str, pp: int, v: int, m: int, costs: tuple[Any, ...], hop: float
+               ) -> tuple[float, float]:
+    schedule = make_schedule(name, pp, m, stages_per_rank=v) if v > 1 else \
+        make_schedule(name, pp, m)
+    c = dict(costs)
+    split = schedule.split_backward
+    sim = simulate(schedule, Costs(F=c["F"], I=c["I"] if split else None,
+                                   W=c["W"] if split else None, B=None if split else c["B"]),
+                   comm=hop)
+    return sim.makespan, max(sim.peak_activations)
+
+
+def _peak(job: Job, layout: Layout, params_here: float, units: float, per_stage: list[int],
+          layer: LayerCost, head: LayerCost) -> float:
+    shard_opt = layout.fsdp * (layout.dp if job.distributed_optimizer else 1)
+    state = params_here * ((BF16 + job.grad_bytes) / layout.fsdp + 12 / shard_opt)
+    activations = units * max(per_stage) * layer.kept
+    return state + activations + head.kept + RESERVED_BYTES
+
+
+def with_microbatches(job: Job, layout: Layout) -> Layout:
+    """``layout`` with as many micro-batches as the global batch gives each replica."""
+    per_replica = job.global_batch / (layout.dp * layout.fsdp)
+    m = per_replica / layout.micro_batch_size
+    if m != int(m) or m < 1:
+        raise ValueError(f"a global batch of {job.global_batch} sequences does not split into "
+                         f"{layout.dp * layout.fsdp} replicas of micro-batches of "
+                         f"{layout.micro_batch_size}: choose a batch divisible by "
+                         f"{layout.dp * layout.fsdp * layout.micro_batch_size}")
+    return replace(layout, microbatches=int(m))
+

@@ -1,0 +1,146 @@
+"""``pipetrain plan --cluster GPU``: plan a job for GPUs this machine does not have.
+
+    $ pipetrain plan --cluster H100 --gpus 64 --hf llama-70b/ --seq-len 8192 --global-batch 512
+    $ pipetrain plan --cluster A100-80GB --gpus 512 --config-json gpt.json --seq-len 2048 \\
+          --global-batch 1536 --tp 8 --pp 2 --json
+
+Nothing is profiled or run: the model's shape (a Hugging Face ``config.json`` is enough), the
+GPU's table (:mod:`.hardware`, or ``--hardware FILE.toml``), its measured kernel speeds
+(:mod:`.kernels`) and the schedule simulator predict every layout the flags leave open
+(:mod:`.cluster_search`, :mod:`.cluster`). Exit 2 for input no layout can take (it says how to
+fix it), 3 when no layout fits the memory (the closest is shown, with what would fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipetrain.plan.arch import Arch
+from pipetrain.plan.cluster import Job, Prediction
+from pipetrain.plan.cluster_search import RECOMPUTE, Pins, search
+from pipetrain.plan.hardware import GPUS, gpu, load_toml, with_overrides
+
+__all__ = ["configure_cluster", "run_cluster"]
+
+EXIT_BAD_INPUT, EXIT_NONE_FITS = 2, 3
+PREDICTED_ONLY = ("cp", "ep")  # dimensions pipetrain train does not run yet
+
+
+def configure_cluster(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``plan --cluster`` that plain ``plan`` does not have."""
+    group = parser.add_argument_group("planning for a GPU cluster (--cluster)")
+    group.add_argument("--cluster", metavar="GPU",
+                       help=f"predict for these GPUs instead of profiling here: "
+                            f"{', '.join(GPUS)} (or --hardware FILE.toml)")
+    group.add_argument("--gpus", type=int, metavar="N", help="GPUs in all")
+    group.add_argument("--gpus-per-node", type=int, metavar="G")
+    group.add_argument("--nic-gbps", type=float, metavar="X",
+                       help="scale-out bandwidth per GPU, Gbit/s")
+    group.add_argument("--hardware", metavar="FILE.toml", help="your own GPU's description")
+    group.add_argument("--config-json", metavar="FILE",
+                       help="the model's config.json (Hugging Face keys)")
+    group.add_argument("--global-batch", type=int, metavar="B", help="sequences per step")
+    group.add_argument("--micro-batch-size", type=int, metavar="b")
+    group.add_argument("--cp", type=int, metavar="C", help="context-parallel ranks")
+    group.add_argument("--schedule", metavar="NAME")
+    group.add_argument("--stages-per-rank", type=int, metavar="V")
+    group.add_argument("--recompute", choices=RECOMPUTE)
+    group.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """Plan for ``args.cluster``; the exit code of the module docstring."""
+    try:
+        job, pins = _job(args)
+        found = search(job, pins)
+    except ValueError as e:
+        print(f"pipetrain plan --cluster: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    best = found[0]
+    report = {"best": _row(best, job), "candidates": [_row(p, job) for p in found[:50]],
+              "predicted_only": [d for d in PREDICTED_ONLY
+                                 if getattr(best.layout, d) > 1],
+              "job": {"gpu": job.gpu.name, "gpus": job.gpus, "seq_len": job.seq,
+                      "global_batch": job.global_batch, "params": job.arch.params(),
+                      "active_params": job.arch.active_params()}}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print(found[:args.top], job)
+    if not best.fits:
+        limit = (job.memory_limit or job.gpu.hbm_bytes) / 2**30
+        print(f"pipetrain plan --cluster: no layout fits {limit:.1f} GiB per GPU; the closest "
+              f"needs {best.peak_bytes_per_gpu / 2**30:.1f} GiB ({_fix(best)})", file=sys.stderr)
+        return EXIT_NONE_FITS
+    return 0
+
+
+def _job(args: argparse.Namespace) -> tuple[Job, Pins]:
+    for flag in ("gpus", "global_batch"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--cluster needs --{flag.replace('_', '-')}")
+    card = load_toml(args.hardware) if args.hardware else gpu(args.cluster)
+    card = with_overrides(card, args.nic_gbps, args.gpus_per_node)
+    limit = 0.0
+    if args.memory_limit:
+        from pipetrain.train.export_cli import size_bytes
+
+        limit = float(size_bytes(args.memory_limit, "--memory-limit"))
+    job = Job(_arch(args), card, args.gpus, args.seq_len, args.global_batch,
+              precision=args.precision, memory_limit=limit)
+    pins = Pins(tp=args.tp, pp=args.pp, dp=args.dp, fsdp=args.fsdp, cp=args.cp, ep=args.ep,
+                schedule=args.schedule, stages_per_rank=args.stages_per_rank,
+                micro_batch_size=args.micro_batch_size, recompute=args.recompute)
+    return job, pins
+
+
+def _arch(args: argparse.Namespace) -> Arch:
+    if args.config_json:
+        return Arch.from_config(json.loads(Path(args.config_json).read_text()))
+    if args.hf:
+        return Arch.from_config(json.loads((Path(args.hf) / "config.json").read_text()))
+    from pipetrain.models.gpt import PRESETS
+
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}: one of {', '.join(PRESETS)}")
+    c = PRESETS[args.preset]
+    return Arch(layers=c.n_layers, hidden=c.d_model, heads=c.n_heads, kv_heads=c.n_heads,
+                ffn=c.mlp_ratio * c.d_model, vocab=c.vocab_size, gated=False,
+                name=args.preset)
+
+
+def _row(p: Prediction, job: Job) -> dict[str, Any]:
+    d = p.to_dict()
+    d["layout"]["microbatches"] = p.layout.microbatches
+    return d
+
+
+def _fix(p: Prediction) -> str:
+    layout = p.layout
+    if layout.recompute != "always":
+        return "try --recompute always, a larger --tp or --pp, or more GPUs"
+    return "try a larger --tp, --pp or --fsdp, or more GPUs"
+
+
+def _print(shown: list[Prediction], job: Job) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{job.gpus} x {job.gpu.name}, {job.arch.params() / 1e9:.1f} B "
+                        f"parameters, {job.seq} tokens x {job.global_batch} sequences per step",
+                  title_justify="left")
+    for name in ("tp", "pp", "dp", "fsdp", "cp", "ep", "schedule", "v", "m", "b", "recompute",
+                 "step s", "tokens/s/GPU", "MFU", "peak GiB", "fits"):
+        table.add_column(name, justify="left" if name in ("schedule", "recompute") else "right")
+    for p in shown:
+        lay = p.layout
+        table.add_row(*map(str, (lay.tp, lay.pp, lay.dp, lay.fsdp, lay.cp, lay.ep)),
+                      lay.schedule, str(lay.stages_per_rank), str(lay.microbatches),
+                      str(lay.micro_batch_size), lay.recompute, f"{p.step_s:.3f}",
+                      f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu:.3f}",
+                      f"{p.peak_bytes_per_gpu / 2**30:.1f}", "yes" if p.fits else "NO")
+    Console().print(table)

@@ -1,0 +1,182 @@
+"""``pipetrain plan --cluster``: each cost term against a hand computation, the search's ranking,
+the command's contract (JSON keys, pins, exit codes) and published runs recomputed
+(:mod:`pipetrain.plan.cluster` and its parts). Milliseconds each, but the command's runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipetrain.plan.arch import Arch
+from pipetrain.plan.cluster import Job, Layout, predict, with_microbatches
+from pipetrain.plan.cluster_search import Pins, check_layout, search
+from pipetrain.plan.collectives import Fabric, Link
+from pipetrain.plan.hardware import gpu, load_toml
+from pipetrain.plan.kernels import Kernels
+from pipetrain.plan.layer_cost import Shard, kept_bytes
+from pipetrain.plan.published import rows
+
+GPT = Arch(layers=24, hidden=2048, heads=16, kv_heads=16, ffn=8192, vocab=51200, gated=False)
+LLAMA = Arch.from_config({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                          "num_attention_heads": 32, "num_key_value_heads": 8,
+                          "intermediate_size": 14336, "vocab_size": 128256,
+                          "hidden_act": "silu"})
+
+
+def test_a_gemm_at_a_measured_shape_takes_the_measured_rate() -> None:
+    kernels = Kernels.of(gpu("H200"))
+    row = next(r for r in kernels.table["gemm"]
+               if (r["m"], r["n"], r["k"], r["layout"]) == (4096, 4096, 4096, "nt"))
+    want = 2 * 4096**3 / (row["tflops"] * 1e12)
+    assert kernels.gemm(4096, 4096, 4096) == pytest.approx(want, rel=1e-6)
+    # another GPU keeps the shape's efficiency, scaled to its own best matmul
+    a100 = Kernels.of(gpu("A100-80GB"))
+    best = max(r["tflops"] for r in kernels.table["gemm"]) * 1e12
+    assert a100.gemm(4096, 4096, 4096) == pytest.approx(want * best / 267.9e12, rel=1e-6)
+
+
+def test_a_ring_all_reduce_inside_a_node_and_across() -> None:
+    fabric = Fabric.of(gpu("A100-80GB"))
+    size = 1 << 30
+    inside = fabric.group(8, 1)  # tp 8: one node
+    assert inside is fabric.nvlink
+    ring = 2 * 7 / 8 * size / 300e9 + 2 * 7 * 5e-6
+    assert inside.all_reduce(size, 8) == pytest.approx(ring)
+    across = fabric.group(4, 8)  # 4 replicas 8 ranks apart: 4 nodes
+    assert across is fabric.nic
+    assert across.all_reduce(size, 4) == pytest.approx(2 * 3 / 4 * size / 25e9 + 6 * 15e-6)
+    # a small message: the tree's log2(n) latency steps beat the ring's n - 1
+    small = Link(100e9, 1e-5)
+    assert small.all_reduce(8, 64) == pytest.approx(2 * 8 / 100e9 + 2 * 6 * 1e-5)
+
+
+def test_a_pipeline_hop_is_latency_plus_bytes_over_the_link() -> None:
+    fabric = Fabric.of(gpu("H100-SXM"))
+    assert fabric.hop(8).send(1e6) == pytest.approx(1e6 / 50e9 + 15e-6)  # next node: NIC
+    assert fabric.hop(2).send(1e6) == pytest.approx(1e6 / 450e9 + 5e-6)  # same node
+    assert fabric.hop(2).send(0) == 0.0
+
+
+def test_a_layers_activation_bytes_are_korthikantis() -> None:
+    link = Link(1e11, 1e-6)
+    tokens, h = 2048 * 2, GPT.hidden
+    for t, sp, per_token in [(1, True, 34), (8, True, 34 / 8), (8, False, 10 + 24 / 8)]:
+        shard = Shard(t, 1, 1, link, link, link, sequence_parallel=sp)
+        assert kept_bytes(GPT, tokens, shard, "never") == pytest.approx(per_token * tokens * h)
+    shard = Shard(8, 1, 1, link, link, link)
+    assert kept_bytes(GPT, tokens, shard, "always") == pytest.approx(2 * tokens * h / 8)
+
+
+def test_flops_are_palms_and_megatrons() -> None:
+    s, h, l_, v = 2048, GPT.hidden, GPT.layers, GPT.vocab
+    # Megatron-LM (Narayanan et al. 2021): 96 B s l h^2 (1 + s/6h + V/16lh) per step with
+    # full recomputation, 72 B s l h^2 (1 + s/6h + V/12lh) without
+    per_token = 96 * l_ * h * h * (1 + s / (6 * h) + v / (16 * l_ * h))
+    assert GPT.hardware_flops(s, "always") == pytest.approx(per_token, rel=1e-3)
+    assert GPT.model_flops(s) == pytest.approx(72 * l_ * h * h * (1 + s / (6 * h)
+                                                                    + v / (12 * l_ * h)),
+                                               rel=1e-3)
+    assert LLAMA.params() == pytest.approx(8.03e9, rel=0.01)  # Llama 3 8B
+
+
+def test_a_moe_counts_its_active_experts() -> None:
+    mixtral = Arch.from_config({"model_type": "mixtral", "hidden_size": 4096,
+                                "num_hidden_layers": 32, "num_attention_heads": 32,
+                                "num_key_value_heads": 8, "intermediate_size": 14336,
+                                "vocab_size": 32000, "num_local_experts": 8,
+                                "num_experts_per_tok": 2})
+    assert mixtral.params() == pytest.approx(46.7e9, rel=0.01)  # Mixtral 8x7B
+    assert mixtral.active_params() == pytest.approx(12.9e9, rel=0.01)
+
+
+def _job(gpus: int = 64, batch: int = 512, arch: Arch = GPT, limit: float = 0.0) -> Job:
+    return Job(arch, gpu("H100"), gpus, 2048, batch, memory_limit=limit)
+
+
+def test_the_search_ranks_fitting_layouts_fastest_first_and_honours_pins() -> None:
+    found = search(_job(), Pins())
+    fits = [p.fits for p in found]
+    assert fits == sorted(fits, reverse=True)
+    steps = [p.step_s for p in found if p.fits]
+    assert steps == sorted(steps)
+    pinned = search(_job(), Pins(tp=2, pp=4, schedule="zbv"))
+    assert {(p.layout.tp, p.layout.pp, p.layout.schedule) for p in pinned} == {(2, 4, "zbv")}
+    assert all(p.layout.gpus == 64 for p in found)
+    # the best is at least as fast as any one layout it could have taken
+    given = predict(_job(), with_microbatches(_job(), Layout(tp=2, pp=4, dp=8,
+                                                             schedule="1f1b")))
+    assert found[0].step_s <= given.step_s
+
+
+def test_layouts_a_job_cannot_take_say_how_to_fix_them() -> None:
+    job = _job()
+    with pytest.raises(ValueError, match="not the 64 of --gpus"):
+        check_layout(job, Layout(tp=2, pp=2, dp=2))
+    with pytest.raises(ValueError, match="must divide the model's 16 attention heads"):
+        check_layout(job, Layout(tp=32, dp=2))
+    with pytest.raises(ValueError, match="exceeds the model's 24 layers"):
+        check_layout(job, Layout(pp=32, dp=2))
+    with pytest.raises(ValueError, match="divisible by 48"):
+        check_layout(_job(gpus=48, batch=100), Layout(dp=48))
+
+
+def _command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipetrain", "plan", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_prints_the_json_contract_and_its_exit_codes(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 2048,
+                                  "num_hidden_layers": 16, "num_attention_heads": 16,
+                                  "num_key_value_heads": 8, "intermediate_size": 5632,
+                                  "vocab_size": 32000, "hidden_act": "silu"}))
+    base = ("--cluster", "H100", "--gpus", "16", "--config-json", str(config), "--seq-len",
+            "4096", "--global-batch", "64")
+    done = _command(*base, "--pp", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    best = report["best"]
+    assert set(best["layout"]) == {"tp", "pp", "dp", "fsdp", "cp", "ep", "schedule",
+                                   "stages_per_rank", "microbatches", "micro_batch_size",
+                                   "recompute"}
+    for key in ("step_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu",
+                "hardware_tflops_per_gpu", "mfu", "peak_bytes_per_gpu", "fits"):
+        assert key in best
+    assert best["layout"]["pp"] == 2 and report["candidates"]
+    assert 0 < best["mfu"] < 1 and best["fits"] is True
+    bad = _command(*base, "--tp", "3")
+    assert bad.returncode == 2 and "must divide the model's 16 attention heads" in bad.stderr
+    unknown = _command("--cluster", "V100", "--gpus", "8", "--global-batch", "8",
+                       "--seq-len", "128")
+    assert unknown.returncode == 2 and "A100-80GB" in unknown.stderr
+    tight = _command(*base, "--memory-limit", "3GiB")
+    assert tight.returncode == 3 and "the closest needs" in tight.stderr
+
+
+def test_a_hardware_file_describes_another_gpu(tmp_path: Path) -> None:
+    path = tmp_path / "mine.toml"
+    path.write_text('name = "mine"\nbf16_tflops = 500\nhbm_gb = 96\nhbm_gbps = 4000\n'
+                    'nvlink_gbps = 450\nnic_gbps = 400\ngpus_per_node = 8\n')
+    card = load_toml(path)
+    assert (card.bf16_flops, card.nic_bw, card.hbm_bytes) == (500e12, 50e9, 96e9)
+    path.write_text('name = "mine"\n')
+    with pytest.raises(ValueError, match="missing key"):
+        load_toml(path)
+
+
+@pytest.mark.parametrize("key", ["megatron-39b", "megatron-145b", "korthikanti-1t-full",
+                                 "torchtitan-70b-256gpu-2d-fp8"])
+def test_published_runs_are_predicted_within_ten_percent(key: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from published import compare
+
+    (row,) = rows([key])
+    got = compare(row, with_search=False)
+    assert math.isclose(got["ratio"], 1.0, abs_tol=0.10), got
+    assert got["fits"], got
