@@ -159,6 +159,22 @@ def test_the_command_prints_the_json_contract_and_its_exit_codes(tmp_path: Path)
     assert tight.returncode == 3 and "the closest needs" in tight.stderr
 
 
+def test_the_table_run_writes_a_timeline_and_a_config_train_accepts(tmp_path: Path) -> None:
+    import dataclasses
+
+    from pipetrain.train.checks import check_config
+    from pipetrain.train.cli import load_toml
+    from pipetrain.train.config import TrainConfig
+
+    done = _command("--cluster", "H100", "--gpus", "16", "--preset", "1b", "--seq-len", "2048",
+                    "--global-batch", "64", "--pp", "2", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    cfg = dataclasses.replace(TrainConfig(), **load_toml(tmp_path / "plan.toml"))
+    assert (cfg.nproc, cfg.pp, cfg.seq_len, cfg.batch_size) == (16, 2, 2048, 64)
+    check_config(cfg, cfg.nproc)  # pipetrain train --config runs it as it is
+
+
 def test_a_hardware_file_describes_another_gpu(tmp_path: Path) -> None:
     path = tmp_path / "mine.toml"
     path.write_text('name = "mine"\nbf16_tflops = 500\nhbm_gb = 96\nhbm_gbps = 4000\n'

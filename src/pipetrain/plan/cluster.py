@@ -33,9 +33,9 @@ from pipetrain.plan.hardware import Gpu
 from pipetrain.plan.kernels import Kernels
 from pipetrain.plan.layer_cost import BF16, LayerCost, Shard, head_cost, layer_cost
 from pipetrain.schedules.generators import make_schedule
-from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.simulate import Costs, Simulation, simulate
 
-__all__ = ["Job", "Layout", "Prediction", "predict"]
+__all__ = ["Job", "Layout", "Prediction", "predict", "simulation"]
 
 RESERVED_BYTES = 2 * 2**30
 """CUDA's context, NCCL's buffers and the allocator's slack per GPU (an assumption)."""
@@ -117,18 +117,8 @@ def predict(job: Job, layout: Layout) -> Prediction:
     arch, gpu = job.arch, job.gpu
     kernels, fabric = Kernels.of(gpu), Fabric.of(gpu)
     dpf = layout.dp * layout.fsdp
-    shard = Shard(layout.tp, layout.cp, layout.ep,
-                  fabric.group(layout.tp, 1), fabric.group(layout.cp, layout.tp),
-                  fabric.group(layout.ep, layout.tp * layout.cp),
-                  sequence_parallel=job.sequence_parallel, flash=job.flash_attention)
-    layer = layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard, layout.recompute)
-    head = head_cost(arch, kernels, layout.micro_batch_size, job.seq, shard)
-    n_stages = layout.pp * layout.stages_per_rank
-    per_stage = _layers_per_stage(arch.layers, n_stages)
-    costs = _stage_costs(per_stage, layer, head)
-    tokens = layout.micro_batch_size * job.seq / layout.cp
-    hop = fabric.hop(layout.tp * layout.cp * dpf).send(
-        tokens * arch.hidden * BF16 / layout.tp)
+    per_stage, layer, head, costs, hop = _pipeline(job, layout)
+    n_stages = len(per_stage)
     makespan, peak_units = _timeline(layout.schedule, layout.pp, layout.microbatches,
                                      layout.stages_per_rank, costs, hop)
     stage_params = max(per_stage) * _layer_params(arch, layout) + arch.vocab * arch.hidden \
@@ -158,6 +148,35 @@ def predict(job: Job, layout: Layout) -> Prediction:
         model / step / job.gpus / gpu.bf16_flops, peak, peak <= limit,
         {"pipeline": makespan, "grad_reduce": exposed, "fsdp_gather": gather,
          "optimizer": optimizer, "busy_per_rank": busy, "bubble": makespan - busy})
+
+
+def _pipeline(job: Job, layout: Layout
+              ) -> tuple[list[int], LayerCost, LayerCost, dict[str, tuple[float, ...]], float]:
+    """Layers per stage, one layer's and the head's costs, every stage's F, I, W and B, and
+    one pipeline hop's delay."""
+    arch, fabric = job.arch, Fabric.of(job.gpu)
+    kernels = Kernels.of(job.gpu)
+    shard = Shard(layout.tp, layout.cp, layout.ep,
+                  fabric.group(layout.tp, 1), fabric.group(layout.cp, layout.tp),
+                  fabric.group(layout.ep, layout.tp * layout.cp),
+                  sequence_parallel=job.sequence_parallel, flash=job.flash_attention)
+    layer = layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard, layout.recompute)
+    head = head_cost(arch, kernels, layout.micro_batch_size, job.seq, shard)
+    per_stage = _layers_per_stage(arch.layers, layout.pp * layout.stages_per_rank)
+    tokens = layout.micro_batch_size * job.seq / layout.cp
+    hop = fabric.hop(layout.tp * layout.cp * layout.dp * layout.fsdp).send(
+        tokens * arch.hidden * BF16 / layout.tp)
+    return per_stage, layer, head, _stage_costs(per_stage, layer, head), hop
+
+
+def simulation(job: Job, layout: Layout) -> Simulation:
+    """The simulated pipeline of ``layout`` to draw: at its own micro-batches when short
+    enough to simulate, else at the fewest that show its steady state (2 pp)."""
+    _, _, _, costs, hop = _pipeline(job, layout)
+    m = layout.microbatches
+    if layout.pp * m * layout.stages_per_rank * 3 > MAX_SIMULATED:
+        m = 2 * layout.pp
+    return _simulate(layout.schedule, layout.pp, layout.stages_per_rank, m, costs, hop)
 
 
 def _layers_per_stage(layers: int, n_stages: int) -> list[int]:
@@ -207,14 +226,18 @@ def _timeline(name: str, pp: int, m: int, v: int, costs: dict[str, tuple[float, 
 @lru_cache(maxsize=4096)
 def _simulated(name: str, pp: int, v: int, m: int, costs: tuple[Any, ...], hop: float
                ) -> tuple[float, float]:
+    sim = _simulate(name, pp, v, m, dict(costs), hop)
+    return sim.makespan, max(sim.peak_activations)
+
+
+def _simulate(name: str, pp: int, v: int, m: int, c: dict[str, tuple[float, ...]],
+              hop: float) -> Simulation:
     schedule = make_schedule(name, pp, m, stages_per_rank=v) if v > 1 else \
         make_schedule(name, pp, m)
-    c = dict(costs)
     split = schedule.split_backward
-    sim = simulate(schedule, Costs(F=c["F"], I=c["I"] if split else None,
-                                   W=c["W"] if split else None, B=None if split else c["B"]),
-                   comm=hop)
-    return sim.makespan, max(sim.peak_activations)
+    return simulate(schedule, Costs(F=c["F"], I=c["I"] if split else None,
+                                    W=c["W"] if split else None, B=None if split else c["B"]),
+                    comm=hop)
 
 
 def _peak(job: Job, layout: Layout, params_here: float, units: float, per_stage: list[int],

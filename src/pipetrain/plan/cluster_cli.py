@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.plan.arch import Arch
-from pipetrain.plan.cluster import Job, Prediction
+from pipetrain.plan.cluster import Job, Layout, Prediction, simulation
 from pipetrain.plan.cluster_search import RECOMPUTE, Pins, search
 from pipetrain.plan.hardware import GPUS, gpu, load_toml, with_overrides
+from pipetrain.train.config import TrainConfig, config_toml
 
 __all__ = ["configure_cluster", "run_cluster"]
 
 EXIT_BAD_INPUT, EXIT_NONE_FITS = 2, 3
-PREDICTED_ONLY = ("cp", "ep")  # dimensions pipetrain train does not run yet
 
 
 def configure_cluster(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +62,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     best = found[0]
     report = {"best": _row(best, job), "candidates": [_row(p, job) for p in found[:50]],
-              "predicted_only": [d for d in PREDICTED_ONLY
-                                 if getattr(best.layout, d) > 1],
+              "predicted_only": predicted_only(best.layout),
               "job": {"gpu": job.gpu.name, "gpus": job.gpus, "seq_len": job.seq,
                       "global_batch": job.global_batch, "params": job.arch.params(),
                       "active_params": job.arch.active_params()}}
@@ -71,12 +70,49 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         _print(found[:args.top], job)
+        for line in _write(args, job, best):
+            print(line)
     if not best.fits:
         limit = (job.memory_limit or job.gpu.hbm_bytes) / 2**30
         print(f"pipetrain plan --cluster: no layout fits {limit:.1f} GiB per GPU; the closest "
               f"needs {best.peak_bytes_per_gpu / 2**30:.1f} GiB ({_fix(best)})", file=sys.stderr)
         return EXIT_NONE_FITS
     return 0
+
+
+def predicted_only(layout: Layout) -> list[str]:
+    """What of ``layout`` pipetrain train does not run yet (predicted, not trainable)."""
+    return ([f"cp {layout.cp}"] if layout.cp > 1 else []) + (
+        ["recompute selective"] if layout.recompute == "selective" else [])
+
+
+def _write(args: argparse.Namespace, job: Job, best: Prediction) -> list[str]:
+    """The best layout's predicted timeline (``plan.png``) and, when pipetrain train runs it
+    and the model is a preset or a local checkpoint, ``plan.toml`` for ``--config``."""
+    from pipetrain.schedules import draw
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lay = best.layout
+    sim = simulation(job, lay)
+    png = out / "plan.png"
+    draw.save_png(sim.timeline, png, title=(
+        f"plan --cluster: {job.gpus} x {job.gpu.name}, tp {lay.tp} pp {lay.pp} dp {lay.dp} "
+        f"fsdp {lay.fsdp}, {lay.schedule} m={sim.schedule.n_microbatches} (predicted, one "
+        "replica's pipeline)"))
+    lines = [f"timeline: {png}"]
+    missing = predicted_only(lay) + ([] if args.hf or not args.config_json
+                                     else ["a model pipetrain can build (--hf or --preset)"])
+    if missing:
+        return lines + [f"no plan.toml: pipetrain train does not run {', '.join(missing)}"]
+    toml = out / "plan.toml"
+    toml.write_text(config_toml(TrainConfig(
+        preset=args.preset, hf=args.hf, seq_len=job.seq, batch_size=job.global_batch,
+        nproc=job.gpus, pp=lay.pp, dp=lay.dp, fsdp=lay.fsdp, tp=lay.tp, ep=lay.ep,
+        schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
+        microbatches=lay.microbatches, recompute=lay.recompute, precision="bf16",
+        device="cuda")))
+    return lines + [f"config: {toml} (torchrun ... -m pipetrain train --config {toml})"]
 
 
 def _job(args: argparse.Namespace) -> tuple[Job, Pins]:
