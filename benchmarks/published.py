@@ -82,10 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     started = time.time()
-    results = [compare(r, not args.no_search) for r in rows(args.rows or None)]
     print(f"{'run':<34}{'metric':<24}{'published':>10}{'predicted':>10}{'ratio':>7}"
-          f"{'fits':>6}{'GiB':>6}  search: step / published step, layout")
-    for r in results:
+          f"{'fits':>6}{'GiB':>6}  search: step / published step, layout", flush=True)
+    results = []
+    for row in rows(args.rows or None):
+        r = compare(row, not args.no_search)
+        results.append(r)
         found = ""
         if "search_step_s" in r:
             lay = r["search_layout"]
@@ -94,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"v{lay['stages_per_rank']} b{lay['micro_batch_size']} "
                      f"{lay['recompute']}")
         print(f"{r['key']:<34}{r['metric']:<24}{r['published']:>10.4g}{r['predicted']:>10.4g}"
-              f"{r['ratio']:>7.3f}{'yes' if r['fits'] else 'NO':>6}{r['peak_gib']:>6.1f}  {found}")
+              f"{r['ratio']:>7.3f}{'yes' if r['fits'] else 'NO':>6}{r['peak_gib']:>6.1f}  {found}",
+              flush=True)
     ratios = [r["ratio"] for r in results]
     within = sum(abs(x - 1) <= 0.10 for x in ratios)
     print(f"{within} of {len(ratios)} within 10 %; median ratio {statistics.median(ratios):.3f}, "

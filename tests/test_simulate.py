@@ -271,3 +271,13 @@ def test_costs_reject_bad_values() -> None:
     with pytest.raises(ValueError, match="costs give 2 per-stage values for F, no value for "
                                          "stage 2"):
         Costs(F=(1, 2)).of(Op.F, 2)
+
+
+def test_a_schedule_validated_once_simulates_alike_without_validation() -> None:
+    from pipetrain.schedules.validate import validate
+
+    schedule = make_schedule("zbv", 4, 8)
+    validate(schedule)
+    costs = Costs(F=1.0, I=1.2, W=0.7)
+    assert simulate(schedule, costs, 0.1, validated=True).to_dict() == \
+        simulate(schedule, costs, 0.1).to_dict()

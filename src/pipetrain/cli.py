@@ -28,7 +28,7 @@ from pipetrain.plan import cli as plan_cli
 from pipetrain.schedules import draw
 from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, Simulation, simulate
+from pipetrain.schedules.simulate import DEFAULT_W_SHARE, Costs, Simulation, simulate
 from pipetrain.schedules.steady import SteadyState, steady_state
 from pipetrain.schedules.validate import format_grid, validate
 from pipetrain.train import cli as train_cli
@@ -206,7 +206,8 @@ def _report(schedule: Schedule, args: argparse.Namespace, *, grid: bool) -> int:
     if schedule.update is not None:
         steady = steady_state(schedule, _costs(args), args.comm)
         schedule = schedule.unroll(3)
-    sim = simulate(schedule, _costs(args), args.comm, **_w_share(args))
+    sim = simulate(schedule, _costs(args), args.comm,
+                   w_share=_w_share(args).get("w_share", DEFAULT_W_SHARE))
     fit = _fit(sim, args.memory_limit)
     if args.json:
         print(json.dumps({**sim.to_dict(), **fit,

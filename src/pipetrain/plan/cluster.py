@@ -6,7 +6,10 @@ shapes, flash attention, memory-bound work, the collectives on the critical path
 schedule's own simulator (:func:`pipetrain.schedules.simulate.simulate`) lays them out, with each
 pipeline hop's send as the delay between ranks; then what follows the pipeline::
 
-    step = pipeline makespan                      (the simulator, this schedule's action lists)
+    step = pipeline makespan                      (the simulator, this schedule's action lists;
+                                                   FSDP's per-layer gathers and scatters in each
+                                                   F and backward where they outlast the compute
+                                                   they overlap)
          + gradient reduction over dp x fsdp      (overlapped with the backward but its last
                                                    bucket: one stage-layer's gradients)
          + FSDP's first all-gather                (later ones prefetched under compute)
@@ -33,7 +36,9 @@ from pipetrain.plan.hardware import Gpu
 from pipetrain.plan.kernels import Kernels
 from pipetrain.plan.layer_cost import BF16, LayerCost, Shard, head_cost, layer_cost
 from pipetrain.schedules.generators import make_schedule
+from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import Costs, Simulation, simulate
+from pipetrain.schedules.validate import validate
 
 __all__ = ["Job", "Layout", "Prediction", "predict", "simulation"]
 
@@ -112,26 +117,35 @@ class Prediction:
                 "parts": dict(self.parts)}
 
 
-def predict(job: Job, layout: Layout) -> Prediction:
-    """The step of ``job`` cut as ``layout`` (see the module docstring)."""
+def predict(job: Job, layout: Layout, rough: bool = False) -> Prediction:
+    """The step of ``job`` cut as ``layout`` (see the module docstring). ``rough``: the
+    pipeline's makespan and peak from a closed form instead of the simulator (:func:`_rough`),
+    for a search to choose what to simulate."""
     arch, gpu = job.arch, job.gpu
     kernels, fabric = Kernels.of(gpu), Fabric.of(gpu)
     dpf = layout.dp * layout.fsdp
     per_stage, layer, head, costs, hop = _pipeline(job, layout)
     n_stages = len(per_stage)
-    makespan, peak_units = _timeline(layout.schedule, layout.pp, layout.microbatches,
-                                     layout.stages_per_rank, costs, hop)
+    makespan, peak_units = (_rough if rough else _timeline)(
+        layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, costs, hop)
     stage_params = max(per_stage) * _layer_params(arch, layout) + arch.vocab * arch.hidden \
         / layout.tp
     reduce_link = fabric.group(dpf, layout.tp * layout.cp)
     grads = stage_params * layout.stages_per_rank * job.grad_bytes
     weights = stage_params * layout.stages_per_rank * BF16  # gathered after a sharded update
-    reduce = (reduce_link.reduce_scatter(grads, dpf) + reduce_link.all_gather(weights, dpf)
-              if job.distributed_optimizer or layout.fsdp > 1
-              else reduce_link.all_reduce(grads, dpf))
+    if layout.fsdp > 1:  # scattered over fsdp (per micro-batch, or once a step when
+        # pipelined: :func:`_sharded`); then the replicas all-reduce their shards
+        reduce = fabric.group(layout.dp, layout.tp * layout.cp).all_reduce(
+            grads / layout.fsdp, layout.dp)
+        if layout.pp > 1:
+            reduce += reduce_link.reduce_scatter(grads, layout.fsdp)
+    elif job.distributed_optimizer:
+        reduce = reduce_link.reduce_scatter(grads, dpf) + reduce_link.all_gather(weights, dpf)
+    else:
+        reduce = reduce_link.all_reduce(grads, dpf)
     exposed = reduce / max(per_stage) if job.overlap_grad_reduce else reduce
     gather = (reduce_link.all_gather(stage_params / max(per_stage) * BF16, layout.fsdp)
-              if layout.fsdp > 1 else 0.0)
+              if layout.fsdp > 1 else 0.0)  # the first layer's, before anything overlaps it
     params_here = stage_params * layout.stages_per_rank
     opt_shard = layout.fsdp * (layout.dp if job.distributed_optimizer else 1)
     optimizer = kernels.memory(params_here / opt_shard * 32)
@@ -160,13 +174,34 @@ def _pipeline(job: Job, layout: Layout
                   fabric.group(layout.tp, 1), fabric.group(layout.cp, layout.tp),
                   fabric.group(layout.ep, layout.tp * layout.cp),
                   sequence_parallel=job.sequence_parallel, flash=job.flash_attention)
-    layer = layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard, layout.recompute)
+    layer = _sharded(layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard,
+                                layout.recompute), job, layout, fabric)
     head = head_cost(arch, kernels, layout.micro_batch_size, job.seq, shard)
     per_stage = _layers_per_stage(arch.layers, layout.pp * layout.stages_per_rank)
     tokens = layout.micro_batch_size * job.seq / layout.cp
     hop = fabric.hop(layout.tp * layout.cp * layout.dp * layout.fsdp).send(
         tokens * arch.hidden * BF16 / layout.tp)
     return per_stage, layer, head, _stage_costs(per_stage, layer, head), hop
+
+
+def _sharded(layer: LayerCost, job: Job, layout: Layout, fabric: Fabric) -> LayerCost:
+    """``layer`` under FSDP without a pipeline (resharded after each layer's forward, as FSDP2
+    by default): its parameters all-gathered before its F and again before its backward, its
+    gradients reduce-scattered after, each micro-batch, over the fsdp group; each overlaps the
+    compute of the layer before it, so only what exceeds that compute is added. A pipelined
+    stage keeps its parameters gathered and its gradients whole across the step's micro-batches
+    (as Llama 3's training did, Dubey et al. 2024 section 3.3.2): one gather and one
+    reduce-scatter a step, and the whole stage's weights and gradients in memory."""
+    if layout.fsdp <= 1 or layout.pp > 1:  # pipelined: gathered once a step (_peak)
+        return layer
+    link = fabric.group(layout.fsdp, layout.tp * layout.cp * layout.dp)
+    size = _layer_params(job.arch, layout) * BF16
+    gather = link.all_gather(size, layout.fsdp)
+    scatter = link.reduce_scatter(size / BF16 * job.grad_bytes, layout.fsdp)
+    f = max(0.0, gather - layer.f)
+    b = max(0.0, gather + scatter - layer.i - layer.w)
+    return replace(layer, f=layer.f + f, i=layer.i + b, f_comm=layer.f_comm + f,
+                   i_comm=layer.i_comm + b)
 
 
 def simulation(job: Job, layout: Layout) -> Simulation:
@@ -207,6 +242,21 @@ def _stage_costs(per_stage: list[int], layer: LayerCost, head: LayerCost
     return out
 
 
+def _rough(name: str, pp: int, m: int, v: int, costs: dict[str, tuple[float, ...]],
+           hop: float) -> tuple[float, float]:
+    """A closed form of the makespan and peak: the busiest rank's work over all micro-batches
+    plus one fill and drain of the pipeline (a micro-batch's F and backward through every
+    other rank, over v for interleaved placements; zero-bubble schedules fill the drain with
+    W), and pp x v stage-activations alive (m x v for GPipe)."""
+    per_rank = [sum(costs[op][s] for op in "FIW" for s in range(r, pp * v, pp))
+                for r in range(pp)]
+    one = (sum(costs["F"]) + sum(costs["B"])) / (pp * v)  # a stage's F and B, on average
+    if name.startswith(("zb", "dualpipe", "interleaved-zb")):
+        one -= sum(costs["W"]) / (pp * v)
+    fill = (pp - 1) * (one / v + 2 * hop)
+    return max(per_rank) * m + fill, float(min(m, pp) * v if name != "gpipe" else m * v)
+
+
 def _timeline(name: str, pp: int, m: int, v: int, costs: dict[str, tuple[float, ...]],
               hop: float) -> tuple[float, float]:
     """The schedule's makespan and its largest count of stage-activations alive on one rank;
@@ -232,18 +282,28 @@ def _simulated(name: str, pp: int, v: int, m: int, costs: tuple[Any, ...], hop: 
 
 def _simulate(name: str, pp: int, v: int, m: int, c: dict[str, tuple[float, ...]],
               hop: float) -> Simulation:
-    schedule = make_schedule(name, pp, m, stages_per_rank=v) if v > 1 else \
-        make_schedule(name, pp, m)
+    schedule = _schedule(name, pp, m, v)
     split = schedule.split_backward
     return simulate(schedule, Costs(F=c["F"], I=c["I"] if split else None,
                                     W=c["W"] if split else None, B=None if split else c["B"]),
-                    comm=hop)
+                    comm=hop, validated=True)
+
+
+@lru_cache(maxsize=256)
+def _schedule(name: str, pp: int, m: int, v: int) -> Schedule:
+    """The schedule, generated and validated once for every layout that simulates it."""
+    schedule = make_schedule(name, pp, m, stages_per_rank=v) if v > 1 else \
+        make_schedule(name, pp, m)
+    validate(schedule)
+    return schedule
 
 
 def _peak(job: Job, layout: Layout, params_here: float, units: float, per_stage: list[int],
           layer: LayerCost, head: LayerCost) -> float:
     shard_opt = layout.fsdp * (layout.dp if job.distributed_optimizer else 1)
-    state = params_here * ((BF16 + job.grad_bytes) / layout.fsdp + 12 / shard_opt)
+    whole = layout.pp > 1 and layout.fsdp > 1  # gathered for the step: see _sharded
+    state = params_here * ((BF16 + job.grad_bytes) / (1 if whole else layout.fsdp)
+                           + 12 / shard_opt)
     activations = units * max(per_stage) * layer.kept
     return state + activations + head.kept + RESERVED_BYTES
 

@@ -15,7 +15,10 @@ A flag given pins its dimension; every other is searched::
 
 Context parallelism is searched from 8192 tokens a sequence up.
 
-Candidates are ranked by step time among those that fit the memory limit, then the rest.
+Every candidate is first predicted with a closed form of its pipeline (:func:`.cluster._rough`);
+the best :data:`SIMULATED` of those, and the best of each shape (tp, pp, dp, fsdp, cp, ep), are
+predicted again through the schedule simulator, and ranked by step time among those that fit
+the memory limit, then the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ __all__ = ["Pins", "search", "check_layout", "check_pins"]
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
 RECOMPUTE = ("never", "selective", "always")  # what --recompute accepts
+SIMULATED = 32
+"""How many of the layouts a closed form ranks best are simulated and ranked again."""
 
 
 @dataclass(frozen=True)
@@ -124,12 +129,12 @@ def _variants(job: Job, shape: Layout, pins: Pins) -> Iterator[Layout]:
                       recompute=pins.recompute or "never")
 
 
-def _fitting(job: Job, layout: Layout, pins: Pins) -> Prediction:
+def _fitting(job: Job, layout: Layout, pins: Pins, rough: bool = False) -> Prediction:
     """``layout``'s prediction; recomputed when it does not fit otherwise (unless pinned)."""
-    got = predict(job, layout)
-    if got.fits or pins.recompute:
+    got = predict(job, layout, rough)
+    if got.fits or pins.recompute or layout.recompute == "always":
         return got
-    return predict(job, replace(layout, recompute="always"))
+    return predict(job, replace(layout, recompute="always"), rough)
 
 
 def check_pins(job: Job, pins: Pins) -> None:
@@ -155,17 +160,24 @@ def check_pins(job: Job, pins: Pins) -> None:
 def search(job: Job, pins: Pins, limit: int = 0) -> list[Prediction]:
     """Every layout the pins leave open, predicted; fitting ones first, fastest first."""
     check_pins(job, pins)
-    found: list[Prediction] = []
+    rough: list[Prediction] = []
     errors: list[str] = []
     for shape in _shapes(job, pins):
         for layout in _variants(job, shape, pins):
             try:
                 check_layout(job, layout)
-                found.append(_fitting(job, with_microbatches(job, layout), pins))
+                rough.append(_fitting(job, with_microbatches(job, layout), pins, rough=True))
             except ValueError as e:
                 errors.append(str(e))
-    if not found:
+    if not rough:
         raise ValueError("no layout of these GPUs is possible"
                          + (f": {errors[0]}" if errors else ": check --gpus and the pins"))
+    rough.sort(key=lambda p: (not p.fits, p.step_s))
+    chosen = {p.layout: p for p in rough[:SIMULATED]}
+    for p in rough:  # and the roughly best of each shape: the closed form ranks shapes worst
+        chosen.setdefault(replace(p.layout, schedule="", stages_per_rank=0,
+                                  micro_batch_size=0, microbatches=0, recompute=""), p)
+    unique = {id(p): p for p in chosen.values()}.values()
+    found = [_fitting(job, p.layout, pins) for p in unique]
     found.sort(key=lambda p: (not p.fits, p.step_s))
     return found[:limit] if limit else found

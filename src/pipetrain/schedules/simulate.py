@@ -191,6 +191,7 @@ class Simulation:
 def simulate(
     schedule: Schedule, costs: Costs | None = None, comm: float = 0.0, *,
     w_share: float = DEFAULT_W_SHARE, i_held: Cost = 0.0, cores: float | None = None,
+    validated: bool = False,
 ) -> Simulation:
     """Validate ``schedule`` and compute when each action runs and what it costs.
 
@@ -204,6 +205,8 @@ def simulate(
         cores: the cores the ranks share, when fewer than the ranks (CPU processes): each of
             ``k`` busy ranks then runs at ``min(1, cores / k)`` of its speed
             (:mod:`pipetrain.schedules.sharing`); None gives each rank its own device.
+        validated: the caller validated this very schedule already (a planner simulating one
+            schedule under many costs): it is not validated again.
 
     Returns:
         A :class:`Simulation` with the timeline, makespan, bubble and peak-memory metrics.
@@ -228,7 +231,8 @@ def simulate(
     costs = Costs() if costs is None else costs
     _check_arguments(schedule, costs, comm, w_share)
     held = held_per_stage(i_held, schedule.n_stages)
-    validate(schedule)
+    if not validated:
+        validate(schedule)
     def duration(rank: int, a: Action) -> float:
         return costs.of(a.op, a.stage)
 
