@@ -260,3 +260,12 @@ def test_overhead_runs_reports_each_run_the_median_ratio_and_how_often_pipetrain
     assert p2[:8] == ["2", "16", "100", "110", "90", "120", "100", "100"]
     assert p2[8:] == ["0.90x", "2/3"]  # ratios 0.83, 1.10, 0.90
     assert p4[2:5] == ["300", "280", "270"] and p4[8:] == ["0.93x", "2/3"]  # 1.2, .93, .9
+
+
+def test_gpu_kernels_quick_on_cpu_writes_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "kernels.json"
+    _run("gpu_kernels", "--device", "cpu", "--quick", "--out", str(out), timeout=120)
+    data = json.loads(out.read_text())
+    assert {"schema", "header", "gemm", "gemm_fp8", "attention", "memory", "notes"} <= set(data)
+    assert {r["layout"] for r in data["gemm"]} == {"nt", "nn", "tn"}
+    assert data["attention"] and data["memory"] and all(r["gbps"] > 0 for r in data["memory"])
