@@ -79,6 +79,7 @@ class Job:
     global_batch: int
     """Sequences per step."""
     precision: str = "bf16"
+    """"bf16", or "fp8": the layers' matrix multiplies in fp8 (MFU stays over the bf16 peak)."""
     distributed_optimizer: bool = True
     """AdamW's states sharded over the data-parallel ranks (ZeRO-1)."""
     overlap_grad_reduce: bool = True
@@ -90,6 +91,11 @@ class Job:
     """False: attention's s x s scores in memory (trainers before 2022)."""
     sequence_parallel: bool = True
     """Norms and residuals split by tp too (Korthikanti et al. 2022); False: replicated."""
+
+    def __post_init__(self) -> None:
+        if self.precision == "fp8" and self.gpu.fp8_flops is None:
+            raise ValueError(f"--precision fp8 needs fp8 tensor cores, which the "
+                             f"{self.gpu.name} does not have: use bf16")
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,8 @@ def _pipeline(job: Job, layout: Layout
     shard = Shard(layout.tp, layout.cp, layout.ep,
                   fabric.group(layout.tp, 1), fabric.group(layout.cp, layout.tp),
                   fabric.group(layout.ep, layout.tp * layout.cp),
-                  sequence_parallel=job.sequence_parallel, flash=job.flash_attention)
+                  sequence_parallel=job.sequence_parallel, fp8=job.precision == "fp8",
+                  flash=job.flash_attention)
     layer = _sharded(layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard,
                                 layout.recompute), job, layout, fabric)
     head = head_cost(arch, kernels, layout.micro_batch_size, job.seq, shard)

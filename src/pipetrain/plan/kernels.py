@@ -80,11 +80,28 @@ class Kernels:
         weights = [1.0 / (1e-9 + sum((p[i] - at[i]) ** 2 for i in range(3))) for p in near]
         return math.exp(sum(w * p[3] for w, p in zip(weights, near)) / sum(weights))
 
-    def gemm(self, m: float, n: float, k: float, layout: str = "nt") -> float:
-        """Seconds for an (m x k) . (k x n) bf16 matrix multiply."""
+    def gemm(self, m: float, n: float, k: float, layout: str = "nt", fp8: bool = False
+             ) -> float:
+        """Seconds for an (m x k) . (k x n) bf16 matrix multiply; ``fp8``: in fp8 (e4m3, bf16
+        out), at the measured fp8/bf16 speed-up of the nearest measured shape."""
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
-        return 2.0 * m * n * k / self.rate(m, n, k, layout)
+        rate = self.rate(m, n, k, layout)
+        if fp8:
+            rate *= self.fp8_speedup(m, n, k)
+        return 2.0 * m * n * k / rate
+
+    def fp8_speedup(self, m: float, n: float, k: float) -> float:
+        """The measured fp8 rate over the bf16 rate of the nearest shape measured in both
+        (``torch._scaled_mm`` with fast accumulation, as fp8 training recipes use)."""
+        rows = [r for r in self.table.get("gemm_fp8", []) if r.get("fast_accum")]
+        if not rows:
+            raise ValueError(f"no fp8 matrix multiply was measured for {self.measured_on}")
+        at = (math.log2(max(m, 1)), math.log2(max(n, 1)), math.log2(max(k, 1)))
+        near = min(rows, key=lambda r: sum((math.log2(r[x]) - a) ** 2
+                                          for x, a in zip("mnk", at)))
+        bf16 = self.rate(near["m"], near["n"], near["k"]) / self.scale
+        return float(near["tflops"] * 1e12 / bf16)
 
     def attention(self, batch_heads: float, seq_q: float, seq_k: float, head_dim: int,
                   backward: bool = False) -> float:

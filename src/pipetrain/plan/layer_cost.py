@@ -58,6 +58,8 @@ class Shard:
     cp_link: Link
     ep_link: Link
     sequence_parallel: bool = True
+    fp8: bool = False
+    """The layers' matrix multiplies in fp8 (attention, norms and the output layer in bf16)."""
     flash: bool = True
     """Flash attention; False: the s x s scores in memory (a fused softmax, as before 2022)."""
 
@@ -107,9 +109,11 @@ def layer_cost(arch: Arch, kernels: Kernels, micro_batch: int, seq: int, shard: 
     """One layer's :class:`LayerCost` (see the module docstring)."""
     tokens = micro_batch * seq / shard.cp
     gemms = _gemms(arch, tokens, shard.tp, shard.ep)
-    f = sum(kernels.gemm(m, n, k, "nt") for m, n, k in gemms)
-    i = sum(kernels.gemm(m, k, n, "nn") for m, n, k in gemms)
-    w = sum(kernels.gemm(n, k, m, "tn") for m, n, k in gemms)
+    q = shard.fp8
+    f = sum(kernels.gemm(m, n, k, "nt", q) + _cast(kernels, q, m * k + n * k)
+            for m, n, k in gemms)
+    i = sum(kernels.gemm(m, k, n, "nn", q) + _cast(kernels, q, m * n) for m, n, k in gemms)
+    w = sum(kernels.gemm(n, k, m, "tn", q) for m, n, k in gemms)  # its inputs cast for F, I
     heads = micro_batch * arch.heads / shard.tp
     attn_f, attn_b, scores = (_flash(kernels, heads, tokens / micro_batch, seq, arch.dim)
                               if shard.flash else
@@ -128,6 +132,12 @@ def layer_cost(arch: Arch, kernels: Kernels, micro_batch: int, seq: int, shard: 
                                                           else 0.0)  # selective: rebuilt
     return LayerCost(f_total, i_total, w, kept,
                      comm + ring_f, comm + ring_b + (comm if recompute == "always" else 0.0))
+
+
+def _cast(kernels: Kernels, fp8: bool, elements: float) -> float:
+    """Seconds to cast a matrix multiply's bf16 inputs to fp8 (read 2 bytes, write 1, each
+    element; the scale's max over the tensor fused in): memory-bound work fp8 adds."""
+    return kernels.memory(3 * elements) if fp8 else 0.0
 
 
 def _flash(kernels: Kernels, heads: float, seq_q: float, seq: int, dim: int
