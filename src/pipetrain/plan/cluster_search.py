@@ -3,17 +3,18 @@
 A flag given pins its dimension; every other is searched::
 
     tp    divisors of the GPUs per node that divide the heads and the key-value heads
-    cp    1, 2, 4, 8 dividing the sequence (context parallelism: predicted only)
+    cp    1, 2, 4, 8, 16 dividing the sequence (context parallelism: predicted only)
     pp    divisors of what is left, up to the layers
     dp x fsdp  what is left: all replicated (dp), all sharded (fsdp), or within a node
                sharded and replicated across (HSDP)
     ep    divisors of the experts that divide dp x fsdp (expert parallelism: predicted only)
     schedule, stages per rank   1f1b, interleaved-1f1b (v = 2), zb-h1, zbv (v = 2) where pp > 1
     micro-batch size            1, 2, 4, 8 dividing a replica's share of the batch
-    recompute                   never, or always where never does not fit (selective only
-                                when asked: with flash attention it saves no memory here)
+    recompute                   never, or where never does not fit always (first selective,
+                                where it saves memory: attention's scores without flash
+                                attention)
 
-Context parallelism is searched from 8192 tokens a sequence up.
+Context parallelism is searched from 8192 tokens a sequence up, 16 from 65536.
 
 Every candidate is first predicted with a closed form of its pipeline (:func:`.cluster._rough`);
 the best :data:`SIMULATED` of those, and the best of each shape (tp, pp, dp, fsdp, cp, ep), are
@@ -83,8 +84,9 @@ def _shapes(job: Job, pins: Pins) -> Iterator[Layout]:
     arch, node = job.arch, job.gpu.gpus_per_node
     tps = [pins.tp] if pins.tp else [t for t in _divisors(node)
                                      if arch.heads % t == 0 and arch.kv_heads % t == 0]
-    cps = [pins.cp] if pins.cp else [c for c in (1, 2, 4, 8) if job.seq % c == 0
-                                     and (c == 1 or job.seq >= 8192)]
+    cps = [pins.cp] if pins.cp else [c for c in (1, 2, 4, 8, 16) if job.seq % c == 0
+                                     and (c == 1 or job.seq >= 8192)
+                                     and (c < 16 or job.seq >= 65536)]
     for tp, cp in itertools.product(tps, cps):
         if job.gpus % (tp * cp):
             continue
@@ -130,10 +132,16 @@ def _variants(job: Job, shape: Layout, pins: Pins) -> Iterator[Layout]:
 
 
 def _fitting(job: Job, layout: Layout, pins: Pins, rough: bool = False) -> Prediction:
-    """``layout``'s prediction; recomputed when it does not fit otherwise (unless pinned)."""
+    """``layout``'s prediction; recomputed when it does not fit otherwise (unless pinned):
+    selectively first where that saves memory (attention's s x s scores, without flash
+    attention), then wholly."""
     got = predict(job, layout, rough)
     if got.fits or pins.recompute or layout.recompute == "always":
         return got
+    if not job.flash_attention and layout.recompute == "never":
+        selective = predict(job, replace(layout, recompute="selective"), rough)
+        if selective.fits:
+            return selective
     return predict(job, replace(layout, recompute="always"), rough)
 
 
