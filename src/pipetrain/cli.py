@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     prog = f"pipetrain {args.command}"
     try:
+        _hub(args)
         code: int = args.run(args)
     except BrokenPipeError:  # e.g. `pipetrain simulate ... | head`: the reader left early
         _silence_stdout()
@@ -109,6 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return EXIT_INVALID
     return code
+
+
+def _hub(args: argparse.Namespace) -> None:
+    """``--hf ORG/NAME[@REVISION]`` replaced by its local snapshot (:mod:`pipetrain.hf.hub`);
+    a plan of a cluster reads only the config."""
+    spec = getattr(args, "hf", None)
+    if isinstance(spec, str) and spec:
+        from pipetrain.hf.hub import CONFIG, local
+
+        args.hf = local(spec, CONFIG if getattr(args, "cluster", None) else None)
+        args.hf_spec = spec  # as given, for a plan.toml that runs elsewhere
 
 
 def _silence_stdout() -> None:

@@ -6,8 +6,11 @@
 * :mod:`pipetrain.hf.save`: the trained parameters written back as a ``save_pretrained``
   directory, each rank its own shard.
 
-Everything here reads local files only; nothing is downloaded. It needs the ``hf`` extra
-(``transformers``, ``safetensors``).
+* :mod:`pipetrain.hf.hub`: a Hub id, ``ORG/NAME[@REVISION]``, resolved to a local snapshot
+  through ``huggingface_hub`` (its cache, token and offline mode).
+
+Everything else reads local files only. It needs the ``hf`` extra (``transformers``,
+``safetensors``, ``huggingface_hub``).
 
 May import: the rungs up to :mod:`pipetrain.pipeline` (not :mod:`pipetrain.train`).
 """

@@ -132,7 +132,7 @@ def open_model(root: str | Path) -> HFModel:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--hf {str(path)!r}: no config.json there; give a directory "
                                 "written by save_pretrained (config.json, *.safetensors, "
-                                "tokenizer files)")
+                                "tokenizer files) or a Hub id, ORG/NAME[@REVISION]")
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     config.use_cache = False
     try:

@@ -53,8 +53,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="bytes each device may hold, e.g. 64MiB or 16GiB (default: the "
                              "GPU's total memory; on CPU the available RAM / the local ranks)")
     parser.add_argument("--preset", default=d.preset, help="GPT preset (default: %(default)s)")
-    parser.add_argument("--hf", default=d.hf, metavar="DIR",
-                        help="a local Hugging Face save_pretrained directory instead of --preset")
+    parser.add_argument("--hf", default=d.hf, metavar="DIR|ORG/NAME",
+                        help="a local Hugging Face save_pretrained directory, or a Hub id "
+                             "ORG/NAME[@REVISION], instead of --preset")
     parser.add_argument("--module", metavar="SPEC", help="your own model instead: "
                         "path/to/file.py:function or package.module:function returning a dict "
                         "of model, example_inputs, loss_fn, target (pipetrain.plan.custom_cli)")

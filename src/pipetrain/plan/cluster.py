@@ -35,7 +35,7 @@ from pipetrain.plan.collectives import Fabric
 from pipetrain.plan.hardware import Gpu
 from pipetrain.plan.kernels import Kernels
 from pipetrain.plan.layer_cost import BF16, LayerCost, Shard, head_cost, layer_cost
-from pipetrain.schedules.generators import make_schedule
+from pipetrain.schedules.generators import Target, make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import Costs, Simulation, simulate
 from pipetrain.schedules.validate import validate
@@ -62,6 +62,9 @@ class Layout:
     microbatches: int = 1
     micro_batch_size: int = 1
     recompute: str = "never"
+    activation_limit: float = 0.0
+    """zb-auto's limit on the stage-activations one rank holds (0: pp, ZB-1p's; 2 pp is
+    ZB-2p's); ignored by every other schedule."""
 
     @property
     def gpus(self) -> int:
@@ -89,6 +92,8 @@ class Job:
     """Bytes per GPU; 0: the GPU's own."""
     flash_attention: bool = True
     """False: attention's s x s scores in memory (trainers before 2022)."""
+    attention_dropout: bool = True
+    """Without flash attention: a dropout over the scores (Megatron-LM's default, 0.1)."""
     sequence_parallel: bool = True
     """Norms and residuals split by tp too (Korthikanti et al. 2022); False: replicated."""
 
@@ -115,7 +120,10 @@ class Prediction:
     the pipeline, the busiest rank's compute and communication."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": asdict(self.layout), "step_s": self.step_s,
+        layout = asdict(self.layout)
+        if not layout["activation_limit"]:  # zb-auto's only; the contract's keys otherwise
+            del layout["activation_limit"]
+        return {"layout": layout, "step_s": self.step_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
@@ -132,8 +140,9 @@ def predict(job: Job, layout: Layout, rough: bool = False) -> Prediction:
     dpf = layout.dp * layout.fsdp
     per_stage, layer, head, costs, hop = _pipeline(job, layout)
     n_stages = len(per_stage)
-    makespan, peak_units = (_rough if rough else _timeline)(
-        layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, costs, hop)
+    makespan, peak_units = (_rough(layout.schedule, layout.pp, layout.microbatches,
+                                   layout.stages_per_rank, costs, hop) if rough else
+                            _timeline(layout, costs, hop))
     stage_params = max(per_stage) * _layer_params(arch, layout) + arch.vocab * arch.hidden \
         / layout.tp
     reduce_link = fabric.group(dpf, layout.tp * layout.cp)
@@ -180,7 +189,7 @@ def _pipeline(job: Job, layout: Layout
                   fabric.group(layout.tp, 1), fabric.group(layout.cp, layout.tp),
                   fabric.group(layout.ep, layout.tp * layout.cp),
                   sequence_parallel=job.sequence_parallel, fp8=job.precision == "fp8",
-                  flash=job.flash_attention)
+                  flash=job.flash_attention, attention_dropout=job.attention_dropout)
     layer = _sharded(layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard,
                                 layout.recompute), job, layout, fabric)
     head = head_cost(arch, kernels, layout.micro_batch_size, job.seq, shard)
@@ -218,7 +227,8 @@ def simulation(job: Job, layout: Layout) -> Simulation:
     m = layout.microbatches
     if layout.pp * m * layout.stages_per_rank * 3 > MAX_SIMULATED:
         m = 2 * layout.pp
-    return _simulate(layout.schedule, layout.pp, layout.stages_per_rank, m, costs, hop)
+    return _simulate(layout.schedule, layout.pp, layout.stages_per_rank, m,
+                     _frozen(costs), hop, layout.activation_limit)
 
 
 def _layers_per_stage(layers: int, n_stages: int) -> list[int]:
@@ -264,43 +274,60 @@ def _rough(name: str, pp: int, m: int, v: int, costs: dict[str, tuple[float, ...
     return max(per_rank) * m + fill, float(min(m, pp) * v if name != "gpipe" else m * v)
 
 
-def _timeline(name: str, pp: int, m: int, v: int, costs: dict[str, tuple[float, ...]],
-              hop: float) -> tuple[float, float]:
+Frozen = tuple[tuple[str, tuple[float, ...]], ...]
+
+
+def _frozen(costs: dict[str, tuple[float, ...]]) -> Frozen:
+    """``costs`` as a key: rounded, sorted by op."""
+    return tuple((op, tuple(round(x, 12) for x in c)) for op, c in sorted(costs.items()))
+
+
+def _timeline(layout: Layout, costs: dict[str, tuple[float, ...]], hop: float
+              ) -> tuple[float, float]:
     """The schedule's makespan and its largest count of stage-activations alive on one rank;
     a schedule too long to simulate is extrapolated linearly in m from two shorter ones
     (both quantities are affine in m once m is a few times pp)."""
-    key = (name, pp, v, tuple((op, tuple(round(x, 12) for x in c))
-                              for op, c in sorted(costs.items())), round(hop, 12))
+    name, pp, v, m = layout.schedule, layout.pp, layout.stages_per_rank, layout.microbatches
+    key = (_frozen(costs), round(hop, 12), layout.activation_limit)
     if pp * m * v * 3 <= MAX_SIMULATED:
-        return _simulated(*key[:3], m, key[3], key[4])
+        return _simulated(name, pp, v, m, *key)
     a = 2 * pp
     b = 3 * pp
-    ta, ua = _simulated(*key[:3], a, key[3], key[4])
-    tb, ub = _simulated(*key[:3], b, key[3], key[4])
+    ta, ua = _simulated(name, pp, v, a, *key)
+    tb, ub = _simulated(name, pp, v, b, *key)
     return ta + (tb - ta) * (m - a) / (b - a), ua + (ub - ua) * (m - a) / (b - a)
 
 
 @lru_cache(maxsize=4096)
-def _simulated(name: str, pp: int, v: int, m: int, costs: tuple[Any, ...], hop: float
+def _simulated(name: str, pp: int, v: int, m: int, costs: Frozen, hop: float, limit: float
                ) -> tuple[float, float]:
-    sim = _simulate(name, pp, v, m, dict(costs), hop)
+    sim = _simulate(name, pp, v, m, costs, hop, limit)
     return sim.makespan, max(sim.peak_activations)
 
 
-def _simulate(name: str, pp: int, v: int, m: int, c: dict[str, tuple[float, ...]],
-              hop: float) -> Simulation:
-    schedule = _schedule(name, pp, m, v)
+def _simulate(name: str, pp: int, v: int, m: int, costs: Frozen, hop: float, limit: float
+              ) -> Simulation:
+    schedule = _schedule(name, pp, m, v, costs, hop, limit)
     split = schedule.split_backward
+    c = dict(costs)
     return simulate(schedule, Costs(F=c["F"], I=c["I"] if split else None,
                                     W=c["W"] if split else None, B=None if split else c["B"]),
                     comm=hop, validated=True)
 
 
 @lru_cache(maxsize=256)
-def _schedule(name: str, pp: int, m: int, v: int) -> Schedule:
-    """The schedule, generated and validated once for every layout that simulates it."""
-    schedule = make_schedule(name, pp, m, stages_per_rank=v) if v > 1 else \
-        make_schedule(name, pp, m)
+def _schedule(name: str, pp: int, m: int, v: int, costs: Frozen, hop: float, limit: float
+              ) -> Schedule:
+    """The schedule, generated and validated once for every layout that simulates it;
+    zb-auto searched for these stage costs, this hop and ``limit`` stage-activations (0: pp)."""
+    if name == "zb-auto":
+        c = dict(costs)
+        target = Target(memory_limit=limit or None, costs=Costs(F=c["F"], I=c["I"], W=c["W"]),
+                        comm=hop)
+        schedule = make_schedule(name, pp, m, target=target)
+    else:
+        schedule = make_schedule(name, pp, m, stages_per_rank=v) if v > 1 else \
+            make_schedule(name, pp, m)
     validate(schedule)
     return schedule
 

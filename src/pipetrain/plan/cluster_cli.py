@@ -107,7 +107,8 @@ def _write(args: argparse.Namespace, job: Job, best: Prediction) -> list[str]:
         return lines + [f"no plan.toml: pipetrain train does not run {', '.join(missing)}"]
     toml = out / "plan.toml"
     toml.write_text(config_toml(TrainConfig(
-        preset=args.preset, hf=args.hf, seq_len=job.seq, batch_size=job.global_batch,
+        preset=args.preset, hf=getattr(args, "hf_spec", args.hf), seq_len=job.seq,
+        batch_size=job.global_batch,
         nproc=job.gpus, pp=lay.pp, dp=lay.dp, fsdp=lay.fsdp, tp=lay.tp, ep=lay.ep,
         schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
         microbatches=lay.microbatches, recompute=lay.recompute, precision="bf16",

@@ -10,9 +10,16 @@ bandwidth" of nccl-tests' PERFORMANCE.md: an all-reduce of S bytes over n GPUs m
     all-to-all      (n-1)/n S / bw + (n-1) a                S: what one GPU holds
     send / recv     S / bw + a
 
-NCCL picks the faster of ring and tree for an all-reduce; the cost here does too. A group whose
-GPUs all sit in one node talks over NVLink; a group that spans nodes is bound by the scale-out
-network, one NIC per GPU (as in NVIDIA's DGX nodes), whatever part of it runs inside a node.
+NCCL picks the faster of ring and tree for an all-reduce; the cost here does too. Bandwidths
+are what NCCL reaches, not line rates: each link's figure times the GPU's measured efficiency
+(:data:`pipetrain.plan.hardware.NVLINK_EFFICIENCY` and its neighbours, from nccl-tests).
+
+A group whose GPUs all sit in one node talks over NVLink. A group that spans nodes runs one
+ring per NIC of its GPUs in a node (NCCL's channels), so its bandwidth is that of the NICs its
+``k`` members in one node bring, ``k x nic``, capped by NVLink: a data-parallel group of 8
+GPUs per node over 8 NICs reaches the node's whole network (nccl-tests across 4-NIC A100 nodes:
+96 GB/s of the node's 100, https://github.com/NVIDIA/nccl-tests/issues/119), one GPU per node
+(stride 8, beside the other tp ranks' groups) its own NIC.
 """
 
 from __future__ import annotations
@@ -74,13 +81,17 @@ class Fabric:
 
     @classmethod
     def of(cls, gpu: Gpu) -> Fabric:
-        return cls(Link(gpu.nvlink_bw, NVLINK_LATENCY_S), Link(gpu.nic_bw, NIC_LATENCY_S),
-                   gpu.gpus_per_node)
+        return cls(Link(gpu.nvlink_bw * gpu.nvlink_efficiency, NVLINK_LATENCY_S),
+                   Link(gpu.nic_bw * gpu.nic_efficiency, NIC_LATENCY_S), gpu.gpus_per_node)
 
     def group(self, size: int, stride: int) -> Link:
         """The link of a group of ``size`` GPUs whose ranks are ``stride`` apart (the product
-        of the layout's dimensions inside it): NVLink when all of them fit one node."""
-        return self.nvlink if size * stride <= self.gpus_per_node else self.nic
+        of the layout's dimensions inside it): NVLink when all of them fit one node, else the
+        NICs of its members in one node (see the module docstring)."""
+        if size * stride <= self.gpus_per_node:
+            return self.nvlink
+        in_node = min(size, max(1, self.gpus_per_node // stride))
+        return Link(min(in_node * self.nic.bandwidth, self.nvlink.bandwidth), self.nic.latency)
 
     def hop(self, stride: int) -> Link:
         """The link between two GPUs ``stride`` ranks apart (a pipeline's neighbours)."""

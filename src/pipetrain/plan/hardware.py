@@ -21,6 +21,8 @@ A ``--hardware`` file is flat TOML in the units its people write (GB, GB/s, Gbit
     nic_gbps = 400             # scale-out network per GPU, one direction, Gbit/s
     gpus_per_node = 8
     source = "vendor datasheet, ..."   # optional
+    nvlink_efficiency = 0.82   # optional: NCCL's bus bandwidth / nvlink_gbps (nccl-tests)
+    nic_efficiency = 0.96      # optional: the same across nodes
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+NVLINK_EFFICIENCY = 0.82
+"""NCCL's bus bandwidth over NVLink 4 as a share of the line rate: 'With the protocol overhead
+(~20%) NCCL can get an effective NVLink bandwidth of 370GB/s' of H100's 450 GB/s (NCCL's
+maintainer, https://github.com/NVIDIA/nccl-tests/issues/212)."""
+A100_NVLINK_EFFICIENCY = 0.69
+"""All-reduce bus bandwidth measured by nccl-tests on 8 A100 SXM4 over NVLink 3: about 200
+GB/s (https://github.com/NVIDIA/nccl-tests/issues/149) and 208 GB/s
+(https://github.com/NVIDIA/nccl-tests/issues/178) of 300 GB/s."""
+NIC_EFFICIENCY = 0.96
+"""All-reduce bus bandwidth across 3 nodes of 8 A100 with 4 x 200 Gb/s HDR each: peak 96 GB/s
+of the 100 GB/s the NICs give a node (https://github.com/NVIDIA/nccl-tests/issues/119)."""
+
 __all__ = ["Gpu", "GPUS", "ALIASES", "TOML_KEYS", "gpu", "load_toml", "with_overrides"]
 
 
@@ -55,6 +69,10 @@ class Gpu:
     nic_bw: float  # scale-out network bandwidth per GPU, one direction, bytes/s
     gpus_per_node: int
     source: str  # where each figure comes from, with URLs
+    nvlink_efficiency: float = NVLINK_EFFICIENCY
+    """Share of ``nvlink_bw`` NCCL's ring collectives reach (its bus bandwidth, large messages)."""
+    nic_efficiency: float = NIC_EFFICIENCY
+    """Share of ``nic_bw`` NCCL reaches across nodes."""
 
 
 _A100_SHEET = (
@@ -92,9 +110,9 @@ GPUS: dict[str, Gpu] = {
     g.name: g
     for g in (
         Gpu("A100-40GB", 312e12, None, 40e9, 1.555e12, 300e9, 25e9, 8,
-            "A100 SXM4 40 GB (HBM2). " + _A100_SHEET + _A100_NODE),
+            "A100 SXM4 40 GB (HBM2). " + _A100_SHEET + _A100_NODE, A100_NVLINK_EFFICIENCY),
         Gpu("A100-80GB", 312e12, None, 80e9, 2.039e12, 300e9, 25e9, 8,
-            "A100 SXM4 80 GB (HBM2e). " + _A100_SHEET + _A100_NODE),
+            "A100 SXM4 80 GB (HBM2e). " + _A100_SHEET + _A100_NODE, A100_NVLINK_EFFICIENCY),
         Gpu("H100-SXM", 989.4e12, 1978.9e12, 80e9, 3.35e12, 450e9, 50e9, 8,
             "H100 SXM5 80 GB (HBM3, 700 W). " + _HOPPER_SHEET + "DGX H100: 640 GB total GPU "
             "memory for 8 GPUs (DGX BasePOD page below). " + _DGX_HOPPER_NET),
@@ -155,7 +173,7 @@ ALIASES: dict[str, str] = {
 TOML_KEYS: tuple[tuple[str, bool], ...] = (
     ("name", True), ("bf16_tflops", True), ("fp8_tflops", False), ("hbm_gb", True),
     ("hbm_gbps", True), ("nvlink_gbps", True), ("nic_gbps", True), ("gpus_per_node", True),
-    ("source", False),
+    ("source", False), ("nvlink_efficiency", False), ("nic_efficiency", False),
 )
 
 
@@ -242,7 +260,18 @@ def load_toml(path: str | os.PathLike[str]) -> Gpu:
         nic_bw=_number(table, "nic_gbps", where) * 1e9 / 8,
         gpus_per_node=per_node,
         source=source,
+        nvlink_efficiency=_share(table, "nvlink_efficiency", NVLINK_EFFICIENCY, where),
+        nic_efficiency=_share(table, "nic_efficiency", NIC_EFFICIENCY, where),
     )
+
+
+def _share(table: Mapping[str, object], key: str, default: float, where: str) -> float:
+    if key not in table:
+        return default
+    value = _number(table, key, where)
+    if value > 1:
+        raise ValueError(f"{where}: {key} is a share of the line rate, at most 1, not {value!r}")
+    return value
 
 
 def with_overrides(gpu: Gpu, nic_gbps: float | None = None,

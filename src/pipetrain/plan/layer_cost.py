@@ -62,6 +62,8 @@ class Shard:
     """The layers' matrix multiplies in fp8 (attention, norms and the output layer in bf16)."""
     flash: bool = True
     """Flash attention; False: the s x s scores in memory (a fused softmax, as before 2022)."""
+    attention_dropout: bool = True
+    """With the scores in memory: a dropout over them (its mask and output kept too)."""
 
 
 def _gemms(arch: Arch, tokens: float, t: int, ep: int) -> list[tuple[float, float, float]]:
@@ -117,7 +119,8 @@ def layer_cost(arch: Arch, kernels: Kernels, micro_batch: int, seq: int, shard: 
     heads = micro_batch * arch.heads / shard.tp
     attn_f, attn_b, scores = (_flash(kernels, heads, tokens / micro_batch, seq, arch.dim)
                               if shard.flash else
-                              _materialized(kernels, heads, tokens / micro_batch, seq, arch.dim))
+                              _materialized(kernels, heads, tokens / micro_batch, seq, arch.dim,
+                                            shard.attention_dropout))
     elementwise, norms = _memory_bytes(arch, tokens, shard)
     mem_f = kernels.memory(elementwise) + kernels.memory(norms, "norm")
     comm = _tp_comm(arch, tokens, shard) + _ep_comm(arch, tokens, shard)
@@ -147,17 +150,18 @@ def _flash(kernels: Kernels, heads: float, seq_q: float, seq: int, dim: int
             kernels.attention(heads, seq_q, seq, dim, backward=True), 0.0)
 
 
-def _materialized(kernels: Kernels, heads: float, seq_q: float, seq: int, dim: int
-                  ) -> tuple[float, float, float]:
+def _materialized(kernels: Kernels, heads: float, seq_q: float, seq: int, dim: int,
+                  dropout: bool) -> tuple[float, float, float]:
     """Attention with its scores in memory: two batched matrix multiplies forward (Q K^T, then
-    the probabilities times V), a fused scale-mask-softmax and a dropout over the s x s
-    scores; four multiplies and their gradients backward. Kept: the softmax's output, the
-    dropout's mask and output (Korthikanti et al.'s 5 a s^2 b bytes)."""
+    the probabilities times V), a fused scale-mask-softmax and (``dropout``) a dropout over the
+    s x s scores; four multiplies and their gradients backward. Kept: the softmax's output (2
+    bytes a score), and the dropout's mask and output (Korthikanti et al.'s 5 a s^2 b bytes)."""
     scores = heads * seq_q * seq
     product = kernels.gemm(heads * seq_q, seq, dim)
-    forward = 2 * product + kernels.memory(4 * scores, "norm") + kernels.memory(5 * scores)
-    backward = 4 * product + kernels.memory(6 * scores, "norm") + kernels.memory(5 * scores)
-    return forward, backward, 5 * scores
+    drop = kernels.memory(5 * scores) if dropout else 0.0
+    forward = 2 * product + kernels.memory(4 * scores, "norm") + drop
+    backward = 4 * product + kernels.memory(6 * scores, "norm") + drop
+    return forward, backward, (5 if dropout else 2) * scores
 
 
 def _tp_comm(arch: Arch, tokens: float, shard: Shard) -> float:

@@ -20,6 +20,7 @@ Metrics: ``hardware_tflops_per_gpu`` (FLOP/s per GPU counting recomputation, TFL
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ class Published:
     value: float  # the published figure in that metric's unit (TFLOP/s, fraction, tokens/s, s)
     source: str  # paper, table, row; URL
     assumed: str  # every detail not given in the source and assumed here, and why ("" if none)
+    activation_limit: float = 0.0  # zb-auto's stage-activations per rank (0: pp, ZB-1p's)
+    peak_memory: float = 0.0  # bytes per GPU as the source gives it (0: not given)
 
 
 def _gpt(layers: int, hidden: int, heads: int, seq_len: int, vocab: int) -> dict[str, int]:
@@ -236,6 +239,7 @@ def _zb(size: str, layers: int, heads: int, hidden: int, gpus: int, micro: int, 
         gpu="A100-80GB", gpus=gpus, tp=1, pp=gpus, dp=1, global_batch=micro * m,
         micro_batch=micro, schedule=schedule, stages_per_rank=1, recompute="never",
         precision="fp16", metric="tokens_per_s_per_gpu", value=round(samples * 1024, 2),
+        activation_limit=2.0 * gpus if kind == "zb2p" else 0.0, peak_memory=memory_gb * 1e9,
         source=(
             f"{_ZB}. Model {size}: {layers} layers, {heads} heads, hidden {hidden}, {gpus} "
             f"GPUs, micro-batch {micro}, {m} micro-batches; {_ZB_NAMES[kind]}: {samples:g} "
@@ -247,9 +251,14 @@ def _zb(size: str, layers: int, heads: int, hidden: int, gpus: int, micro: int, 
             "a planner's even split does not; " + mapping + "; vocabulary 32,000 with untied "
             "embeddings is assumed from the authors' released scripts (a SentencePiece "
             "tokenizer from their sample dataset, '--untie-embeddings-and-output-weights'), "
-            "as are fp16, flash attention and no activation recomputation "
+            "as are fp16 and no activation recomputation "
             "(sail-sg/zero-bubble-pipeline-parallelism examples/pretrain_zero_bubble.sh, "
-            "which postdates the paper); MLP width 4h; the inter-node RoCE bandwidth is not "
+            "first committed 2024-08-19, after the paper); attention keeps its s x s scores "
+            "(no flash attention) without a dropout over them, as the paper's own peak "
+            "memory of its four 1F1B runs says: 30, 39, 32 and 43 GB, against 27.3, 39.9, "
+            "34.9 and 42.4 GB predicted so, 20-36 GB with flash attention and 38-52 GB with "
+            "a dropout (its mask and output kept: 5 bytes a score instead of 2); MLP width "
+            "4h; the inter-node RoCE bandwidth is not "
             "given (the A100-80GB entry's 25 GB/s per GPU is assumed for the 16- and 32-GPU "
             "runs; the 8-GPU runs are one node)."),
     )
@@ -292,6 +301,12 @@ _TORCHTITAN_ASSUMED = (
     "ffn_dim_multiplier and multiple_of), vocabulary 128,256 (the Llama 3 tokenizer)")
 
 
+def _gib(text: str) -> float:
+    """The '(N GiB)' a torchtitan table row gives, in bytes; 0 where it gives none."""
+    found = re.search(r"\(([\d.]+) GiB\)", text)
+    return float(found.group(1)) * 2**30 if found else 0.0
+
+
 def _torchtitan(key: str, size: str, seq_len: int, gpus: int, fsdp: int, tp: int, pp: int,
                 cp: int, local_batch: int, micro: int, schedule: str, chunks: int,
                 recompute: str, fp8: bool, tps: float, table: str, extra: str) -> Published:
@@ -301,6 +316,7 @@ def _torchtitan(key: str, size: str, seq_len: int, gpus: int, fsdp: int, tp: int
         schedule=schedule, stages_per_rank=chunks, recompute=recompute,
         precision="fp8" if fp8 else "bf16", metric="tokens_per_s_per_gpu", value=tps,
         source=f"{_TORCHTITAN}. {table}: {tps:g} TPS/GPU.",
+        peak_memory=_gib(table),
         assumed=(f"{_TORCHTITAN_ASSUMED}; " + extra
                  + ("; fp8 means torchao Float8 (dynamic tensorwise scaling) on the "
                     "transformer blocks' nn.Linear layers with fp8 FSDP all-gather, the rest "

@@ -143,6 +143,10 @@ def resolved(args: argparse.Namespace) -> tuple[TrainConfig, tuple[str, ...]]:
     given = load_toml(args.config) if getattr(args, "config", None) else {}
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     given.update({k: v for k, v in vars(args).items() if k in names})
+    if given.get("hf"):  # a Hub id from the --config file (the flag's is resolved already)
+        from pipetrain.hf.hub import local
+
+        given["hf"] = local(str(given["hf"]))
     tuned = fine_tuning_defaults(given)
     cfg = TrainConfig(**{**tuned, **given})
     check(cfg)
@@ -203,7 +207,8 @@ def check(cfg: TrainConfig) -> None:
     _load_builtin()
     if cfg.hf and not Path(cfg.hf, "config.json").is_file():
         raise ValueError(f"--hf {cfg.hf!r}: no config.json there; give a local directory "
-                         "written by save_pretrained (config, safetensors, tokenizer)")
+                         "written by save_pretrained (config, safetensors, tokenizer) or a "
+                         "Hub id, ORG/NAME[@REVISION]")
     if not cfg.hf and cfg.preset not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
     if cfg.schedule not in REGISTRY and not Path(cfg.schedule).is_file():

@@ -24,7 +24,8 @@ class TrainConfig:
     """GPT preset (:data:`pipetrain.models.gpt.PRESETS`)."""
     hf: str = ""
     """A local Hugging Face ``save_pretrained`` directory (config, safetensors weights or none,
-    tokenizer) to train instead of the preset; empty: the preset."""
+    tokenizer), or a Hub id ``ORG/NAME[@REVISION]`` fetched into the Hugging Face cache
+    (:mod:`pipetrain.hf.hub`), to train instead of the preset; empty: the preset."""
     data: str | None = None
     """A text file or directory; None uses the default corpus (the stdlib's own sources). With
     ``hf``, also a data set of examples: a .jsonl, .json, .parquet or .csv file or a

@@ -32,8 +32,9 @@ EXIT_OK, EXIT_FAILED = 0, 1
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """The model, the prompts, the sampling, the layout."""
-    parser.add_argument("--hf", required=True, metavar="DIR",
-                        help="a save_pretrained directory with weights and a tokenizer")
+    parser.add_argument("--hf", required=True, metavar="DIR|ORG/NAME",
+                        help="a save_pretrained directory with weights and a tokenizer, or a "
+                             "Hub id ORG/NAME[@REVISION]")
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                         help="a prompt (repeat for several)")
     parser.add_argument("--prompts", metavar="FILE",
@@ -126,7 +127,8 @@ def _request(args: argparse.Namespace) -> Request:
     if not prompts:
         raise ValueError("give at least one --prompt TEXT or a --prompts FILE")
     if not Path(args.hf, "config.json").is_file():
-        raise ValueError(f"--hf {args.hf!r} has no config.json (a save_pretrained directory)")
+        raise ValueError(f"--hf {args.hf!r} has no config.json (a save_pretrained directory, "
+                         "or a Hub id ORG/NAME[@REVISION])")
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch", args.batch),
                         ("--prefill", args.prefill), ("--window", args.window)):
         if value < 1:

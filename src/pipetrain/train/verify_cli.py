@@ -38,8 +38,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from pipetrain.train.cli import field_docs
 
     docs, defaults = field_docs(), TrainConfig()
-    parser.add_argument("--hf", required=True, metavar="DIR",
-                        help="a save_pretrained directory; only its config.json is read")
+    parser.add_argument("--hf", required=True, metavar="DIR|ORG/NAME",
+                        help="a save_pretrained directory or a Hub id ORG/NAME[@REVISION]; "
+                             "only its config.json is read")
     parser.add_argument("--pp", type=int, default=2, metavar="N",
                         help="pipeline ranks, all run in this process (default: 2)")
     for name in _SHARED:
