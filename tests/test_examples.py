@@ -106,6 +106,45 @@ def test_chat_trains_on_the_assistant_turns_only(model: Path, tok: Any, tmp_path
     assert torch.equal(labels[:, :-1][inner], inputs["input_ids"][:, 1:][inner])
 
 
+def test_sharegpt_conversations_under_chat_field_are_the_same_examples(
+        model: Path, tok: Any, tmp_path: Path) -> None:
+    """ShareGPT's form ({from: human/gpt/system, value}) in a ``conversations`` column, named by
+    --chat-field, gives the tokens and trained flags of the same talks as {role, content}."""
+    talks = conversations(5)
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    shared = [[{"from": names[m["role"]], "value": m["content"]} for m in talk] for talk in talks]
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"messages": m} for m in talks])
+    share = write_jsonl(tmp_path / "share.jsonl", [{"conversations": m, "id": i}
+                                                   for i, m in enumerate(shared)])
+    want = example_corpus(tok, model, str(plain), tmp_path / "c", chat=True)
+    got = example_corpus(tok, model, str(share), tmp_path / "c", chat=True,
+                         chat_field="conversations")
+    assert _examples(got) == _examples(want)
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"conversations": [{"from": "robot",
+                                                                   "value": "hi"}]}])
+    with pytest.raises(ValueError, match=r"row 0, turn 0: neither \{role, content\} nor "
+                                         r"ShareGPT's \{from, value\}"):
+        example_corpus(tok, model, str(odd), tmp_path / "c", chat=True,
+                       chat_field="conversations")
+
+
+def test_a_malformed_jsonl_line_is_named_by_its_number(
+        model: Path, tok: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "broken.jsonl"
+    lines = [json.dumps({"text": t}) for t in TEXTS[:4]]
+    lines.insert(2, '{"text": "unterminated')
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl: line 3 is not JSON \(Unterminated "
+                                         r"string"):
+        example_corpus(tok, model, str(path), tmp_path / "c")
+    captured = capfd.readouterr()
+    assert "Failed to load JSON" not in captured.out + captured.err + caplog.text  # ours only
+    path.write_text(json.dumps({"text": "fine"}) + "\n[1, 2]\n")
+    with pytest.raises(ValueError, match="line 2 holds a list, not a JSON object"):
+        example_corpus(tok, model, str(path), tmp_path / "c")
+
+
 def test_batches_are_whole_examples_padded_from_seed_and_step(model: Path, tok: Any,
                                                                tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in conversations(30)])
@@ -145,7 +184,7 @@ def test_bad_input_says_how_to_fix_it(model: Path, tok: Any, tmp_path: Path,
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in TEXTS])
     with pytest.raises(ValueError, match="--text-field 'body'.*its columns: text"):
         example_corpus(tok, model, str(text), tmp_path / "c", text_field="body")
-    with pytest.raises(ValueError, match="no 'messages' column.*--text-field"):
+    with pytest.raises(ValueError, match="no 'messages' column.*--chat-field.*--text-field"):
         example_corpus(tok, model, str(text), tmp_path / "c", chat=True)
     bare = save_model(tmp_path / "bare", template=None)
     import transformers as tf

@@ -33,8 +33,11 @@ class TrainConfig:
     text_field: str = "text"
     """With a data set as ``data``: the column of text to train on."""
     chat: bool = False
-    """With a data set as ``data``: train on its ``messages`` column (lists of {role, content})
-    rendered by the tokenizer's chat template, the loss on the assistant's tokens only."""
+    """With a data set as ``data``: train on its ``chat_field`` column (lists of {role,
+    content}, or ShareGPT's {from, value}) rendered by the tokenizer's chat template, the loss
+    on the assistant's tokens only."""
+    chat_field: str = "messages"
+    """With ``chat``: the column of messages (ShareGPT data names it ``conversations``)."""
     seq_len: int = 64
     """Tokens per training sequence."""
     token_cache: str = "~/.cache/pipetrain/tokens"

@@ -103,7 +103,8 @@ def _trained_counts(trained: torch.Tensor, starts: torch.Tensor, kept: torch.Ten
 
 
 def example_corpus(tokenizer: Any, tokenizer_dir: str | Path, data: str, cache: str | Path, *,
-                   text_field: str = "text", chat: bool = False, eval_fraction: float = 0.05,
+                   text_field: str = "text", chat: bool = False, chat_field: str = "messages",
+                   eval_fraction: float = 0.05,
                    progress: bool = False) -> ExampleCorpus:
     """The examples of the data set ``data`` under ``tokenizer`` (from ``tokenizer_dir``),
     cached in ``cache``.
@@ -117,7 +118,7 @@ def example_corpus(tokenizer: Any, tokenizer_dir: str | Path, data: str, cache: 
     root = Path(data)
     if not root.exists():
         raise FileNotFoundError(f"--data: no such file or directory: {str(root)!r}")
-    encoder = Encoder(tokenizer, text_field, chat, f"--data {root}")
+    encoder = Encoder(tokenizer, chat_field if chat else text_field, chat, f"--data {root}")
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     settings = f"examples:{_FORMAT}:{encoder.column}:{chat}:{tokenizer.eos_token_id}\n"
     template = str(getattr(tokenizer, "chat_template", None) or "") if chat else ""

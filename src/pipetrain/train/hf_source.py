@@ -204,7 +204,8 @@ class HFSource(Source):
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus | ExampleCorpus:
         if self.examples and cfg.data:
             return example_corpus(self.tokenizer, self.root, cfg.data, cfg.token_cache,
-                                  text_field=cfg.text_field, chat=cfg.chat, progress=progress)
+                                  text_field=cfg.text_field, chat=cfg.chat,
+                                  chat_field=cfg.chat_field, progress=progress)
         return token_corpus(self.tokenizer, self.root, cfg.data, cfg.token_cache,
                             progress=progress)
 

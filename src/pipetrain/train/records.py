@@ -23,6 +23,7 @@ drops earlier turns' reasoning, say) is refused, row by row, with the reason.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,9 @@ def read_rows(path: Path, cache_dir: Path) -> Any:
                                              cache_dir=str(cache_dir))
         except Exception as e:  # datasets' own errors name no common base class
             cause = e.__cause__ or e
+            bad = _bad_line(path) if path.suffix.lower() == ".jsonl" else None
+            if bad:
+                raise ValueError(f"--data {path}: {bad}") from None
             raise ValueError(f"--data {path}: datasets could not read it as {reader} "
                              f"({type(cause).__name__}: {cause}); check the file's format "
                              "(JSONL: one JSON object per line)") from None
@@ -90,16 +94,42 @@ def read_rows(path: Path, cache_dir: Path) -> Any:
     return rows
 
 
+def _bad_line(path: Path) -> str | None:
+    """The first line of a JSONL file that is not one JSON object, by its 1-based number."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                return (f"line {number} is not JSON ({e.msg} at column {e.colno}): "
+                        f"{line.strip()[:80]!r}; each line holds one JSON object")
+            if not isinstance(value, dict):
+                return (f"line {number} holds a {type(value).__name__}, not a JSON object "
+                        "({\"column\": value, ...})")
+    return None
+
+
 @contextlib.contextmanager
 def _quiet(datasets: Any) -> Iterator[None]:
-    """``datasets``' own progress bars off while converting (pipetrain shows its own)."""
+    """``datasets``' own progress bars and log lines off while converting: pipetrain shows its
+    own bar, and a file it cannot read is pipetrain's one message, not also datasets' log."""
     was = datasets.is_progress_bar_enabled()
+    level = datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL + 10)
     try:
         yield
     finally:
+        datasets.logging.set_verbosity(level)
         if was:
             datasets.enable_progress_bars()
+
+
+SHAREGPT = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+            "assistant": "assistant", "chatgpt": "assistant", "tool": "tool"}
+"""ShareGPT's speakers ("from") as chat template roles."""
 
 
 class Encoder:
@@ -107,8 +137,9 @@ class Encoder:
 
     Args:
         tokenizer: the model's tokenizer.
-        field: the text column (without ``chat``).
-        chat: render the ``messages`` column by the tokenizer's chat template.
+        field: the text column, or with ``chat`` the messages column.
+        chat: render the messages (``{role, content}``, or ShareGPT's ``{from, value}``) by
+            the tokenizer's chat template.
         where: the data set, for messages.
 
     Raises:
@@ -117,7 +148,7 @@ class Encoder:
 
     def __init__(self, tokenizer: Any, field: str, chat: bool, where: str) -> None:
         self.tokenizer, self.chat, self.where = tokenizer, chat, where
-        self.column = "messages" if chat else field
+        self.column = field
         if chat and not getattr(tokenizer, "chat_template", None):
             raise ValueError("--chat: the tokenizer has no chat template (its chat_template "
                              "is unset), so messages cannot be rendered; save the model's "
@@ -130,10 +161,11 @@ class Encoder:
         if self.column in columns:
             return
         if self.chat:
-            raise ValueError(f"--chat: {self.where} has no 'messages' column (its columns: "
-                             f"{', '.join(columns)}); each row needs messages, a list of "
-                             "{role, content}; or leave out --chat and pick a text column "
-                             "with --text-field")
+            raise ValueError(f"--chat: {self.where} has no {self.column!r} column (its "
+                             f"columns: {', '.join(columns)}); name the column of messages "
+                             "(lists of {role, content} or ShareGPT's {from, value}) with "
+                             "--chat-field, or leave out --chat and pick a text column with "
+                             "--text-field")
         raise ValueError(f"--text-field {self.column!r}: {self.where} has no such column (its "
                          f"columns: {', '.join(columns)}); pass --text-field with one of "
                          "them, or --chat for a 'messages' column")
@@ -165,12 +197,8 @@ class Encoder:
                              f"{len(messages)} messages ({type(e).__name__}: {e})") from None
         return str(text)
 
-    def _chat(self, messages: Any, row: int) -> tuple[list[int], list[int]]:
-        if (not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-            raise ValueError(f"{self.where} row {row}: 'messages' must be a non-empty list of "
-                             f"{{role, content}} objects, got {str(messages)[:80]!r} (a CSV "
-                             "holds text only: use JSONL or Parquet for --chat)")
+    def _chat(self, given: Any, row: int) -> tuple[list[int], list[int]]:
+        messages = self._messages(given, row)
         whole = self._render(messages, False, row)
         spans = []
         for i, m in enumerate(messages):
@@ -186,6 +214,28 @@ class Encoder:
                     "renders each turn the same whatever follows")
             spans.append((len(before), len(upto)))
         return self._tokens(whole, spans)
+
+    def _messages(self, given: Any, row: int) -> list[dict[str, Any]]:
+        """``given`` as {role, content} messages; ShareGPT's {from, value} turns mapped (its
+        ``human`` is the user, ``gpt`` the assistant)."""
+        if (not isinstance(given, list) or not given
+                or not all(isinstance(m, dict) for m in given)):
+            raise ValueError(f"{self.where} row {row}: {self.column!r} must be a non-empty list "
+                             f"of {{role, content}} (or ShareGPT's {{from, value}}) objects, "
+                             f"got {str(given)[:80]!r} (a CSV holds text only: use JSONL or "
+                             "Parquet for --chat)")
+        if all(isinstance(m.get("role"), str) for m in given):
+            return given
+        out = []
+        for turn, m in enumerate(given):
+            speaker = m.get("from")
+            if speaker not in SHAREGPT or not isinstance(m.get("value"), str):
+                raise ValueError(
+                    f"{self.where} row {row}, turn {turn}: neither {{role, content}} nor "
+                    f"ShareGPT's {{from, value}} with 'from' one of {sorted(SHAREGPT)}: "
+                    f"{str(m)[:80]!r}")
+            out.append({"role": SHAREGPT[speaker], "content": m["value"]})
+        return out
 
     def _tokens(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
         """``text``'s ids (no added special tokens: the template wrote them), trained where a
