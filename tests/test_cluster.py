@@ -89,6 +89,24 @@ def test_a_layers_activation_bytes_are_korthikantis() -> None:
     assert kept_bytes(GPT, tokens, shard, "always") == pytest.approx(2 * tokens * h / 8)
 
 
+def test_torchtitans_per_op_recomputation_keeps_every_other_multiply() -> None:
+    """``op``: the layer's input, attention's output and the outputs of q, v, the gate and
+    down (the first, third, ... multiply) kept; k, the output projection and up run again."""
+    link = Link(1e11, 1e-6)
+    shard = Shard(1, 1, 1, link, link, link)
+    kept = (4096 + 4096 + 4096 + 1024 + 14336 + 4096) * 2  # bytes a token
+    assert kept_bytes(LLAMA, 1000, shard, "op") == pytest.approx(1000 * kept)
+    again = 4096 * 1024 + 4096 * 4096 + 4096 * 14336  # k, o, up: parameters a token uses
+    assert LLAMA.hardware_flops(8192, "op") - LLAMA.model_flops(8192) == pytest.approx(
+        2 * 32 * again)
+    kernels = Kernels.of(gpu("H100"))
+    plain, op = (layer_cost(LLAMA, kernels, 1, 8192, shard, r) for r in ("never", "op"))
+    rerun = sum(kernels.gemm(8192, o, i) for i, o in [(4096, 1024), (4096, 4096),
+                                                       (4096, 14336)])
+    assert rerun < op.i - plain.i < rerun + plain.f - sum(
+        kernels.gemm(8192, o, i) for i, o in LLAMA.projections())  # + the memory-bound work
+
+
 def test_flops_are_palms_and_megatrons() -> None:
     s, h, l_, v = 2048, GPT.hidden, GPT.layers, GPT.vocab
     # Megatron-LM (Narayanan et al. 2021): 96 B s l h^2 (1 + s/6h + V/16lh) per step with

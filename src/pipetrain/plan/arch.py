@@ -112,10 +112,23 @@ class Arch:
         """Training FLOPs per token, forward and backward, without recomputation."""
         return 6.0 * self.matmul_params() + 12.0 * self.layers * self.heads * self.dim * seq
 
+    def projections(self) -> list[tuple[int, int]]:
+        """(inputs, outputs) of one layer's matrix multiplies per token, in a forward's order:
+        q, k, v and the output projection, then the MLP's gate (gated), up and down (a mixture
+        of experts' as wide as the experts a token uses, with its shared expert)."""
+        q, kv, h = self.heads * self.dim, self.kv_heads * self.dim, self.hidden
+        ffn = self.ffn * (self.top_k if self.moe else 1) + self.shared_ffn
+        mlp = [(h, ffn)] * (2 if self.gated else 1) + [(ffn, h)]
+        return [(h, q), (h, kv), (h, kv), (q, h), *mlp]
+
     def hardware_flops(self, seq: int, recompute: str) -> float:
         """Training FLOPs per token the devices run: ``model_flops`` plus what ``recompute``
-        (``never``, ``selective``, ``always``) runs again."""
+        (``never``, ``selective``, ``op``, ``always``) runs again; ``op`` (torchtitan's
+        per-op policy) runs every second matrix multiply of a layer again."""
         attention_fwd = 4.0 * self.layers * self.heads * self.dim * seq
+        if recompute == "op":
+            again = sum(i * o for i, o in self.projections()[1::2])
+            return self.model_flops(seq) + 2.0 * self.layers * again
         if recompute == "always":
             return self.model_flops(seq) + 2.0 * self.matmul_params() \
                 - 2.0 * self.vocab * self.hidden + attention_fwd

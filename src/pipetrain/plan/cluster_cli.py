@@ -83,7 +83,7 @@ def run_cluster(args: argparse.Namespace) -> int:
 def predicted_only(layout: Layout) -> list[str]:
     """What of ``layout`` pipetrain train does not run yet (predicted, not trainable)."""
     return ([f"cp {layout.cp}"] if layout.cp > 1 else []) + (
-        ["recompute selective"] if layout.recompute == "selective" else [])
+        [f"recompute {layout.recompute}"] if layout.recompute in ("selective", "op") else [])
 
 
 def _write(args: argparse.Namespace, job: Job, best: Prediction) -> list[str]:

@@ -33,7 +33,9 @@ from pipetrain.plan.cluster import Job, Layout, Prediction, predict, with_microb
 __all__ = ["Pins", "search", "check_layout", "check_pins"]
 
 SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
-RECOMPUTE = ("never", "selective", "always")  # what --recompute accepts
+RECOMPUTE = ("never", "selective", "op", "always")  # what --recompute accepts
+"""``op`` is torchtitan's per-op policy (predicted only: pipetrain trains the others); the
+search tries never, selective and always, and ``op`` where pinned."""
 SIMULATED = 32
 """How many of the layouts a closed form ranks best are simulated and ranked again."""
 

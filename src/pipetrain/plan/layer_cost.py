@@ -92,11 +92,16 @@ def _memory_bytes(arch: Arch, tokens: float, shard: Shard) -> tuple[float, float
 
 
 def kept_bytes(arch: Arch, tokens: float, shard: Shard, recompute: str) -> float:
-    """Bytes one layer's F keeps for its backward, per micro-batch (Korthikanti et al.)."""
+    """Bytes one layer's F keeps for its backward, per micro-batch (Korthikanti et al.; for
+    ``op``, torchtitan's per-op policy: the layer's input, flash attention's output and the
+    output of the first, third, ... matrix multiply, everything else recomputed)."""
     t, h = shard.tp, arch.hidden
     sp = t if shard.sequence_parallel else 1
     if recompute == "always":
         return tokens * h * BF16 / sp
+    if recompute == "op":  # the input, the attention's output, every other multiply's output
+        odd = sum(o for _, o in arch.projections()[0::2])
+        return tokens * BF16 * (h / sp + (arch.heads * arch.dim + odd) / t)
     qkv = tokens * (arch.heads + 2 * arch.kv_heads) * arch.dim * BF16 / t
     ffn = arch.ffn * (arch.top_k if arch.moe else 1) + arch.shared_ffn
     mlp = tokens * ffn * BF16 / t * (4 if arch.gated else 2)  # the activation's in and out
@@ -131,6 +136,9 @@ def layer_cost(arch: Arch, kernels: Kernels, micro_batch: int, seq: int, shard: 
         i_total += f_total
     elif recompute == "selective":
         i_total += attn_f
+    elif recompute == "op":  # every second multiply again, and the memory-bound work
+        i_total += mem_f + sum(kernels.gemm(tokens, o / shard.tp, i, "nt", q)
+                               for i, o in arch.projections()[1::2])
     kept = kept_bytes(arch, tokens, shard, recompute) + (scores if recompute == "never"
                                                           else 0.0)  # selective: rebuilt
     return LayerCost(f_total, i_total, w, kept,
