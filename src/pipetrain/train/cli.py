@@ -216,6 +216,13 @@ def check(cfg: TrainConfig) -> None:
                          f"{sorted(REGISTRY)}, or give a schedule file")
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
+    if cfg.log:
+        from pipetrain.train.sinks import missing
+
+        if not cfg.out:
+            raise ValueError(f"--log {cfg.log}: the sinks write under --out; give one")
+        for problem in missing(cfg.log):  # parse() raises for an unknown name first
+            raise ValueError(problem)
     from pipetrain.parallel import RESHARD
 
     if cfg.fsdp_reshard not in RESHARD:

@@ -143,6 +143,9 @@ class TrainConfig:
     """Seconds any wait for a peer may last before every rank stops with an error."""
     progress: bool = True
     """A live progress bar on rank 0 (JSON logs are written either way)."""
+    log: str = ""
+    """Also send the step and eval scalars to tensorboard, wandb or both (commas), under
+    ``out``; ``log.jsonl`` is written either way."""
 
 
 def format_config(cfg: TrainConfig, *, world: int | None = None, width: int = 100,

@@ -9,7 +9,8 @@ hands to the training loop. It writes into ``cfg.out``:
   step replayed after a restart counts once, its latest value);
 - ``timeline.png``: the measured timeline of one step above the simulator's prediction, and
   ``timeline.json``: both as one Chrome/Perfetto trace;
-- ``summary.json``: the ``end`` record's fields with the files written.
+- ``summary.json``: the ``end`` record's fields with the files written;
+- with ``--log``, TensorBoard's or W&B's files (:mod:`pipetrain.train.sinks`).
 
 On a terminal the progress is a live rich bar (step, loss, tokens/s, measured bubble); when
 stdout is not a terminal, or ``cfg.progress`` is False, it is about ten plain lines instead.
@@ -41,6 +42,7 @@ from pipetrain.schedules.simulate import Simulation
 from pipetrain.schedules.timeline import Timeline
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.placement import format_rank_map
+from pipetrain.train.sinks import open_sinks, parse, scalars
 
 __all__ = ["ProgressReporter", "describe_layout", "latest_run", "read_log", "save_loss_png",
            "save_timeline_png", "timeline_trace"]
@@ -71,6 +73,8 @@ class ProgressReporter:
         self._bubbles: dict[str, float] = {}
         self._first_step = True  # the first step of this attempt always gets a plain line
         self._files: list[str] = ["log.jsonl"]
+        self._sinks = open_sinks(cfg, self.out) if self.out is not None and cfg.log else []
+        self._files += [f"{name}/" for name in parse(cfg.log)] if self._sinks else []
 
     # -------------------------------------------------------------------- Reporter protocol
 
@@ -80,6 +84,9 @@ class ProgressReporter:
         if self._log is not None:
             self._log.write(json.dumps(_finite(entry)) + "\n")
             self._log.flush()
+        numbers = scalars(kind, fields) if self._sinks else {}
+        for sink in self._sinks if numbers else ():
+            sink.write(numbers, int(fields.get("step", 0)))
         show = getattr(self, f"_on_{kind}", None)
         if show is not None:
             show(fields)
@@ -114,6 +121,9 @@ class ProgressReporter:
         if self._log is not None:
             self._log.close()
             self._log = None
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
 
     # ----------------------------------------------------------------------------- records
 
