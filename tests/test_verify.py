@@ -178,6 +178,37 @@ def test_the_command_passes_on_a_shrunk_saved_llama(saved: Path,
     assert "units per stage 1,1,1,1" in out and "PASS" in out
 
 
+@pytest.mark.parametrize("name", ["Qwen3MoeConfig", "MixtralConfig"])
+def test_the_command_passes_on_a_stored_moe_at_its_defaults(
+        name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Their experts default to grouped_mm, which has no float64 kernel: verify runs them as
+    transformers' batched_mm (the run itself keeps its own)."""
+    import transformers as tf
+
+    experts = {"Qwen3MoeConfig": {"num_experts": 4, "moe_intermediate_size": 16,
+                                  "head_dim": 8},
+               "MixtralConfig": {"num_local_experts": 4}}[name]
+    config = getattr(tf, name)(num_hidden_layers=4, hidden_size=32, intermediate_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                               num_experts_per_tok=2, max_position_embeddings=64, **experts)
+    assert config.to_dict().get("experts_implementation") in (None, "grouped_mm")
+    config.save_pretrained(tmp_path)
+    assert main(["verify", "--hf", str(tmp_path)]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_an_encoder_decoder_is_out_of_scope_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import transformers as tf
+
+    tf.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8,
+                vocab_size=128).save_pretrained(tmp_path)
+    assert main(["verify", "--hf", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "T5Config is an encoder-decoder" in err and "causal language models only" in err
+    assert "pt.verify(model, inputs)" in err and "GPT2Config" not in err  # no list of configs
+
+
 def _page() -> str:
     return (Path(__file__).resolve().parents[1] / "docs" / "verify.md").read_text()
 

@@ -113,9 +113,14 @@ def meta_model(config: Any) -> nn.Module:
     try:
         with torch.device("meta"):
             model: nn.Module = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    except ValueError as e:
-        raise ValueError(f"{type(config).__name__} is not a causal language model "
-                         f"transformers can build ({e})") from None
+    except ValueError:  # its message lists every causal LM config transformers has
+        kind = ("an encoder-decoder" if getattr(config, "is_encoder_decoder", False)
+                else "not a causal language model transformers can build")
+        raise ValueError(f"{type(config).__name__} is {kind} (AutoModelForCausalLM does not "
+                         "take it); --hf (train, "
+                         "generate, verify) takes causal language models only: split any "
+                         "other model with pt.Pipeline and check it with pt.verify(model, "
+                         "inputs) (docs/models.md, docs/verify.md)") from None
     return model.train()
 
 

@@ -49,6 +49,7 @@ def verify_hf(cfg: TrainConfig, pp: int, *, layers: int | None = None,
     _check_positions(config, cfg.seq_len)
     with torch.device("meta"):
         model = transformers().AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _float64_experts(model, dtype)
     if announce is not None:
         announce(_describe(cfg, config, opened.config, model))
     schedule = run_schedule(cfg, pp)
@@ -64,6 +65,15 @@ def verify_hf(cfg: TrainConfig, pp: int, *, layers: int | None = None,
                                              local_ranks=pp),
                        model, {"input_ids": window[:, :-1]}, window[:, 1:],
                        tolerance=tolerance, dtype=dtype, seed=cfg.seed)
+
+
+def _float64_experts(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """A mixture of experts checked in float64 runs its experts as transformers'
+    ``batched_mm`` (the default ``grouped_mm`` kernel has no float64; ``eager`` loops over the
+    experts that got tokens, which a capture cannot follow); the training run keeps its own."""
+    can = getattr(model, "_can_set_experts_implementation", None)
+    if dtype == torch.float64 and callable(can) and can():
+        model.set_experts_implementation("batched_mm")  # type: ignore[operator]
 
 
 def _describe(cfg: TrainConfig, config: Any, saved: Any, model: torch.nn.Module) -> str:
