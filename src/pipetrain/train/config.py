@@ -143,6 +143,9 @@ class TrainConfig:
     """Seconds any wait for a peer may last before every rank stops with an error."""
     progress: bool = True
     """A live progress bar on rank 0 (JSON logs are written either way)."""
+    verbose: bool = False
+    """Print what a run holds back: the torch profiler's and allocator's notes, and every
+    rank's copy of an error that several ranks raise alike."""
     log: str = ""
     """Also send the step and eval scalars to tensorboard, wandb or both (commas), under
     ``out``; ``log.jsonl`` is written either way."""

@@ -29,9 +29,11 @@ its last line is the watchdog's finding (which rank held everyone up, and where)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -64,6 +66,9 @@ RunFn = Callable[[TrainConfig, Reporter], dict[str, Any]]
 SHUTDOWN_GRACE = 5
 """Seconds the agent waits after SIGTERM before it SIGKILLs a worker it is stopping."""
 MONITOR_S = 0.5
+LAUNCHER_ENV = "PIPETRAIN_LAUNCHER"
+"""Set to ``local`` for the workers ``pipetrain train`` starts itself (its verdict on a
+failure is printed by the launcher)."""
 """How often the agent looks at its workers: a rank that saw a peer die or heard the job's
 news (its watchdog looks every 0.5 s) has this long to say so before the agent stops it."""
 _LOOPBACK = "127.0.0.1"
@@ -185,7 +190,8 @@ def _start_method(cfg: TrainConfig) -> str:
 def _worker_env(backend: str) -> Iterator[None]:
     """Environment the workers inherit: loopback interfaces, one thread per CPU rank."""
     loopback = _loopback_interface()
-    wanted = {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
+    wanted = {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback,
+              LAUNCHER_ENV: "local"}
     if backend == "gloo":
         wanted["OMP_NUM_THREADS"] = "1"
     saved = {k: os.environ.get(k) for k in wanted}
@@ -291,7 +297,10 @@ def worker(cfg: TrainConfig, run: RunFn | None = None, env: dict[str, str] | Non
     except BaseException as e:  # noqa: BLE001  (every failure becomes a clean exit 1)
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
-        _report_failure(e, rank, getattr(run, "command", "train"))
+        if _says(e, joined[0] if joined else None, cfg.verbose):
+            _report_failure(e, rank, getattr(run, "command", "train"))
+        else:
+            _report_failure(e, rank, getattr(run, "command", "train"), printed=False)
         if joined:
             news.leave(joined[0], rank, int(os.environ.get("WORLD_SIZE", "1")))
         raise SystemExit(1) from None
@@ -380,14 +389,38 @@ def _reporter(cfg: TrainConfig, rank: int, tuned: tuple[str, ...] = ()) -> Repor
     return ProgressReporter(cfg)
 
 
-def _report_failure(error: BaseException, rank: int, command: str = "train") -> None:
-    """Print one line naming the rank (as ``pipetrain <command>``), and write the agent's
-    error file with precise time."""
+def _says(error: BaseException, store: Any, verbose: bool) -> bool:
+    """Whether this rank prints its failure. What each rank saw of a failed pipeline
+    (a :class:`~pipetrain.errors.PipelineError`) it always says. An error several ranks raise
+    alike (a model that cannot be built, a setting every rank refuses) is said once: by the
+    launcher alone when it is ``pipetrain train``'s own without restarts (its verdict names
+    the rank and the message), else by the first rank that raises it (a key in the job's
+    store). ``verbose``: every rank says it."""
+    if verbose or isinstance(error, (PipelineError, KeyboardInterrupt)):
+        return True
+    if (os.environ.get(LAUNCHER_ENV) == "local"
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0"):
+        return False
+    if store is None:
+        return True
+    alike = re.sub(r"\[rank \d+\]\s*", "", f"{type(error).__name__}: {error}")
+    key = "pipetrain/failure/" + hashlib.blake2b(alike.encode(), digest_size=8).hexdigest()
+    try:
+        return int(store.add(key, 1)) == 1
+    except Exception:  # noqa: BLE001 - the store may be gone with the job: say it
+        return True
+
+
+def _report_failure(error: BaseException, rank: int, command: str = "train",
+                    printed: bool = True) -> None:
+    """Print one line naming the rank (as ``pipetrain <command>``) unless not ``printed``,
+    and write the agent's error file with precise time."""
     message = "interrupted" if isinstance(error, KeyboardInterrupt) else (
         f"{type(error).__name__}: {error}")
     if not str(error).startswith("[rank"):
         message = f"[rank {rank}] {message}"
-    print(f"pipetrain {command}: {message}", file=sys.stderr, flush=True)
+    if printed:
+        print(f"pipetrain {command}: {message}", file=sys.stderr, flush=True)
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

@@ -167,7 +167,7 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     tally = Tally()
     saved = resumed
     meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step,
-                        measure=trainer.pipe.windows is None)
+                        measure=trainer.pipe.windows is None, verbose=cfg.verbose)
     clock = time.perf_counter()
     for step in range(trainer.step, cfg.steps):
         with meter.step(lambda: _held(trainer)):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pipetrain.split.profile import storages
+from pipetrain.train.quiet import held_notes
 
 __all__ = ["MemoryMeter", "tensor_bytes"]
 
@@ -44,8 +45,10 @@ class MemoryMeter:
     :attr:`peak_bytes` is the measured peak (None before anything is measured).
     """
 
-    def __init__(self, device: torch.device, steps: int, measure: bool = True) -> None:
+    def __init__(self, device: torch.device, steps: int, measure: bool = True,
+                 verbose: bool = False) -> None:
         self.device = device
+        self.verbose = verbose  # the profiler's own notes on stderr too (pipetrain.train.quiet)
         self.cuda = device.type == "cuda"
         self._measured = (1 if steps >= 2 else 0) if measure or self.cuda else -1  # which
         # step of this run the CPU measures (-1: none)
@@ -66,7 +69,7 @@ class MemoryMeter:
             yield
             return
         base = tensor_bytes(held())
-        with _cpu_profile() as prof:
+        with held_notes(self.verbose), _cpu_profile() as prof:
             yield
         extra = _peak_allocated(prof)
         self.peak_bytes = None if extra is None else base + extra
