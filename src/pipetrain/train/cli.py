@@ -216,6 +216,7 @@ def check(cfg: TrainConfig) -> None:
                          f"{sorted(REGISTRY)}, or give a schedule file")
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
+    _check_lora(cfg)
     if cfg.log:
         from pipetrain.train.sinks import missing
 
@@ -241,6 +242,27 @@ def check(cfg: TrainConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------- run
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    if cfg.lora_r < 0:
+        raise ValueError(f"--lora-r must be 0 (train every weight) or a rank >= 1, got "
+                         f"{cfg.lora_r}")
+    if not cfg.lora_r:
+        if cfg.merge:
+            raise ValueError("--merge merges a LoRA adapter: give --lora-r too")
+        return
+    if not cfg.hf:
+        raise ValueError("--lora-r adapts a Hugging Face model: give --hf DIR or ORG/NAME")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise ValueError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
+    if cfg.lora_alpha < 0:
+        raise ValueError(f"--lora-alpha must be positive (0: 2 x --lora-r), got "
+                         f"{cfg.lora_alpha}")
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora-r needs peft: pip install peft")
 
 
 def run(args: argparse.Namespace) -> int:

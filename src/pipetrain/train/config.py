@@ -38,6 +38,19 @@ class TrainConfig:
     on the assistant's tokens only."""
     chat_field: str = "messages"
     """With ``chat``: the column of messages (ShareGPT data names it ``conversations``)."""
+    lora_r: int = 0
+    """With ``hf``: train peft's LoRA adapters of this rank on the frozen model (0: every
+    weight); written to ``out/adapter`` in peft's format."""
+    lora_alpha: float = 0.0
+    """With ``lora_r``: the adapters' scale numerator (0: 2 x lora_r)."""
+    lora_dropout: float = 0.0
+    """With ``lora_r``: dropout on the adapters' input."""
+    lora_targets: str = ""
+    """With ``lora_r``: the module names to adapt, commas (empty: peft's default for the
+    architecture, e.g. q_proj,v_proj for Llama)."""
+    merge: bool = False
+    """With ``lora_r``: also write ``out/hf``, the model with the adapter merged in (built
+    whole on global rank 0)."""
     seq_len: int = 64
     """Tokens per training sequence."""
     token_cache: str = "~/.cache/pipetrain/tokens"

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from pipetrain.hf import lora
 from pipetrain.hf.model import load_tokenizer, load_weights, open_model, share_bytes, split_points
 from pipetrain.hf.save import save_pretrained
 from pipetrain.models.gpt import lm_loss
@@ -122,6 +124,11 @@ class HFSource(Source):
     def __init__(self, cfg: TrainConfig) -> None:
         self.root = Path(cfg.hf)
         self.hf = open_model(self.root)
+        self.cfg = cfg
+        self.lora = (lora.lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
+                                      cfg.lora_targets) if cfg.lora_r else None)
+        if self.lora is not None:  # before the cut: the stages hold the adapters
+            lora.add_adapters(self.hf.model, self.lora)
         self.rss_before = peak_rss_bytes()
         self.model = self.hf
         self.n_params = self.hf.n_params
@@ -140,7 +147,12 @@ class HFSource(Source):
                              f"use --seq-len {limit} or less")
 
     def describe(self) -> dict[str, Any]:
-        return self.hf.describe()
+        described = self.hf.describe()
+        if self.lora is not None:
+            described["lora"] = {"r": self.lora.r, "alpha": self.lora.lora_alpha,
+                                 "dropout": self.lora.lora_dropout,
+                                 "targets": sorted(self.lora.target_modules)}
+        return described
 
     def pipeline(self, cfg: TrainConfig, schedule: Schedule, rows: int, pp_rank: int,
                  wrap: LossWrap, **where: Any) -> Pipeline:
@@ -156,6 +168,9 @@ class HFSource(Source):
         """Read this rank's tensors from the safetensors files; what it read, and this
         process's peak resident memory before building its stages and after loading them."""
         state = pipe.state_dict()
+        if self.lora is not None:  # the base under its stored names; the adapters start at 0
+            lora.start_as_base(state)
+            state = {lora.stored_name(n): t for n, t in state.items() if not lora.is_adapter(n)}
         report = load_weights(self.hf, state)
         return {"weights": "stored" if self.hf.weights else "initialised from --seed",
                 "tensors_read": report.tensors, "bytes_read": report.bytes,
@@ -229,11 +244,26 @@ class HFSource(Source):
         text: str = self.tokenizer.decode(list(ids))
         return text
 
-    def save(self, out: Path, state: dict[str, torch.Tensor], group: Any) -> Path:
+    def save(self, out: Path, state: dict[str, torch.Tensor], group: Any) -> Path | None:
         """Write ``out`` as a ``save_pretrained`` directory from this rank's whole ``state``
-        (collective over one pipeline)."""
-        return save_pretrained(out, state, self.saved_config(), self.tokenizer, self.root,
-                               group=group)
+        (collective over one pipeline); with LoRA, ``out``'s sibling ``adapter`` in peft's
+        format instead, and ``out`` with the adapter merged in under ``--merge``."""
+        if self.lora is None:
+            return save_pretrained(out, state, self.saved_config(), self.tokenizer, self.root,
+                                   group=group)
+        mine = {n: t.detach().cpu() for n, t in state.items() if lora.is_adapter(n)}
+        held: list[Any] = [mine]
+        if dist.is_initialized():
+            held = [None] * dist.get_world_size(group)
+            dist.all_gather_object(held, mine, group=group)
+        if dist.is_initialized() and dist.get_rank(group) != 0:
+            return None
+        adapters = {n: t for part in held for n, t in part.items()}
+        where = lora.save_adapter(out.with_name("adapter"), adapters, self.lora,
+                                  self.saved_config(), str(self.root))
+        if self.cfg.merge:
+            lora.merge(out, self.root, where, self.tokenizer)
+        return where
 
     def saved_config(self) -> Any:
         """The config to save: the source's, float32, with its own ``use_cache``."""

@@ -33,8 +33,11 @@ def checkpoint_root(out: str) -> Path | None:
 
 
 def _state(trainer: Trainer, *, rng: bool) -> dict[str, torch.Tensor]:
-    named = list(trainer.pipe.named_parameters())
-    params = {n for n, _ in named}
+    """What a checkpoint holds: the trained parameters (a frozen one, such as LoRA's base,
+    is the source's, read again from it), persistent buffers, the optimizer's state."""
+    every = list(trainer.pipe.named_parameters())
+    params = {n for n, _ in every}
+    named = [(n, p) for n, p in every if p.requires_grad]
     buffers = [(n, b) for n, b in trainer.pipe.state_dict().items() if n not in params]
     state = {**checkpoint.model_state([*named, *buffers]),  # persistent buffers too
              **checkpoint.optimizer_state(trainer.optimizer, named)}

@@ -1,0 +1,115 @@
+"""LoRA through the pipeline (:mod:`pipetrain.hf.lora`): peft's adapters on a Hugging Face Llama
+give one process's loss and gradients under every schedule (float64, 1e-9); ``pipetrain train
+--lora-r`` trains only them, under pipeline, data and fully sharded parallelism alike, writes
+peft's ``adapter`` that ``PeftModel.from_pretrained`` loads, merges under ``--merge``, keeps
+no base weight in its checkpoints, and resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pipetrain as pt
+from chat import save_model
+from hf import llama, lm_loss
+from pipetrain.cli import main
+
+peft = pytest.importorskip("peft")
+
+
+def _adapted(targets: list[str] | None = None) -> Any:
+    torch.manual_seed(0)
+    model = peft.get_peft_model(llama(), peft.LoraConfig(r=4, lora_alpha=8,
+                                                          target_modules=targets))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: no gradient would reach A
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv",
+                                      "dualpipev"])
+def test_every_schedule_gives_peft_models_gradients(schedule: str) -> None:
+    model = _adapted(["q_proj", "v_proj", "down_proj"])
+    inner = model.get_base_model()  # the model peft changed in place: what a run cuts
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    result = pt.verify(inner, {"input_ids": ids}, targets=ids, loss_fn=lm_loss,
+                       schedule=schedule, ranks=2, microbatches=4)
+    assert result.passed, result.table()
+    trained = {n for n, p in inner.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)  # the base is frozen
+    assert len(trained) == 3 * 4 * 2  # 3 modules x 4 layers x (A, B)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_model(tmp_path_factory.mktemp("lora") / "base")
+
+
+def _train(base: Path, out: Path, *extra: str) -> None:
+    assert main(["train", "--hf", str(base), "--lora-r", "4", "--lora-targets",
+                 "q_proj,v_proj", "--seq-len", "32", "--batch-size", "8", "--microbatches",
+                 "2", "--lr", "1e-2", "--warmup", "0", "--eval-every", "0",
+                 "--sample-tokens", "0", "--no-progress", "--out", str(out), *extra]) == 0
+
+
+def _adapter(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+def test_a_run_writes_peft_adapter_merges_checkpoints_only_it_and_resumes(
+        base: Path, tmp_path: Path) -> None:
+    import transformers as tf
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = tmp_path / "run"
+    _train(base, out, "--nproc", "2", "--steps", "3", "--checkpoint-every", "3", "--merge")
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["r"] == 4
+    model = tf.AutoModelForCausalLM.from_pretrained(base)
+    adapted = peft.PeftModel.from_pretrained(model, str(out / "adapter"))
+    stored = _adapter(out)
+    assert len(stored) == 4 * 2 * 2 and all(
+        torch.equal(p, stored[n.replace(".default", "")])
+        for n, p in adapted.named_parameters() if ".lora_" in n)
+    assert any(bool(t.abs().sum()) for n, t in stored.items() if "lora_B" in n)  # trained
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+        merged = tf.AutoModelForCausalLM.from_pretrained(out / "hf")(input_ids=ids).logits
+    assert torch.allclose(merged, want, atol=1e-5)  # --merge: the adapter merged in
+    names = FileSystemReader(str(out / "checkpoints" / "step_000003")).read_metadata()
+    held = list(names.state_dict_metadata)
+    assert any("lora_A" in n for n in held) and not any("base_layer" in n for n in held)
+    _train(base, out, "--nproc", "2", "--steps", "4")  # resumes from step 3's adapters
+    starts = [r for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
+              if r["kind"] == "start"]
+    assert starts[-1]["start_step"] == 3
+
+
+def test_the_adapters_agree_under_pipeline_data_and_sharded_parallelism(
+        base: Path, tmp_path: Path) -> None:
+    """Two steps (lr 1e-2) give the same adapter on one process, 2 pipeline ranks, 2
+    data-parallel replicas and 2 FSDP shards (float32: within 1e-5)."""
+    got = {}
+    for name, layout in {"one": ["--nproc", "1"], "pp": ["--nproc", "2", "--pp", "2"],
+                         "dp": ["--nproc", "2", "--pp", "1", "--dp", "2"],
+                         "fsdp": ["--nproc", "2", "--pp", "1", "--fsdp", "2"]}.items():
+        _train(base, tmp_path / name, *layout, "--steps", "2")
+        got[name] = _adapter(tmp_path / name)
+    for name in ("pp", "dp", "fsdp"):
+        for key, value in got["one"].items():
+            assert torch.allclose(got[name][key], value, rtol=1e-5, atol=1e-6), (name, key)
+
+
+def test_bad_lora_flags_say_how_to_fix_them(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--lora-r", "4"]) == 2
+    assert "--lora-r adapts a Hugging Face model: give --hf" in capsys.readouterr().err
+    assert main(["train", "--merge"]) == 2
+    assert "--merge merges a LoRA adapter: give --lora-r too" in capsys.readouterr().err
