@@ -217,6 +217,13 @@ def check(cfg: TrainConfig) -> None:
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
     _check_lora(cfg)
+    if cfg.pack:
+        from pipetrain.train.records import is_dataset
+
+        if not is_dataset(cfg.data):
+            raise ValueError("--pack packs the examples of a data set: give --data as a .jsonl, "
+                             ".json, .parquet or .csv file or a save_to_disk directory, and "
+                             "--hf")
     if cfg.log:
         from pipetrain.train.sinks import missing
 
@@ -280,6 +287,11 @@ def run(args: argparse.Namespace) -> int:
     check_config(cfg, world)
     if cfg.verify and not _verified(cfg):
         return EXIT_FAILED
+    if cfg.pack:  # a model that lets packed examples see each other is refused here
+        from pipetrain.hf.model import open_model
+        from pipetrain.train.packing import check_model
+
+        check_model(open_model(cfg.hf).config, cfg.hf)
     if elastic.under_torchrun():
         elastic.worker(cfg, tuned=tuned)  # exits 1 itself on failure, naming the rank
         return EXIT_OK

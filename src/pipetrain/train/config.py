@@ -36,6 +36,9 @@ class TrainConfig:
     """With a data set as ``data``: train on its ``chat_field`` column (lists of {role,
     content}, or ShareGPT's {from, value}) rendered by the tokenizer's chat template, the loss
     on the assistant's tokens only."""
+    pack: bool = False
+    """With a data set as ``data``: pack whole examples into full rows, each attending to
+    itself only (positions restarting), instead of one right-padded example a row."""
     chat_field: str = "messages"
     """With ``chat``: the column of messages (ShareGPT data names it ``conversations``)."""
     lora_r: int = 0

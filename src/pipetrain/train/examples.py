@@ -8,7 +8,7 @@ tokens.cache_key` hashes (the tokenizer's files, the data files' names, sizes an
 the settings: the text column or ``--chat``, and the chat template. One process tokenizes
 while the others wait (:func:`pipetrain.train.tokens.fill_once`); later runs map the files.
 
-Examples are never packed together. A row of a batch is one example, its first
+Without ``--pack`` (:mod:`pipetrain.train.packing`) a row of a batch is one example, its first
 ``seq_len + 1`` tokens (``seq_len`` inputs, the targets shifted by one), padded on the right,
 with ``attention_mask`` 0 on the padding and the label -100 on the padding and on every token
 not trained. Batch ``k`` is a pure function of ``(seed, k)``: it takes positions
@@ -277,10 +277,11 @@ def masked_lm_loss(out: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def example_batches(corpus: ExampleCorpus, batch_size: int, seq_len: int, seed: int,
-                    replicas: int, eval_batches: int
+                    replicas: int, eval_batches: int, pack: bool = False
                     ) -> tuple[ExampleBatches, list[Batch], dict[str, Any]]:
     """The training batches, the held-out batches and what the run trains on (the ``data``
-    record: :func:`describe` prints it).
+    record: :func:`describe` prints it); ``pack``: rows of packed examples
+    (:mod:`pipetrain.train.packing`), held-out ones too.
 
     Raises:
         ValueError: when no training example, or no held-out one, trains on a token.
@@ -291,12 +292,17 @@ def example_batches(corpus: ExampleCorpus, batch_size: int, seq_len: int, seed: 
         raise ValueError(f"{corpus.source}: no held-out example to evaluate on ({len(corpus)} "
                          f"rows, the last {len(corpus) - corpus.n_train} held out and none of "
                          "them trained on); use more rows")
-    batches = ExampleBatches(corpus, train, batch_size, seq_len, seed=seed, replicas=replicas)
-    evals = ExampleBatches(corpus, held, batch_size, seq_len, seed=seed, replicas=replicas)
+    from pipetrain.train.packing import PackedBatches, packed_record
+
+    kind = PackedBatches if pack else ExampleBatches
+    batches = kind(corpus, train, batch_size, seq_len, seed=seed, replicas=replicas)
+    evals = kind(corpus, held, batch_size, seq_len, seed=seed, replicas=replicas)
     record = {"source": corpus.source, "reads": corpus.kind, "layout": "padded",
               "seq_len": seq_len, **counts, "held_out": eval_counts["examples"],
               "trained_fraction": counts["trained"] / max(counts["targets"], 1),
               "padding_fraction": 1 - counts["targets"] / max(counts["examples"] * seq_len, 1)}
+    if isinstance(batches, PackedBatches):
+        record = packed_record(batches, record)
     return batches, evals.eval_batches(eval_batches), record
 
 
@@ -309,9 +315,13 @@ def describe(record: dict[str, Any]) -> str:
     return (f"data: {record['source']}, {record['examples']:,} examples "
             f"({record['held_out']:,} held out{dropped}), {what}: "
             f"{100 * record['trained_fraction']:.1f}% of {record['targets']:,} tokens trained on; "
-            f"one example per row, not packed, right-padded to {record['seq_len']} "
-            f"({100 * record['padding_fraction']:.0f}% padding, {record['truncated']:,} "
-            "truncated)")
+            + (f"packed into {record['rows']:,} rows of {record['seq_len']} tokens an epoch "
+               f"({100 * record['padding_fraction']:.0f}% padding; one example a row: "
+               f"{100 * record['padding_unpacked']:.0f}%), {record['truncated']:,} truncated"
+               if record["layout"] == "packed" else
+               f"one example per row, not packed, right-padded to {record['seq_len']} "
+               f"({100 * record['padding_fraction']:.0f}% padding, {record['truncated']:,} "
+               "truncated)"))
 
 
 def data_problems(data: str | None, hf: str, text_field: str, chat: bool) -> list[str]:

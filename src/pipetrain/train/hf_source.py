@@ -97,7 +97,9 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
     summed over the micro-batches.
     """
     example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
-    if examples:
+    if examples and cfg.pack:  # packed rows: positions restart at each example, no mask
+        example["position_ids"] = torch.arange(cfg.seq_len).repeat(rows, 1)
+    elif examples:
         example["attention_mask"] = torch.ones(rows, cfg.seq_len, dtype=torch.long)
     points = split_points(model, schedule.n_stages, example)
     balance = parse_balance(cfg.balance)
@@ -229,6 +231,9 @@ class HFSource(Source):
         a pipeline captured with a mask (a sample) gets one of ones."""
         if isinstance(ids, dict):
             return ids
+        if self.examples and self.cfg.pack:
+            positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+            return {"input_ids": ids, "position_ids": positions.contiguous()}
         if self.examples:
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         return {"input_ids": ids}

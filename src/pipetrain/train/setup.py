@@ -183,7 +183,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     batches: Batches | ExampleBatches
     if isinstance(corpus, ExampleCorpus):  # a data set: padded examples, held-out ones too
         batches, held_out, data = example_batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                                  mesh.dp, cfg.eval_batches)
+                                                  mesh.dp, cfg.eval_batches, cfg.pack)
     else:
         batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
         held_out = _eval_batches(corpus, cfg)
