@@ -152,8 +152,8 @@ def test_a_sharded_checkpoint_loads_into_replicated_stages_and_back(tmp_path: Pa
 
 def _foreign(ctx: pt.RankContext) -> list[str]:
     """Models we did not write (HF GPT-2 with its tied head across ranks, and on rank 0 with
-    its embedding under zbv, HF Llama, a
-    BatchNorm ResNet), split by tracing, pp 2 x 2 shards under 1F1B and ZB-H1, resharding per
+    its embedding under zbv, HF Llama, HF Llama with peft's LoRA adapters and its base
+    frozen, a BatchNorm ResNet), split by tracing, pp 2 x 2 shards under 1F1B and ZB-H1, resharding per
     layer and per part (the parts the traced graphs call): each shard's
     loss is one device's on its rows, and the reduced gradients are the shards' mean."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -166,9 +166,12 @@ def _foreign(ctx: pt.RankContext) -> list[str]:
     problems = []
     for name, schedule, reshard in (("gpt2", "1f1b", "part"), ("llama", "zb-h1", "layer"),
                                     ("resnet", "zb-h1", "part"), ("llama", "1f1b", "part"),
-                                    ("gpt2", "zbv", "part")):  # its tied head on rank 0
+                                    ("gpt2", "zbv", "part"),  # its tied head on rank 0
+                                    ("llama-lora", "zb-h1", "layer")):  # peft's adapters
         torch.manual_seed(0)
-        model = MODELS[name]().double()
+        lora = name.endswith("-lora")
+        name = name.removesuffix("-lora")
+        model = (_adapted(MODELS[name]()) if lora else MODELS[name]()).double()
         ref = copy.deepcopy(model)
         data = [batch(name, rows=8, seq=10, seed=s) for s in range(2)]
         data = [({k: v.double() if v.is_floating_point() else v for k, v in x.items()}, y)
@@ -180,7 +183,8 @@ def _foreign(ctx: pt.RankContext) -> list[str]:
             losses.append(float(reference_step(lambda kw, ref=ref: ref(**kw), x, y, LOSSES[name],
                                                MICROBATCHES)))
             for n, p in ref.named_parameters():
-                mean[n] = mean.get(n, 0) + p.grad / 2
+                if p.grad is not None:
+                    mean[n] = mean.get(n, 0) + p.grad / 2
         sharded = ShardedStages(mesh["dp_shard"], reshard)
         x, y = data[shard]
         pipe = pt.Pipeline(model, schedule, MICROBATCHES, LOSSES[name], timeout=60,
@@ -193,10 +197,27 @@ def _foreign(ctx: pt.RankContext) -> list[str]:
         if got.loss is None or not math.isclose(float(got.loss), want, rel_tol=1e-12):
             problems.append(f"{name}: loss {got.loss} != {want}")
         for n, p in pipe.named_parameters():
+            if not p.requires_grad:  # LoRA's frozen base: no gradient on either side
+                if p.grad is not None or mean.get(n) is not None:
+                    problems.append(f"{name}: the frozen {n} got a gradient")
+                continue
             g = _full(p.grad)
             if not torch.allclose(g, mean[n], rtol=1e-9, atol=1e-12):
                 problems.append(f"{name}: gradient of {n} differs by {(g - mean[n]).abs().max()}")
     return problems
+
+
+def _adapted(model: nn.Module) -> nn.Module:
+    """``model`` with peft's LoRA adapters on q_proj and v_proj, its base frozen; B made
+    non-zero so that every adapter gets a gradient."""
+    import peft
+
+    inner: nn.Module = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])).get_base_model()
+    for n, p in inner.named_parameters():
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.05)
+    return inner
 
 
 def test_models_we_did_not_write_shard_like_one_device() -> None:
