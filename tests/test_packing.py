@@ -5,6 +5,7 @@ does not keep packed examples apart (OPT, BLOOM) is refused; a run prints both p
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 import pipetrain as pt
 from chat import conversations, save_model, write_jsonl
 from pipetrain.cli import main
-from pipetrain.train.examples import IGNORE, example_corpus, masked_lm_loss
+from pipetrain.train.examples import IGNORE, describe, example_corpus, masked_lm_loss
 from pipetrain.train.packing import PackedBatches, check_model
 
 tf = pytest.importorskip("transformers")
@@ -125,7 +126,11 @@ def test_a_packed_run_prints_both_paddings(saved: Path, corpus: Any, tmp_path: P
                  "--nproc", "2", "--steps", "2", "--seq-len", "96", "--batch-size", "4",
                  "--microbatches", "2", "--eval-every", "0", "--sample-tokens", "0",
                  "--no-progress", "--out", str(tmp_path / "run")]) == 0
-    out = capfd.readouterr().out
-    assert "packed into" in out and "one example a row:" in out, out
+    records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
+    (data,) = [r for r in records if r["kind"] == "data"]
+    assert data["layout"] == "packed" and data["padding_fraction"] < data["padding_unpacked"]
+    line = describe(data)  # the line the run prints
+    assert "packed into" in line and "one example a row:" in line, line
+    capfd.readouterr()
     assert main(["train", "--hf", str(saved), "--pack"]) == 2
     assert "--pack packs the examples of a data set" in capfd.readouterr().err

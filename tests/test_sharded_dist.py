@@ -153,9 +153,9 @@ def test_a_sharded_checkpoint_loads_into_replicated_stages_and_back(tmp_path: Pa
 def _foreign(ctx: pt.RankContext) -> list[str]:
     """Models we did not write (HF GPT-2 with its tied head across ranks, and on rank 0 with
     its embedding under zbv, HF Llama, HF Llama with peft's LoRA adapters and its base
-    frozen, a BatchNorm ResNet), split by tracing, pp 2 x 2 shards under 1F1B and ZB-H1, resharding per
-    layer and per part (the parts the traced graphs call): each shard's
-    loss is one device's on its rows, and the reduced gradients are the shards' mean."""
+    frozen, a BatchNorm ResNet), split by tracing, pp 2 x 2 shards under 1F1B and ZB-H1,
+    resharding per layer and per part (the parts the traced graphs call): each shard's loss
+    is one device's on its rows, and the reduced gradients are the shards' mean."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from hf import LOSSES, MODELS, batch, points

@@ -15,17 +15,16 @@ in the collectives' own times.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import statistics
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from pipetrain.plan.shardcost import KINDS
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.quiet import fd_to
 
 __all__ = ["on_cuda", "shared_cores", "calibrate_on_ranks"]
 
@@ -70,7 +69,7 @@ def calibrate_on_ranks(cfg: TrainConfig, calib: Layout, profiles: dict[tuple[int
     groups = sorted({k for _, s in layouts
                      for k in (s.dp, s.fsdp, s.tp, s.dp * s.fsdp, s.ep, s.data // s.ep)})
     kinds = KINDS if any(s.ep > 1 for _, s in layouts) else KINDS[:3]  # all-to-all: ep's
-    with _stdout_to_stderr():  # the ranks print their config; stdout stays the plan's
+    with fd_to(1, 2):  # the ranks print their config; stdout stays the plan's
         measured = launch_local(base, partial(_calibration_runs, groups=groups, kinds=kinds))
     runs, collectives = measured["runs"], measured["collectives"]
     per_pipeline = None if cores is None else cores / sharding.replicas
@@ -128,7 +127,7 @@ def _talk(cfg: TrainConfig, pp: int, layouts: list[Layout],
             fsdp_reshard=sharding.reshard, sequence_parallel=False, microbatches=m,
             batch_size=prof.rows * m * sharding.data, steps=3, balance="params",
             schedule="1f1b")
-        with _stdout_to_stderr():
+        with fd_to(1, 2):
             run = launch_local(base, _one_run)
         cores = None if scale.cores is None else scale.cores / sharding.replicas
         scale = dataclasses.replace(scale, **{name: _fitted(
@@ -186,19 +185,6 @@ def _calibrated(run: dict[str, Any], cores: float | None) -> dict[str, Any]:
 
     calib = calibrate(run["timelines"], run["schedule"], cores=cores)
     return {**run, "costs": calib.costs.to_dict(), "comm": calib.comm}
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _ratio(result: dict[str, Any], prof: Any, op: str, profiled: tuple[str, ...]) -> float:

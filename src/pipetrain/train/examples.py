@@ -277,11 +277,12 @@ def masked_lm_loss(out: Any, targets: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def example_batches(corpus: ExampleCorpus, batch_size: int, seq_len: int, seed: int,
-                    replicas: int, eval_batches: int, pack: bool = False
+                    replicas: int, eval_batches: int,
+                    kind: type[ExampleBatches] | None = None
                     ) -> tuple[ExampleBatches, list[Batch], dict[str, Any]]:
     """The training batches, the held-out batches and what the run trains on (the ``data``
-    record: :func:`describe` prints it); ``pack``: rows of packed examples
-    (:mod:`pipetrain.train.packing`), held-out ones too.
+    record: :func:`describe` prints it); ``kind``: the batches' class (default
+    :class:`ExampleBatches`; :class:`~pipetrain.train.packing.PackedBatches` packs them).
 
     Raises:
         ValueError: when no training example, or no held-out one, trains on a token.
@@ -292,17 +293,13 @@ def example_batches(corpus: ExampleCorpus, batch_size: int, seq_len: int, seed: 
         raise ValueError(f"{corpus.source}: no held-out example to evaluate on ({len(corpus)} "
                          f"rows, the last {len(corpus) - corpus.n_train} held out and none of "
                          "them trained on); use more rows")
-    from pipetrain.train.packing import PackedBatches, packed_record
-
-    kind = PackedBatches if pack else ExampleBatches
+    kind = kind or ExampleBatches
     batches = kind(corpus, train, batch_size, seq_len, seed=seed, replicas=replicas)
     evals = kind(corpus, held, batch_size, seq_len, seed=seed, replicas=replicas)
     record = {"source": corpus.source, "reads": corpus.kind, "layout": "padded",
               "seq_len": seq_len, **counts, "held_out": eval_counts["examples"],
               "trained_fraction": counts["trained"] / max(counts["targets"], 1),
               "padding_fraction": 1 - counts["targets"] / max(counts["examples"] * seq_len, 1)}
-    if isinstance(batches, PackedBatches):
-        record = packed_record(batches, record)
     return batches, evals.eval_batches(eval_batches), record
 
 

@@ -23,13 +23,19 @@ compares a small copy's logits on two examples packed and apart.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from pipetrain.train.examples import IGNORE, Batch, ExampleBatches, ExampleCorpus
+from pipetrain.train.examples import (
+    IGNORE,
+    Batch,
+    ExampleBatches,
+    ExampleCorpus,
+    example_batches,
+)
 
-__all__ = ["PackedBatches", "check_model", "packed_record"]
+__all__ = ["PackedBatches", "check_model", "packed_batches", "packed_record"]
 
 
 class PackedBatches(ExampleBatches):
@@ -102,6 +108,17 @@ class PackedBatches(ExampleBatches):
         return ({"input_ids": window[:, :-1].contiguous(),
                  "position_ids": positions[:, :-1].contiguous()},
                 {"labels": labels, "weight": weight})
+
+
+def packed_batches(corpus: ExampleCorpus, batch_size: int, seq_len: int, seed: int,
+                   replicas: int, eval_batches: int
+                   ) -> tuple[PackedBatches, list[Batch], dict[str, Any]]:
+    """:func:`~pipetrain.train.examples.example_batches` of packed rows, held-out ones too,
+    with the ``data`` record of :func:`packed_record`."""
+    batches, held_out, record = example_batches(corpus, batch_size, seq_len, seed, replicas,
+                                                eval_batches, PackedBatches)
+    packed = cast(PackedBatches, batches)  # example_batches made it of that class
+    return packed, held_out, packed_record(packed, record)
 
 
 def packed_record(batches: PackedBatches, record: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-__all__ = ["NOTES", "held_notes"]
+__all__ = ["NOTES", "fd_to", "held_notes"]
 
 NOTES = re.compile(
     r"^(USDT|STAGE):.*ActivityProfiler|"
@@ -28,21 +28,32 @@ NOTES = re.compile(
 
 
 @contextlib.contextmanager
+def fd_to(fd: int, target: int) -> Iterator[None]:
+    """File descriptor ``fd`` (1 or 2) pointed at ``target`` for the block, then back:
+    what native code writes there follows, as Python's own writes do."""
+    stream = sys.stdout if fd == 1 else sys.stderr
+    stream.flush()
+    saved = os.dup(fd)
+    os.dup2(target, fd)
+    try:
+        yield
+    finally:
+        stream.flush()
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+@contextlib.contextmanager
 def held_notes(verbose: bool = False) -> Iterator[None]:
     """Run the block with :data:`NOTES` kept off stderr (all of stderr when ``verbose``)."""
     if verbose:
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
         try:
-            yield
+            with fd_to(2, held.fileno()):
+                yield
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
             held.seek(0)
             kept = [line for line in held.read().decode(errors="replace").splitlines(True)
                     if not NOTES.search(line)]

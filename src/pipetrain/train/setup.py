@@ -30,6 +30,7 @@ from pipetrain.train.hf_source import HFSource
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh
 from pipetrain.train.nonfinite import NaNInjector
 from pipetrain.train.optim import build_optimizer, counted_parameters
+from pipetrain.train.packing import packed_batches
 from pipetrain.train.placement import gather_rank_map
 from pipetrain.train.precision import LossScale
 from pipetrain.train.source import GPTSource, Source
@@ -182,8 +183,9 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     data: dict[str, Any] = {}
     batches: Batches | ExampleBatches
     if isinstance(corpus, ExampleCorpus):  # a data set: padded examples, held-out ones too
-        batches, held_out, data = example_batches(corpus, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                                  mesh.dp, cfg.eval_batches, cfg.pack)
+        make = packed_batches if cfg.pack else example_batches
+        batches, held_out, data = make(corpus, cfg.batch_size, cfg.seq_len, cfg.seed, mesh.dp,
+                                       cfg.eval_batches)
     else:
         batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
         held_out = _eval_batches(corpus, cfg)
