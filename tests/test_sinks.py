@@ -4,6 +4,7 @@ two-process run writes them; bad ``--log`` values are refused before anything st
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _run(cfg: TrainConfig) -> None:
-    rep = report.ProgressReporter(cfg, console=report.Console(file=open("/dev/null", "w")))
+    rep = report.ProgressReporter(cfg, console=report.Console(file=io.StringIO()))
     rep.record("start", {"world": 2, "params": 10, "start_step": 0})
     for step, loss in enumerate([3.0, math.nan, 2.0]):
         rep.record("step", {"step": step, "loss": loss, "tokens_per_s": 10.0 * (step + 1),
