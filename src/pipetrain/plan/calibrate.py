@@ -216,7 +216,8 @@ def _calibration_run(cfg: TrainConfig) -> dict[str, Any]:
     from pipetrain.train.setup import build
 
     trainer = build(cfg)
-    stats = [train_step(trainer, step) for step in range(cfg.steps)][1:]
+    stats = [s for s in (train_step(trainer, step) for step in range(cfg.steps))
+             if s is not None][1:]  # (None: an --ft step not committed; not run here)
     overhead = statistics.median(s.seconds - s.timeline.makespan for s in stats)
     return {"timelines": [s.timeline for s in stats], "schedule": trainer.pipe.schedule,
             "overhead": max(0.0, overhead), "balance": list(trainer.pipe.balance),

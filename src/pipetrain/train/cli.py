@@ -217,6 +217,7 @@ def check(cfg: TrainConfig) -> None:
     if cfg.save_hf_every < 0:
         raise ValueError(f"--save-hf-every must be 0 or more, got {cfg.save_hf_every}")
     _check_lora(cfg)
+    _check_ft(cfg)
     if cfg.pack:
         from pipetrain.train.records import is_dataset
 
@@ -272,6 +273,40 @@ def _check_lora(cfg: TrainConfig) -> None:
         raise ValueError("--lora-r needs peft: pip install peft")
 
 
+def _check_ft(cfg: TrainConfig) -> None:
+    from pipetrain.train.elastic import under_torchrun
+
+    if not cfg.ft:
+        if cfg.ft_replica_id is not None or cfg.ft_lighthouse:
+            raise ValueError("--ft-replica-id and --ft-lighthouse belong to a run with --ft")
+        return
+    from pipetrain.train.replicas import lighthouse_url, require_torchft
+
+    require_torchft()
+    if cfg.dp < 2:
+        raise ValueError(f"--ft keeps --dp replicas going when one fails, and --dp is {cfg.dp}:"
+                         " give --dp 2 or more (a single pipeline recovers from a failure by "
+                         "its checkpoints: drop --ft, use --max-restarts)")
+    if not 1 <= cfg.ft_min_replicas <= cfg.dp:
+        raise ValueError(f"--ft-min-replicas must be between 1 and --dp {cfg.dp}, got "
+                         f"{cfg.ft_min_replicas}")
+    if cfg.schedule == "pipedream-2bw" or cfg.ep > 1:
+        raise ValueError("--ft runs synchronous schedules without --ep (yet): drop "
+                         f"{'--schedule pipedream-2bw' if cfg.ep == 1 else '--ep'} or --ft")
+    if cfg.ft_replica_id is None:
+        if under_torchrun():
+            raise ValueError("--ft under torchrun runs one torchrun per replica: give each "
+                             "--ft-replica-id R (0 .. dp-1) and --ft-lighthouse HOST:PORT")
+        return
+    if not 0 <= cfg.ft_replica_id < cfg.dp:
+        raise ValueError(f"--ft-replica-id must be between 0 and --dp - 1 = {cfg.dp - 1}, got "
+                         f"{cfg.ft_replica_id}")
+    if not cfg.ft_lighthouse:
+        raise ValueError("--ft-replica-id needs --ft-lighthouse HOST:PORT, the Lighthouse "
+                         "every replica reports to")
+    lighthouse_url(cfg.ft_lighthouse)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``pipetrain train``: launch local workers, or be one under torchrun.
 
@@ -284,7 +319,12 @@ def run(args: argparse.Namespace) -> int:
 
     # what the workers would refuse, refused before any starts (exit 2)
     world = int(os.environ["WORLD_SIZE"]) if elastic.under_torchrun() else cfg.nproc
-    check_config(cfg, world)
+    one_replica = cfg.ft and cfg.ft_replica_id is not None  # --ft: the world is one replica
+    check_config(cfg, world * (cfg.dp if one_replica else 1))
+    if one_replica:  # an unreachable Lighthouse is bad input: exit 2 within --timeout
+        from pipetrain.train.replicas import lighthouse_url, reach
+
+        reach(lighthouse_url(cfg.ft_lighthouse), cfg.timeout)
     if cfg.verify and not _verified(cfg):
         return EXIT_FAILED
     if cfg.pack:  # a model that lets packed examples see each other is refused here
@@ -296,7 +336,12 @@ def run(args: argparse.Namespace) -> int:
         elastic.worker(cfg, tuned=tuned)  # exits 1 itself on failure, naming the rank
         return EXIT_OK
     try:
-        elastic.launch_local(cfg, tuned=tuned)
+        if cfg.ft and cfg.ft_replica_id is None:  # a Lighthouse and an agent per replica
+            from pipetrain.train.replica_launch import launch_replicas
+
+            launch_replicas(cfg)
+        else:
+            elastic.launch_local(cfg, tuned=tuned)
     except elastic.JobFailed as e:
         print(f"pipetrain train: {e}", file=sys.stderr)
         return EXIT_FAILED

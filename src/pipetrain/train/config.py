@@ -155,6 +155,22 @@ class TrainConfig:
     """Continue from the newest committed checkpoint under ``out`` when there is one."""
     max_restarts: int = 0
     """Times a local launch restarts the job after a rank fails (resuming from a checkpoint)."""
+    ft: bool = False
+    """Fault-tolerant replicas (torchft): each of the ``dp`` replicas is a whole pipeline
+    with its own elastic agent; a failure restarts that replica only, which then loads a
+    healthy replica's state over the network while the others go on (needs ``pip install
+    torchft``)."""
+    ft_replica_id: int | None = None
+    """With ``ft`` under torchrun: which replica (0 .. dp-1) this torchrun's processes are; a
+    local launch numbers its replicas itself."""
+    ft_lighthouse: str = ""
+    """With ``ft`` under torchrun: the torchft Lighthouse's address, ``HOST:PORT`` or
+    ``http://HOST:PORT``; a local launch starts its own."""
+    ft_min_replicas: int = 1
+    """With ``ft``: replicas that must take part in a step for it to count (torchft's
+    ``min_replica_size``, and the local Lighthouse's ``min_replicas``); with ``dp`` the
+    others wait for a failed replica to come back, and every step has every replica's
+    rows."""
     timeout: float = 60.0
     """Seconds any wait for a peer may last before every rank stops with an error."""
     progress: bool = True

@@ -308,6 +308,8 @@ def worker(cfg: TrainConfig, run: RunFn | None = None, env: dict[str, str] | Non
 
 def _work(cfg: TrainConfig, run: RunFn | None, rank: int, joined: list[Any],
           tuned: tuple[str, ...] = ()) -> dict[str, Any]:
+    if cfg.ft:  # one replica of several: its own out, torchft's notes held back
+        cfg = _one_replica(cfg)
     if cfg.out and os.environ.get(faults.ENV):  # once per job: restarts keep the run id
         job = os.environ.get("TORCHELASTIC_RUN_ID", "job")
         os.environ.setdefault(faults.DIR_ENV, str(Path(cfg.out) / "faults" / job))
@@ -325,6 +327,19 @@ def _work(cfg: TrainConfig, run: RunFn | None, rank: int, joined: list[Any],
     finally:
         reporter.close()
         dist.destroy_process_group()
+
+
+def _one_replica(cfg: TrainConfig) -> TrainConfig:
+    """``--ft``: this replica writes under ``<out>/replica-<R>``; torchft says warnings and
+    errors only (its own Rust log level, ``RUST_LOG``, and Python loggers) unless verbose."""
+    import dataclasses
+
+    from pipetrain.train.replicas import replica_out
+
+    if not cfg.verbose:
+        os.environ.setdefault("RUST_LOG", "error")
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    return dataclasses.replace(cfg, out=replica_out(cfg.out, cfg.ft_replica_id or 0))
 
 
 def _on_stop(signum: int, frame: Any) -> None:

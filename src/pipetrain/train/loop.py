@@ -52,7 +52,8 @@ from pipetrain.train.memory import MemoryMeter
 from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
 from pipetrain.train.optim import clip_grads_, grad_square_sum, lr_at, set_lr
 from pipetrain.train.precision import autocast
-from pipetrain.train.resume import restore, save
+from pipetrain.train.replicas import Turnout
+from pipetrain.train.resume import load_peer_state, peer_state, restore, save
 from pipetrain.train.sample import cache_length, evaluate, prompt_ids, sample
 from pipetrain.train.setup import Trainer, build
 from pipetrain.train.timing import predict
@@ -80,13 +81,17 @@ class StepStats:
     drained: dict[str, Any] | None = None
     """``pipedream-2bw``, a step that drained after its update: the second update's (its own
     batch's) loss, grad_norm and skipped; ``skipped`` above is then either's."""
+    replicas: Turnout | None = None
+    """``--ft``: the replicas that took part (and any that loaded another's state)."""
 
     def fields(self) -> dict[str, Any]:
         return {"step": self.step, "loss": self.loss, "lr": self.lr,
                 "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s,
                 "bubble": self.bubble, "skipped": self.skipped,
                 **({"experts": self.experts} if self.experts is not None else {}),
-                **({"drained": self.drained} if self.drained is not None else {})}
+                **({"drained": self.drained} if self.drained is not None else {}),
+                **({"replicas": len(self.replicas.members)} if self.replicas is not None
+                   else {})}
 
 
 @dataclass
@@ -160,6 +165,9 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     """
     trainer = build(cfg, progress=cfg.progress)
     resumed = restore(trainer)
+    if trainer.replicas is not None:  # --ft: what a recovering replica loads from this one
+        trainer.replicas.serve(lambda: peer_state(trainer),
+                               lambda state: load_peer_state(trainer, state), trainer.step)
     reporter.record("start", {**_start_fields(trainer),
                               "resumed_from": None if resumed is None else str(resumed)})
     if trainer.data:  # a data set of examples: what is trained on, and how it is laid out
@@ -169,11 +177,16 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step,
                         measure=trainer.pipe.windows is None, verbose=cfg.verbose)
     clock = time.perf_counter()
-    for step in range(trainer.step, cfg.steps):
+    members = tuple(range(cfg.dp)) if cfg.ft else ()
+    while trainer.step < cfg.steps:
         with meter.step(lambda: _held(trainer)):
-            stats = train_step(trainer, step)
+            stats = train_step(trainer, trainer.step)
+        if stats is None:  # --ft: a replica failed during the step, which runs again
+            continue
+        members = _membership(reporter, stats, members)
         tally.add(stats)
         reporter.record("step", stats.fields())
+        step = stats.step
         if _due(cfg.eval_every, trainer.step, cfg.steps):
             reporter.record("eval", {"step": step, "eval_loss": evaluate(trainer)})
         if _due(cfg.checkpoint_every, trainer.step, cfg.steps):
@@ -199,9 +212,41 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
         reporter.record("sample", {"text": text, "kv_cache": cached})
     summary = {**_summary(trainer, tally, elapsed, final_eval, text),
                "peak_memory_bytes": _every_rank_value(meter.peak_bytes),
-               "checkpoint": None if saved is None else str(saved)}
+               "checkpoint": None if saved is None else str(saved), **_replicas_end(trainer)}
     reporter.record("end", summary)
+    if trainer.replicas is not None:
+        trainer.replicas.close()
     return summary
+
+
+def _membership(reporter: Reporter, stats: StepStats, before: tuple[int, ...]
+                ) -> tuple[int, ...]:
+    """``--ft``: record the replicas that left or joined at this step; return who is in."""
+    said = stats.replicas
+    if said is None:
+        return before
+    for r in sorted(set(before) - set(said.members)):
+        reporter.record("replica_left", {"replica": r, "step": stats.step})
+    for r in sorted(set(said.members) - set(before)):
+        reporter.record("replica_joined", {"replica": r, "step": stats.step,
+                                           "recovered_from": said.healed.get(r)})
+    return said.members
+
+
+def _replicas_end(trainer: Trainer) -> dict[str, Any]:
+    """``--ft``: this replica's id, and whether every replica ends with the same weights
+    and optimizer state, bitwise (compared over torchft's process group)."""
+    replicas = trainer.replicas
+    if replicas is None:
+        return {}
+    from pipetrain.train.resume import peer_state
+
+    tensors = peer_state(trainer)["tensors"]
+    assert isinstance(tensors, dict)
+    held = [v for k, v in sorted(tensors.items()) if not k.startswith("rng/")]
+    same = replicas.same_everywhere(held)
+    everywhere = trainer.mesh.world_max(0.0 if same else 1.0) == 0.0  # every rank agrees
+    return {"replica": replicas.replica, "replicas_bitwise_equal": everywhere}
 
 
 def _due(every: int, done: int, steps: int) -> bool:
@@ -232,11 +277,16 @@ def _save_hf(trainer: Trainer, reporter: Reporter) -> None:
         reporter.record("hf", {"step": trainer.step, "path": str(path)})
 
 
-def train_step(trainer: Trainer, step: int) -> StepStats:
-    """Run step ``step`` (the markers refer to the module docstring's diagram)."""
+def train_step(trainer: Trainer, step: int) -> StepStats | None:
+    """Run step ``step`` (the markers refer to the module docstring's diagram); None when,
+    under ``--ft``, a replica failed during it and it was not committed (run it again: with
+    a peer's state loaded, ``trainer.step`` may then be another)."""
     cfg, mesh, pipe = trainer.cfg, trainer.mesh, trainer.pipe
     start = time.perf_counter()
-    fault = faults.at_step(step, mesh.rank)  # [1]
+    if trainer.replicas is not None:  # --ft [0]: who takes part; a replica behind loads
+        trainer.replicas.start()      # a healthy one's state (and step) here
+        step = trainer.step
+    fault = faults.at_step(step, trainer.job_rank)  # [1]
     trainer.injector.armed = fault == "nan"
     lr = lr_at(step, peak=cfg.lr, min_lr=cfg.min_lr, warmup=cfg.warmup, steps=cfg.steps)
     set_lr(trainer.optimizer, lr)
@@ -253,36 +303,48 @@ def train_step(trainer: Trainer, step: int) -> StepStats:
     loss, grad_norm, skipped = math.nan, math.nan, False
     updated = windows is None or windows.versions.gave_grads  # not a first, filling step
     if windows is None:
-        loss, grad_norm, skipped = _update(trainer, step, result.loss, used)
+        done = _update(trainer, step, result.loss, used)
+        if done is None:  # --ft: not committed
+            return None
+        loss, grad_norm, skipped = done
     elif updated:  # the step before's batch
-        loss, grad_norm, skipped = _update(trainer, step, result.previous_loss,
-                                           trainer.last_scale)
+        loss, grad_norm, skipped = _applied(_update(trainer, step, result.previous_loss,
+                                                    trainer.last_scale))
     trainer.last_scale = used
     drained: dict[str, Any] | None = None
     if windows is not None and _drain_due(trainer, step):  # the step's own batch too
-        last = _update(trainer, step, pipe.drain(
-            step=step, on_grads_ready=trainer.on_grads_ready).previous_loss, used)
+        last = _applied(_update(trainer, step, pipe.drain(
+            step=step, on_grads_ready=trainer.on_grads_ready).previous_loss, used))
         if updated:  # the record keeps the first update's figures, the drain's apart
             drained = {"loss": mesh.dp_mean(last[0]), "grad_norm": last[1], "skipped": last[2]}
         else:
             loss, grad_norm, skipped = last
     trainer.step = step + 1
     seconds = time.perf_counter() - start
-    return StepStats(step, mesh.dp_mean(loss), lr, grad_norm,
+    said = None if trainer.replicas is None else trainer.replicas.said
+    return StepStats(step, mesh.dp_mean(loss) if said is None else said.loss, lr, grad_norm,
                      cfg.batch_size * cfg.seq_len / seconds, result.bubble_fraction,
                      skipped or bool(drained and drained["skipped"]), seconds, result.timeline,
-                     _expert_load(trainer), drained)
+                     _expert_load(trainer), drained, said)
 
 
 def _update(trainer: Trainer, step: int, scaled: torch.Tensor | None, value: float
-            ) -> tuple[float, float, bool]:
+            ) -> tuple[float, float, bool] | None:
     """[3]-[7] on the gradients in ``.grad``: their batch's loss (``scaled``, None where this
     rank has none, by the loss scale ``value``, which made the gradients), the norm before
-    clipping (NaN when skipped) and whether it was skipped."""
-    cfg, mesh = trainer.cfg, trainer.mesh
+    clipping (NaN when skipped) and whether it was skipped; None when ``--ft``'s step was
+    not committed (nothing changed, the gradients are dropped)."""
+    cfg, mesh, replicas = trainer.cfg, trainer.mesh, trainer.replicas
     trainer.finish_grads()  # [3]
+    if replicas is not None:  # [3'] over the replicas that take part
+        replicas.average_([_grad(p) for p in trainer.params])
     trainer.scale.unscale_(trainer.params, value)  # [4]
     loss = trainer.scale.unscale_loss(float(scaled if scaled is not None else "nan"), value)
+    if replicas is not None:
+        loss = replicas.turnout(loss).loss  # [3"] the same verdict on every replica
+        if not replicas.commit():  # [5']
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return None
     square_sum = grad_square_sum(trainer.counted, mesh.comm_device) + mesh.tp_sum_(
         grad_square_sum(trainer.split, mesh.comm_device))
     experts = mesh.ep_sum_(grad_square_sum(trainer.experts, mesh.comm_device))
@@ -301,6 +363,21 @@ def _update(trainer: Trainer, step: int, scaled: torch.Tensor | None, value: flo
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.scale.update(overflow=verdict.level == OVERFLOW)
     return loss, grad_norm, verdict.skip
+
+
+def _applied(done: tuple[float, float, bool] | None) -> tuple[float, float, bool]:
+    """An asynchronous schedule's update, always applied (--ft refuses those schedules)."""
+    if done is None:
+        raise RuntimeError("an asynchronous schedule's update was not committed: --ft runs "
+                           "synchronous schedules only")
+    return done
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """``p``'s gradient, zeros where it has none (every replica averages the same list)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
 
 
 def _drain_due(trainer: Trainer, step: int) -> bool:

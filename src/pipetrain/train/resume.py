@@ -16,15 +16,17 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from pipetrain.checkpoint import run as checkpoint
 from pipetrain.errors import CheckpointError
+from pipetrain.runtime.dtensors import local_shard
 from pipetrain.train.setup import Trainer
 
-__all__ = ["checkpoint_root", "save", "restore"]
+__all__ = ["checkpoint_root", "save", "restore", "peer_state", "load_peer_state"]
 
 
 def checkpoint_root(out: str) -> Path | None:
@@ -108,6 +110,41 @@ def restore(trainer: Trainer) -> Path | None:
     trainer.step, trainer.skipped = step, int(meta.get("skipped", 0))
     trainer.scale.load_state_dict(meta["loss_scale"])
     return path
+
+
+def peer_state(trainer: Trainer) -> dict[str, object]:
+    """What this rank sends a recovering replica's rank of the same place (``--ft``): a
+    checkpoint's tensors (local shards, copied) and what its metadata says of the run."""
+    tensors = {k: local_shard(v).detach().clone() for k, v in
+               _state(trainer, rng=True).items()}
+    return {"tensors": tensors, "step": trainer.step, "skipped": trainer.skipped,
+            "loss_scale": trainer.scale.state_dict()}
+
+
+def load_peer_state(trainer: Trainer, state: dict[str, object]) -> None:
+    """Take a healthy replica's state (:func:`peer_state`) as this rank's own.
+
+    Raises:
+        CheckpointError: the state lacks a tensor this rank holds, or has another shape.
+    """
+    sent = cast(dict[str, torch.Tensor], state["tensors"])
+    mine = _state(trainer, rng=True)
+    for key, value in mine.items():
+        got = sent.get(key)
+        held = local_shard(value)
+        if got is None or got.shape != held.shape:
+            raise CheckpointError(
+                f"[rank {trainer.mesh.rank}] a peer replica's state has "
+                f"{'no' if got is None else 'another shape of'} {key}: every replica must run "
+                "the same model at the same layout (same flags but --ft-replica-id)")
+        if key.startswith("rng/"):
+            mine[key] = got
+        else:
+            held.copy_(got)
+    checkpoint.load_optimizer_state(trainer.optimizer, trainer.pipe.named_parameters(), mine)
+    checkpoint.set_rng_state(mine, trainer.mesh.rank)
+    trainer.step, trainer.skipped = cast(int, state["step"]), cast(int, state["skipped"])
+    trainer.scale.load_state_dict(cast(dict[str, float], state["loss_scale"]))
 
 
 def _refuse_earlier_checkpoints(root: Path, rank: int) -> None:

@@ -28,7 +28,8 @@ def evaluate(trainer: Trainer) -> float:
     with autocast(trainer.cfg.precision, trainer.mesh.device):
         scaled = eval_loss(trainer.pipe, trainer.mesh, trainer.eval_set, step=last_step(trainer),
                            feed=trainer.feed)
-    return trainer.scale.unscale_loss(scaled)  # the loss function multiplies by the fp16 scale
+    loss = trainer.scale.unscale_loss(scaled)  # the loss function multiplies by the fp16 scale
+    return loss if trainer.replicas is None else trainer.replicas.mean(loss)  # --ft
 
 
 def _split_sequence(trainer: Trainer) -> bool:

@@ -96,6 +96,20 @@ class Trainer:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """Where every rank landed (node, host, local rank, coordinates), by global rank:
     :func:`pipetrain.train.placement.gather_rank_map`."""
+    replicas: Any = None
+    """With ``--ft``: this rank's :class:`pipetrain.train.replicas.Replicas` (this replica is
+    one of ``dp``, each a torch.distributed world of its own); None without."""
+    parts: int = 1
+    """Into how many parts each global batch is cut (data-parallel ranks of all replicas)."""
+    part: int = 0
+    """Which part this rank trains on."""
+
+    @property
+    def job_rank(self) -> int:
+        """This rank's number in the whole job (with ``--ft``: replica x its world + rank)."""
+        if self.replicas is None:
+            return self.mesh.rank
+        return int(self.replicas.replica * self.mesh.world + self.mesh.rank)
 
     @property
     def on_grads_ready(self) -> Any:
@@ -124,7 +138,9 @@ class Trainer:
     def layout(self) -> dict[str, Any]:
         """How the run is laid out: a resumed run with the same layout restores RNG streams."""
         s = self.pipe.schedule
-        return {**self.mesh.describe(), "schedule": s.name, "microbatches": s.n_microbatches,
+        replicas = {} if self.replicas is None else {"replicas": self.cfg.dp}
+        return {**self.mesh.describe(), **replicas, "schedule": s.name,
+                "microbatches": s.n_microbatches,
                 "stages": s.n_stages, "stages_per_rank": s.n_stages // s.n_ranks,
                 "placement": list(s.placement), "balance": list(self.pipe.balance),
                 "precision": self.cfg.precision}
@@ -138,8 +154,8 @@ class Trainer:
         return ids if self.source is None else self.source.feed(ids)
 
     def rows(self, batch: Batch) -> Batch:
-        n = pytree.tree_leaves(batch)[0].size(0) // self.mesh.dp
-        lo = self.mesh.dp_rank * n
+        n = pytree.tree_leaves(batch)[0].size(0) // self.parts
+        lo = self.part * n
         taken: Batch = pytree.tree_map(lambda t: t[lo:lo + n], batch)
         return taken
 
@@ -156,13 +172,19 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
 
     ``progress`` shows a bar if this rank tokenizes the corpus (``--hf``, first use).
     """
-    check_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
-    mesh = build_mesh(cfg.dp, cfg.pp, cfg.device, cfg.fsdp, cfg.tp, cfg.mesh_order, cfg.ep)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    replicas = cfg.dp if cfg.ft else 1  # --ft: this world is one replica of cfg.dp
+    check_config(cfg, world * replicas)
+    mesh = build_mesh(cfg.dp // replicas, cfg.pp, cfg.device, cfg.fsdp, cfg.tp,
+                      cfg.mesh_order, cfg.ep)
+    replica = _replicas(cfg, mesh)
     ranks = gather_rank_map(mesh.placement)
     source = source_for(cfg)
     schedule = run_schedule(cfg, mesh.pp)
     scale = LossScale(enabled=cfg.precision == "fp16")
-    rows = cfg.batch_size // mesh.dp // cfg.microbatches
+    parts = mesh.dp * replicas
+    part = (0 if replica is None else replica.replica) * mesh.dp + mesh.dp_rank
+    rows = cfg.batch_size // parts // cfg.microbatches
     sharded = (None if mesh.shard_mesh is None
                else ShardedStages(mesh.shard_mesh, cfg.fsdp_reshard))
     split = None if mesh.tp_mesh is None else source.tensor_parallel(cfg, mesh.tp_mesh)
@@ -184,7 +206,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     batches: Batches | ExampleBatches
     if isinstance(corpus, ExampleCorpus):  # a data set: padded examples, held-out ones too
         make = packed_batches if cfg.pack else example_batches
-        batches, held_out, data = make(corpus, cfg.batch_size, cfg.seq_len, cfg.seed, mesh.dp,
+        batches, held_out, data = make(corpus, cfg.batch_size, cfg.seq_len, cfg.seed, parts,
                                        cfg.eval_batches)
     else:
         batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
@@ -201,10 +223,21 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
         params, *_tp_split([p for p in counted_parameters(pipe) if id(p) not in apart],
                            split is not None), source=source,
         loaded=loaded, sharded=sharded, tensor_parallel=split, ranks=ranks, experts=experts,
-        expert_load=load, expert_reducer=expert_reducer)
+        expert_load=load, expert_reducer=expert_reducer, replicas=replica, parts=parts,
+        part=part)
     trainer.eval_set = [trainer.rows(b) for b in held_out]
     trainer.data = data
     return trainer
+
+
+def _replicas(cfg: TrainConfig, mesh: Mesh) -> Any:
+    """With ``--ft``: this rank's torchft Manager (its server starts beating now, before the
+    model is built); None without."""
+    if not cfg.ft:
+        return None
+    from pipetrain.train.replicas import Replicas
+
+    return Replicas(cfg, mesh, cfg.ft_replica_id or 0)
 
 
 def _reducers(pipe: Pipeline, mesh: Mesh, sharded: bool, experts: set[int]

@@ -1,0 +1,110 @@
+"""Replica launch: ``pipetrain train --ft`` on one machine, a Lighthouse and an agent per replica.
+
+``pipetrain train --nproc 4 --pp 2 --dp 2 --ft`` starts torchft's Lighthouse in this process
+(on 127.0.0.1) and one ``pipetrain train --ft-replica-id R`` process per replica, each a local
+launch of ``nproc / dp`` workers under its own elastic agent, exactly what a cluster runs as one
+torchrun per replica (docs/cluster.md)::
+
+    pipetrain train --ft (this process: Lighthouse)
+      ├── replica 0: elastic agent ── ranks 0, 1   (its own world, store and restarts)
+      └── replica 1: elastic agent ── ranks 0, 1
+
+A replica that fails is restarted by its own agent (``--max-restarts``) while the others go
+on; the launch ends when every replica has ended. Replica 0 prints the config and the progress
+bar; every replica writes under ``<out>/replica-<R>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipetrain.train.config import TrainConfig, config_toml
+from pipetrain.train.elastic import JobFailed
+from pipetrain.train.replicas import replica_out, require_torchft
+
+__all__ = ["launch_replicas", "JOIN_TIMEOUT_MS", "HEARTBEAT_TIMEOUT_MS"]
+
+JOIN_TIMEOUT_MS = 1000
+"""How long the local Lighthouse waits for a replica that beats but has not asked to join
+(torchft_lighthouse's ``--join_timeout_ms``; its default is 60 s, for clusters)."""
+HEARTBEAT_TIMEOUT_MS = 2000
+"""After how long without a heartbeat the local Lighthouse counts a replica gone (torchft's
+default: 5 s)."""
+
+
+def launch_replicas(cfg: TrainConfig) -> dict[str, Any]:
+    """Run ``cfg`` (``ft``, ``dp`` replicas of ``nproc / dp`` processes each) on this machine;
+    return replica 0's summary (or the first finished replica's).
+
+    Raises:
+        ValueError: torchft is missing, or ``nproc`` does not divide by ``dp``.
+        JobFailed: a replica failed for good (its restarts spent); names it, and which
+            replicas finished.
+    """
+    require_torchft()
+    if cfg.nproc % cfg.dp:
+        raise ValueError(f"--ft: --nproc {cfg.nproc} must divide into --dp {cfg.dp} replicas")
+    if cfg.hf:  # tokenize (once, cached) here, with a bar on this terminal
+        from pipetrain.train.hf_source import HFSource
+
+        HFSource(cfg).corpus(cfg, progress=cfg.progress)
+    if not cfg.verbose:  # torchft's own log (Rust): warnings and errors only
+        os.environ.setdefault("RUST_LOG", "error")
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=cfg.ft_min_replicas,
+                                  join_timeout_ms=JOIN_TIMEOUT_MS,
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    url = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+    try:
+        codes = _run_replicas(cfg, url)
+    finally:
+        lighthouse.shutdown()
+    return _verdict(cfg, codes)
+
+
+def _run_replicas(cfg: TrainConfig, url: str) -> list[int]:
+    """Start every replica's launch and wait for all of them; their exit codes."""
+    with tempfile.TemporaryDirectory(prefix="pipetrain-ft-") as tmp:
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for r in range(cfg.dp):
+                child = dataclasses.replace(cfg, nproc=cfg.nproc // cfg.dp, ft_replica_id=r,
+                                            ft_lighthouse=url, progress=cfg.progress and r == 0)
+                path = Path(tmp) / f"replica-{r}.toml"
+                path.write_text(config_toml(child))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pipetrain", "train", "--config", str(path)],
+                    stdout=None if r == 0 else subprocess.DEVNULL))
+            return [p.wait() for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.wait(10)
+
+
+def _verdict(cfg: TrainConfig, codes: list[int]) -> dict[str, Any]:
+    failed = [r for r, code in enumerate(codes) if code != 0]
+    done = [r for r, code in enumerate(codes) if code == 0]
+    if failed:
+        names = ", ".join(str(r) for r in failed)
+        rest = (f"; replica{'s' * (len(done) > 1)} {', '.join(map(str, done))} finished"
+                if done else "")
+        raise JobFailed(f"replica{'s' * (len(failed) > 1)} {names} failed for good (exit "
+                        f"code{'s' * (len(failed) > 1)} {', '.join(str(codes[r]) for r in failed)}"
+                        f"; the error is above; --max-restarts {cfg.max_restarts}){rest}")
+    if not cfg.out:
+        return {}
+    path = Path(replica_out(cfg.out, done[0])) / "summary.json"
+    summary: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    return summary
