@@ -39,11 +39,11 @@ def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_a_replica_that_fails_for_good_leaves_the_others_going(tmp_path: Path) -> None:
-    """dp 2 x pp 2, replica 1's second rank killed at step 3 with no restart: replica 0 logs
+    """dp 2 x pp 2, replica 1's second rank raising at step 3, with no restart: replica 0 logs
     every step once, taking part alone from step 3 (a ``replica_left`` record); the launch
     names replica 1 as failed for good (exit 1)."""
     done = _train(tmp_path, "--nproc", "4", "--dp", "2", "--ft", "--steps", "8",
-                  faults="kill@rank3:step3")
+                  faults="raise@rank3:step3")
     assert done.returncode == 1, done.stderr
     assert "replica 1 failed for good" in done.stderr and "replica 0 finished" in done.stderr
     records = _records(tmp_path / "replica-0")
@@ -99,3 +99,40 @@ def test_with_every_replica_required_a_failure_costs_no_step(tmp_path: Path) -> 
         assert records[-1]["replicas_bitwise_equal"] is True
     survivor = _steps(_records(ft / "replica-0"))
     assert [s["loss"] for s in survivor] == want
+
+
+def test_one_torchrun_per_replica_against_torchfts_own_lighthouse(tmp_path: Path) -> None:
+    """The cluster recipe on one machine: torchft's ``torchft_lighthouse`` command, then one
+    torchrun per replica (``--ft-replica-id``, ``--ft-lighthouse``), two ranks each (pp 2):
+    both replicas train every step together and end bitwise equal."""
+    import shutil
+
+    from pipetrain.runtime.launch import free_port
+
+    command = shutil.which("torchft_lighthouse") or str(
+        Path(sys.executable).parent / "torchft_lighthouse")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
+    lighthouse = subprocess.Popen([command, "--bind", f"127.0.0.1:{port}", "--min_replicas",
+                                   "1", "--join_timeout_ms", "1000"], env={**env,
+                                  "RUST_LOG": "error"}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    try:
+        replicas = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "-m", "pipetrain", "train", *TINY, "--dp", "2", "--ft", "--ft-replica-id",
+             str(r), "--ft-lighthouse", f"127.0.0.1:{port}", "--steps", "4", "--out",
+             str(tmp_path)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for r in range(2)]
+        ends = [p.communicate(timeout=240) for p in replicas]
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    assert [p.returncode for p in replicas] == [0, 0], "\n".join(e[1][-3000:] for e in ends)
+    losses = []
+    for r in range(2):
+        records = _records(tmp_path / f"replica-{r}")
+        assert [s["replicas"] for s in _steps(records)] == [2, 2, 2, 2]
+        assert records[-1]["replicas_bitwise_equal"] is True and records[-1]["replica"] == r
+        losses.append([s["loss"] for s in _steps(records)])
+    assert losses[0] == losses[1]

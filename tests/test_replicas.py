@@ -1,0 +1,77 @@
+"""`--ft`'s pieces that need no process group: addresses, buckets, and bad input (exit 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetrain.cli import main
+from pipetrain.train import replicas
+from pipetrain.train.mesh import BUCKET_BYTES
+
+
+def test_lighthouse_address_takes_host_port_or_a_url() -> None:
+    assert replicas.lighthouse_url("node7:29510") == "http://node7:29510"
+    assert replicas.lighthouse_url("http://10.0.0.2:29510/") == "http://10.0.0.2:29510"
+    with pytest.raises(ValueError, match="give HOST:PORT"):
+        replicas.lighthouse_url("node7")
+
+
+def test_each_replica_writes_under_its_own_directory() -> None:
+    assert replicas.replica_out("runs/a", 2) == str(Path("runs/a") / "replica-2")
+    assert replicas.replica_out("", 2) == ""
+
+
+def test_buckets_keep_order_dtype_and_size() -> None:
+    big = torch.zeros(BUCKET_BYTES // 4 + 1)  # float32: over one bucket alone
+    small = [torch.zeros(3), torch.zeros(2, dtype=torch.float64), torch.zeros(4)]
+    buckets = replicas._buckets([small[0], big, *small[1:]])
+    assert [[t.numel() for t in b] for b in buckets] == [[3], [big.numel()], [2], [4]]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--ft", "--dp", "1"], "give --dp 2 or more"),
+    (["--ft", "--dp", "2", "--ft-min-replicas", "3"], "between 1 and --dp 2"),
+    (["--ft", "--dp", "2", "--schedule", "pipedream-2bw"], "synchronous schedules"),
+    (["--ft", "--dp", "2", "--ft-replica-id", "2", "--ft-lighthouse", "h:1"],
+     "between 0 and --dp - 1 = 1"),
+    (["--ft", "--dp", "2", "--ft-replica-id", "0"], "needs --ft-lighthouse"),
+    (["--dp", "2", "--ft-replica-id", "0"], "belong to a run with --ft"),
+    (["--ft", "--dp", "2", "--nproc", "3"], "which dp=2 does not divide"),
+])
+def test_bad_ft_settings_exit_2_saying_what_to_do(argv: list[str], said: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchft")
+    assert main(["train", "--steps", "1", "--out", "", *argv]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_an_unreachable_lighthouse_exits_2_within_the_timeout(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchft")
+    start = time.monotonic()
+    code = main(["train", "--steps", "1", "--out", "", "--nproc", "1", "--ft", "--dp", "2",
+                 "--ft-replica-id", "1", "--ft-lighthouse", f"127.0.0.1:{_closed_port()}",
+                 "--timeout", "1"])
+    assert code == 2 and time.monotonic() - start < 10
+    assert "no Lighthouse answered within --timeout 1 s" in capsys.readouterr().err
+
+
+def test_without_torchft_ft_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchft" else real(name, *a))
+    assert main(["train", "--steps", "1", "--out", "", "--ft", "--dp", "2"]) == 2
+    assert 'pip install "pipetrain[ft]"' in capsys.readouterr().err
