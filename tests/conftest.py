@@ -35,7 +35,8 @@ start_context(("pytest", "transformers", "transformers.models.llama.modeling_lla
 
 SLOWEST_FIRST = [  # each file's total on 2 cores, the longest first (the top ones measured at
     # 2026-11-28's stop, 165 s down to 20 s; the rest as measured at 876dbc3)
-    "test_train_launch.py", "test_zoo.py", "test_train_dist.py", "test_failures_exit_dist.py",
+    "test_train_launch.py", "test_zoo.py", "test_train_dist.py", "test_replicas_dist.py",
+    "test_failures_exit_dist.py",
     "test_expert_parallel_dist.py", "test_failures_job_dist.py", "test_hf_train_all.py",
     "test_shared_dist.py", "test_hf_dist.py", "test_hf_train_dist.py", "test_sharded_dist.py",
     "test_lora.py", "test_train_torchrun.py", "test_soak.py", "test_compiled.py",

@@ -75,3 +75,11 @@ def test_without_torchft_ft_says_how_to_install_it(monkeypatch: pytest.MonkeyPat
                         lambda name, *a: None if name == "torchft" else real(name, *a))
     assert main(["train", "--steps", "1", "--out", "", "--ft", "--dp", "2"]) == 2
     assert 'pip install "pipetrain[ft]"' in capsys.readouterr().err
+
+
+def test_changes_name_who_left_and_who_joined_from_whom() -> None:
+    said = replicas.Turnout(1.0, (0, 2), {2: 0})
+    assert replicas.changes((0, 1), said, 5) == [
+        ("replica_left", {"replica": 1, "step": 5}),
+        ("replica_joined", {"replica": 2, "step": 5, "recovered_from": 0})]
+    assert replicas.changes((0, 2), said, 6) == []

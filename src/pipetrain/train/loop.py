@@ -39,7 +39,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -52,7 +52,7 @@ from pipetrain.train.memory import MemoryMeter
 from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
 from pipetrain.train.optim import clip_grads_, grad_square_sum, lr_at, set_lr
 from pipetrain.train.precision import autocast
-from pipetrain.train.replicas import Turnout
+from pipetrain.train.replicas import Turnout, changes
 from pipetrain.train.resume import load_peer_state, peer_state, restore, save
 from pipetrain.train.sample import cache_length, evaluate, prompt_ids, sample
 from pipetrain.train.setup import Trainer, build
@@ -183,7 +183,10 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
             stats = train_step(trainer, trainer.step)
         if stats is None:  # --ft: a replica failed during the step, which runs again
             continue
-        members = _membership(reporter, stats, members)
+        if stats.replicas is not None:  # --ft: who left or joined at this step
+            for kind, fields in changes(members, stats.replicas, stats.step):
+                reporter.record(kind, fields)
+            members = stats.replicas.members
         tally.add(stats)
         reporter.record("step", stats.fields())
         step = stats.step
@@ -219,30 +222,13 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     return summary
 
 
-def _membership(reporter: Reporter, stats: StepStats, before: tuple[int, ...]
-                ) -> tuple[int, ...]:
-    """``--ft``: record the replicas that left or joined at this step; return who is in."""
-    said = stats.replicas
-    if said is None:
-        return before
-    for r in sorted(set(before) - set(said.members)):
-        reporter.record("replica_left", {"replica": r, "step": stats.step})
-    for r in sorted(set(said.members) - set(before)):
-        reporter.record("replica_joined", {"replica": r, "step": stats.step,
-                                           "recovered_from": said.healed.get(r)})
-    return said.members
-
-
 def _replicas_end(trainer: Trainer) -> dict[str, Any]:
     """``--ft``: this replica's id, and whether every replica ends with the same weights
     and optimizer state, bitwise (compared over torchft's process group)."""
     replicas = trainer.replicas
     if replicas is None:
         return {}
-    from pipetrain.train.resume import peer_state
-
-    tensors = peer_state(trainer)["tensors"]
-    assert isinstance(tensors, dict)
+    tensors = cast(dict[str, torch.Tensor], peer_state(trainer)["tensors"])
     held = [v for k, v in sorted(tensors.items()) if not k.startswith("rng/")]
     same = replicas.same_everywhere(held)
     everywhere = trainer.mesh.world_max(0.0 if same else 1.0) == 0.0  # every rank agrees

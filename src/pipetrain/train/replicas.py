@@ -45,7 +45,7 @@ from pipetrain.runtime.dtensors import local_shard
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.mesh import BUCKET_BYTES, Mesh
 
-__all__ = ["Replicas", "Turnout", "require_torchft", "replica_out", "lighthouse_url",
+__all__ = ["Replicas", "Turnout", "changes", "require_torchft", "replica_out", "lighthouse_url",
            "reach"]
 
 INSTALL = "pip install torchft (or pipetrain's extra: pip install \"pipetrain[ft]\")"
@@ -115,6 +115,17 @@ class Turnout:
     """Replicas that loaded another's state at this step's quorum: replica -> the source."""
 
 
+def changes(before: tuple[int, ...], said: Turnout, step: int
+            ) -> list[tuple[str, dict[str, Any]]]:
+    """The ``replica_left`` and ``replica_joined`` records of a step whose turnout is ``said``
+    after ``before`` took part in the one before."""
+    left = [("replica_left", {"replica": r, "step": step})
+            for r in sorted(set(before) - set(said.members))]
+    return left + [("replica_joined", {"replica": r, "step": step,
+                                       "recovered_from": said.healed.get(r)})
+                   for r in sorted(set(said.members) - set(before))]
+
+
 class Replicas:
     """This rank's torchft Manager and what a step asks of it (the module's diagram).
 
@@ -139,6 +150,7 @@ class Replicas:
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         warnings.filterwarnings("ignore", category=FutureWarning, module="torchft")
         transport = PGTransport(pg, timeout=wait, device=self._comm_device())
+        self._pg = pg
         self.manager = Manager(
             pg=pg, load_state_dict=None, state_dict=None,
             min_replica_size=cfg.ft_min_replicas, use_async_quorum=False, timeout=wait,
@@ -242,9 +254,13 @@ class Replicas:
         return int(high[0]) == value and int(high[1]) == -value
 
     def close(self) -> None:
-        """Stop the Manager's server and checkpoint transport, and the attempt's store."""
+        """Stop the Manager (its quorum thread joined, its server and transport stopped),
+        drop torchft's process group now rather than at the interpreter's exit (whose
+        teardown order is not the threads'), and close the attempt's store."""
         with contextlib.suppress(Exception):
-            self.manager.shutdown(wait=False)
+            self.manager.shutdown(wait=True)
+        with contextlib.suppress(Exception):
+            self._pg.shutdown()
         self._stack.close()
 
     def _comm_device(self) -> torch.device:

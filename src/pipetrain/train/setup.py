@@ -11,7 +11,7 @@ batch per step, of which its replica takes rows ``[dp_rank * B/dp, (dp_rank + 1)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,9 @@ from pipetrain.train.packing import packed_batches
 from pipetrain.train.placement import gather_rank_map
 from pipetrain.train.precision import LossScale
 from pipetrain.train.source import GPTSource, Source
+
+if TYPE_CHECKING:
+    from pipetrain.train.replicas import Replicas
 
 __all__ = ["Trainer", "build", "source_for"]
 
@@ -96,7 +99,7 @@ class Trainer:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """Where every rank landed (node, host, local rank, coordinates), by global rank:
     :func:`pipetrain.train.placement.gather_rank_map`."""
-    replicas: Any = None
+    replicas: Replicas | None = None
     """With ``--ft``: this rank's :class:`pipetrain.train.replicas.Replicas` (this replica is
     one of ``dp``, each a torch.distributed world of its own); None without."""
     parts: int = 1
@@ -109,7 +112,7 @@ class Trainer:
         """This rank's number in the whole job (with ``--ft``: replica x its world + rank)."""
         if self.replicas is None:
             return self.mesh.rank
-        return int(self.replicas.replica * self.mesh.world + self.mesh.rank)
+        return self.replicas.replica * self.mesh.world + self.mesh.rank
 
     @property
     def on_grads_ready(self) -> Any:
@@ -230,7 +233,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     return trainer
 
 
-def _replicas(cfg: TrainConfig, mesh: Mesh) -> Any:
+def _replicas(cfg: TrainConfig, mesh: Mesh) -> Replicas | None:
     """With ``--ft``: this rank's torchft Manager (its server starts beating now, before the
     model is built); None without."""
     if not cfg.ft:
