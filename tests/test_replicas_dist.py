@@ -83,22 +83,27 @@ def test_a_restarted_replica_loads_a_peers_state_and_rejoins(tmp_path: Path) -> 
 
 
 def test_with_every_replica_required_a_failure_costs_no_step(tmp_path: Path) -> None:
-    """--ft-min-replicas 2 of dp 2: the survivor waits for the killed replica to come back
-    (its agent restarts it, it loads the survivor's state), so every step has both replicas'
-    rows and the losses are bitwise those of the same run without --ft and without a fault."""
+    """Replicas of pp 2 x fsdp 2 (8 processes), --ft-min-replicas 2 of dp 2: the survivor
+    waits for the killed replica to come back (its agent restarts it, it loads the survivor's
+    FSDP2 shards and optimizer state), so every step has both replicas' rows and the losses
+    and eval loss are bitwise those of the same layout without --ft and without a fault
+    (HSDP: FSDP2's all-reduce over the replicas)."""
+    shape = ["--nproc", "8", "--dp", "2", "--fsdp", "2", "--batch-size", "16", "--steps", "5"]
     plain = tmp_path / "plain"
-    assert _train(plain, "--nproc", "4", "--dp", "2", "--steps", "6").returncode == 0
+    assert _train(plain, *shape).returncode == 0
     ft = tmp_path / "ft"
-    done = _train(ft, "--nproc", "4", "--dp", "2", "--ft", "--ft-min-replicas", "2",
-                  "--steps", "6", "--max-restarts", "1", faults="kill@rank3:step2")
+    done = _train(ft, *shape, "--ft", "--ft-min-replicas", "2", "--max-restarts", "1",
+                  faults="kill@rank7:step2")  # replica 1's last rank (4 a replica)
     assert done.returncode == 0, done.stderr
-    want = [r["loss"] for r in _steps(_records(plain))]
+    want = _records(plain)
     for r in (0, 1):
         records = _records(ft / f"replica-{r}")
-        assert [s["replicas"] for s in _steps(records)][-4:] == [2] * 4
+        assert [s["replicas"] for s in _steps(records)][-3:] == [2] * 3
         assert records[-1]["replicas_bitwise_equal"] is True
+        assert records[-1]["eval_loss"] == want[-1]["eval_loss"]
+    assert sum(x["kind"] == "start" for x in _records(ft / "replica-1")) == 2
     survivor = _steps(_records(ft / "replica-0"))
-    assert [s["loss"] for s in survivor] == want
+    assert [s["loss"] for s in survivor] == [s["loss"] for s in _steps(want)]
 
 
 def test_one_torchrun_per_replica_against_torchfts_own_lighthouse(tmp_path: Path) -> None:

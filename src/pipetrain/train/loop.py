@@ -327,7 +327,8 @@ def _update(trainer: Trainer, step: int, scaled: torch.Tensor | None, value: flo
     trainer.scale.unscale_(trainer.params, value)  # [4]
     loss = trainer.scale.unscale_loss(float(scaled if scaled is not None else "nan"), value)
     if replicas is not None:
-        loss = replicas.turnout(loss).loss  # [3"] the same verdict on every replica
+        loss = replicas.turnout(mesh.dp_mean(loss)).loss  # [3"] over the shards, then the
+        # replicas: every rank of every replica comes to the same verdict
         if not replicas.commit():  # [5']
             trainer.optimizer.zero_grad(set_to_none=True)
             return None
