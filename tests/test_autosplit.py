@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lm import lm_batch, tiny_lm
+from helpers.lm import lm_batch, tiny_lm
 from pipetrain.errors import PartitionError
 from pipetrain.split.autosplit import cut_points, units
 from pipetrain.split.trace import split_model

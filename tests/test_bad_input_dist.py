@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import batch, mlp
+from helpers.models import batch, mlp
 
 
 class Narrow(nn.Module):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES, batch, mlp, structured
+from helpers.models import MULTI, SCHEDULES, batch, mlp, structured
 from pipetrain.errors import StageError
 from pipetrain.runtime.backward import backward_full, backward_input
 from pipetrain.runtime.compiled import CompiledLayers

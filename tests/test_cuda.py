@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES, batch, mlp
+from helpers.models import MULTI, SCHEDULES, batch, mlp
 from pipetrain.testing import reference_step
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -89,7 +89,7 @@ def test_generation_on_one_gpu() -> None:
     """Generation on the GPU (2 local ranks, a KV cache per stage, the GPU's own attention
     path): transformers' greedy tokens for a Llama and a Mixtral, in bfloat16 too."""
     pytest.importorskip("transformers")
-    from hf import causal_lm, hf_generate, prompts
+    from helpers.hf import causal_lm, hf_generate, prompts
 
     for name in ("llama", "mixtral"):
         for dtype in (torch.float32, torch.bfloat16):

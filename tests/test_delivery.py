@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES
+from helpers.models import MULTI, SCHEDULES
 from pipetrain.runtime.delivery import delivery_proofs
 from pipetrain.runtime.executor import message_plans
 from pipetrain.runtime.wire import ACT, GRAD

@@ -380,7 +380,7 @@ def test_readme_schedule_table_is_what_the_simulator_says() -> None:
 
 def test_the_generate_snippet_gives_transformers_tokens(tmp_path: Path) -> None:
     """docs/generate.md's snippet on two processes: transformers' own greedy tokens."""
-    from hf import hf_generate
+    from helpers.hf import hf_generate
 
     page = ROOT / "docs" / "generate.md"
     code = next(b for b in python_blocks(page) if "def generate(ctx)" in b)

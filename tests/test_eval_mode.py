@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipetrain as pt
-from hf import MODELS, batch, lm_loss
+from helpers.hf import MODELS, batch, lm_loss
 from pipetrain.testing import reference_step
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from chat import TEMPLATE, conversations, save_model, tokenizer, write_jsonl
+from helpers.chat import TEMPLATE, conversations, save_model, tokenizer, write_jsonl
 from pipetrain.train import tokens
 from pipetrain.train.checks import check_config
 from pipetrain.train.config import TrainConfig

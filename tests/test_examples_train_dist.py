@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from chat import conversations, save_model, write_jsonl
+from helpers.chat import conversations, save_model, write_jsonl
 from pipetrain.cli import main
 
 pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import batch, mlp
+from helpers.models import batch, mlp
 
 
 class FailAt(nn.Module):

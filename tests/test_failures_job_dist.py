@@ -67,7 +67,7 @@ def _dp_llama_case(culprit: int) -> str:
     """A Hugging Face Llama built from a config, in dp 2 x pp 2: at step 1 global rank
     ``culprit`` (stage 0 of replica 1) gets token ids beyond the vocabulary, so its embedding
     fails inside the captured graph."""
-    import hf
+    from helpers import hf
 
     mesh = build_mesh(2, 2, order="dp-outer")
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES, batch, mlp
+from helpers.models import MULTI, SCHEDULES, batch, mlp
 from pipetrain.testing import grad_mismatches, reference_step
 
 LOSS = nn.MSELoss()

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hf import python_text, save_dir
+from helpers.hf import python_text, save_dir
 from pipetrain.cli import main
 from pipetrain.generation import Generator, Sampling
 from pipetrain.train.generate_cli import Request, _Printer

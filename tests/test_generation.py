@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf import GENERATING, causal_lm, hf_generate, prompts
+from helpers.hf import GENERATING, causal_lm, hf_generate, prompts
 from pipetrain.generation import Generator, Sampling
 
 pytest.importorskip("transformers")

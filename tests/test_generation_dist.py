@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import pipetrain as pt
-from hf import causal_lm, hf_generate, prompts
+from helpers.hf import causal_lm, hf_generate, prompts
 from pipetrain.generation import Generator, Sampling
 
 pytest.importorskip("transformers")

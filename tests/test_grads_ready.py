@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES, batch, mlp
+from helpers.models import MULTI, SCHEDULES, batch, mlp
 from pipetrain.runtime.executor import grads_final_after
 from pipetrain.schedules.action import Op
 

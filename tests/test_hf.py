@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from hf import LOSSES, MODELS, batch, materialized, on_meta, points
+from helpers.hf import LOSSES, MODELS, batch, materialized, on_meta, points
 from pipetrain.testing import reference_step
 
 pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pipetrain as pt
-from hf import python_text, tokenizer
+from helpers.hf import python_text, tokenizer
 
 tf = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pipetrain as pt
-from hf import python_text, save_dir, tokenizer
+from helpers.hf import python_text, save_dir, tokenizer
 from pipetrain.hf import model as hfmodel
 from pipetrain.hf.save import save_pretrained
 from pipetrain.train import tokens

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pipetrain as pt
-from hf import LOSSES, MODELS, batch, materialized, on_meta, points
+from helpers.hf import LOSSES, MODELS, batch, materialized, on_meta, points
 from pipetrain.testing import reference_step
 
 pytest.importorskip("transformers")

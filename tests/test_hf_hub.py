@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from chat import save_model
+from helpers.chat import save_model
 from pipetrain.cli import main
 from pipetrain.hf import hub
 

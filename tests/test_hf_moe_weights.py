@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import pipetrain as pt
-from hf import VOCAB, python_text, tokenizer
+from helpers.hf import VOCAB, python_text, tokenizer
 from pipetrain.hf.model import load_weights, open_model
 from pipetrain.hf.save import save_pretrained
 from pipetrain.train.config import TrainConfig

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf import python_text, save_dir
+from helpers.hf import python_text, save_dir
 from pipetrain.checkpoint import run as checkpoint
 from pipetrain.checkpoint import store as checkpoint_store
 from pipetrain.cli import main

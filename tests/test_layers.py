@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from lm import TinyLM, lm_batch, lm_loss
+from helpers.lm import TinyLM, lm_batch, lm_loss
 from pipetrain.errors import PartitionError
 from pipetrain.split.lazy import NamedInit
 from pipetrain.testing import grad_mismatches, reference_step

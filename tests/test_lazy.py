@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import batch
+from helpers.models import batch
 from pipetrain.split.lazy import is_meta, materialize
 from pipetrain.testing import grad_mismatches, reference_step
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lm import TinyLM, lm_batch
+from helpers.lm import TinyLM, lm_batch
 from pipetrain.models import gpt
 from pipetrain.split.autosplit import cut_points
 from pipetrain.split.lazy import NamedInit

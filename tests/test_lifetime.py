@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES, batch, mlp
+from helpers.models import MULTI, SCHEDULES, batch, mlp
 from pipetrain.errors import PipelineError
 from pipetrain.runtime import lifetime
 
@@ -83,7 +83,7 @@ def test_a_captured_model_with_its_eval_graph_is_freed_at_once(no_collector: Non
 
 def test_a_generator_is_freed_at_once_and_closes(no_collector: None) -> None:
     pytest.importorskip("transformers")
-    from hf import causal_lm, prompts
+    from helpers.hf import causal_lm, prompts
 
     def make() -> pt.Generator:
         gen = pt.Generator(causal_lm("llama"), rows=2, length=16, prefill=3, window=2,

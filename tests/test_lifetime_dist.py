@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
-from models import MULTI, batch, mlp
+from helpers.models import MULTI, batch, mlp
 from pipetrain.runtime import lifetime
 
 LOSS = nn.MSELoss()

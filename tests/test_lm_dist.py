@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import pipetrain as pt
-from lm import lm_batch, lm_loss, tiny_lm
-from models import MULTI, SOME
+from helpers.lm import lm_batch, lm_loss, tiny_lm
+from helpers.models import MULTI, SOME
 
 SPLITS = {2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
 TIED = "embed.weight"

@@ -25,7 +25,7 @@ def _saved(name: str) -> tuple[bytes, tuple[Any, ...], dict[str, Any]]:
     a bare tensor, or a zoo model (T5: encoder-decoder, ViT: vision) called with keywords."""
     torch.manual_seed(0)
     if name == "llama":
-        import hf
+        from helpers import hf
 
         model = hf.llama()
         args: tuple[Any, ...] = (torch.randint(0, hf.VOCAB, (2, 8)),)

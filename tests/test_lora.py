@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import pipetrain as pt
-from chat import save_model
-from hf import llama, lm_loss
+from helpers.chat import save_model
+from helpers.hf import llama, lm_loss
 from pipetrain.cli import main
 
 peft = pytest.importorskip("peft")

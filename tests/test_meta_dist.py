@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from lm import TinyLM, lm_batch, lm_loss
+from helpers.lm import TinyLM, lm_batch, lm_loss
 from pipetrain.split.lazy import NamedInit
 from pipetrain.testing import reference_step
 

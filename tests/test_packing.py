@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import pipetrain as pt
-from chat import conversations, save_model, write_jsonl
+from helpers.chat import conversations, save_model, write_jsonl
 from pipetrain.cli import main
 from pipetrain.train.examples import IGNORE, describe, example_corpus, masked_lm_loss
 from pipetrain.train.packing import PackedBatches, check_model

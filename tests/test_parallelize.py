@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import batch
+from helpers.models import batch
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.testing import grad_mismatches, reference_step
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import batch, mlp
+from helpers.models import batch, mlp
 from pipetrain.testing import Reference2BW, ReferenceStash
 from test_grads_ready import tied_mlp
 
@@ -117,7 +117,7 @@ def test_captured_hf_models_with_adamw(name: str, tolerance: float) -> None:
     rounds otherwise than eager (an explicit causal mask where eager passes is_causal=True;
     see test_hf.py), and AdamW turns that into 1.8e-4 of the weights over 4 steps."""
     pytest.importorskip("transformers")
-    import hf
+    from helpers import hf
 
     model = getattr(hf, name)()
     loss_fn = hf.LOSSES[name]

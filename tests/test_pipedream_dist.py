@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
-from models import batch, mlp
+from helpers.models import batch, mlp
 from pipetrain.testing import Reference2BW
 from test_grads_ready import tied_mlp
 from test_pipedream import adamw, batches, sgd, stash_pair

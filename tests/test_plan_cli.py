@@ -114,7 +114,7 @@ def test_memory_limit_defaults_to_the_device(tmp_path: Path,
 def test_plan_of_a_hugging_face_llama_cuts_its_decoder_layers(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
-    from hf import python_text, save_dir
+    from helpers.hf import python_text, save_dir
     from pipetrain.hf.model import open_model, split_points
 
     text = python_text(2)

@@ -126,7 +126,7 @@ def test_a_layer_list_is_planned_layer_by_layer() -> None:
 
 def test_a_hugging_face_llama_from_a_tiny_config_steps_like_one_process() -> None:
     pytest.importorskip("transformers")
-    from hf import batch, llama, lm_loss
+    from helpers.hf import batch, llama, lm_loss
 
     torch.manual_seed(0)
     model = llama().double()

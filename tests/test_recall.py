@@ -82,7 +82,7 @@ def test_the_cache_keeps_no_model_alive() -> None:
 
 def test_a_second_hf_gpt2_recalls_the_capture_and_steps_like_a_fresh_one() -> None:
     pytest.importorskip("transformers")
-    from hf import gpt2, lm_loss
+    from helpers.hf import gpt2, lm_loss
 
     ids = torch.randint(1, 64, (8, 12), generator=torch.Generator().manual_seed(0))
     losses = []

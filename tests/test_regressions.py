@@ -45,7 +45,7 @@ def test_a_one_element_output_without_gradient_is_not_a_loss() -> None:
     # A stage took any one-element output that got no gradient back for a loss and seeded it
     # with ones, so an unused one-element side output (an auxiliary statistic) added its own
     # gradient to the stage's weights. Only the last stage's scalar output is seeded now.
-    from models import batch
+    from helpers.models import batch
     from pipetrain.testing import grad_mismatches, reference_step
 
     def model() -> nn.Sequential:

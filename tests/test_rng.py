@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES
+from helpers.models import MULTI, SCHEDULES
 from pipetrain.runtime import rng
 from pipetrain.testing import grad_mismatches, reference_step
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import pipetrain as pt
-from lm import lm_batch, lm_loss, skip_lm
-from models import MULTI, SCHEDULES
+from helpers.lm import lm_batch, lm_loss, skip_lm
+from helpers.models import MULTI, SCHEDULES
 from pipetrain.runtime.executor import message_plans
 from pipetrain.runtime.routes import Ports, chain, direct
 from pipetrain.runtime.wire import ACT, GRAD

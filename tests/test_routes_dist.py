@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 import pipetrain as pt
-from lm import lm_batch, lm_loss, skip_lm
-from models import MULTI, SOME
+from helpers.lm import lm_batch, lm_loss, skip_lm
+from helpers.models import MULTI, SOME
 
 POINTS = {2: ["blocks.4"], 4: ["blocks.2", "blocks.4", "blocks.6"],
           8: [f"blocks.{i}" for i in range(1, 8)]}

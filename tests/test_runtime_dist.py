@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES, batch, mlp, structured
+from helpers.models import MULTI, SCHEDULES, batch, mlp, structured
 from pipetrain.runtime import microbatch
 from pipetrain.testing import grad_mismatches, reference_step
 from test_grads_ready import Recorder, tied_mlp

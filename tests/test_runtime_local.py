@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import MULTI, SCHEDULES, batch, mlp, structured
+from helpers.models import MULTI, SCHEDULES, batch, mlp, structured
 from pipetrain.errors import PartitionError, StageError
 from pipetrain.testing import grad_mismatches, reference_step
 

@@ -158,7 +158,7 @@ def _foreign(ctx: pt.RankContext) -> list[str]:
     is one device's on its rows, and the reduced gradients are the shards' mean."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hf import LOSSES, MODELS, batch, points
+    from helpers.hf import LOSSES, MODELS, batch, points
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "pp"))

@@ -96,7 +96,7 @@ def _eval_capture(ctx: pt.RankContext) -> list[str]:
 
     import transformers as tf
 
-    from hf import batch, lm_loss
+    from helpers.hf import batch, lm_loss
     from pipetrain.split.capture import RECALL
 
     RECALL.clear()

@@ -76,7 +76,7 @@ def test_a_form_that_fits_no_capture_is_named(example: Any, given: Any, names: l
 
 def test_hf_gpt2_captured_from_a_tuple_steps_with_a_tensor() -> None:
     pytest.importorskip("transformers")
-    from hf import gpt2, lm_loss
+    from helpers.hf import gpt2, lm_loss
 
     torch.manual_seed(0)
     model = gpt2()

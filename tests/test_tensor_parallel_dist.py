@@ -126,7 +126,7 @@ def _foreign(ctx: pt.RankContext) -> list[str]:
     equal one device's (float64)."""
     import transformers as tf
 
-    from hf import LOSSES, MODELS, batch, points
+    from helpers.hf import LOSSES, MODELS, batch, points
     from pipetrain.hf.tensor_parallel import TracedTensorParallel, shrink
 
     tf.logging.set_verbosity_error()

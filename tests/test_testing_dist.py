@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
-from models import batch, mlp
+from helpers.models import batch, mlp
 from pipetrain.testing import grad_mismatches, reference_step
 
 LOSS = nn.MSELoss()

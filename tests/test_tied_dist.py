@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from models import batch
+from helpers.models import batch
 from pipetrain.testing import reference_step
 
 LOSS = nn.MSELoss()

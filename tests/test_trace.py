@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from lm import captured_lm, lm_batch, lm_loss, tiny_lm
+from helpers.lm import captured_lm, lm_batch, lm_loss, tiny_lm
 from pipetrain.errors import PartitionError, StageError
 from pipetrain.split.trace import TracedSplit, split_model
 
@@ -295,7 +295,7 @@ def test_a_capture_at_fixed_shapes_steps_like_the_symbolic_one_and_refuses_other
     its loss is one device's bitwise), every input dimension is fixed, and a step of another
     sequence length is refused naming the dimension, where the default capture takes it."""
     pytest.importorskip("transformers")
-    from hf import llama, lm_loss, points
+    from helpers.hf import llama, lm_loss, points
     from pipetrain.testing import grad_mismatches, reference_step
     from pipetrain.train.infer import fixed_shape
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from hf import llama, saved_config
+from helpers.hf import llama, saved_config
 from pipetrain.cli import main
 from pipetrain.verify import Row, VerificationFailed, default_loss, group_of, verify_with
 
