@@ -32,7 +32,7 @@ from pipetrain.runtime import microbatch
 from pipetrain.runtime.tied import find_tied
 from pipetrain.split.balance import plan_balance
 from pipetrain.split.partition import stage_bounds
-from pipetrain.train.data import Batches, default_corpus
+from pipetrain.train.data.text import Batches, default_corpus
 
 TORCH_CLASSES = {  # pipetrain name -> torch.distributed.pipelining.schedules class
     "gpipe": "ScheduleGPipe",

@@ -2,7 +2,7 @@
 
 One ``pipetrain train`` job of the tiny GPT preset saves a checkpoint every few steps, may
 restart as often as it needs, and gets a fault plan drawn from a seed
-(:func:`pipetrain.train.faults.random_plan`: every kind about equally often, ranks and steps
+(:func:`pipetrain.train.launch.faults.random_plan`: every kind about equally often, ranks and steps
 uniform). From the job's log, its fired-fault markers and its console lines (timestamped here
 as they arrive) the script then checks every fault:
 
@@ -50,7 +50,8 @@ import torch
 
 from pipetrain.checkpoint import run as checkpoint
 from pipetrain.checkpoint import store as checkpoint_store
-from pipetrain.train import faults, report
+from pipetrain.train.launch import faults
+from pipetrain.train.logs import report
 
 RESTARTING = ("kill", "raise", "hang", "shape")
 FIRST_FAILURE_S = 3.0

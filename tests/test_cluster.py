@@ -198,7 +198,7 @@ def test_the_table_run_writes_a_timeline_and_a_config_train_accepts(tmp_path: Pa
     import dataclasses
 
     from pipetrain.train.checks import check_config
-    from pipetrain.train.cli import load_toml
+    from pipetrain.train.commands.train_command import load_toml
     from pipetrain.train.config import TrainConfig
 
     done = _command("--cluster", "H100", "--gpus", "16", "--preset", "1b", "--seq-len", "2048",

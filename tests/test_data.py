@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetrain.train.data import Batches, ByteCorpus, decode, default_corpus, encode
+from pipetrain.train.data.text import Batches, ByteCorpus, decode, default_corpus, encode
 
 
 def write(root: Path, files: dict[str, str]) -> Path:

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from helpers.chat import TEMPLATE, conversations, save_model, tokenizer, write_jsonl
-from pipetrain.train import tokens
 from pipetrain.train.checks import check_config
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.examples import ExampleCorpus, example_batches, example_corpus
-from pipetrain.train.records import Encoder
+from pipetrain.train.data.examples import ExampleCorpus, example_batches, example_corpus
+from pipetrain.train.data.records import Encoder
+from pipetrain.train.data.text import tokens
 
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")

@@ -56,7 +56,7 @@ def _reference(place: Path, step: int) -> tuple[float, float, list[int]]:
     the trained tokens of each of the 4 micro-batches."""
     import transformers as tf
 
-    from pipetrain.train.examples import example_batches, example_corpus
+    from pipetrain.train.data.examples import example_batches, example_corpus
 
     tok = tf.AutoTokenizer.from_pretrained(place / "m")
     corpus = example_corpus(tok, place / "m", str(place / "chat.jsonl"), place / "tokens",
@@ -81,7 +81,7 @@ def _reference(place: Path, step: int) -> tuple[float, float, list[int]]:
 
 def test_step0_loss_is_transformers_masked_loss_and_a_resume_continues_the_examples(
         place: Path) -> None:
-    from pipetrain.train.examples import describe
+    from pipetrain.train.data.examples import describe
 
     first = _train(place, "a", "--nproc", "2", "--schedule", "1f1b")
     assert first["steps"] == 4 and first["layout"]["pp"] == 2

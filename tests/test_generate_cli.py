@@ -15,7 +15,7 @@ import pytest
 from helpers.hf import python_text, save_dir
 from pipetrain.cli import main
 from pipetrain.generation import Generator, Sampling
-from pipetrain.train.generate_cli import Request, _Printer
+from pipetrain.train.commands.generate_command import Request, _Printer
 
 pytest.importorskip("transformers")
 

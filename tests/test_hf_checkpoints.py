@@ -19,10 +19,9 @@ import pipetrain as pt
 from helpers.hf import python_text, save_dir, tokenizer
 from pipetrain.hf import model as hfmodel
 from pipetrain.hf.save import save_pretrained
-from pipetrain.train import tokens
+from pipetrain.train.commands.export_command import size_bytes
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.data import Batches
-from pipetrain.train.export_cli import size_bytes
+from pipetrain.train.data.text import Batches, tokens
 
 pytest.importorskip("transformers")
 

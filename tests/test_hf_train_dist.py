@@ -92,8 +92,8 @@ def _transformers_loss(place: Path, name: str, weights: Path | None = None,
     ``weights``), on the run's batch ``batch``."""
     import transformers as tf
 
-    from pipetrain.train.data import Batches
-    from pipetrain.train.tokens import token_corpus
+    from pipetrain.train.data.text import Batches
+    from pipetrain.train.data.tokens import token_corpus
 
     tok = tf.AutoTokenizer.from_pretrained(place / name)
     corpus = token_corpus(tok, place / name, str(place / "data.py"), place / "tokens")

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from pipetrain.runtime import news
-from pipetrain.train.elastic import _failure_report, _watchdog_finding
+from pipetrain.train.launch.elastic import _failure_report, _watchdog_finding
 
 
 def _store() -> Any:
@@ -144,7 +144,7 @@ def test_a_stop_signal_waits_for_a_rank_that_is_explaining_a_failure(failing: bo
     import sys
 
     code = ("import os, signal\nfrom pipetrain.runtime import news\n"
-            "from pipetrain.train import elastic\n"
+            "from pipetrain.train.launch import elastic\n"
             f"signal.signal(signal.SIGTERM, elastic._on_stop)\nif {failing}: news.start_failing()\n"
             "os.kill(os.getpid(), signal.SIGTERM)\nprint('said what it saw')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""``--pack`` (:mod:`pipetrain.train.packing`): rows of whole examples whose positions restart,
+"""``--pack`` (:mod:`pipetrain.train.data.packing`): rows of whole examples whose positions restart,
 labels that never cross into the next example; the packed step's loss and gradients equal the
 same examples unpacked (float64, Llama and Qwen2), pipelined too; a model whose attention
 does not keep packed examples apart (OPT, BLOOM) is refused; a run prints both paddings."""
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import pipetrain as pt
 from helpers.chat import conversations, save_model, write_jsonl
 from pipetrain.cli import main
-from pipetrain.train.examples import IGNORE, describe, example_corpus, masked_lm_loss
-from pipetrain.train.packing import PackedBatches, check_model
+from pipetrain.train.data.examples import IGNORE, describe, example_corpus, masked_lm_loss
+from pipetrain.train.data.packing import PackedBatches, check_model
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("datasets")

@@ -9,8 +9,8 @@ import pytest
 
 from pipetrain.train.checks import check_config
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.logs.report import describe_layout
 from pipetrain.train.placement import MESH_ORDERS, Coords, Placement, format_rank_map
-from pipetrain.train.report import describe_layout
 
 LAYOUTS = [(2, 1, 1, 1), (2, 2, 1, 1), (2, 1, 8, 1), (2, 2, 4, 1), (4, 2, 1, 2),
            (2, 2, 2, 2), (3, 1, 2, 2), (1, 4, 1, 1), (4, 1, 1, 1), (2, 1, 1, 4)]

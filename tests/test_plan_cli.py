@@ -11,7 +11,7 @@ import pytest
 
 from pipetrain.cli import main
 from pipetrain.plan.planner import MARGIN
-from pipetrain.train.cli import load_toml
+from pipetrain.train.commands.train_command import load_toml
 
 FEW = "1f1b,zb-h1,zbv"
 

@@ -26,7 +26,7 @@ from pipetrain.plan import ModulePlan, memory_target, plan_module, read_plan, st
 from pipetrain.plan.planner import Profiled, Scale, evaluate
 from pipetrain.split.profile import LayerCost
 from pipetrain.testing import reference_step
-from pipetrain.train.export_cli import size_bytes
+from pipetrain.train.commands.export_command import size_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipetrain.cli import main
-from pipetrain.train import replicas
+from pipetrain.train.launch import replicas
 from pipetrain.train.mesh import BUCKET_BYTES
 
 

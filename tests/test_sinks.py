@@ -1,6 +1,7 @@
-"""``--log tensorboard`` and ``--log wandb`` (:mod:`pipetrain.train.sinks`): the reporter's step
-and eval scalars read back with TensorBoard's own reader, and from W&B's offline run; a
-two-process run writes them; bad ``--log`` values are refused before anything starts."""
+"""``--log tensorboard`` and ``--log wandb`` (:mod:`pipetrain.train.logs.sinks`): the
+reporter's step and eval scalars read back with TensorBoard's own reader, and from W&B's
+offline run; a two-process run writes them; bad ``--log`` values are refused before anything
+starts."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import main
-from pipetrain.train import report
-from pipetrain.train.cli import check
+from pipetrain.train.commands.train_command import check
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.sinks import parse, scalars
+from pipetrain.train.logs import report
+from pipetrain.train.logs.sinks import parse, scalars
 
 
 def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pipetrain.train import faults
+from pipetrain.train.launch import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 

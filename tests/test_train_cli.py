@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from pipetrain.cli import build_parser, main
-from pipetrain.train import cli as train_cli
-from pipetrain.train import elastic, finetune, report
+from pipetrain.train.commands import finetune
+from pipetrain.train.commands import train_command as train_cli
 from pipetrain.train.config import TrainConfig, config_toml, format_config
+from pipetrain.train.launch import elastic
+from pipetrain.train.logs import report
 
 
 def _resolve(argv: list[str]) -> TrainConfig:

@@ -26,9 +26,9 @@ import pipetrain as pt
 from pipetrain.errors import PipelineError
 from pipetrain.models.gpt import gpt_layers, lm_loss
 from pipetrain.testing import reference_step
-from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.events import NullReporter
+from pipetrain.train.launch import faults
+from pipetrain.train.logs.events import NullReporter
 from pipetrain.train.loop import run, train_step
 from pipetrain.train.mesh import GradReducer
 from pipetrain.train.optim import (

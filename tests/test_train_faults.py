@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.train import faults
+from pipetrain.train.launch import faults
 
 
 def test_parse_and_reject() -> None:
@@ -57,7 +57,7 @@ def test_raise_names_rank_and_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 @pytest.mark.parametrize("kind", ["kill", "hang"])
 def test_kill_and_hang_in_a_child(tmp_path: Path, kind: str) -> None:
-    code = "from pipetrain.train import faults; faults.at_step(1, 0); print('survived')"
+    code = "from pipetrain.train.launch import faults; faults.at_step(1, 0); print('survived')"
     env = {faults.ENV: f"{kind}@rank0:step1", faults.DIR_ENV: str(tmp_path)}
     marker = tmp_path / f"{kind}@rank0:step1"
     proc = subprocess.Popen([sys.executable, "-c", code], env={**_base_env(), **env},

@@ -17,7 +17,7 @@ import torch
 
 from pipetrain.checkpoint import run as checkpoint
 from pipetrain.checkpoint import store as checkpoint_store
-from pipetrain.train import report
+from pipetrain.train.logs import report
 
 TINY = ["--nproc", "2", "--preset", "tiny", "--seq-len", "32", "--batch-size", "8",
         "--microbatches", "4", "--sample-tokens", "16", "--no-progress"]
@@ -27,7 +27,7 @@ def _bound(timeout: float) -> float:
     """Seconds from a fault to the end of every process: the peers' timeout, the watchdog's
     probe, the agent's SIGTERM grace, and room for a busy machine."""
     from pipetrain.runtime.watchdog import _ANSWER_S
-    from pipetrain.train.elastic import SHUTDOWN_GRACE
+    from pipetrain.train.launch.elastic import SHUTDOWN_GRACE
 
     return 3 * timeout + _ANSWER_S + SHUTDOWN_GRACE + 5
 

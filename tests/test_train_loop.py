@@ -13,10 +13,10 @@ import pipetrain as pt
 from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
 from pipetrain.split.partition import stage_bounds
 from pipetrain.testing import reference_step
-from pipetrain.train import faults
 from pipetrain.train.checks import check_config, run_schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.infer import pick
+from pipetrain.train.launch import faults
 from pipetrain.train.mesh import _buckets, layout
 from pipetrain.train.nonfinite import NONFINITE, OK, OVERFLOW, NaNInjector, Verdict, finding
 from pipetrain.train.optim import (
@@ -331,7 +331,7 @@ def test_profiling_balances_build_every_layer_on_every_rank() -> None:
 
 
 def test_the_layout_line_names_every_parallel_dimension() -> None:
-    from pipetrain.train.report import describe_layout
+    from pipetrain.train.logs.report import describe_layout
 
     assert describe_layout({"world": 8, "dp": 1, "fsdp": 2, "pp": 2, "tp": 2}) == \
         "8 ranks (dp 1 x fsdp 2 x pp 2 x tp 2)"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.train import report
+from pipetrain.train.logs import report
 from test_train_launch import TINY
 
 

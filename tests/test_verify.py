@@ -236,7 +236,8 @@ def test_the_docs_snippet_passes(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_train_verify_checks_before_it_starts_the_workers(
         saved: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipetrain.train import elastic, verify_hf
+    from pipetrain.train.commands import verify_hf
+    from pipetrain.train.launch import elastic
 
     started: list[Any] = []
     monkeypatch.setattr(elastic, "launch_local", lambda cfg, **_: started.append(cfg))

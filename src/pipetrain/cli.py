@@ -31,8 +31,10 @@ from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import DEFAULT_W_SHARE, Costs, Simulation, simulate
 from pipetrain.schedules.steady import SteadyState, steady_state
 from pipetrain.schedules.validate import format_grid, validate
-from pipetrain.train import cli as train_cli
-from pipetrain.train import export_cli, generate_cli, verify_cli
+from pipetrain.train.commands import export_command as export_cli
+from pipetrain.train.commands import generate_command as generate_cli
+from pipetrain.train.commands import train_command as train_cli
+from pipetrain.train.commands import verify_command as verify_cli
 
 __all__ = ["Subcommand", "subcommands", "build_parser", "main"]
 

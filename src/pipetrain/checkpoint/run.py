@@ -19,7 +19,8 @@ pp=4 resumes at pp=2, or with another dp. DTensors (FSDP2 shards, tensor-paralle
 saved by their global shape, so they load into any other split or into whole tensors. Plain
 values that are the same on every rank (LR schedule, loss scale, model config, layout) go into
 ``meta`` as JSON. The data position is the
-``step`` (optimizer steps done); :mod:`pipetrain.train.data` batches depend only on (seed, step).
+``step`` (optimizer steps done); :mod:`pipetrain.train.data.text` batches depend only on
+(seed, step).
 
 RNG state is per rank (``rng/rank<r>/...``): at the same layout each rank gets its own stream
 back and training continues bitwise as if uninterrupted. At another layout rank r does not do

@@ -2,7 +2,7 @@
 
 * :mod:`pipetrain.hf.model`: the config as a model on ``meta``, its tokenizer, its split
   points at decoder layers, and each rank's own tensors read by name from the safetensors
-  files (a corpus through that tokenizer is :mod:`pipetrain.train.tokens`);
+  files (a corpus through that tokenizer is :mod:`pipetrain.train.data.tokens`);
 * :mod:`pipetrain.hf.save`: the trained parameters written back as a ``save_pretrained``
   directory, each rank its own shard.
 

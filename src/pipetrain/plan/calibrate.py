@@ -24,7 +24,7 @@ from typing import Any
 
 from pipetrain.plan.shardcost import KINDS
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.quiet import fd_to
+from pipetrain.train.launch.quiet import fd_to
 
 __all__ = ["on_cuda", "shared_cores", "calibrate_on_ranks"]
 
@@ -35,7 +35,7 @@ Layout = tuple[int, Any]
 
 def on_cuda(cfg: TrainConfig) -> bool:
     """The ranks compute on GPUs (NCCL)."""
-    from pipetrain.train.elastic import backend_for
+    from pipetrain.train.launch.elastic import backend_for
 
     return backend_for(cfg.device, cfg.nproc) == "nccl"
 
@@ -57,7 +57,7 @@ def calibrate_on_ranks(cfg: TrainConfig, calib: Layout, profiles: dict[tuple[int
     shorter); and the collectives of every group size ``layouts`` use, timed there."""
     from pipetrain.plan.planner import Scale
     from pipetrain.plan.shardcost import reduction_seconds
-    from pipetrain.train.elastic import launch_local
+    from pipetrain.train.launch.elastic import launch_local
 
     pp, sharding = calib
     profs = profiles[pp, 1]
@@ -113,7 +113,7 @@ def _talk(cfg: TrainConfig, pp: int, layouts: list[Layout],
     """``scale`` with ``tp_talk``, ``fsdp_talk`` and ``ep_talk`` fitted to 3 steps of 1f1b
     under each (one launch each: a mesh of FSDP or tensor parallelism comes first in a
     process), for the layouts at ``pp`` pipeline ranks that search it."""
-    from pipetrain.train.elastic import launch_local
+    from pipetrain.train.launch.elastic import launch_local
 
     for name, chooses in TALK.items():
         sharding = next((s for p, s in layouts if p == pp and chooses(s)), None)

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.plan.limit import memory_limit
     from pipetrain.plan.planner import ASYNCHRONOUS, SCHEDULES, Scale, ranked, search
     from pipetrain.plan.shardcost import Collectives
-    from pipetrain.train.cli import check
+    from pipetrain.train.commands.train_command import check
 
     limit, chosen = memory_limit(args.memory_limit, args.device, args.nproc)
     if chosen:
@@ -365,8 +365,8 @@ def _walk(units: Units, x: Any, ids: torch.Tensor) -> tuple[tuple[int, ...], tup
 
 def _write(out: Path, cfg: TrainConfig, best: Any) -> tuple[Path, Path]:
     from pipetrain.schedules import draw
+    from pipetrain.train.commands.finetune import fine_tuning_defaults
     from pipetrain.train.config import config_toml
-    from pipetrain.train.finetune import fine_tuning_defaults
 
     out.mkdir(parents=True, exist_ok=True)
     schedule = best.schedule

@@ -124,7 +124,7 @@ def _job(args: argparse.Namespace) -> tuple[Job, Pins]:
     card = with_overrides(card, args.nic_gbps, args.gpus_per_node)
     limit = 0.0
     if args.memory_limit:
-        from pipetrain.train.export_cli import size_bytes
+        from pipetrain.train.commands.export_command import size_bytes
 
         limit = float(size_bytes(args.memory_limit, "--memory-limit"))
     job = Job(_arch(args), card, args.gpus, args.seq_len, args.global_batch,

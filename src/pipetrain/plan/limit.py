@@ -42,15 +42,15 @@ def memory_limit(text: str | None, device: str, nproc: int) -> tuple[int, str | 
 
     Raises:
         ValueError: an unreadable size, a ``device`` that cannot run ``nproc`` local ranks
-            (:func:`pipetrain.train.elastic.backend_for`), or no way to read the RAM.
+            (:func:`pipetrain.train.launch.elastic.backend_for`), or no way to read the RAM.
     """
-    from pipetrain.train.export_cli import size_bytes
+    from pipetrain.train.commands.export_command import size_bytes
 
     if text is not None:
         return size_bytes(text, "--memory-limit"), None
     import torch
 
-    from pipetrain.train.elastic import backend_for
+    from pipetrain.train.launch.elastic import backend_for
 
     if backend_for(device, nproc) == "nccl":
         props = torch.cuda.get_device_properties(0)

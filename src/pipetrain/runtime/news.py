@@ -57,7 +57,7 @@ def enabled() -> bool:
 class RankFailed(PeerFailed):
     """Another rank of the job failed, possibly in another pipeline; this rank read the news.
 
-    (Not :class:`pipetrain.train.elastic.JobFailed`: that is the launcher giving up.)"""
+    (Not :class:`pipetrain.train.launch.elastic.JobFailed`: that is the launcher giving up.)"""
 
 
 EXPLAIN_S = 1.5
@@ -75,7 +75,7 @@ def failing() -> bool:
 
 def start_failing() -> None:
     """Mark this process as explaining a failure: a launcher's stop signal waits for it
-    (:func:`pipetrain.train.elastic.worker`), so the rank says what it saw first."""
+    (:func:`pipetrain.train.launch.elastic.worker`), so the rank says what it saw first."""
     _failing[0] = True
 _lock = threading.Lock()
 

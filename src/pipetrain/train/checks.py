@@ -16,7 +16,7 @@ from pipetrain.schedules.generators import REGISTRY, _load_builtin, make_schedul
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.validate import validate
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.examples import data_problems
+from pipetrain.train.data.examples import data_problems
 from pipetrain.train.mesh import layout
 from pipetrain.train.placement import check_order
 from pipetrain.train.precision import PRECISIONS

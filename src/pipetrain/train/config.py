@@ -188,7 +188,7 @@ def format_config(cfg: TrainConfig, *, world: int | None = None, width: int = 10
     """The resolved config as wrapped ``key=value`` lines, printed at the start of a run.
 
     ``fine_tuned``: the settings that took the fine-tuning defaults
-    (:mod:`pipetrain.train.finetune`), marked ``*`` and explained on a last line.
+    (:mod:`pipetrain.train.commands.finetune`), marked ``*`` and explained on a last line.
     """
     head = "pipetrain train" + (f": {world} processes" if world is not None else "")
     pairs = [f"{f.name}={_shown(getattr(cfg, f.name))}" + "*" * (f.name in fine_tuned)

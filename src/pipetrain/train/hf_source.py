@@ -4,11 +4,12 @@ The model comes from ``DIR/config.json`` on ``meta`` (:mod:`pipetrain.hf.model`)
 decoder layers, which ``--balance`` groups into the schedule's stages, and each rank
 materialises its own stages by name from ``--seed`` and then reads their stored values, if DIR
 has weights, straight from the safetensors files. Text goes through DIR's tokenizer
-(:mod:`pipetrain.train.tokens`); the pipeline's input is ``{"input_ids": ids}``, and the loss is
+(:mod:`pipetrain.train.data.tokens`); the pipeline's input is ``{"input_ids": ids}``, and the
+loss is
 the mean next-token cross-entropy of the output's ``logits`` (plus ``router_aux_loss_coef x
 aux_loss`` for a mixture of experts whose config sets ``output_router_logits``), which is what
 ``model(input_ids, labels=...)`` computes on the same tokens. A data set as ``--data``
-(:mod:`pipetrain.train.examples`) feeds padded examples, ``{"input_ids", "attention_mask"}``,
+(:mod:`pipetrain.train.data.examples`) feeds padded examples, ``{"input_ids", "attention_mask"}``,
 and the loss is the mean over the trained tokens, as ``model(..., labels=...)`` with -100 on
 the others.
 """
@@ -36,12 +37,12 @@ from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.lazy import NamedInit, is_meta
 from pipetrain.split.partition import even_balance
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.data import Corpus
-from pipetrain.train.examples import ExampleCorpus, example_corpus, masked_lm_loss
+from pipetrain.train.data.examples import ExampleCorpus, example_corpus, masked_lm_loss
+from pipetrain.train.data.records import is_dataset
+from pipetrain.train.data.text import Corpus
+from pipetrain.train.data.tokens import token_corpus
 from pipetrain.train.optim import no_decay_names
-from pipetrain.train.records import is_dataset
 from pipetrain.train.source import LossWrap, Source, parse_balance
-from pipetrain.train.tokens import token_corpus
 
 __all__ = ["HFSource", "causal_lm_loss", "causal_lm_loss_of", "hf_pipeline", "peak_rss_bytes"]
 
@@ -92,8 +93,8 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
     :meth:`Source.pipeline` (or ``local_ranks``). The profiling balances (``time``,
     ``memory``) run every layer, so under them a ``meta`` model is materialised whole first.
 
-    ``examples``: the input is padded examples (:mod:`pipetrain.train.examples`): captured
-    with an ``attention_mask``, the loss :func:`~pipetrain.train.examples.masked_lm_loss`
+    ``examples``: the input is padded examples (:mod:`pipetrain.train.data.examples`): captured
+    with an ``attention_mask``, the loss :func:`~pipetrain.train.data.examples.masked_lm_loss`
     summed over the micro-batches.
     """
     example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}

@@ -45,14 +45,14 @@ import torch
 
 from pipetrain.runtime.dtensors import whole
 from pipetrain.schedules.timeline import Timeline
-from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.events import Reporter
+from pipetrain.train.launch import faults
+from pipetrain.train.launch.replicas import Turnout, changes
+from pipetrain.train.logs.events import Reporter
 from pipetrain.train.memory import MemoryMeter
 from pipetrain.train.nonfinite import NONFINITE, OVERFLOW, decide, finding
 from pipetrain.train.optim import clip_grads_, grad_square_sum, lr_at, set_lr
 from pipetrain.train.precision import autocast
-from pipetrain.train.replicas import Turnout, changes
 from pipetrain.train.resume import load_peer_state, peer_state, restore, save
 from pipetrain.train.sample import cache_length, evaluate, prompt_ids, sample
 from pipetrain.train.setup import Trainer, build

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pipetrain.split.profile import storages
-from pipetrain.train.quiet import held_notes
+from pipetrain.train.launch.quiet import held_notes
 
 __all__ = ["MemoryMeter", "tensor_bytes"]
 
@@ -48,7 +48,7 @@ class MemoryMeter:
     def __init__(self, device: torch.device, steps: int, measure: bool = True,
                  verbose: bool = False) -> None:
         self.device = device
-        self.verbose = verbose  # the profiler's own notes on stderr too (pipetrain.train.quiet)
+        self.verbose = verbose  # the profiler's own notes on stderr too (train.launch.quiet)
         self.cuda = device.type == "cuda"
         self._measured = (1 if steps >= 2 else 0) if measure or self.cuda else -1  # which
         # step of this run the CPU measures (-1: none)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pipetrain.train.data import decode, encode
+from pipetrain.train.data.text import decode, encode
 from pipetrain.train.infer import eval_loss, generate
 from pipetrain.train.precision import autocast
 from pipetrain.train.setup import Trainer

@@ -24,24 +24,25 @@ from pipetrain.pipeline import Pipeline
 from pipetrain.split.shared import across
 from pipetrain.train.checks import check_config, run_schedule
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.data import Batches, Corpus
-from pipetrain.train.examples import ExampleBatches, ExampleCorpus, example_batches
+from pipetrain.train.data.examples import ExampleBatches, ExampleCorpus, example_batches
+from pipetrain.train.data.packing import packed_batches
+from pipetrain.train.data.text import Batches, Corpus
 from pipetrain.train.hf_source import HFSource
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh
 from pipetrain.train.nonfinite import NaNInjector
 from pipetrain.train.optim import build_optimizer, counted_parameters
-from pipetrain.train.packing import packed_batches
 from pipetrain.train.placement import gather_rank_map
 from pipetrain.train.precision import LossScale
 from pipetrain.train.source import GPTSource, Source
 
 if TYPE_CHECKING:
-    from pipetrain.train.replicas import Replicas
+    from pipetrain.train.launch.replicas import Replicas
 
 __all__ = ["Trainer", "build", "source_for"]
 
 Batch = tuple[Any, Any]
-"""(inputs, targets): token ids, or padded examples' dicts (:mod:`pipetrain.train.examples`)."""
+"""(inputs, targets): token ids, or padded examples' dicts
+(:mod:`pipetrain.train.data.examples`)."""
 
 
 @dataclass
@@ -95,12 +96,12 @@ class Trainer:
     and divided by every data-parallel rank (their sums already hold the group's tokens)."""
     data: dict[str, Any] = field(default_factory=dict)
     """With a data set as ``--data``: what the run trains on (the ``data`` record:
-    :func:`pipetrain.train.examples.example_batches`); empty for text."""
+    :func:`pipetrain.train.data.examples.example_batches`); empty for text."""
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """Where every rank landed (node, host, local rank, coordinates), by global rank:
     :func:`pipetrain.train.placement.gather_rank_map`."""
     replicas: Replicas | None = None
-    """With ``--ft``: this rank's :class:`pipetrain.train.replicas.Replicas` (this replica is
+    """With ``--ft``: this rank's :class:`pipetrain.train.launch.replicas.Replicas` (this replica is
     one of ``dp``, each a torch.distributed world of its own); None without."""
     parts: int = 1
     """Into how many parts each global batch is cut (data-parallel ranks of all replicas)."""
@@ -238,7 +239,7 @@ def _replicas(cfg: TrainConfig, mesh: Mesh) -> Replicas | None:
     model is built); None without."""
     if not cfg.ft:
         return None
-    from pipetrain.train.replicas import Replicas
+    from pipetrain.train.launch.replicas import Replicas
 
     return Replicas(cfg, mesh, cfg.ft_replica_id or 0)
 

@@ -23,8 +23,8 @@ from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.balance import plan_balance
 from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.data import ByteCorpus, Corpus, decode, default_corpus, encode
-from pipetrain.train.examples import ExampleCorpus
+from pipetrain.train.data.examples import ExampleCorpus
+from pipetrain.train.data.text import ByteCorpus, Corpus, decode, default_corpus, encode
 
 __all__ = ["GPTSource", "Source", "parse_balance"]
 
@@ -56,7 +56,7 @@ class Source(ABC):
     @abstractmethod
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus | ExampleCorpus:
         """The token ids of ``cfg.data`` (its last part held out), or its examples when it is
-        a data set (:mod:`pipetrain.train.examples`)."""
+        a data set (:mod:`pipetrain.train.data.examples`)."""
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.train.config import TrainConfig, config_toml
-from pipetrain.train.elastic import JobFailed
-from pipetrain.train.replicas import replica_out, require_torchft
+from pipetrain.train.launch.elastic import JobFailed
+from pipetrain.train.launch.replicas import replica_out, require_torchft
 
 __all__ = ["launch_replicas", "JOIN_TIMEOUT_MS", "HEARTBEAT_TIMEOUT_MS"]
 

@@ -1,7 +1,8 @@
 """Verify HF: an ``--hf`` model's architecture from its config, optionally shrunk, split as
 ``pipetrain train`` splits it, one step checked against one process.
 
-:func:`verify_hf` is what ``pipetrain verify`` runs (:mod:`pipetrain.train.verify_cli`), and
+:func:`verify_hf` is what ``pipetrain verify`` runs
+(:mod:`pipetrain.train.commands.verify_command`), and
 :func:`before_training` what ``pipetrain train --verify`` before it starts any worker.
 """
 

@@ -54,9 +54,9 @@ from pipetrain.errors import PipelineError
 from pipetrain.runtime import news
 from pipetrain.runtime.launch import RANK_MODULES, loopback_store, start_context
 from pipetrain.runtime.watchdog import job_store
-from pipetrain.train import faults
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.events import NullReporter, Reporter
+from pipetrain.train.launch import faults
+from pipetrain.train.logs.events import NullReporter, Reporter
 
 __all__ = ["JobFailed", "RunFn", "under_torchrun", "launch_local", "worker", "backend_for",
            "SHUTDOWN_GRACE"]
@@ -124,7 +124,7 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None, *,
         cfg: the run; ``nproc``, ``max_restarts``, ``device`` and ``out`` shape the launch.
         run: the training function (module-level, picklable); None: ``loop.run``.
         tuned: the settings that took the fine-tuning defaults, marked in the printed config
-            (:func:`pipetrain.train.cli.resolved`).
+            (:func:`pipetrain.train.commands.train_command.resolved`).
 
     Raises:
         JobFailed: a rank failed and no restart was left; the message names the rank that
@@ -334,7 +334,7 @@ def _one_replica(cfg: TrainConfig) -> TrainConfig:
     errors only (its own Rust log level, ``RUST_LOG``, and Python loggers) unless verbose."""
     import dataclasses
 
-    from pipetrain.train.replicas import replica_out
+    from pipetrain.train.launch.replicas import replica_out
 
     if not cfg.verbose:
         os.environ.setdefault("RUST_LOG", "error")
@@ -389,7 +389,7 @@ def _reporter(cfg: TrainConfig, rank: int, tuned: tuple[str, ...] = ()) -> Repor
     if rank != 0:
         return NullReporter()
     from pipetrain.train.config import config_toml, format_config
-    from pipetrain.train.report import ProgressReporter
+    from pipetrain.train.logs.report import ProgressReporter
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:

@@ -1,6 +1,6 @@
 """Report: the reporting rank's live progress, JSON-lines log, summary and pictures of a run.
 
-:class:`ProgressReporter` is the :class:`~pipetrain.train.events.Reporter` that global rank 0
+:class:`ProgressReporter` is the :class:`~pipetrain.train.logs.events.Reporter` that global rank 0
 hands to the training loop. It writes into ``cfg.out``:
 
 - ``log.jsonl``: every record as one JSON object per line, as it arrives (appended across
@@ -10,7 +10,7 @@ hands to the training loop. It writes into ``cfg.out``:
 - ``timeline.png``: the measured timeline of one step above the simulator's prediction, and
   ``timeline.json``: both as one Chrome/Perfetto trace;
 - ``summary.json``: the ``end`` record's fields with the files written;
-- with ``--log``, TensorBoard's or W&B's files (:mod:`pipetrain.train.sinks`).
+- with ``--log``, TensorBoard's or W&B's files (:mod:`pipetrain.train.logs.sinks`).
 
 On a terminal the progress is a live rich bar (step, loss, tokens/s, measured bubble); when
 stdout is not a terminal, or ``cfg.progress`` is False, it is about ten plain lines instead.
@@ -41,8 +41,8 @@ from pipetrain.schedules import draw
 from pipetrain.schedules.simulate import Simulation
 from pipetrain.schedules.timeline import Timeline
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.logs.sinks import open_sinks, parse, scalars
 from pipetrain.train.placement import format_rank_map
-from pipetrain.train.sinks import open_sinks, parse, scalars
 
 __all__ = ["ProgressReporter", "describe_layout", "latest_run", "read_log", "save_loss_png",
            "save_timeline_png", "timeline_trace"]
@@ -172,7 +172,7 @@ class ProgressReporter:
                         f"{skipped}  {rate} tok/s  bubble {bubble}")
 
     def _on_data(self, fields: dict[str, Any]) -> None:
-        from pipetrain.train.examples import describe
+        from pipetrain.train.data.examples import describe
 
         self._print(describe(fields))
 

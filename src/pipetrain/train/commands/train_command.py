@@ -4,16 +4,16 @@ Every field of :class:`~pipetrain.train.config.TrainConfig` is a flag (``seq_len
 ``--seq-len``, booleans as ``--progress`` / ``--no-progress``) with the field's docstring as
 help, and a key of the TOML file given by ``--config``. Flags on the command line override
 the file; the file overrides the defaults (for ``--hf`` with stored weights, the fine-tuning
-ones of :mod:`pipetrain.train.finetune`). Outside torchrun the command starts ``--nproc``
-local processes (:func:`pipetrain.train.elastic.launch_local`); under torchrun it is one of
-them (:func:`pipetrain.train.elastic.worker`).
+ones of :mod:`pipetrain.train.commands.finetune`). Outside torchrun the command starts ``--nproc``
+local processes (:func:`pipetrain.train.launch.elastic.launch_local`); under torchrun it is one of
+them (:func:`pipetrain.train.launch.elastic.worker`).
 
     $ pipetrain train --nproc 2 --schedule zbv --steps 200
     $ pipetrain train --config run.toml --steps 50
     $ torchrun --nproc-per-node 4 -m pipetrain train --pp 2 --dp 2
 
 With ``--verify`` (and ``--hf``) the model is first checked against one process at a small
-width under the run's pipeline layout (:func:`pipetrain.train.verify_hf.before_training`).
+width under the run's pipeline layout (:func:`pipetrain.train.commands.verify_hf.before_training`).
 
 Exit codes: 0 the run finished, 1 it failed on some rank (or ``--verify`` found a difference:
 nothing was started), 2 bad arguments or config.
@@ -99,7 +99,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, metavar="FILE", default=argparse.SUPPRESS,
                         help="TOML file of settings (keys as the flags, with _ or -); "
                              "flags given on the command line override it")
-    from pipetrain.train.finetune import SHOWN
+    from pipetrain.train.commands.finetune import SHOWN
 
     docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
@@ -120,7 +120,8 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
 
     The defaults are TrainConfig's, except that with ``--hf DIR`` holding weights the
     optimiser settings given neither in the file nor as flags take the fine-tuning defaults
-    (:func:`pipetrain.train.finetune.fine_tuning_defaults`); :func:`resolved` also says which.
+    (:func:`pipetrain.train.commands.finetune.fine_tuning_defaults`); :func:`resolved` also
+    says which.
 
     Raises:
         ValueError: the file is not valid TOML, has an unknown key or a value of the wrong
@@ -138,7 +139,7 @@ def resolved(args: argparse.Namespace) -> tuple[TrainConfig, tuple[str, ...]]:
     line set is exactly the namespace's fields and the file's keys: only the others can take
     a default.
     """
-    from pipetrain.train.finetune import fine_tuning_defaults
+    from pipetrain.train.commands.finetune import fine_tuning_defaults
 
     given = load_toml(args.config) if getattr(args, "config", None) else {}
     names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -219,14 +220,14 @@ def check(cfg: TrainConfig) -> None:
     _check_lora(cfg)
     _check_ft(cfg)
     if cfg.pack:
-        from pipetrain.train.records import is_dataset
+        from pipetrain.train.data.records import is_dataset
 
         if not is_dataset(cfg.data):
             raise ValueError("--pack packs the examples of a data set: give --data as a .jsonl, "
                              ".json, .parquet or .csv file or a save_to_disk directory, and "
                              "--hf")
     if cfg.log:
-        from pipetrain.train.sinks import missing
+        from pipetrain.train.logs.sinks import missing
 
         if not cfg.out:
             raise ValueError(f"--log {cfg.log}: the sinks write under --out; give one")
@@ -274,13 +275,13 @@ def _check_lora(cfg: TrainConfig) -> None:
 
 
 def _check_ft(cfg: TrainConfig) -> None:
-    from pipetrain.train.elastic import under_torchrun
+    from pipetrain.train.launch.elastic import under_torchrun
 
     if not cfg.ft:
         if cfg.ft_replica_id is not None or cfg.ft_lighthouse:
             raise ValueError("--ft-replica-id and --ft-lighthouse belong to a run with --ft")
         return
-    from pipetrain.train.replicas import lighthouse_url, require_torchft
+    from pipetrain.train.launch.replicas import lighthouse_url, require_torchft
 
     require_torchft()
     if cfg.dp < 2:
@@ -314,22 +315,22 @@ def run(args: argparse.Namespace) -> int:
         ValueError, OSError: bad flags or config file (the command line turns them into exit 2).
     """
     cfg, tuned = resolved(args)
-    from pipetrain.train import elastic
     from pipetrain.train.checks import check_config
+    from pipetrain.train.launch import elastic
 
     # what the workers would refuse, refused before any starts (exit 2)
     world = int(os.environ["WORLD_SIZE"]) if elastic.under_torchrun() else cfg.nproc
     one_replica = cfg.ft and cfg.ft_replica_id is not None  # --ft: the world is one replica
     check_config(cfg, world * (cfg.dp if one_replica else 1))
     if one_replica:  # an unreachable Lighthouse is bad input: exit 2 within --timeout
-        from pipetrain.train.replicas import lighthouse_url, reach
+        from pipetrain.train.launch.replicas import lighthouse_url, reach
 
         reach(lighthouse_url(cfg.ft_lighthouse), cfg.timeout)
     if cfg.verify and not _verified(cfg):
         return EXIT_FAILED
     if cfg.pack:  # a model that lets packed examples see each other is refused here
         from pipetrain.hf.model import open_model
-        from pipetrain.train.packing import check_model
+        from pipetrain.train.data.packing import check_model
 
         check_model(open_model(cfg.hf).config, cfg.hf)
     if elastic.under_torchrun():
@@ -337,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     try:
         if cfg.ft and cfg.ft_replica_id is None:  # a Lighthouse and an agent per replica
-            from pipetrain.train.replica_launch import launch_replicas
+            from pipetrain.train.launch.replica_launch import launch_replicas
 
             launch_replicas(cfg)
         else:
@@ -350,12 +351,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _verified(cfg: TrainConfig) -> bool:
     """``--verify``: check the run's model and layout at a small width before starting any
-    worker (:func:`pipetrain.train.verify_hf.before_training`); print the table (on global
+    worker (:func:`pipetrain.train.commands.verify_hf.before_training`); print the table (on global
     rank 0 under torchrun, where every worker checks) and say whether it passed."""
     import os
 
     from pipetrain.errors import PipelineError
-    from pipetrain.train import verify_hf
+    from pipetrain.train.commands import verify_hf
 
     shown = os.environ.get("RANK", "0") == "0"
     try:

@@ -39,7 +39,7 @@ class Corpus:
     """All token ids of a text corpus (1-D) and where its held-out tail begins.
 
     A :class:`ByteCorpus` holds bytes (uint8); a tokenized corpus
-    (:func:`pipetrain.train.tokens.token_corpus`) holds a tokenizer's ids, memory-mapped.
+    (:func:`pipetrain.train.data.tokens.token_corpus`) holds a tokenizer's ids, memory-mapped.
     """
 
     data: torch.Tensor

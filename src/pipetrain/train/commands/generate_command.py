@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError, OSError: bad flags, a missing prompts file or directory.
     """
-    from pipetrain.train import elastic
     from pipetrain.train.config import TrainConfig
+    from pipetrain.train.launch import elastic
 
     request = _request(args)
     cfg = TrainConfig(hf=args.hf, nproc=args.nproc, device=args.device, timeout=args.timeout,

@@ -1,6 +1,6 @@
 """Packing: whole examples laid one after another in full rows, each attending to itself only.
 
-``--pack`` (``cfg.pack``) turns a data set's examples (:mod:`pipetrain.train.examples`) into
+``--pack`` (``cfg.pack``) turns a data set's examples (:mod:`pipetrain.train.data.examples`) into
 rows of ``seq_len + 1`` tokens holding as many whole examples as fit, in each epoch's order
 (an example longer than a row is cut to it, alone), instead of one right-padded example a
 row::
@@ -14,7 +14,7 @@ block-diagonal causal mask from positions that restart (its packed-sequence supp
 example attends to itself only, and a label never crosses into the next example. The rows of
 epoch ``e`` are a pure function of ``(seed, e)``, and batch ``k`` takes rows ``k*B .. k*B +
 B - 1`` of the endless sequence of epochs, so a resumed run takes what an uninterrupted one
-would. The loss is :func:`~pipetrain.train.examples.masked_lm_loss` as for padded rows: the
+would. The loss is :func:`~pipetrain.train.data.examples.masked_lm_loss` as for padded rows: the
 mean over the batch's trained tokens, which equals the same examples unpacked.
 
 :func:`check_model` refuses a model whose attention does not keep packed examples apart: it
@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from pipetrain.train.examples import (
+from pipetrain.train.data.examples import (
     IGNORE,
     Batch,
     ExampleBatches,
@@ -113,7 +113,7 @@ class PackedBatches(ExampleBatches):
 def packed_batches(corpus: ExampleCorpus, batch_size: int, seq_len: int, seed: int,
                    replicas: int, eval_batches: int
                    ) -> tuple[PackedBatches, list[Batch], dict[str, Any]]:
-    """:func:`~pipetrain.train.examples.example_batches` of packed rows, held-out ones too,
+    """:func:`~pipetrain.train.data.examples.example_batches` of packed rows, held-out ones too,
     with the ``data`` record of :func:`packed_record`."""
     batches, held_out, record = example_batches(corpus, batch_size, seq_len, seed, replicas,
                                                 eval_batches, PackedBatches)
@@ -143,7 +143,7 @@ def check_model(config: Any, where: str) -> None:
         ValueError: naming the architecture, when they do not (or it fails on packed input).
     """
     from pipetrain.hf.model import transformers
-    from pipetrain.train.verify_hf import shrink
+    from pipetrain.train.commands.verify_hf import shrink
 
     tf = transformers()
     small = shrink(config, 2, 32)

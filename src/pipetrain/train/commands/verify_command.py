@@ -20,8 +20,8 @@ import argparse
 import torch
 
 from pipetrain.errors import PipelineError
+from pipetrain.train.commands.verify_hf import WIDTH, verify_hf
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.verify_hf import WIDTH, verify_hf
 
 __all__ = ["HELP", "configure", "run"]
 
@@ -35,7 +35,7 @@ _SHARED = ("schedule", "microbatches", "stages_per_rank", "balance", "recompute"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """``--hf`` (required), the layout flags of ``pipetrain train``, the size and tolerance."""
-    from pipetrain.train.cli import field_docs
+    from pipetrain.train.commands.train_command import field_docs
 
     docs, defaults = field_docs(), TrainConfig()
     parser.add_argument("--hf", required=True, metavar="DIR|ORG/NAME",
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError, OSError: bad flags, or a directory without a config.
     """
-    from pipetrain.train.cli import check
+    from pipetrain.train.commands.train_command import check
 
     cfg = TrainConfig(hf=args.hf, seq_len=args.seq_len,
                       **{name: getattr(args, name) for name in _SHARED})

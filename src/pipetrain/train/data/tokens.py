@@ -15,7 +15,7 @@ process that stopped touching it for :data:`STALE_S`, or whose process on this h
 taken over. A waiter says which host and pid hold the lock and how to clear it: at once when
 that is another host sharing the cache directory. The last ``eval_fraction`` of the tokens is
 held out, as for bytes. Data sets of examples (JSONL, Parquet, chat) are cached the same way
-by :mod:`pipetrain.train.examples`.
+by :mod:`pipetrain.train.data.examples`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from pipetrain.train.data import DEFAULT_MAX_BYTES, Corpus, text_files
+from pipetrain.train.data.text import DEFAULT_MAX_BYTES, Corpus, text_files
 
 __all__ = ["token_corpus", "cache_key", "fill_once", "STALE_S"]
 

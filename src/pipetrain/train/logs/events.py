@@ -17,7 +17,7 @@ class Reporter(Protocol):
     ``start`` (config, world, layout, balance, params), ``step`` (step, loss, lr, grad_norm,
     tokens_per_s, bubble, skipped), ``eval`` (step, eval_loss), ``checkpoint`` (step, path),
     ``sample`` (text), ``end`` (summary fields); with a data set as ``--data``, ``data`` after
-    ``start`` (what is trained on: :func:`pipetrain.train.examples.example_batches`).
+    ``start`` (what is trained on: :func:`pipetrain.train.data.examples.example_batches`).
     """
 
     def record(self, kind: str, fields: dict[str, Any]) -> None:

@@ -1,14 +1,14 @@
 """Examples: a data set's rows tokenized once into the cache, and padded batches of them.
 
-:func:`example_corpus` turns each row of a data set (:mod:`pipetrain.train.records`) into one
+:func:`example_corpus` turns each row of a data set (:mod:`pipetrain.train.data.records`) into one
 example and writes, under ``<cache>/<key>``, the ids of every example one after another
 (``.tokens``, int32), a flag per id saying whether the loss trains on it (``.trained``, uint8)
 and each example's length (``.lengths``, int64). The key hashes what :func:`pipetrain.train.
 tokens.cache_key` hashes (the tokenizer's files, the data files' names, sizes and times) and
 the settings: the text column or ``--chat``, and the chat template. One process tokenizes
-while the others wait (:func:`pipetrain.train.tokens.fill_once`); later runs map the files.
+while the others wait (:func:`pipetrain.train.data.tokens.fill_once`); later runs map the files.
 
-Without ``--pack`` (:mod:`pipetrain.train.packing`) a row of a batch is one example, its first
+Without ``--pack`` (:mod:`pipetrain.train.data.packing`) a row of a batch is one example, its first
 ``seq_len + 1`` tokens (``seq_len`` inputs, the targets shifted by one), padded on the right,
 with ``attention_mask`` 0 on the padding and the label -100 on the padding and on every token
 not trained. Batch ``k`` is a pure function of ``(seed, k)``: it takes positions
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pipetrain.train.data import Positioned
-from pipetrain.train.records import Encoder, is_dataset, read_rows
-from pipetrain.train.tokens import _bar, cache_key, fill_once
+from pipetrain.train.data.records import Encoder, is_dataset, read_rows
+from pipetrain.train.data.text import Positioned
+from pipetrain.train.data.tokens import _bar, cache_key, fill_once
 
 __all__ = ["ExampleBatches", "ExampleCorpus", "data_problems", "describe", "example_batches",
            "example_corpus", "masked_lm_loss"]
@@ -282,7 +282,7 @@ def example_batches(corpus: ExampleCorpus, batch_size: int, seq_len: int, seed: 
                     ) -> tuple[ExampleBatches, list[Batch], dict[str, Any]]:
     """The training batches, the held-out batches and what the run trains on (the ``data``
     record: :func:`describe` prints it); ``kind``: the batches' class (default
-    :class:`ExampleBatches`; :class:`~pipetrain.train.packing.PackedBatches` packs them).
+    :class:`ExampleBatches`; :class:`~pipetrain.train.data.packing.PackedBatches` packs them).
 
     Raises:
         ValueError: when no training example, or no held-out one, trains on a token.
@@ -335,7 +335,7 @@ def data_problems(data: str | None, hf: str, text_field: str, chat: bool) -> lis
         problems.append(f"{flag} needs --data to be a .jsonl, .json, .parquet or .csv file "
                         f"or a save_to_disk directory, got {data or 'the default corpus'}")
     if dataset and importlib.util.find_spec("datasets") is None:
-        from pipetrain.train.records import INSTALL
+        from pipetrain.train.data.records import INSTALL
 
         problems.append(f"--data {data} is a data set, read with Hugging Face datasets, which "
                         f"is not installed; install it with {INSTALL}")

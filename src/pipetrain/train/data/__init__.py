@@ -1,0 +1,1 @@
+"""Train data: the text corpus and its batches, data sets of examples, packing, tokenizing."""
