@@ -30,8 +30,9 @@ import gptbench as gb
 import torch
 
 import pipetrain as pt
-from pipetrain.runtime import backward, comm, encoder, stage
+from pipetrain.runtime import backward, stage
 from pipetrain.runtime import executor as runtime
+from pipetrain.runtime.transport import comm, encoder
 
 Record = dict[str, list[tuple[float, float]]]  # piece -> (wall s, cpu s) per call
 

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 import gptbench as gb
 import torch
 
-from pipetrain.runtime import wire
-from pipetrain.runtime.payload import flatten
+from pipetrain.runtime.transport import wire
+from pipetrain.runtime.transport.payload import flatten
 
 CONDITIONS = ("warm", "busy", "sleep", "evict")
 

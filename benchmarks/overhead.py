@@ -137,10 +137,11 @@ def repeated(ps: Sequence[int], m: int, steps: int, runs: int) -> list[str]:
 def _timed_calls(lib: str) -> dict[str, list[int]]:
     """Wrap the calls of ``lib``'s message path and stages in thread-CPU timers: per label,
     [nanoseconds, calls] (pieces nest: a send holds its encode)."""
-    from pipetrain.runtime import comm, receiver, stage
+    from pipetrain.runtime import stage
+    from pipetrain.runtime.transport import comm, receiver
 
     try:  # (before 571af9a a send encoded through comm.encode)
-        from pipetrain.runtime.encoder import Encoder
+        from pipetrain.runtime.transport.encoder import Encoder
         encode: tuple[Any, str, str] = (Encoder, "__call__", "  encode")
     except ImportError:
         encode = (comm, "encode", "  encode")

@@ -1,7 +1,8 @@
 """Watchdog cost: step time with the watchdog and the job's news on, and with both off.
 
 Every pipeline rank runs a daemon thread that checks the job's store twice a second for a probe
-and for news (:mod:`pipetrain.runtime.watchdog`, :mod:`pipetrain.runtime.news`), records its
+and for news (:mod:`pipetrain.runtime.failure.watchdog`,
+:mod:`pipetrain.runtime.failure.job_failure`), records its
 current action (two updates per action: a clock read and a few attribute writes each), and, under
 data parallelism, waits for gradient all-reduces by polling so that news can interrupt them. This
 script measures what that costs: the same job, alternating rounds with ``PIPETRAIN_WATCHDOG=0``
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.runtime.news import OFF_ENV
+from pipetrain.runtime.failure.job_failure import OFF_ENV
 from pipetrain.train.mesh import GradReducer, build_mesh
 
 

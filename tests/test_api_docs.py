@@ -80,7 +80,7 @@ def test_every_part_has_a_page(built: tuple[Path, list[str]]) -> None:
     missing = [name for name in sorted((parts | modules) - LEFT_OUT)
                if not (built[0] / "pipetrain" / f"{name}.html").is_file()]
     assert missing == [], f"no page for {missing}: name them in docs/api.md's command"
-    assert (built[0] / "pipetrain" / "runtime" / "comm.html").is_file()  # a part's modules
+    assert (built[0] / "pipetrain" / "runtime" / "stage.html").is_file()  # a part's modules
 
 
 def test_the_page_lists_every_public_name() -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pipetrain.errors import CommError
-from pipetrain.runtime.payload import DTYPES, flatten
-from pipetrain.runtime.wire import (
+from pipetrain.runtime.transport.payload import DTYPES, flatten
+from pipetrain.runtime.transport.wire import (
     ABORT,
     ACT,
     DONE,

@@ -16,9 +16,9 @@ import torch
 
 import pipetrain as pt
 from pipetrain.errors import CommError
-from pipetrain.runtime.comm import P2P
-from pipetrain.runtime.finish import done_key
-from pipetrain.runtime.wire import (
+from pipetrain.runtime.failure.step_end import done_key
+from pipetrain.runtime.transport.comm import P2P
+from pipetrain.runtime.transport.wire import (
     ACT,
     HEADER_BYTES,
     INLINE_BYTES,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipetrain.runtime.encoder import Encoder, same_spec
-from pipetrain.runtime.payload import flatten
-from pipetrain.runtime.wire import ACT, DONE, GRAD, INLINE_BYTES, Key, Message, encode
+from pipetrain.runtime.transport.encoder import Encoder, same_spec
+from pipetrain.runtime.transport.payload import flatten
+from pipetrain.runtime.transport.wire import ACT, DONE, GRAD, INLINE_BYTES, Key, Message, encode
 
 
 def _msg(obj: object, step: int, mb: int, kind: int = ACT, stages: tuple[int, int] = (1, 2),
@@ -102,7 +102,7 @@ def test_every_buffer_gloo_holds_is_torchs_own_memory_not_numpys(
     posted receives are memory torch allocated, not tensors over numpy arrays: gloo's threads
     may drop one at the process's exit, and a tensor over a numpy array then needs the GIL of
     an interpreter shutting down, which aborts the process."""
-    from pipetrain.runtime.wire import new_buffer
+    from pipetrain.runtime.transport.wire import new_buffer
 
     over_numpy: list[torch.Tensor] = []  # kept alive: their memory cannot be handed out again
     wrap = torch.from_numpy

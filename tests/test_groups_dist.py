@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import pipetrain as pt
-from pipetrain.runtime.groups import symmetric_groups
+from pipetrain.runtime.transport.groups import symmetric_groups
 
 
 def _pairs(ctx: pt.RankContext, layout: list[list[int]]) -> list[str]:

@@ -24,7 +24,7 @@ RUNG = {name: i for i, names in enumerate(LADDER) for name in names}
 
 
 def _part(module: str) -> str:
-    """``pipetrain.runtime.comm`` -> ``runtime``: the top-level part a module belongs to."""
+    """``pipetrain.runtime.stage`` -> ``runtime``: the top-level part a module belongs to."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipetrain.runtime.payload import (
+from pipetrain.runtime.transport.payload import (
     DTYPES,
     dtype_code,
     flatten,

@@ -9,7 +9,7 @@ from torch import nn
 
 import pipetrain as pt
 from pipetrain.errors import PartitionError
-from pipetrain.runtime.routes import Ports, Routes
+from pipetrain.runtime.transport.routes import Ports, Routes
 from pipetrain.split.provenance import prove_routes
 from pipetrain.testing import grad_mismatches, reference_step
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pipetrain.errors import CommError
-from pipetrain.runtime.receiver import _UNCLAIMED, Inbound, Inbox, Link, PeerClosed
-from pipetrain.runtime.wire import ACT, DONE, GRAD, INLINE_BYTES, Key, Message, encode
+from pipetrain.runtime.transport.receiver import _UNCLAIMED, Inbound, Inbox, Link, PeerClosed
+from pipetrain.runtime.transport.wire import ACT, DONE, GRAD, INLINE_BYTES, Key, Message, encode
 
 
 class _Work:
@@ -170,7 +170,7 @@ def test_each_route_keeps_its_own_form_so_alternating_kinds_stay_on_the_short_pa
 
 
 def test_a_structured_message_alike_takes_the_short_path_and_one_unlike_does_not() -> None:
-    from pipetrain.runtime.payload import flatten, unflatten
+    from pipetrain.runtime.transport.payload import flatten, unflatten
 
     wire = _Wire()
     box = _inbox(wire)
@@ -229,7 +229,7 @@ def test_a_reused_frame_of_a_shorter_send_reads_no_stale_header() -> None:
     payload of the message the frame held before (which would pass the short path's checks)."""
     import struct
 
-    from pipetrain.runtime.wire import MAGIC
+    from pipetrain.runtime.transport.wire import MAGIC
 
     wire = _Wire()
     box = _inbox(wire)

@@ -12,8 +12,8 @@ import pipetrain as pt
 from helpers.lm import lm_batch, lm_loss, skip_lm
 from helpers.models import MULTI, SCHEDULES
 from pipetrain.runtime.executor import message_plans
-from pipetrain.runtime.routes import Ports, chain, direct
-from pipetrain.runtime.wire import ACT, GRAD
+from pipetrain.runtime.transport.routes import Ports, chain, direct
+from pipetrain.runtime.transport.wire import ACT, GRAD
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.generators import make_schedule
 from pipetrain.split.trace import split_model

@@ -26,7 +26,7 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 def _bound(timeout: float) -> float:
     """Seconds from a fault to the end of every process: the peers' timeout, the watchdog's
     probe, the agent's SIGTERM grace, and room for a busy machine."""
-    from pipetrain.runtime.watchdog import _ANSWER_S
+    from pipetrain.runtime.failure.watchdog import _ANSWER_S
     from pipetrain.train.launch.elastic import SHUTDOWN_GRACE
 
     return 3 * timeout + _ANSWER_S + SHUTDOWN_GRACE + 5

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from pipetrain.errors import CommError
-from pipetrain.runtime.groups import rank_name
-from pipetrain.runtime.receiver import PeerClosed, PeerFailed
-from pipetrain.runtime.watchdog import Activity, Watchdog, chain, holdup
+from pipetrain.runtime.failure.watchdog import Activity, Watchdog, chain, holdup
+from pipetrain.runtime.transport.groups import rank_name
+from pipetrain.runtime.transport.receiver import PeerClosed, PeerFailed
 
 
 def _r(state: str, action: str = "1F3", step: int = 4, peers: tuple[int, ...] = (),

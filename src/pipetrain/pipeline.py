@@ -29,7 +29,7 @@ from pipetrain.construction import (
 )
 from pipetrain.parallel.parallelize import Gathering, held_parameter, join, parallelize_stages
 from pipetrain.result import StepResult
-from pipetrain.runtime.comm import P2P
+from pipetrain.runtime.async_steps import Windows
 from pipetrain.runtime.compiled import compile_stages
 from pipetrain.runtime.executor import (
     Executor,
@@ -37,12 +37,12 @@ from pipetrain.runtime.executor import (
     Loop,
     grad_links,
 )
+from pipetrain.runtime.failure.watchdog import Watchdog
 from pipetrain.runtime.recompute import Policy, layer_flags
-from pipetrain.runtime.routes import chain
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tied import LocalCopies, TiedGrads, find_tied
-from pipetrain.runtime.watchdog import Watchdog
-from pipetrain.runtime.windows import Windows
+from pipetrain.runtime.transport.comm import P2P
+from pipetrain.runtime.transport.routes import chain
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.balance import BalancePlan
 from pipetrain.split.capture import on_model_device

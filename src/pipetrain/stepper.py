@@ -25,16 +25,16 @@ from pipetrain.errors import PipelineError
 from pipetrain.result import StepResult
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
-from pipetrain.runtime.comm import P2P
-from pipetrain.runtime.delivery import Proofs, delivery_proofs
+from pipetrain.runtime.async_steps import Windows
 from pipetrain.runtime.executor import Executor, GradsReady, Loop, StepData, message_plans
-from pipetrain.runtime.finish import StepTimes, ending_keys, exchange, total_loss
-from pipetrain.runtime.receiver import PeerFailed
+from pipetrain.runtime.failure.step_end import StepTimes, ending_keys, exchange, total_loss
+from pipetrain.runtime.failure.watchdog import Watchdog, diagnosed
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tied import LocalCopies, TiedGrads
-from pipetrain.runtime.watchdog import Watchdog, diagnosed
-from pipetrain.runtime.windows import Windows
-from pipetrain.runtime.wire import OPS
+from pipetrain.runtime.transport.comm import P2P
+from pipetrain.runtime.transport.receipts import Proofs, delivery_proofs
+from pipetrain.runtime.transport.receiver import PeerFailed
+from pipetrain.runtime.transport.wire import OPS
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.modes import eval_mode
 from pipetrain.split.trace import TracedSplit

@@ -347,7 +347,7 @@ def _walk(units: Units, x: Any, ids: torch.Tensor) -> tuple[tuple[int, ...], tup
     """Per layer, the bytes of its input and its traffic (:class:`LayerComm`)."""
     from pipetrain.parallel.sharded import unit_bytes
     from pipetrain.plan.shardcost import LayerComm
-    from pipetrain.runtime.payload import flatten
+    from pipetrain.runtime.transport.payload import flatten
     from pipetrain.train.memory import tensor_bytes
 
     sizes, comm = [], []

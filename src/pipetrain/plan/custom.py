@@ -198,7 +198,7 @@ def profile_module(layers: Sequence[nn.Module], batch: Any, loss_fn: LossFn, tar
     """``layers`` (run one after another, ``batch`` the first one's input) profiled on one
     micro-batch of each of ``sizes`` rows: the first rows of ``batch`` and ``target``."""
     from pipetrain.runtime import microbatch
-    from pipetrain.runtime.payload import flatten
+    from pipetrain.runtime.transport.payload import flatten
     from pipetrain.split.profile import profile_layers, storages
 
     rows = microbatch.batch_size(batch, split_dim)

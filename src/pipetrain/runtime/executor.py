@@ -18,10 +18,12 @@ hands its outputs to ``data.loop.pick``, which picks the tokens, and sends them 
 whose F on the fed micro-batch takes its input from ``data.loop.feed`` (:class:`Loop`).
 
 That is the chain of a layer list; a traced model's stages take and send one message per
-route instead (:mod:`pipetrain.runtime.routes`: F takes a message from each earlier stage whose
+route instead (:mod:`pipetrain.runtime.transport.routes`: F takes a message from each earlier stage
+whose
 values it uses and sends one to each later stage using its values; B/I likewise for gradients).
 A hand-off to a stage on the same process is a dictionary entry; to another rank it is a
-:class:`~pipetrain.runtime.comm.P2P` message. Local mode runs every rank's list in one process in an
+:class:`~pipetrain.runtime.transport.comm.P2P` message. Local mode runs every rank's list in one
+process in an
 order :func:`~pipetrain.schedules.dataflow.walk` proves runnable. Nothing here knows schedule
 names: even the point after which a stage's weight gradients are final (for ``on_grads_ready``) is
 read off the lists.
@@ -38,14 +40,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from pipetrain.errors import CommError, PipelineError, StageError
-from pipetrain.runtime.comm import P2P
-from pipetrain.runtime.payload import flatten
-from pipetrain.runtime.routes import Routes, chain
+from pipetrain.runtime.failure.watchdog import Activity
 from pipetrain.runtime.stage import Incoming, Stage
 from pipetrain.runtime.tied import TiedParam
+from pipetrain.runtime.transport.comm import P2P
+from pipetrain.runtime.transport.payload import flatten
+from pipetrain.runtime.transport.routes import Routes, chain
+from pipetrain.runtime.transport.wire import ACT, GRAD, Key, Message
 from pipetrain.runtime.versions import Versions
-from pipetrain.runtime.watchdog import Activity
-from pipetrain.runtime.wire import ACT, GRAD, Key, Message
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.schedule import Schedule
@@ -123,7 +125,7 @@ class Executor:
         self.ready = grads_final_after(self.order, linked or {}, set(deferred))
         self.deferred = tuple(s for s in sorted(deferred) if s in stages)
         self.activity = Activity()
-        """What this rank does now, for the watchdog (:mod:`pipetrain.runtime.watchdog`)."""
+        """What this rank does now, for the watchdog (:mod:`pipetrain.runtime.failure.watchdog`)."""
         self._takes = [self._sources(a) for _, a in self.order]
         """Per position in ``order``: the stages whose messages its action takes."""
         self._waits_on = [(str(a), tuple(dict.fromkeys(
@@ -330,7 +332,7 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True,
 
     Each entry is ``(kind, mb, src_stage, dst_stage)``; ``routes`` (default: a chain) says
     which stages an action sends to, in the order :class:`Executor` sends. The end-of-step
-    messages (:func:`pipetrain.runtime.finish.ending_keys`) are not listed: the end of the
+    messages (:func:`pipetrain.runtime.failure.step_end.ending_keys`) are not listed: the end of the
     step receives them directly.
     """
     ports = (chain(schedule.n_stages) if routes is None else routes).ports

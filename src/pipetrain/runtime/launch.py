@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
 
 from pipetrain.errors import PipelineError
-from pipetrain.runtime.news import STORE_HOST_ENV
+from pipetrain.runtime.failure.job_failure import STORE_HOST_ENV
 
 __all__ = ["RankContext", "launch", "free_port", "loopback_store", "start_context"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from pipetrain.runtime.payload import flatten, unflatten
+from pipetrain.runtime.transport.payload import flatten, unflatten
 
 __all__: list[str] = []
 

@@ -4,7 +4,8 @@ A stage keeps, per micro-batch in flight, the leaf tensors it received (their gr
 to the previous stage), its outputs (the roots of its backward), and after I the deferred
 weight work. Its layers run like ``nn.Sequential``: each layer gets the previous one's output.
 
-With keyed routes (:mod:`pipetrain.runtime.routes`, a traced model) a stage takes several messages,
+With keyed routes (:mod:`pipetrain.runtime.transport.routes`, a traced model) a stage takes several
+messages,
 merges their dicts into one payload, sends each later stage that uses its values their sub-dict,
 and its backward starts from the gradient messages of later stages (values it made, and values
 it received that a later stage used too) and returns the gradients of its inputs grouped by
@@ -31,9 +32,9 @@ from torch.autograd.graph import get_gradient_edge
 from pipetrain.runtime import rng
 from pipetrain.runtime.backward import Gathering, Root, WeightWork, backward_full, backward_input
 from pipetrain.runtime.microbatch import batch_size
-from pipetrain.runtime.payload import flatten, unflatten
 from pipetrain.runtime.recompute import Replay, segments
-from pipetrain.runtime.routes import Ports
+from pipetrain.runtime.transport.payload import flatten, unflatten
+from pipetrain.runtime.transport.routes import Ports
 
 __all__: list[str] = []
 

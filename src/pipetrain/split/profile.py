@@ -23,7 +23,7 @@ from torch import nn
 
 from pipetrain.runtime.backward import backward_input
 from pipetrain.runtime.dtensors import local_shard
-from pipetrain.runtime.payload import flatten, unflatten
+from pipetrain.runtime.transport.payload import flatten, unflatten
 
 __all__ = ["LayerCost", "profile_layers", "same_work"]
 

@@ -4,7 +4,8 @@ A captured graph is one program; cut into stages, each value a stage reads must 
 reads on one device. Three ways it could be another, each checked here:
 
 * **Routing**: a value read from the payload must arrive in a message from the stage whose part
-  made it, once (:func:`prove_routes`; :mod:`pipetrain.runtime.routes` builds them so, this
+  made it, once (:func:`prove_routes`; :mod:`pipetrain.runtime.transport.routes` builds them so,
+  this
   proves it).
 * **In-place writes**: an op that writes into a tensor (``add_``, ``copy_``, ``index_put_``, a
   batch norm's running statistics) changes it for every later reader on one device. Across
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from pipetrain.errors import PartitionError
-from pipetrain.runtime.routes import Routes
+from pipetrain.runtime.transport.routes import Routes
 
 __all__: list[str] = []
 

@@ -22,7 +22,8 @@ Run as a chain (:meth:`TracedSplit.run`, or the stages given to ``Pipeline`` as 
 a value made in stage 1 and used in stage 3 passes through stage 2. ``Pipeline(model,
 split_points=...)`` does not relay it: from :attr:`TracedSplit.made_in` and
 :attr:`TracedSplit.used_in` it derives :meth:`TracedSplit.routes`, and stage 1 sends the value
-to stage 3 directly (:mod:`pipetrain.runtime.routes`). A stage carries on a value it neither makes
+to stage 3 directly (:mod:`pipetrain.runtime.transport.routes`). A stage carries on a value it
+neither makes
 nor uses only when its payload holds it, so the same stages serve both ways.
 
 Stages hold the model's own Parameters and buffers under the model's names (no copies); a weight
@@ -52,7 +53,7 @@ from torch import fx, nn
 
 from pipetrain.errors import PartitionError
 from pipetrain.runtime import rng
-from pipetrain.runtime.routes import Routes, direct
+from pipetrain.runtime.transport.routes import Routes, direct
 from pipetrain.split.capture import Captured, capture
 from pipetrain.split.inputs import Packed, read
 from pipetrain.split.provenance import Write, prove_routes, prove_writes, writes, written_inputs
@@ -322,7 +323,7 @@ class _StageBuilder:
 
         A value this stage neither makes nor uses is carried from its payload if present: it is
         there when the stages run as a chain, and absent when it was sent directly to the stage
-        that uses it (:mod:`pipetrain.runtime.routes`).
+        that uses it (:mod:`pipetrain.runtime.transport.routes`).
         """
         here = {n.name: self.value(n) for n in nodes if n in self.env or stage_of[n] == self.k}
         if len(here) == len(nodes):

@@ -383,12 +383,12 @@ def _expert_load(trainer: Trainer) -> dict[str, Any] | None:
     if trainer.expert_load is None:
         return None
     from pipetrain.hf.expert_load import summarize
-    from pipetrain.runtime import news
+    from pipetrain.runtime.failure import job_failure
 
     mesh = trainer.mesh
     counts = trainer.expert_load.take().to(mesh.comm_device)
     if torch.distributed.is_initialized():
-        news.all_reduce(counts, "the experts' token counts")
+        job_failure.all_reduce(counts, "the experts' token counts")
     return summarize(counts // mesh.tp)
 
 

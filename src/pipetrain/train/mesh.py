@@ -49,8 +49,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipetrain.runtime import news
 from pipetrain.runtime.dtensors import local_shard
+from pipetrain.runtime.failure import job_failure
 from pipetrain.train.placement import MESH_ORDERS, Placement
 
 __all__ = ["Mesh", "build_mesh", "GradReducer"]
@@ -131,21 +131,21 @@ class Mesh:
     def ep_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's expert-parallel group (other experts)."""
         if self.ep_mesh is not None:
-            news.all_reduce(tensor, "the sum over expert-parallel ranks",
+            job_failure.all_reduce(tensor, "the sum over expert-parallel ranks",
                             group=self.ep_mesh.get_group())
         return tensor
 
     def tp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's tensor-parallel group (split slices)."""
         if self.tp_mesh is not None:
-            news.all_reduce(tensor, "the sum over tensor-parallel ranks",
+            job_failure.all_reduce(tensor, "the sum over tensor-parallel ranks",
                             group=self.tp_mesh.get_group())
         return tensor
 
     def shard_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's shard group (a sharded weight's slices)."""
         if self.shard_group is not None:
-            news.all_reduce(tensor, "the sum over shards", group=self.shard_group)
+            job_failure.all_reduce(tensor, "the sum over shards", group=self.shard_group)
         return tensor
 
     def dp_mean(self, value: float) -> float:
@@ -153,19 +153,19 @@ class Mesh:
         if self.dp == 1:
             return value
         t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
-        news.all_reduce(t, "the dp mean", group=self.dp_group)
+        job_failure.all_reduce(t, "the dp mean", group=self.dp_group)
         return float(t) / self.dp
 
     def pp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's pipeline group; return it."""
         if self.pp > 1:
-            news.all_reduce(tensor, "the pipeline sum", group=self.pp_group)
+            job_failure.all_reduce(tensor, "the pipeline sum", group=self.pp_group)
         return tensor
 
     def world_max(self, value: float) -> float:
         """The largest ``value`` of any rank (call on every rank at once)."""
         t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
-        news.all_reduce(t, "the world max", op=dist.ReduceOp.MAX)
+        job_failure.all_reduce(t, "the world max", op=dist.ReduceOp.MAX)
         return float(t)
 
 
@@ -358,7 +358,7 @@ class GradReducer:
             self.start(stage)
         for work, flat, bucket in self._pending:
             if work is not None:
-                news.wait(work, f"[rank {dist.get_rank()}] the gradient all-reduce over "
+                job_failure.wait(work, f"[rank {dist.get_rank()}] the gradient all-reduce over "
                           "replicas", poll=flat.device.type == "cpu")
             flat.div_(self.divisor)
             grads = [_grad(p) for p in bucket]

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from pipetrain.errors import PipelineError
-from pipetrain.runtime import news
+from pipetrain.runtime.failure import job_failure
 
 if TYPE_CHECKING:
     from pipetrain.pipeline import Pipeline
@@ -74,7 +74,7 @@ def decide(own: int, rank: int, world: int, device: torch.device) -> Verdict:
     vector = torch.zeros(world, dtype=torch.int32, device=device)
     vector[rank] = own
     if dist.is_initialized():
-        news.all_reduce(vector, "the finite-loss check", op=dist.ReduceOp.MAX)
+        job_failure.all_reduce(vector, "the finite-loss check", op=dist.ReduceOp.MAX)
     findings = tuple(int(v) for v in vector.tolist())
     return Verdict(max(findings), findings)
 

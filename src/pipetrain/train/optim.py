@@ -21,8 +21,8 @@ from torch import nn
 
 from pipetrain.models.gpt import Embedding
 from pipetrain.pipeline import Pipeline
-from pipetrain.runtime import news
 from pipetrain.runtime.dtensors import local_shard
+from pipetrain.runtime.failure import job_failure
 
 __all__ = ["lr_at", "no_decay_names", "param_groups", "build_optimizer", "set_lr",
            "counted_parameters", "grad_square_sum", "global_grad_norm", "clip_grads_"]
@@ -120,7 +120,7 @@ def global_grad_norm(counted: Sequence[nn.Parameter], group: dist.ProcessGroup |
     """
     total = grad_square_sum(counted, device)
     if group is not None:
-        news.all_reduce(total, "the gradient norm", group=group)
+        job_failure.all_reduce(total, "the gradient norm", group=group)
     return total.sqrt()
 
 

@@ -51,9 +51,9 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]  # not in __all__
 
 from pipetrain.errors import PipelineError
-from pipetrain.runtime import news
+from pipetrain.runtime.failure import job_failure
+from pipetrain.runtime.failure.watchdog import job_store
 from pipetrain.runtime.launch import RANK_MODULES, loopback_store, start_context
-from pipetrain.runtime.watchdog import job_store
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.launch import faults
 from pipetrain.train.logs.events import NullReporter, Reporter
@@ -302,7 +302,7 @@ def worker(cfg: TrainConfig, run: RunFn | None = None, env: dict[str, str] | Non
         else:
             _report_failure(e, rank, getattr(run, "command", "train"), printed=False)
         if joined:
-            news.leave(joined[0], rank, int(os.environ.get("WORLD_SIZE", "1")))
+            job_failure.leave(joined[0], rank, int(os.environ.get("WORLD_SIZE", "1")))
         raise SystemExit(1) from None
 
 
@@ -345,7 +345,7 @@ def _one_replica(cfg: TrainConfig) -> TrainConfig:
 def _on_stop(signum: int, frame: Any) -> None:
     """The agent's SIGTERM: a rank explaining a failure finishes saying what it saw (bounded
     by the news wait, within ``SHUTDOWN_GRACE``) and exits 1; any other rank stops now."""
-    if news.failing():
+    if job_failure.failing():
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)

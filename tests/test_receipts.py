@@ -6,9 +6,9 @@ import pytest
 
 import pipetrain as pt
 from helpers.models import MULTI, SCHEDULES
-from pipetrain.runtime.delivery import delivery_proofs
 from pipetrain.runtime.executor import message_plans
-from pipetrain.runtime.wire import ACT, GRAD
+from pipetrain.runtime.transport.receipts import delivery_proofs
+from pipetrain.runtime.transport.wire import ACT, GRAD
 
 
 def test_1f1b_a_gradient_proves_its_activation_received() -> None:

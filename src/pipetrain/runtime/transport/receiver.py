@@ -17,7 +17,7 @@ no allocation per message in a steady step.
 
 No pipetrain thread touches a message: the one that needs it receives it. An ABORT frame from
 a peer fails the wait with the peer's news (:class:`PeerFailed`). A receive whose wait failed
-stays posted for good (``_UNCLAIMED``). :mod:`pipetrain.runtime.comm` owns the sends.
+stays posted for good (``_UNCLAIMED``). :mod:`pipetrain.runtime.transport.comm` owns the sends.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from pipetrain.errors import CommError
 from pipetrain.runtime import lifetime
-from pipetrain.runtime.groups import Channel, rank_name
-from pipetrain.runtime.wire import (
+from pipetrain.runtime.transport.groups import Channel, rank_name
+from pipetrain.runtime.transport.wire import (
     ABORT,
     FRAME_BYTES,
     HEADER_BYTES,
@@ -163,7 +163,8 @@ class Inbound:
         self.known: dict[tuple[int, int, int], Known] = {}
         """Per route (kind, source and destination stage), the peer's last message on it sent
         behind its header: its header after the key (up to its last tensor's fields, all
-        that :func:`~pipetrain.runtime.wire.read_header` reads), payload bytes, spec bytes,
+        that :func:`~pipetrain.runtime.transport.wire.read_header` reads), payload bytes, spec
+        bytes,
         layout and spec (a message alike takes no checks)."""
 
     def begin(self, keys: Sequence[Key], carry: bool = False) -> None:
@@ -327,7 +328,7 @@ class Inbox:
     """Every peer's messages to this rank: taken by key, in whatever order the actions need.
 
     A message that a peer sent before the one asked for is received on the way and kept here
-    until its action asks. The job's news (:mod:`pipetrain.runtime.news`) is left in
+    until its action asks. The job's news (:mod:`pipetrain.runtime.failure.job_failure`) is left in
     :attr:`error` by the watchdog's thread and raised at the next wait.
     """
 

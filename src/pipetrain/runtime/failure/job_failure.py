@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipetrain.runtime.groups import rank_name
-from pipetrain.runtime.receiver import PeerFailed
+from pipetrain.runtime.transport.groups import rank_name
+from pipetrain.runtime.transport.receiver import PeerFailed
 
 __all__ = ["RankFailed", "wait", "all_reduce"]
 

@@ -10,13 +10,13 @@ received by the gradient of mb k)::
     rank 0        ... receives gradient 0: activation 0's send is done, its buffer freed
 
 An action takes all its messages before it sends any, also where it takes or sends several
-(a traced model's direct routes, :mod:`pipetrain.runtime.routes`).
+(a traced model's direct routes, :mod:`pipetrain.runtime.transport.routes`).
 """
 
 from __future__ import annotations
 
-from pipetrain.runtime.routes import Ports, Routes, chain
-from pipetrain.runtime.wire import ACT, GRAD
+from pipetrain.runtime.transport.routes import Ports, Routes, chain
+from pipetrain.runtime.transport.wire import ACT, GRAD
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.schedule import Schedule
 

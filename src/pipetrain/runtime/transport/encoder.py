@@ -2,7 +2,8 @@
 
 In a step, each route (kind, source and destination stage) carries the same structure again
 and again: the same tensors' dtypes and shapes, the same spec, micro-batch after micro-batch.
-:func:`~pipetrain.runtime.wire.encode` writes a message's header field by field and its spec
+:func:`~pipetrain.runtime.transport.wire.encode` writes a message's header field by field and its
+spec
 as JSON; here the first message of a route is encoded so, and its header and spec bytes are
 kept. A later message alike (same spec, same tensors' dtypes, shapes and gradient flags, on
 the CPU, fitting the capacity) copies them, writes its step and micro-batch over the kept ones,
@@ -11,11 +12,12 @@ and copies its tensors' bytes behind::
     kept     [header: magic, kind, step, mb, ... per tensor ... | spec | pad]   (first message)
     next     [     kept bytes, step and mb written over them      | tensor 0 | pad | ... ]
 
-The bytes are those :func:`~pipetrain.runtime.wire.encode` writes for the same message
+The bytes are those :func:`~pipetrain.runtime.transport.wire.encode` writes for the same message
 (``tests/test_encoder.py`` checks them equal), so a receiver cannot tell the two apart.
 
 A buffer written so is lent to its sends; once they completed (a later message proved them
-taken: :mod:`pipetrain.runtime.delivery`), the transport hands it back (:meth:`Encoder.done`)
+taken: :mod:`pipetrain.runtime.transport.receipts`), the transport hands it back
+(:meth:`Encoder.done`)
 and the route's next message is written into it: the kept header and padding are still there,
 so only the step, the mb and the tensors' bytes are written again.
 """
@@ -28,7 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pipetrain.runtime.wire import (
+from pipetrain.runtime.transport.wire import (
     HEADER_BYTES,
     KEEP,
     KEEP_BYTES,
@@ -107,7 +109,7 @@ class Encoder:
         """How many messages were encoded from a kept form (for tests and benchmarks)."""
 
     def __call__(self, msg: Message, op: int, capacity: int) -> Encoded:
-        """As :func:`~pipetrain.runtime.wire.encode` (``msg`` from this rank)."""
+        """As :func:`~pipetrain.runtime.transport.wire.encode` (``msg`` from this rank)."""
         k = msg.key
         route = (k.kind, k.src_stage, k.dst_stage, op)
         form = self._forms.get(route)

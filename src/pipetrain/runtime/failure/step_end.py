@@ -16,7 +16,7 @@ all ranks is at hand; its ``Span`` objects are built only when someone reads
 ``StepResult.timeline``. Each rank but the root sends and takes one message, whatever p: 2(p-1)
 messages a step in all, where one from every rank to every rank would be p(p-1).
 
-An asynchronous schedule's step (:mod:`pipetrain.runtime.windows`) must not wait so: its ranks
+An asynchronous schedule's step (:mod:`pipetrain.runtime.async_steps`) must not wait so: its ranks
 run skewed, the first stage ends a step while the last is still on it, and a wait for any other
 rank would cost the pipeline its fill again each step. Its rank sends every other rank its
 end-of-step message and takes everyone's message of the step *before* (:func:`exchange_window`),
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pipetrain.errors import CommError
-from pipetrain.runtime.comm import P2P
 from pipetrain.runtime.executor import StepData
-from pipetrain.runtime.wire import DONE, Key, Message
+from pipetrain.runtime.transport.comm import P2P
+from pipetrain.runtime.transport.wire import DONE, Key, Message
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.timeline import Span, Timeline

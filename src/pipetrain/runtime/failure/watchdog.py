@@ -11,13 +11,15 @@ collective, the watchdog follows the pipeline's wait-for chain to its end::
 
 Each rank's main thread records what it does in an :class:`Activity` (two updates per action, a
 clock read and a few attribute writes each). One daemon thread per rank looks in the job's
-``torch.distributed`` store for a probe, and for the job's news (:mod:`pipetrain.runtime.news`),
+``torch.distributed`` store for a probe, and for the job's news
+(:mod:`pipetrain.runtime.failure.job_failure`),
 twice a second (two small requests: the steady state pays nothing else). When a rank times out it
 posts a probe, every rank's thread answers with its activity, and the chain is followed from
 the peer that was waited for: to a rank computing (stuck in its own stage code), to a rank
 between steps (stuck in its caller's code), to a rank that does not answer (dead or frozen), or
 round a cycle (ranks waiting for each other). A rank found dead or hung is counted out of the
-failure by the rank that found it (:func:`pipetrain.runtime.news.count_out`): no process waits for
+failure by the rank that found it (:func:`pipetrain.runtime.failure.job_failure.count_out`): no
+process waits for
 it to say what it saw.
 """
 
@@ -33,8 +35,9 @@ from typing import Any
 import torch.distributed as dist
 
 from pipetrain.errors import CommError
-from pipetrain.runtime import lifetime, news
-from pipetrain.runtime.receiver import PeerClosed
+from pipetrain.runtime import lifetime
+from pipetrain.runtime.failure import job_failure
+from pipetrain.runtime.transport.receiver import PeerClosed
 
 __all__: list[str] = []
 
@@ -75,9 +78,11 @@ class Watchdog:
         store: the job's store (the default group's); None disables the watchdog.
         prefix: a key prefix of this pipeline's own, the same on all its ranks.
         rank, n_ranks: this rank and the size of the pipeline group.
-        generation, timeout: the pipeline's (:attr:`~pipetrain.runtime.comm.P2P.generation`) and
+        generation, timeout: the pipeline's
+            (:attr:`~pipetrain.runtime.transport.comm.P2P.generation`) and
             its peers' wait bound.
-        on_news: called with :class:`~pipetrain.runtime.news.RankFailed` when the job's news
+        on_news: called with :class:`~pipetrain.runtime.failure.job_failure.RankFailed` when the
+            job's news
             arrives.
         name: how errors say pipeline rank r.
         ranks: the global rank of each pipeline rank (default: the same).
@@ -98,16 +103,17 @@ class Watchdog:
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         if store is not None:
-            news.built(generation)
+            job_failure.built(generation)
             self.thread = lifetime.start(_answer, (store, prefix, rank, activity, self.stop,
                                                    generation, on_news), "pipetrain-watchdog")
             lifetime.own(self)
 
     @classmethod
     def of(cls, transport: Any, activity: Activity) -> Watchdog:
-        """The watchdog of a pipeline transport (:class:`~pipetrain.runtime.comm.P2P`): its keys are
+        """The watchdog of a pipeline transport (:class:`~pipetrain.runtime.transport.comm.P2P`):
+        its keys are
         the pipeline's own (first global rank and tag), the same on every rank of it; the
-        job's news (:mod:`pipetrain.runtime.news`) fails the transport's waits."""
+        job's news (:mod:`pipetrain.runtime.failure.job_failure`) fails the transport's waits."""
         prefix = f"pipetrain/runtime/watchdog/{transport.first_global}/{transport.spare_tag}/"
         inbox = weakref.ref(transport.inbox)  # the thread must not keep the transport alive
 
@@ -169,7 +175,7 @@ class Watchdog:
         if self.store is None:
             return None
         try:
-            return news.latest() or news.read(self.store, self.generation)
+            return job_failure.latest() or job_failure.read(self.store, self.generation)
         except Exception:  # noqa: BLE001  (the store's host may be gone too)
             return None
 
@@ -191,16 +197,16 @@ class Watchdog:
         me = dist.get_rank()
         try:
             self.store.set(f"{self.prefix}final/{self.rank}", json.dumps(report))
-            if not isinstance(error, news.RankFailed):
-                news.post(self.store, self.generation,
+            if not isinstance(error, job_failure.RankFailed):
+                job_failure.post(self.store, self.generation,
                           {**report, "rank": me, "pipeline_rank": self.rank})
             for r in self.culprits(error):
-                news.count_out(self.store, self.generation, self.ranks[r], "gone")
-            news.count_out(self.store, self.generation, me)
+                job_failure.count_out(self.store, self.generation, self.ranks[r], "gone")
+            job_failure.count_out(self.store, self.generation, me)
         except Exception:  # noqa: BLE001  (best effort: the store may be gone)
             return
-        if news.hosts_store(me):  # peers still time out and probe: give them time to
-            news.keep_store_at_exit(self.store, self.generation, dist.get_world_size(),
+        if job_failure.hosts_store(me):  # peers still time out and probe: give them time to
+            job_failure.keep_store_at_exit(self.store, self.generation, dist.get_world_size(),
                                     self.timeout + _ANSWER_S + 2 * _POLL_S)
 
     def culprits(self, error: BaseException) -> set[int]:
@@ -222,14 +228,14 @@ def _answer(store: Any, prefix: str, rank: int, activity: Activity, stop: thread
             while store.check([f"{prefix}probe/{n}"]):  # every probe posted since
                 store.set(f"{prefix}status/{n}/{rank}", json.dumps(activity.report()))
                 n += 1
-            text = None if told else news.read(store, generation)
+            text = None if told else job_failure.read(store, generation)
         except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
             return
         if text is not None:
             told = True
-            news.heard(generation, text)
+            job_failure.heard(generation, text)
             if on_news is not None:
-                on_news(news.RankFailed(text))
+                on_news(job_failure.RankFailed(text))
 
 
 def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int,
@@ -305,9 +311,9 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
     """``error``, or for a timeout a :class:`CommError` that also names who held it up; for a
     peer that closed its connection, the job's news of why (a :class:`PeerFailed`, this rank
     only relays it) when the store holds it."""
-    from pipetrain.runtime.receiver import PeerFailed
+    from pipetrain.runtime.transport.receiver import PeerFailed
 
-    news.start_failing()
+    job_failure.start_failing()
     if isinstance(error, CommError) and "closed the connection" in str(error):
         text = _news_within(watchdog, _ANSWER_S + 2 * _POLL_S)
         if text is None or text in str(error):
@@ -342,7 +348,7 @@ def _news_within(watchdog: Watchdog | None, seconds: float) -> str | None:
 def job_store() -> Any:
     """The store of the default process group (None outside an initialised job, or with
     ``PIPETRAIN_WATCHDOG=0``)."""
-    if not news.enabled():
+    if not job_failure.enabled():
         return None
     try:
         return dist.distributed_c10d._get_default_store()

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pipetrain.errors import CommError
-from pipetrain.runtime.payload import (
+from pipetrain.runtime.transport.payload import (
     DTYPES,
     dtype_code,
     spec_from_bytes,

@@ -1,10 +1,11 @@
 """Comm: stage-to-stage messages over torch.distributed point-to-point, checked, bounded, no pickle.
 
 The receiver knows, from the schedule, the exact sequence of messages each peer sends it in a
-step (:mod:`pipetrain.runtime.wire` gives their byte layout). The receive of each peer's next
+step (:mod:`pipetrain.runtime.transport.wire` gives their byte layout). The receive of each peer's
+next
 message is kept posted ahead of need (communication overlaps compute), sized by the
 direction's agreed capacity, so a message that fits arrives in one transfer; the main thread
-waits on it when an action needs it (:mod:`pipetrain.runtime.receiver`), checks its header
+waits on it when an action needs it (:mod:`pipetrain.runtime.transport.receiver`), checks its header
 against what it expects before touching the payload, and posts the next::
 
     main thread   start_step: post each peer's message 0
@@ -14,7 +15,8 @@ against what it expects before touching the payload, and posts the next::
                                   next (into a frame no message uses any more, if one is spare)
 
 Headers and CPU payloads travel over two gloo groups, one for messages to a higher rank and one
-for those to a lower rank (:func:`~pipetrain.runtime.groups.twin_group`); payloads on a GPU travel
+for those to a lower rank (:func:`~pipetrain.runtime.transport.groups.twin_group`); payloads on a
+GPU travel
 over one NCCL group per direction of each rank pair, so that a posted receive can never block a
 send queued behind it on the same NCCL stream. Sends are asynchronous. The main thread waits
 for a message with a deadline, so a dead, stuck or failed peer becomes a :class:`CommError`
@@ -36,9 +38,8 @@ import torch.distributed as dist
 
 from pipetrain.errors import CommError, PipelineError
 from pipetrain.runtime import lifetime
-from pipetrain.runtime.delivery import Proofs, Route
-from pipetrain.runtime.encoder import Encoded, Encoder
-from pipetrain.runtime.groups import (
+from pipetrain.runtime.transport.encoder import Encoded, Encoder
+from pipetrain.runtime.transport.groups import (
     frame_group,
     next_instance,
     pipeline_groups,
@@ -46,7 +47,8 @@ from pipetrain.runtime.groups import (
     release,
     twin_group,
 )
-from pipetrain.runtime.receiver import (
+from pipetrain.runtime.transport.receipts import Proofs, Route
+from pipetrain.runtime.transport.receiver import (
     RELAY,
     Describe,
     Inbound,
@@ -56,7 +58,7 @@ from pipetrain.runtime.receiver import (
     PeerFailed,
     Plan,
 )
-from pipetrain.runtime.wire import (
+from pipetrain.runtime.transport.wire import (
     ABORT,
     Capacity,
     Key,
@@ -123,9 +125,10 @@ class P2P:
                    proofs: Proofs | None = None, carry: tuple[int, int] | None = None) -> None:
         """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends,
         and ``last[peer]`` is its end-of-step message, after them (a peer not in ``last``
-        sends none to this rank: :func:`~pipetrain.runtime.finish.ending_keys`).
+        sends none to this rank: :func:`~pipetrain.runtime.failure.step_end.ending_keys`).
 
-        ``proofs`` (:func:`~pipetrain.runtime.delivery.delivery_proofs`) lets :meth:`recv` free the
+        ``proofs`` (:func:`~pipetrain.runtime.transport.receipts.delivery_proofs`) lets
+        :meth:`recv` free the
         sends that a received message proves complete. ``carry`` (an asynchronous schedule's
         previous step and m) keeps the streams of the step before going (:meth:`Inbox.start`).
         """
