@@ -17,6 +17,8 @@ from torch import nn
 import pipetrain as pt
 from helpers.models import batch, mlp
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 
 class Narrow(nn.Module):
     """Returns fewer features than the next layer takes."""

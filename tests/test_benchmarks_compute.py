@@ -13,6 +13,8 @@ import pytest
 
 from test_benchmarks import torch_threads
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

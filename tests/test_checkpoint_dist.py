@@ -16,6 +16,8 @@ from pipetrain.checkpoint import run as ck
 from pipetrain.errors import CheckpointError, PipelineError
 from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=4, dropout=0.1)
 M = 4  # micro-batches
 

@@ -21,6 +21,8 @@ from pipetrain.plan.kernels import Kernels
 from pipetrain.plan.layer_cost import Shard, kept_bytes, layer_cost
 from pipetrain.plan.published import rows
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 GPT = Arch(layers=24, hidden=2048, heads=16, kv_heads=16, ffn=8192, vocab=51200, gated=False)
 LLAMA = Arch.from_config({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
                           "num_attention_heads": 32, "num_key_value_heads": 8,

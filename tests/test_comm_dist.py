@@ -28,6 +28,8 @@ from pipetrain.runtime.transport.wire import (
     read_header,
 )
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 CPU = torch.device("cpu")
 LIMIT = 1 << 20  # max_message_bytes of the receiving transport
 SIZES = [100, 4000, 4000, 8000, 100]  # floats: inline, larger than the least capacity, ...

@@ -16,6 +16,8 @@ from pipetrain.runtime.compiled import CompiledLayers
 from pipetrain.testing import reference_step
 from test_verify import Net
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 LOSS = nn.MSELoss()
 
 

@@ -36,6 +36,8 @@ import pytest
 
 from pipetrain.cli import build_parser
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 IDS = [str(p.relative_to(ROOT)) for p in PAGES]

@@ -22,9 +22,9 @@ import torch
 from helpers.chat import TEMPLATE, conversations, save_model, tokenizer, write_jsonl
 from pipetrain.train.checks import check_config
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.data import tokens
 from pipetrain.train.data.examples import ExampleCorpus, example_batches, example_corpus
 from pipetrain.train.data.records import Encoder
-from pipetrain.train.data.text import tokens
 
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")

@@ -19,6 +19,8 @@ import torch
 from helpers.chat import conversations, save_model, write_jsonl
 from pipetrain.cli import main
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 

@@ -26,6 +26,8 @@ import torch
 import pipetrain as pt
 from pipetrain.testing import reference_step
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 tf = pytest.importorskip("transformers")
 
 CASES = (("mixtral", "zb-h1", True), ("qwen3_moe", "zbv", False), ("deepseek_v3", "zb-h1", False),

@@ -13,6 +13,8 @@ from torch import nn
 import pipetrain as pt
 from helpers.models import batch, mlp
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 
 class FailAt(nn.Module):
     """Raises (or kills its process) on the micro-batch of a given size."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest  # (the tier's marker)
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,6 +25,8 @@ import pipetrain as pt
 from pipetrain.runtime.launch import free_port
 from test_failures_scale_dist import Fault
 from zygote import Zygote
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 EXIT_S = 15.0  # from the first error to the exit of every surviving process
 # the store's host used to stay up for the timeout + 3.5 s after its error, waiting for the

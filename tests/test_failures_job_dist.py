@@ -20,6 +20,8 @@ from pipetrain.runtime.launch import free_port
 from pipetrain.train.mesh import GradReducer, build_mesh
 from test_failures_scale_dist import Fault
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 TIMEOUT = 30.0  # far above the time news takes: a rank that only timed out fails the test
 HANG_TIMEOUT = 6.0
 HANG_S = HANG_TIMEOUT + 10.0  # past a peer's timeout, its 2.5 s probe, and 7.5 s of slack

@@ -14,6 +14,8 @@ from torch import nn
 
 import pipetrain as pt
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 TIMEOUT = 30.0  # far above the time news takes: a rank that only timed out fails the test
 HANG_TIMEOUT = 8.0
 HANG_S = HANG_TIMEOUT + 10.0  # past a peer's timeout, its 2.5 s probe, and 7.5 s of slack

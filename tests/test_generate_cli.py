@@ -17,6 +17,8 @@ from pipetrain.cli import main
 from pipetrain.generation import Generator, Sampling
 from pipetrain.train.commands.generate_command import Request, _Printer
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 
 PROMPTS = ["def ", "class Parser(object):", "import"]

@@ -11,6 +11,8 @@ import torch
 from helpers.hf import GENERATING, causal_lm, hf_generate, prompts
 from pipetrain.generation import Generator, Sampling
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 
 NEW = 10

@@ -15,6 +15,8 @@ import pipetrain as pt
 from helpers.hf import causal_lm, hf_generate, prompts
 from pipetrain.generation import Generator, Sampling
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 
 NEW = 12

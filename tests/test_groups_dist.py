@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest  # (the tier's marker)
 import torch
 import torch.distributed as dist
 
 import pipetrain as pt
 from pipetrain.runtime.transport.groups import symmetric_groups
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 
 def _pairs(ctx: pt.RankContext, layout: list[list[int]]) -> list[str]:

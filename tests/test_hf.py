@@ -15,6 +15,8 @@ import pipetrain as pt
 from helpers.hf import LOSSES, MODELS, batch, materialized, on_meta, points
 from pipetrain.testing import reference_step
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 
 M = 4

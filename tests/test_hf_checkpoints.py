@@ -21,7 +21,8 @@ from pipetrain.hf import model as hfmodel
 from pipetrain.hf.save import save_pretrained
 from pipetrain.train.commands.export_command import size_bytes
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.data.text import Batches, tokens
+from pipetrain.train.data import tokens
+from pipetrain.train.data.text import Batches
 
 pytest.importorskip("transformers")
 

@@ -31,6 +31,8 @@ from pipetrain.hf.save import save_pretrained
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.hf_source import hf_pipeline
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 tf = pytest.importorskip("transformers")
 
 SMALL = dict(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,

@@ -24,6 +24,8 @@ from torch import nn
 import pipetrain as pt
 from pipetrain.testing import reference_step
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 tf = pytest.importorskip("transformers")
 
 M, ROWS, SEQ, V, LAYERS, COEF = 4, 8, 12, 64, 4, 0.5

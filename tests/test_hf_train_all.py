@@ -14,6 +14,8 @@ import torch
 from pipetrain.cli import main
 from test_hf_train_dist import _hf_model, _records, _train, place
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 __all__ = ["place"]  # the fixture, shared with tests/test_hf_train_dist.py
 

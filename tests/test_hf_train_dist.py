@@ -21,6 +21,8 @@ from pipetrain.checkpoint import run as checkpoint
 from pipetrain.checkpoint import store as checkpoint_store
 from pipetrain.cli import main
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 
 COMMON = ["--seq-len", "32", "--batch-size", "8", "--microbatches", "4", "--steps", "3",

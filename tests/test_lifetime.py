@@ -20,6 +20,8 @@ from helpers.models import MULTI, SCHEDULES, batch, mlp
 from pipetrain.errors import PipelineError
 from pipetrain.runtime import lifetime
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 LOSS = nn.MSELoss()
 
 

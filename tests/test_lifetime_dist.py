@@ -11,6 +11,7 @@ import threading
 import warnings
 from typing import Any
 
+import pytest  # (the tier's marker)
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,6 +19,8 @@ from torch import nn
 import pipetrain as pt
 from helpers.models import MULTI, batch, mlp
 from pipetrain.runtime import lifetime
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 LOSS = nn.MSELoss()
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "pipedream-2bw"]

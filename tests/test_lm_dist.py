@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest  # (the tier's marker)
 import torch
 
 import pipetrain as pt
 from helpers.lm import lm_batch, lm_loss, tiny_lm
 from helpers.models import MULTI, SOME
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 SPLITS = {2: ["blocks.2"], 4: ["blocks.1", "blocks.2", "blocks.3"]}
 TIED = "embed.weight"

@@ -15,6 +15,8 @@ from torch._export.serde import serialize
 
 from pipetrain.split.load import _ParsedOnce, load_program
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 
 

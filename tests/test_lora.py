@@ -18,6 +18,8 @@ from helpers.chat import save_model
 from helpers.hf import llama, lm_loss
 from pipetrain.cli import main
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 peft = pytest.importorskip("peft")
 
 

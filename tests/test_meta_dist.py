@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest  # (the tier's marker)
 import torch
 from torch import nn
 
@@ -13,6 +14,8 @@ import pipetrain as pt
 from helpers.lm import TinyLM, lm_batch, lm_loss
 from pipetrain.split.lazy import NamedInit
 from pipetrain.testing import reference_step
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 SEED = 7
 TIED = "embed.weight"

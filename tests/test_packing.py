@@ -19,6 +19,8 @@ from pipetrain.cli import main
 from pipetrain.train.data.examples import IGNORE, describe, example_corpus, masked_lm_loss
 from pipetrain.train.data.packing import PackedBatches, check_model
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 tf = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 

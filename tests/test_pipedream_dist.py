@@ -21,6 +21,8 @@ from pipetrain.testing import Reference2BW
 from test_grads_ready import tied_mlp
 from test_pipedream import adamw, batches, sgd, stash_pair
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 LOSS = nn.MSELoss()
 
 

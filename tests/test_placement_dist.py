@@ -19,6 +19,8 @@ import pytest
 
 from pipetrain.cli import main
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 COMMON = ["--nproc", "4", "--pp", "2", "--fsdp", "2", "--preset", "tiny", "--seq-len", "32",
           "--batch-size", "8", "--microbatches", "2", "--eval-every", "0", "--eval-batches",
           "1", "--sample-tokens", "0", "--warmup", "0", "--lr", "3e-3", "--min-lr", "3e-3",

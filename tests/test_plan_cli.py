@@ -13,6 +13,8 @@ from pipetrain.cli import main
 from pipetrain.plan.planner import MARGIN
 from pipetrain.train.commands.train_command import load_toml
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 FEW = "1f1b,zb-h1,zbv"
 
 

@@ -28,6 +28,8 @@ from pipetrain.split.profile import LayerCost
 from pipetrain.testing import reference_step
 from pipetrain.train.commands.export_command import size_bytes
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 AMPLE = 1 << 40

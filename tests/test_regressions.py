@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest  # (the tier's marker)
 import torch
 from torch import nn
 
 import pipetrain as pt
 from pipetrain.split.partition import named_layers
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 
 def test_a_module_used_twice_in_a_sequential_is_not_dropped() -> None:

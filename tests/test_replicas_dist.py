@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("torchft")
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "12", "--microbatches", "2",

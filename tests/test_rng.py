@@ -17,6 +17,8 @@ from helpers.models import MULTI, SCHEDULES
 from pipetrain.runtime import rng
 from pipetrain.testing import grad_mismatches, reference_step
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 LOSS = nn.MSELoss()
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest  # (the tier's marker)
 import torch
 
 import pipetrain as pt
 from helpers.lm import lm_batch, lm_loss, skip_lm
 from helpers.models import MULTI, SOME
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 POINTS = {2: ["blocks.4"], 4: ["blocks.2", "blocks.4", "blocks.6"],
           8: [f"blocks.{i}" for i in range(1, 8)]}

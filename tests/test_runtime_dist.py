@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest  # (the tier's marker)
 import torch
 from torch import nn
 
@@ -16,6 +17,8 @@ from helpers.models import MULTI, SCHEDULES, batch, mlp, structured
 from pipetrain.runtime import microbatch
 from pipetrain.testing import grad_mismatches, reference_step
 from test_grads_ready import Recorder, tied_mlp
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 LOSS = nn.MSELoss()
 

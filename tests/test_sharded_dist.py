@@ -15,6 +15,8 @@ import pipetrain as pt
 from pipetrain.parallel.sharded import ShardedStages
 from pipetrain.testing import reference_step, reload_mismatches
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 LOSS = nn.MSELoss()
 CASES = (("1f1b", "", "step"), ("zb-h1", "", "part"), ("zb-h1", "", "layer"),
          ("zb-h1", "", "step"), ("interleaved-1f1b", "", "layer"), ("1f1b", "module", "part"),

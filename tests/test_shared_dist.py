@@ -16,6 +16,8 @@ from torch import nn
 import pipetrain as pt
 from pipetrain.errors import PartitionError, PipelineError
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 pytest.importorskip("transformers")
 
 

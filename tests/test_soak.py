@@ -14,6 +14,8 @@ import pytest
 
 from pipetrain.train.launch import faults
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import pytest  # (the tier's marker)
 import torch
 from torch import nn
 
@@ -13,6 +14,8 @@ import pipetrain as pt
 from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
 from pipetrain.parallel.tensor_parallel import TensorParallel
 from pipetrain.testing import reference_step, reload_mismatches
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 CONFIG = GPTConfig(seq_len=16, d_model=32, n_heads=4, n_layers=4)
 CASES = (("1f1b", False), ("zb-h1", False), ("interleaved-1f1b", False), ("1f1b", True),

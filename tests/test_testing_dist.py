@@ -12,12 +12,15 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
+import pytest  # (the tier's marker)
 import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
 from helpers.models import batch, mlp
 from pipetrain.testing import grad_mismatches, reference_step
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 LOSS = nn.MSELoss()
 

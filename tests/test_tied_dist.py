@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest  # (the tier's marker)
 import torch
 from torch import nn
 
 import pipetrain as pt
 from helpers.models import batch
 from pipetrain.testing import reference_step
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
 LOSS = nn.MSELoss()
 

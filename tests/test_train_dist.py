@@ -42,6 +42,8 @@ from pipetrain.train.optim import (
 from pipetrain.train.resume import restore, save
 from pipetrain.train.setup import Trainer, build
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 TIED = "0.tokens"
 
 

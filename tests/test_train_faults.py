@@ -16,6 +16,8 @@ from torch import nn
 import pipetrain as pt
 from pipetrain.train.launch import faults
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 
 def test_parse_and_reject() -> None:
     assert faults.parse("kill@rank1:step7, nan@rank0:step3,shape@rank2:step4") == [

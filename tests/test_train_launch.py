@@ -31,8 +31,9 @@ def _bound(timeout: float) -> float:
 
     return 3 * timeout + _ANSWER_S + SHUTDOWN_GRACE + 5
 
-pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(),
-                                reason="reads sockets and processes from Linux /proc")
+pytestmark = [pytest.mark.slow,  # the full suite's tier (CONTRIBUTING.md: tests)
+              pytest.mark.skipif(not Path("/proc/net/tcp").exists(),
+                                 reason="reads sockets and processes from Linux /proc")]
 
 
 def _start(out: Path, *args: str, faults: str | None = None) -> subprocess.Popen[str]:

@@ -17,6 +17,8 @@ import pytest
 from pipetrain.train.logs import report
 from test_train_launch import TINY
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 
 def test_two_torchrun_agents_rendezvous_and_train_pp_by_fsdp_to_the_end(tmp_path: Path) -> None:
     """Two torchrun agents (``--nnodes 2``, c10d rendezvous on 127.0.0.1), two ranks each,

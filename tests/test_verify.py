@@ -21,6 +21,8 @@ from helpers.hf import llama, saved_config
 from pipetrain.cli import main
 from pipetrain.verify import Row, VerificationFailed, default_loss, group_of, verify_with
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 
 class Net(nn.Module):
     """A user's model: two positional arguments, a stack of residual blocks."""

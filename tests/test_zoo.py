@@ -33,6 +33,8 @@ import pipetrain as pt
 from pipetrain.errors import PartitionError
 from pipetrain.testing import reference_step
 
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
 tf = pytest.importorskip("transformers")
 
 M, ROWS, SEQ, V, LAYERS = 4, 8, 12, 64, 2  # 2 layers: encoder-decoders 2 each
