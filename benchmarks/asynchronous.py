@@ -5,7 +5,7 @@ overhead show). Every schedule runs ``--steps`` steps back to back after its war
 one block with a barrier only before and after it: a synchronous schedule's step ends with its
 flush anyway, while PipeDream-2BW's ranks run on into the next step. Its drain runs after the
 block, untimed (once per run). The bound is the simulator's: a synchronous schedule's makespan,
-an asynchronous one's steady-state period (``pipetrain.schedules.steady``). PipeDream steps an
+an asynchronous one's steady-state period (``pipetrain.schedules.steady_state``). PipeDream steps an
 SGD optimizer after every backward, inside its step.
 
     python benchmarks/asynchronous.py                 # p = 4, m = 8, F = I = W = 10 ms
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from calibrated import Case, _loss, stage_costs
 
 import pipetrain as pt
-from pipetrain.schedules.steady import steady_state
+from pipetrain.schedules.steady_state import steady_state
 
 SCHEDULES = ("1f1b", "zbv", "pipedream-2bw", "pipedream")
 

@@ -1,5 +1,5 @@
 """Capture: export+split cost of a meta GPT by size; captured-split vs layer-list step time;
-what a rank that loads rank 0's shared export pays instead of exporting (split/shared.py),
+what a rank that loads rank 0's shared export pays instead of exporting (split/shared_capture.py),
 with every dimension symbolic (the default) and at fixed shapes (``dynamic=False``)."""
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def shared_costs(cfg: GPTConfig, dynamic: bool = True) -> dict[str, Any]:
     import inspect
 
     from pipetrain.split.capture import _bind, export, from_program
-    from pipetrain.split.shared import _load, _payload
+    from pipetrain.split.shared_capture import _load, _payload
 
     torch.manual_seed(0)
     model, other = nn.Sequential(*gpt_layers(cfg)), nn.Sequential(*gpt_layers(cfg))

@@ -1,6 +1,6 @@
 """Published runs against ``pipetrain plan --cluster``'s prediction for the same job and layout.
 
-For every run of :mod:`pipetrain.plan.published` (Megatron-LM's Table 1, the selective
+For every run of :mod:`pipetrain.plan.cluster.published` (Megatron-LM's Table 1, the selective
 recomputation paper's, the Zero Bubble paper's, torchtitan's, Llama 3's, MegaScale's), the
 predicted figure in the metric the source published, their ratio, and the fastest layout the
 search finds for the same GPUs, batch and memory::
@@ -27,11 +27,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pipetrain.plan.arch import Arch
-from pipetrain.plan.cluster import Job, Layout, Prediction, predict
-from pipetrain.plan.cluster_search import Pins, search
-from pipetrain.plan.hardware import gpu
-from pipetrain.plan.published import Published, rows
+from pipetrain.plan.cluster.arch import Arch
+from pipetrain.plan.cluster.hardware import gpu
+from pipetrain.plan.cluster.job import Job, Layout, Prediction, predict
+from pipetrain.plan.cluster.published import Published, rows
+from pipetrain.plan.cluster.search import Pins, search
 
 OLD_MEGATRON = ("megatron-", "megascale-")  # 2021's Megatron-LM: see the module docstring
 

@@ -1,6 +1,6 @@
 """``pipetrain plan --cluster``: each cost term against a hand computation, the search's ranking,
 the command's contract (JSON keys, pins, exit codes) and published runs recomputed
-(:mod:`pipetrain.plan.cluster` and its parts). Milliseconds each, but the command's runs."""
+(:mod:`pipetrain.plan.cluster.job` and its parts). Milliseconds each, but the command's runs."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.plan.arch import Arch
-from pipetrain.plan.cluster import Job, Layout, predict, with_microbatches
-from pipetrain.plan.cluster_search import Pins, check_layout, search
-from pipetrain.plan.collectives import Fabric, Link
-from pipetrain.plan.hardware import gpu, load_toml
-from pipetrain.plan.kernels import Kernels
-from pipetrain.plan.layer_cost import Shard, kept_bytes, layer_cost
-from pipetrain.plan.published import rows
+from pipetrain.plan.cluster.arch import Arch
+from pipetrain.plan.cluster.collectives import Fabric, Link
+from pipetrain.plan.cluster.hardware import gpu, load_toml
+from pipetrain.plan.cluster.job import Job, Layout, predict, with_microbatches
+from pipetrain.plan.cluster.kernels import Kernels
+from pipetrain.plan.cluster.layer_cost import Shard, kept_bytes, layer_cost
+from pipetrain.plan.cluster.published import rows
+from pipetrain.plan.cluster.search import Pins, check_layout, search
 
 pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 

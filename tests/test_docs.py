@@ -416,7 +416,7 @@ def test_the_decode_schedule_prints_what_the_page_says(capsys: pytest.CaptureFix
 def test_the_asynchronous_rows_are_what_the_simulator_says() -> None:
     """README's PipeDream-2BW row (p = 4, m = 8) and schedules.md's steady-state table."""
     import pipetrain as pt
-    from pipetrain.schedules.steady import steady_state
+    from pipetrain.schedules.steady_state import steady_state
 
     def figures(p: int, m: int) -> tuple[str, ...]:
         got = steady_state(pt.make_schedule("pipedream-2bw", p, m), pt.Costs(F=1, B=2))

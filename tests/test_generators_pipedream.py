@@ -10,7 +10,7 @@ from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.dataflow import versions_alive, walk
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import Costs, simulate
-from pipetrain.schedules.steady import steady_state
+from pipetrain.schedules.steady_state import steady_state
 from pipetrain.schedules.validate import validate
 
 GRID = [(p, m) for p in range(1, 6) for m in (p, p + 1, 2 * p + 3)]

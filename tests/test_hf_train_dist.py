@@ -189,7 +189,7 @@ def test_tp_splits_a_stored_llama_by_its_own_plan_and_resumes_across_layouts(
 
 def test_tp_refuses_a_model_without_a_plan_or_weights(place: Path, tmp_path: Path) -> None:
     from pipetrain.hf.model import open_model
-    from pipetrain.hf.tensor_parallel import shrink
+    from pipetrain.hf.tp_plan import shrink
 
     with pytest.raises(ValueError, match="GPT2LMHeadModel declares no tensor-parallel plan"):
         shrink(open_model(place / "gpt2").model, 2)

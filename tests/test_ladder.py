@@ -17,7 +17,7 @@ import pipetrain
 ROOT = Path(pipetrain.__file__).parent
 LADDER = [["errors", "_version"], ["schedules"], ["runtime"], ["split"], ["models"],
           ["parallel"], ["checkpoint"],
-          ["construction", "result", "stepper", "pipeline", "testing", "verify"],
+          ["pipeline_args", "result", "stepper", "pipeline", "testing", "verify"],
           ["hf"], ["generation"], ["train"],
           ["plan"], ["cli", "__init__", "__main__", "examples"]]
 RUNG = {name: i for i, names in enumerate(LADDER) for name in names}

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 def _shared(name: str, example: dict[str, Any] | None = None) -> tuple[Any, nn.Module]:
     import test_zoo as zoo
-    from pipetrain.split.shared import capture_shared
+    from pipetrain.split.shared_capture import capture_shared
 
     arch = zoo.BY_NAME[name]
     model = zoo.build(arch)
@@ -34,7 +34,7 @@ def _shared(name: str, example: dict[str, Any] | None = None) -> tuple[Any, nn.M
 
 def _cases(ctx: pt.RankContext) -> list[str]:
     from pipetrain.split.capture import RECALL
-    from pipetrain.split.shared import _payload
+    from pipetrain.split.shared_capture import _payload
 
     torch.set_num_threads(1)
     problems = []
@@ -78,7 +78,7 @@ def _across(ctx: pt.RankContext) -> list[str]:
     each still shares: rank 1 loads rank 0's export."""
     import test_zoo as zoo
     from pipetrain.split.capture import RECALL
-    from pipetrain.split.shared import across, capture_shared
+    from pipetrain.split.shared_capture import across, capture_shared
 
     RECALL.clear()
     alone = [dist.new_group([0]), dist.new_group([1])][ctx.rank]
@@ -153,16 +153,16 @@ def _fallbacks(ctx: pt.RankContext) -> list[str]:
     if (captured.seconds == 0.0) != (ctx.rank == 0):  # rank 0's recalled, rank 1's exported
         problems.append(f"recalled on rank 0 only: rank {ctx.rank} took {captured.seconds} s")
     try:  # an export that fails fails on every rank
-        from pipetrain.split.shared import capture_shared
+        from pipetrain.split.shared_capture import capture_shared
 
         capture_shared(_Branchy(), (torch.randn(2, 4),), dist.group.WORLD)
         problems.append("a model export cannot capture was captured")
     except PartitionError:
         pass
     if ctx.rank == 1:  # (last: the ranks' counts of shared captures part here)
-        from pipetrain.split import shared
+        from pipetrain.split import shared_capture
 
-        shared.START_S = 1.0  # a rank 0 that never builds the pipeline: an error, not a hang
+        shared_capture.START_S = 1.0  # a rank 0 that never builds it: an error, not a hang
         try:
             _shared("vit")
             problems.append("waited for a rank 0 that never came")

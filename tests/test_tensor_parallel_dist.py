@@ -123,14 +123,14 @@ def test_a_tensor_parallel_checkpoint_loads_into_whole_stages_and_back(tmp_path:
 
 
 def _foreign(ctx: pt.RankContext) -> list[str]:
-    """Hugging Face models split by their own plan (pipetrain.hf.tensor_parallel), traced,
+    """Hugging Face models split by their own plan (pipetrain.hf.tp_plan), traced,
     pp 2 x tp 2: Llama (grouped-query attention: 1 of 2 key/value heads per rank) under ZB-H1
     and Qwen2 (biased q, k, v, split with their rows) under zbv; the loss and every gradient
     equal one device's (float64)."""
     import transformers as tf
 
     from helpers.hf import LOSSES, MODELS, batch, points
-    from pipetrain.hf.tensor_parallel import TracedTensorParallel, shrink
+    from pipetrain.hf.tp_plan import TracedTensorParallel, shrink
 
     tf.logging.set_verbosity_error()
     mesh: Any = _mesh()

@@ -26,15 +26,15 @@ COMMANDS = {  # the module of a command's code -> the commands its exit codes be
     "pipetrain.train.commands.export_command": ("export-hf",),
     "pipetrain.train.commands.verify_command": ("verify",),
     "pipetrain.train.commands.generate_command": ("generate",),
-    "pipetrain.plan.cli": ("plan",),
-    "pipetrain.plan.custom_cli": ("plan",),
-    "pipetrain.plan.cluster_cli": ("plan",),
+    "pipetrain.plan.plan_command": ("plan",),
+    "pipetrain.plan.module_command": ("plan",),
+    "pipetrain.plan.cluster.cluster_command": ("plan",),
 }
 
 QUOTED = [  # (a fragment the page quotes, the source file under src/pipetrain that says it)
     ("this pipeline failed earlier and cannot run again", "stepper.py"),
     ("torch.distributed is not initialised: start the processes with pt.launch or torchrun, "
-     "or pass local_ranks=N to run all ranks in this process", "construction.py"),
+     "or pass local_ranks=N to run all ranks in this process", "pipeline_args.py"),
     ("this rank holds stage 0 and needs inputs, got None", "stepper.py"),
     ("micro-batches; use a batch of at least", "runtime/microbatch.py"),
     ("the peer closed the connection (did its process die?)", "runtime/transport/receiver.py"),

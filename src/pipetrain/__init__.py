@@ -24,7 +24,7 @@ __all__ = [
 ]
 _LAZY = {"ShardedStages": "pipetrain.parallel.sharded",
          "TensorParallel": "pipetrain.parallel.tensor_parallel",
-         "plan_module": "pipetrain.plan.custom"}
+         "plan_module": "pipetrain.plan.module_plan"}
 """Imported on first use: FSDP and DTensor take half a second to import, and the planner
 sits at the top of the package's ladder."""
 

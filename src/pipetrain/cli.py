@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipetrain.errors import ScheduleError
-from pipetrain.plan import cli as plan_cli
+from pipetrain.plan import plan_command as plan_cli
 from pipetrain.schedules import draw
 from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import DEFAULT_W_SHARE, Costs, Simulation, simulate
-from pipetrain.schedules.steady import SteadyState, steady_state
+from pipetrain.schedules.steady_state import SteadyState, steady_state
 from pipetrain.schedules.validate import format_grid, validate
 from pipetrain.train.commands import export_command as export_cli
 from pipetrain.train.commands import generate_command as generate_cli

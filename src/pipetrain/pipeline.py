@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.construction import (
+from pipetrain.parallel.parallelize import Gathering, held_parameter, join, parallelize_stages
+from pipetrain.pipeline_args import (
     asynchronous_fits,
     auto_balance,
     carries_rng,
@@ -27,7 +28,6 @@ from pipetrain.construction import (
     pipeline_ranks,
     resolve,
 )
-from pipetrain.parallel.parallelize import Gathering, held_parameter, join, parallelize_stages
 from pipetrain.result import StepResult
 from pipetrain.runtime.async_steps import Windows
 from pipetrain.runtime.compiled import compile_stages
@@ -46,9 +46,9 @@ from pipetrain.runtime.transport.routes import chain
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.balance import BalancePlan
 from pipetrain.split.capture import on_model_device
+from pipetrain.split.eval_graph import depends_on_mode, eval_split, eval_stages
 from pipetrain.split.layers import Layers, packed, trace_stages
 from pipetrain.split.lazy import LayerSpec
-from pipetrain.split.modes import depends_on_mode, eval_split, eval_stages
 from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.split.trace import TracedSplit
 from pipetrain.stepper import Feed, Stepper
@@ -220,7 +220,7 @@ class Pipeline:
         self.evaluator: Executor | None = None
         """The executor of ``eval_step`` when the model was captured in training mode into a
         graph that eval changes (dropout, batch norm): the eval graph, sharing the tensors
-        (:mod:`pipetrain.split.modes`), captured at the first eval step; None: not (yet)."""
+        (:mod:`pipetrain.split.eval_graph`), captured at the first eval step; None: not (yet)."""
         self.watchdog = None if self.transport is None else Watchdog.of(
             self.transport, self.executor.activity)
         self._decoder: Executor | None = None  # decode()'s
@@ -413,7 +413,7 @@ class Pipeline:
 
         It runs what ``model.eval()`` runs: a layer list in eval mode while it lasts; a model
         captured in training mode whose graph draws (dropout) or normalises by the batch, its
-        eval graph (:attr:`evaluator`, :mod:`pipetrain.split.modes`), captured by the first
+        eval graph (:attr:`evaluator`, :mod:`pipetrain.split.eval_graph`), captured by the first
         eval step (the pipeline keeps a reference to the model until then), except under
         ``parallelize=``, where the stages it wraps are the training graph's. ``step`` as in
         :meth:`step` (several eval steps may share one number).

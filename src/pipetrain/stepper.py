@@ -36,7 +36,7 @@ from pipetrain.runtime.transport.receipts import Proofs, delivery_proofs
 from pipetrain.runtime.transport.receiver import PeerFailed
 from pipetrain.runtime.transport.wire import OPS
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.split.modes import eval_mode
+from pipetrain.split.eval_graph import eval_mode
 from pipetrain.split.trace import TracedSplit
 
 __all__: list[str] = []

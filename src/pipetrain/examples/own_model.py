@@ -4,7 +4,7 @@
 
 An embedding, a ``ModuleList`` of residual MLP blocks and a head, with a ``forward`` that
 loops: no layer list, nothing shaped for pipetrain. :func:`build` returns what
-``--module`` needs (:mod:`pipetrain.plan.custom_cli`): the model, one step's batch, the loss
+``--module`` needs (:mod:`pipetrain.plan.module_command`): the model, one step's batch, the loss
 and the targets.
 """
 

@@ -18,7 +18,7 @@ May import: every rung below it, :mod:`pipetrain.train` included.
 """
 
 from pipetrain.plan.budget import memory_target, stage_activations
-from pipetrain.plan.custom import ModulePlan, plan_module
-from pipetrain.plan.custom_cli import read_plan
+from pipetrain.plan.module_command import read_plan
+from pipetrain.plan.module_plan import ModulePlan, plan_module
 
 __all__ = ["ModulePlan", "memory_target", "plan_module", "read_plan", "stage_activations"]

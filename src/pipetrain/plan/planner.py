@@ -62,7 +62,7 @@ from pipetrain.plan.shardcost import (
 from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import Costs, Simulation, peak_units, simulate
-from pipetrain.schedules.steady import steady_state
+from pipetrain.schedules.steady_state import steady_state
 from pipetrain.split.balance import plan_balance
 from pipetrain.split.partition import stage_bounds
 from pipetrain.split.profile import LayerCost
@@ -128,7 +128,8 @@ class Scale:
     replay, and the saved-tensor hooks' cost in F)."""
     cores: float | None = None
     """The cores all the job's processes share when fewer than they are (CPU processes; the
-    simulation then shares a pipeline's part of them, :mod:`pipetrain.schedules.sharing`); None: a
+    simulation then shares a pipeline's part of them, :mod:`pipetrain.schedules.shared_cores`);
+    None: a
     device each."""
     tp_talk: float = 1.0
     fsdp_talk: float = 1.0

@@ -15,7 +15,8 @@ every rank's spans) and returns
 A calibration measured with one split of the layers into stages predicts another split
 through :func:`regroup`. Ranks that shared fewer cores than there were ranks (CPU processes)
 ran slower while more of them were busy: ``calibrate(..., cores=n)`` reads each span's work at
-full speed (:func:`pipetrain.schedules.sharing.unshare`), and its predictions share the cores again.
+full speed (:func:`pipetrain.schedules.shared_cores.unshare`), and its predictions share the cores
+again.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pipetrain.schedules.action import Op
 from pipetrain.schedules.dataflow import needs, produces
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.sharing import unshare
+from pipetrain.schedules.shared_cores import unshare
 from pipetrain.schedules.simulate import Costs, Simulation, simulate
 from pipetrain.schedules.timeline import Span, Timeline
 

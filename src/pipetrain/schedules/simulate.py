@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.sharing import shared_walk
+from pipetrain.schedules.shared_cores import shared_walk
 from pipetrain.schedules.timeline import Span, Timeline
 from pipetrain.schedules.validate import validate
 
@@ -169,7 +169,7 @@ class Simulation:
     i_held: Cost = 0.0
     """Units I adds and W frees (see module docstring): one for all stages but 0, or per stage."""
     cores: float | None = None
-    """The cores the ranks shared (:mod:`pipetrain.schedules.sharing`); None: a device each."""
+    """The cores the ranks shared (:mod:`pipetrain.schedules.shared_cores`); None: a device each."""
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready summary, with the action lists and every span's start and end."""
@@ -204,7 +204,7 @@ def simulate(
             stage but stage 0, or a tuple per stage; see the module docstring.
         cores: the cores the ranks share, when fewer than the ranks (CPU processes): each of
             ``k`` busy ranks then runs at ``min(1, cores / k)`` of its speed
-            (:mod:`pipetrain.schedules.sharing`); None gives each rank its own device.
+            (:mod:`pipetrain.schedules.shared_cores`); None gives each rank its own device.
         validated: the caller validated this very schedule already (a planner simulating one
             schedule under many costs): it is not validated again.
 
@@ -227,7 +227,7 @@ def simulate(
     if schedule.update is not None:
         raise ValueError(f"{schedule.name!r} is asynchronous: one step of it has no makespan of "
                          "its own; simulate schedule.unroll(k) (k steps and the drain), or "
-                         "take its steady state with pipetrain.schedules.steady.steady_state")
+                         "take its steady state with pipetrain.schedules.steady_state.steady_state")
     costs = Costs() if costs is None else costs
     _check_arguments(schedule, costs, comm, w_share)
     held = held_per_stage(i_held, schedule.n_stages)

@@ -40,13 +40,13 @@ from torch.export import Dim, ShapesCollection
 
 from pipetrain.errors import PartitionError
 from pipetrain.runtime.launch import RANK_MODULES
-from pipetrain.split import recall
+from pipetrain.split import capture_reuse
 from pipetrain.split.inputs import Packed
 from pipetrain.split.lazy import is_meta
 
 __all__ = ["Captured", "capture", "move_graph"]
 
-RECALL = recall.Recall()
+RECALL = capture_reuse.Recall()
 """This process's captures, by what each depends on."""
 _DROPPED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
             "aten.sym_constrain_range_for_size.default"}
@@ -156,7 +156,7 @@ def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any],
     model wholly on one other device (a GPU) on copies there: an example made on the CPU
     fits a model moved to the GPU. A model of a structure this process captured before on
     inputs of the same shapes reuses that capture, with its own parameters and buffers
-    (:mod:`pipetrain.split.recall`).
+    (:mod:`pipetrain.split.capture_reuse`).
 
     Raises:
         PartitionError: when the example does not fit ``forward`` or torch.export cannot
@@ -165,7 +165,7 @@ def capture(model: nn.Module, example: tuple[Any, ...] | dict[str, Any],
     signature = inspect.signature(model.forward)
     example = on_model_device(model, example)
     bound = _bind(signature, example)
-    k = recall.key(model, example, dynamic)
+    k = capture_reuse.key(model, example, dynamic)
     kept = RECALL.get(k, model)
     if kept is not None:
         return kept  # type: ignore[no-any-return]

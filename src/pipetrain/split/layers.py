@@ -142,7 +142,7 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
                  ) -> TracedSplit:
     """The traced stages for ``Pipeline(model, split_points=..., example_inputs=...)``;
     ``share``: the pipeline's process group, whose rank 0 exports the model for all
-    (:mod:`pipetrain.split.shared`; None: this process captures); ``dynamic``: as
+    (:mod:`pipetrain.split.shared_capture`; None: this process captures); ``dynamic``: as
     :func:`~pipetrain.split.capture.capture`.
 
     Raises:
@@ -151,7 +151,7 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
     """
     from pipetrain.split.autosplit import cut_points
     from pipetrain.split.capture import capture
-    from pipetrain.split.shared import capture_shared
+    from pipetrain.split.shared_capture import capture_shared
     from pipetrain.split.trace import split_model
 
     if not isinstance(model, nn.Module) or example_inputs is None:

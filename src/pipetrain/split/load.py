@@ -1,6 +1,6 @@
 """Load: torch.export's loader, without the work it repeats for every node it reads.
 
-A rank that loads rank 0's shared program (:mod:`pipetrain.split.shared`) runs
+A rank that loads rank 0's shared program (:mod:`pipetrain.split.shared_capture`) runs
 ``torch.export.load``, whose deserializer repeats two things for every object it reads:
 
 - it asks ``typing.get_type_hints`` for the schema class it turns the object's JSON into;

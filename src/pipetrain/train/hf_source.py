@@ -181,14 +181,14 @@ class HFSource(Source):
                 "rss_before_bytes": self.rss_before, "peak_rss_bytes": peak_rss_bytes()}
 
     def tensor_parallel(self, cfg: TrainConfig, mesh: Any) -> Any:
-        """The model's own plan (:mod:`pipetrain.hf.tensor_parallel`): its meta model takes
+        """The model's own plan (:mod:`pipetrain.hf.tp_plan`): its meta model takes
         one tp rank's shapes here, before :meth:`pipeline` captures it.
 
         Raises:
             ValueError: when the model declares no plan, its heads do not split, or it has
                 no stored weights (seeded values would repeat across the ranks' slices).
         """
-        from pipetrain.hf.tensor_parallel import TracedTensorParallel, require_weights, shrink
+        from pipetrain.hf.tp_plan import TracedTensorParallel, require_weights, shrink
 
         require_weights(bool(self.hf.weights), self.root)
         return TracedTensorParallel(mesh, shrink(self.hf.model, mesh.size(),

@@ -21,7 +21,7 @@ from torch import nn
 from pipetrain.parallel.parallelize import Composed
 from pipetrain.parallel.sharded import ShardedStages
 from pipetrain.pipeline import Pipeline
-from pipetrain.split.shared import across
+from pipetrain.split.shared_capture import across
 from pipetrain.train.checks import check_config, run_schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data.examples import ExampleBatches, ExampleCorpus, example_batches

@@ -15,7 +15,7 @@ gradients of step ``t - 1``, which are complete by then:
 Written as data, the window's actions name their versions relative to the step (``0F3@0``,
 ``0B-1@-1``); :meth:`Schedule.unroll` writes ``k`` steps and the drain as one flushed
 schedule with absolute micro-batches and versions, which is what the validator walks and the
-simulator times (:mod:`pipetrain.schedules.steady`).
+simulator times (:mod:`pipetrain.schedules.steady_state`).
 
 PipeDream (Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training",
 SOSP 2019) runs the same window with weight stashing: a stage updates its weights after every

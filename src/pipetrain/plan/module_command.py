@@ -13,7 +13,7 @@ no arguments and returns a dict (the contract, :data:`REQUIRED` and :data:`OPTIO
                 "target": targets}               # that step's targets
                 # optional: "split_dim": 1 (the batch dimension; default 0)
 
-:func:`pipetrain.plan.custom.plan_module` profiles it in this process and predicts every layout
+:func:`pipetrain.plan.module_plan.plan_module` profiles it in this process and predicts every layout
 of ``--pp`` pipeline ranks (default ``--nproc``; one process each) from the profile alone, as
 ``--no-calibrate`` does; ``--seq-len``, ``--batch-size``, ``--data`` and ``--device`` do not
 apply (the function's batch and model decide). It prints the best candidates and writes under
@@ -51,8 +51,8 @@ _LOADED = itertools.count()
 
 def run_module(args: argparse.Namespace) -> int:
     """Plan ``args.module``; exit 3 when no candidate fits (the fastest is still written)."""
-    from pipetrain.plan.custom import plan_module
     from pipetrain.plan.limit import memory_limit
+    from pipetrain.plan.module_plan import plan_module
     from pipetrain.plan.planner import SCHEDULES
 
     others = [f"--{flag.replace('_', '-')}" for flag in ("hf", "dp", "fsdp", "tp",
@@ -143,7 +143,7 @@ def _load(spec: str, where: str) -> ModuleType:
 
 def write_plan(out: Path, spec: str, best: Any, limit: int) -> tuple[Path, Path]:
     """``plan.toml`` (and ``plan.schedule.csv`` for a searched schedule) and ``plan.png``
-    of ``best`` (a :class:`~pipetrain.plan.custom.ModulePlan`) under ``out``."""
+    of ``best`` (a :class:`~pipetrain.plan.module_plan.ModulePlan`) under ``out``."""
     from pipetrain.schedules import draw
 
     out.mkdir(parents=True, exist_ok=True)

@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from pipetrain.plan.arch import Arch
-from pipetrain.plan.collectives import Fabric
-from pipetrain.plan.hardware import Gpu
-from pipetrain.plan.kernels import Kernels
-from pipetrain.plan.layer_cost import BF16, LayerCost, Shard, head_cost, layer_cost
+from pipetrain.plan.cluster.arch import Arch
+from pipetrain.plan.cluster.collectives import Fabric
+from pipetrain.plan.cluster.hardware import Gpu
+from pipetrain.plan.cluster.kernels import Kernels
+from pipetrain.plan.cluster.layer_cost import BF16, LayerCost, Shard, head_cost, layer_cost
 from pipetrain.schedules.generators import Target, make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.simulate import Costs, Simulation, simulate

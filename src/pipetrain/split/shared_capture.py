@@ -16,7 +16,7 @@ where both are cheaper), and that after :func:`~pipetrain.split.load.load_progra
 the type hints and the parses it repeated for every node (0.7 before, symbolic).
 What sharing guarantees is that every rank splits the very same graph: a
 rank whose model or example differs from rank 0's (their
-:func:`~pipetrain.split.recall.key` differs), or whose loaded graph does not print as rank
+:func:`~pipetrain.split.capture_reuse.key` differs), or whose loaded graph does not print as rank
 0's, captures on its own instead, as does every rank when rank 0 could not save its program.
 """
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.errors import PipelineError
-from pipetrain.split import recall
+from pipetrain.split import capture_reuse
 from pipetrain.split.capture import (
     RECALL,
     Captured,
@@ -94,7 +94,7 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup,
     example = on_model_device(model, example)
     signature = inspect.signature(model.forward)
     bound = _bind(signature, example)
-    k = recall.key(model, example, dynamic)
+    k = capture_reuse.key(model, example, dynamic)
     digest = hashlib.sha256(repr(k).encode()).hexdigest()
     members = tuple(dist.get_process_group_ranks(group))  # (a key of this group's own: another
     n = _count[members] = _count.get(members, -1) + 1  # group with this rank 0 counts apart)
@@ -152,7 +152,7 @@ def _payload(program: torch.export.ExportedProgram, model: nn.Module, captured: 
              digest: str) -> bytes:
     """``program`` saved with meta tensors for ``model``'s, behind a JSON head: the recall
     key's digest, the graph's, and which ``get_attr`` targets read which model tensor."""
-    owned = recall.names_by_id(model)
+    owned = capture_reuse.names_by_id(model)
     named = {t: owned[id(v)] for t, v in captured.attrs.items()
              if isinstance(v, torch.Tensor) and id(v) in owned}
     state, constants = program._state_dict, program._constants

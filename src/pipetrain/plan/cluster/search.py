@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from pipetrain.plan.cluster import Job, Layout, Prediction, predict, with_microbatches
+from pipetrain.plan.cluster.job import Job, Layout, Prediction, predict, with_microbatches
 
 __all__ = ["Pins", "search", "check_layout", "check_pins"]
 

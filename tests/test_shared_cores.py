@@ -10,7 +10,7 @@ from pipetrain import make_schedule
 from pipetrain.schedules.action import Action
 from pipetrain.schedules.calibrate import calibrate
 from pipetrain.schedules.dataflow import walk
-from pipetrain.schedules.sharing import rate, shared_walk, unshare
+from pipetrain.schedules.shared_cores import rate, shared_walk, unshare
 from pipetrain.schedules.simulate import Costs, simulate
 from pipetrain.schedules.timeline import Span, Timeline
 

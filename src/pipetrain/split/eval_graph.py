@@ -23,7 +23,7 @@ from pipetrain.errors import PartitionError
 from pipetrain.runtime.stage import Stage
 from pipetrain.split.capture import capture, move_graph
 from pipetrain.split.partition import stage_bounds
-from pipetrain.split.shared import capture_shared
+from pipetrain.split.shared_capture import capture_shared
 from pipetrain.split.trace import TracedSplit, split_model
 
 __all__: list[str] = []
@@ -67,7 +67,8 @@ def eval_mode(models: nn.Module | Iterable[nn.Module]) -> Iterator[None]:
 def eval_split(model: nn.Module, traced: TracedSplit, example_inputs: Any,
                share: Any = None, dynamic: bool = True) -> TracedSplit:
     """``model`` captured in eval mode and cut where ``traced`` was cut (``share``: the
-    pipeline group, whose rank 0 exports for all: :mod:`pipetrain.split.shared`; ``dynamic``:
+    pipeline group, whose rank 0 exports for all: :mod:`pipetrain.split.shared_capture`;
+    ``dynamic``:
     as :func:`~pipetrain.split.capture.capture`).
 
     Raises:

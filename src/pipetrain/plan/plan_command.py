@@ -11,7 +11,7 @@
    of ``--hf DIR`` (captured with torch.export and cut where ``pipetrain train --hf`` cuts);
    under tensor parallelism one rank's share of each (the GPT plan's,
    :func:`pipetrain.parallel.tensor_parallel.local_layer`, or a Hugging Face model's own,
-   :func:`pipetrain.hf.tensor_parallel.shrink`), with the bytes it all-reduces.
+   :func:`pipetrain.hf.tp_plan.shrink`), with the bytes it all-reduces.
 2. Calibrate: train 3 steps of zb-h1, of 1f1b, and of 1f1b recomputed on the ranks (one
    local launch, as ``pipetrain train``, at the fewest pipeline ranks searched, the rest
    replicas); the measured/profiled ratio of each op, the hop delay, the step's time outside
@@ -58,7 +58,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "ORG/NAME[@REVISION], instead of --preset")
     parser.add_argument("--module", metavar="SPEC", help="your own model instead: "
                         "path/to/file.py:function or package.module:function returning a dict "
-                        "of model, example_inputs, loss_fn, target (pipetrain.plan.custom_cli)")
+                        "of model, example_inputs, loss_fn, target (pipetrain.plan.module_command)")
     parser.add_argument("--data", default=d.data, metavar="PATH",
                         help="text the calibration steps train on (default: the stdlib's sources)")
     parser.add_argument("--token-cache", default=d.token_cache, metavar="DIR",
@@ -91,7 +91,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/plan"), metavar="DIR",
                         help="where plan.toml and plan.png go (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    from pipetrain.plan.cluster_cli import configure_cluster
+    from pipetrain.plan.cluster.cluster_command import configure_cluster
 
     configure_cluster(parser)
 
@@ -99,15 +99,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan; exit 3 when no candidate fits the limit (the fastest is still written)."""
     if args.cluster or args.hardware:
-        from pipetrain.plan.cluster_cli import run_cluster
+        from pipetrain.plan.cluster.cluster_command import run_cluster
 
         return run_cluster(args)
     if args.module:
-        from pipetrain.plan.custom_cli import run_module
+        from pipetrain.plan.module_command import run_module
 
         return run_module(args)
-    from pipetrain.plan.calibrate import calibrate_on_ranks, on_cuda, shared_cores
     from pipetrain.plan.limit import memory_limit
+    from pipetrain.plan.measured import calibrate_on_ranks, on_cuda, shared_cores
     from pipetrain.plan.planner import ASYNCHRONOUS, SCHEDULES, Scale, ranked, search
     from pipetrain.plan.shardcost import Collectives
     from pipetrain.train.commands.train_command import check
@@ -206,7 +206,7 @@ def _check_hf_tp(cfg: TrainConfig, tp: int) -> None:
     if not cfg.hf or tp == 1:
         return
     from pipetrain.hf.model import open_model
-    from pipetrain.hf.tensor_parallel import require_weights, shrink
+    from pipetrain.hf.tp_plan import require_weights, shrink
 
     opened = open_model(Path(cfg.hf))
     shrink(opened.model, tp)
@@ -260,7 +260,7 @@ def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
     first, norm and head with the last) captured with torch.export, materialised from the seed
     (values do not change the times); under ``tp``, one rank's share: the GPT plan's
     (:func:`pipetrain.parallel.tensor_parallel.local_layer`), or the model's own plan's
-    (:func:`pipetrain.hf.tensor_parallel.shrink`, before the capture, as ``train`` does)."""
+    (:func:`pipetrain.hf.tp_plan.shrink`, before the capture, as ``train`` does)."""
     if not cfg.hf:
         from pipetrain.models.gpt import gpt_layers, lm_loss
         from pipetrain.parallel.tensor_parallel import gpt_plan, local_layer, traffic
@@ -273,7 +273,7 @@ def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
         return Units(layers, lambda ids: ids, lm_loss,
                      lambda layer, x, ids: traffic(layer, plan, x) if tp > 1 else ((), ()))
     from pipetrain.hf.model import open_model, split_points
-    from pipetrain.hf.tensor_parallel import shrink
+    from pipetrain.hf.tp_plan import shrink
     from pipetrain.plan.experts import expert_sizes
     from pipetrain.split.layers import packed, trace_stages
     from pipetrain.split.lazy import NamedInit
@@ -293,7 +293,7 @@ def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
 
 def _split_traffic(layer: torch.nn.Module, splits: dict[str, Any], ids: torch.Tensor
                    ) -> tuple[tuple[int, ...], ...]:
-    """What a traced unit's split matrices all-reduce (:mod:`pipetrain.hf.tensor_parallel`):
+    """What a traced unit's split matrices all-reduce (:mod:`pipetrain.hf.tp_plan`):
     in F each row-wise one's output, in I each column-wise one's input gradient (fp32)."""
     f: list[int] = []
     i: list[int] = []

@@ -12,7 +12,7 @@ bandwidth" of nccl-tests' PERFORMANCE.md: an all-reduce of S bytes over n GPUs m
 
 NCCL picks the faster of ring and tree for an all-reduce; the cost here does too. Bandwidths
 are what NCCL reaches, not line rates: each link's figure times the GPU's measured efficiency
-(:data:`pipetrain.plan.hardware.NVLINK_EFFICIENCY` and its neighbours, from nccl-tests).
+(:data:`pipetrain.plan.cluster.hardware.NVLINK_EFFICIENCY` and its neighbours, from nccl-tests).
 
 A group whose GPUs all sit in one node talks over NVLink. A group that spans nodes runs one
 ring per NIC of its GPUs in a node (NCCL's channels), so its bandwidth is that of the NICs its
@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipetrain.plan.hardware import Gpu
+from pipetrain.plan.cluster.hardware import Gpu
 
 __all__ = ["Fabric", "Link"]
 

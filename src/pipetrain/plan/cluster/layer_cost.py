@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipetrain.plan.arch import Arch
-from pipetrain.plan.collectives import Link
-from pipetrain.plan.kernels import Kernels
+from pipetrain.plan.cluster.arch import Arch
+from pipetrain.plan.cluster.collectives import Link
+from pipetrain.plan.cluster.kernels import Kernels
 
 __all__ = ["LayerCost", "layer_cost", "head_cost"]
 

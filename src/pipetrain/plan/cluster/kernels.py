@@ -25,7 +25,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from pipetrain.plan.hardware import Gpu
+from pipetrain.plan.cluster.hardware import Gpu
 
 __all__ = ["Kernels", "MAMF"]
 
@@ -143,7 +143,7 @@ def _kernels(gpu: Gpu) -> Kernels:
 
 
 def _spec_hbm(measured_on: str, gpu: Gpu) -> float:
-    from pipetrain.plan.hardware import GPUS
+    from pipetrain.plan.cluster.hardware import GPUS
 
     return GPUS[measured_on].hbm_bw if measured_on in GPUS else gpu.hbm_bw
 

@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipetrain.plan.arch import Arch
-from pipetrain.plan.cluster import Job, Layout, Prediction, simulation
-from pipetrain.plan.cluster_search import RECOMPUTE, Pins, search
-from pipetrain.plan.hardware import GPUS, gpu, load_toml, with_overrides
+from pipetrain.plan.cluster.arch import Arch
+from pipetrain.plan.cluster.hardware import GPUS, gpu, load_toml, with_overrides
+from pipetrain.plan.cluster.job import Job, Layout, Prediction, simulation
+from pipetrain.plan.cluster.search import RECOMPUTE, Pins, search
 from pipetrain.train.config import TrainConfig, config_toml
 
 __all__ = ["configure_cluster", "run_cluster"]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
-from pipetrain.split import recall
+from pipetrain.split import capture_reuse
 from pipetrain.split.capture import RECALL, capture
 from pipetrain.testing import grad_mismatches, reference_step
 
@@ -51,7 +51,7 @@ def test_a_model_of_the_same_structure_reuses_the_capture_with_its_own_weights()
                                     "dynamic"])
 def test_what_could_change_the_graph_misses(change: str) -> None:
     x = torch.randn(4, 8)
-    base = recall.key(Net(), (x,))
+    base = capture_reuse.key(Net(), (x,))
     other = Net()
     example: tuple[torch.Tensor, ...] = (x,)
     if change == "attribute":
@@ -63,11 +63,11 @@ def test_what_could_change_the_graph_misses(change: str) -> None:
     elif change == "dtype":
         other.double()
     elif change == "dynamic":  # a capture at fixed shapes serves no symbolic request
-        assert recall.key(other, example, dynamic=False) != base
+        assert capture_reuse.key(other, example, dynamic=False) != base
         return
     else:
         other.b.weight = other.a.weight
-    assert recall.key(other, example) != base
+    assert capture_reuse.key(other, example) != base
 
 
 def test_the_cache_keeps_no_model_alive() -> None:

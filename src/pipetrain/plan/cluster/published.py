@@ -1,7 +1,8 @@
 """Published: runs whose layout, batch, sequence and hardware are all given, and their throughput.
 
 Each :class:`Published` row is one measured step of one run from a paper or a project's own
-benchmark page: the model's shape, the GPU (a key of :data:`pipetrain.plan.hardware.GPUS`) and
+benchmark page: the model's shape, the GPU (a key of :data:`pipetrain.plan.cluster.hardware.GPUS`)
+and
 the layout, the batch and micro-batch, the schedule (pipetrain's names), the recomputation and
 precision, and the one figure the source publishes for it (``metric``/``value``), so that
 ``pipetrain plan --cluster`` can be checked against it. Layout convention, as in
@@ -24,7 +25,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pipetrain.plan.hardware import GPUS
+from pipetrain.plan.cluster.hardware import GPUS
 
 __all__ = ["Published", "PUBLISHED", "METRICS", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "rows"]
 
