@@ -12,7 +12,7 @@ import pipetrain as pt
 from helpers.lm import lm_batch, lm_loss, skip_lm
 from helpers.models import MULTI, SCHEDULES
 from pipetrain.runtime.executor import message_plans
-from pipetrain.runtime.transport.routes import Ports, chain, direct
+from pipetrain.runtime.transport.routes import Ports, direct, linear_routes
 from pipetrain.runtime.transport.wire import ACT, GRAD
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.generators import make_schedule
@@ -28,7 +28,7 @@ def _kwargs(n: int = 4) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 
 # -- derivation -----------------------------------------------------------------------------
 def test_chain_links_neighbours_with_whole_payloads() -> None:
-    routes = chain(3)
+    routes = linear_routes(3)
     assert not routes.keyed
     assert routes.ports[0] == Ports((), ((1, None),), ((1, None),), ())
     assert routes.ports[1] == Ports(((0, None),), ((2, None),), ((2, None),), ((0, None),))

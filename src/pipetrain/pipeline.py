@@ -26,7 +26,7 @@ from pipetrain.pipeline_args import (
     carries_rng,
     device_of,
     pipeline_ranks,
-    resolve,
+    resolve_schedule,
 )
 from pipetrain.result import StepResult
 from pipetrain.runtime.async_steps import Windows
@@ -42,7 +42,7 @@ from pipetrain.runtime.recompute import Policy, layer_flags
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tied import LocalCopies, TiedGrads, find_tied
 from pipetrain.runtime.transport.comm import P2P
-from pipetrain.runtime.transport.routes import chain
+from pipetrain.runtime.transport.routes import linear_routes
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.balance import BalancePlan
 from pipetrain.split.capture import on_model_device
@@ -146,7 +146,7 @@ class Pipeline:
         self.loss_fn, self.split_dim, self.loss_reduction = loss_fn, split_dim, loss_reduction
         self.local = local_ranks is not None
         n_ranks, self.rank = pipeline_ranks(group, local_ranks)
-        self.schedule = resolve(schedule, n_ranks, microbatches, stages_per_rank)
+        self.schedule = resolve_schedule(schedule, n_ranks, microbatches, stages_per_rank)
         self.device = device_of(device, group)
         n_stages = self.schedule.n_stages
         if isinstance(model, nn.Module) and example_inputs is not None:
@@ -175,7 +175,7 @@ class Pipeline:
             sizes = (even_balance(len(layers), n_stages) if balance is None
                      else check_balance(balance, len(layers), n_stages))
         self.balance = sizes
-        self.routes = chain(n_stages) if self.traced is None else self.traced.routes(sizes)
+        self.routes = linear_routes(n_stages) if self.traced is None else self.traced.routes(sizes)
         self.hosted = list(range(n_ranks)) if self.local else [self.rank]
         self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
         self.stages: dict[int, Stage] = {}

@@ -70,7 +70,7 @@ def broadcast_costs(costs: list[LayerCost] | None, n: int, group: dist.ProcessGr
     return [LayerCost(r[0], r[1], r[2], *(int(b) for b in r[3:])) for r in table.tolist()]
 
 
-def resolve(schedule: str | Schedule, n_ranks: int, microbatches: int | None,
+def resolve_schedule(schedule: str | Schedule, n_ranks: int, microbatches: int | None,
              stages_per_rank: int | None) -> Schedule:
     if isinstance(schedule, Schedule):
         if schedule.n_ranks != n_ranks:

@@ -45,7 +45,7 @@ from pipetrain.runtime.stage import Incoming, Stage
 from pipetrain.runtime.tied import TiedParam
 from pipetrain.runtime.transport.comm import P2P
 from pipetrain.runtime.transport.payload import flatten
-from pipetrain.runtime.transport.routes import Routes, chain
+from pipetrain.runtime.transport.routes import Routes, linear_routes
 from pipetrain.runtime.transport.wire import ACT, GRAD, Key, Message
 from pipetrain.runtime.versions import Versions
 from pipetrain.schedules.action import Action, Op
@@ -108,7 +108,7 @@ class Executor:
         self.schedule, self.stages, self.ranks, self.transport = schedule, stages, ranks, transport
         self.versions = versions  # an asynchronous window's weight versions
         self.m = schedule.n_microbatches
-        self.routes = chain(schedule.n_stages) if routes is None else routes
+        self.routes = linear_routes(schedule.n_stages) if routes is None else routes
         ports = self.routes.ports  # per stage, the other stage of each message, in order
         self._act_in = [tuple(s for s, _ in p.act_in) for p in ports]
         self._act_out = [tuple(s for s, _ in p.act_out) for p in ports]
@@ -335,7 +335,7 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True,
     messages (:func:`pipetrain.runtime.failure.step_end.ending_keys`) are not listed: the end of the
     step receives them directly.
     """
-    ports = (chain(schedule.n_stages) if routes is None else routes).ports
+    ports = (linear_routes(schedule.n_stages) if routes is None else routes).ports
     mine = [[d for d, _ in p.act_out if schedule.rank_of(d) == rank] for p in ports]
     back = [[d for d, _ in p.grad_out if schedule.rank_of(d) == rank] for p in ports]
     out: dict[int, list[tuple[int, int, int, int]]] = {}

@@ -28,7 +28,7 @@ from torch import nn
 
 from pipetrain.errors import PartitionError
 from pipetrain.split.capture import move_graph
-from pipetrain.split.lazy import LayerSpec, NamedInit, is_meta, resolve
+from pipetrain.split.lazy import LayerSpec, NamedInit, build_layer, is_meta
 from pipetrain.split.partition import named_layers
 from pipetrain.split.trace import TracedSplit
 
@@ -76,7 +76,7 @@ class Layers:
         if self.by_name is not None and isinstance(layer, nn.Module) and is_meta(layer):
             built = self.by_name.materialize(layer, device).to(device)  # real buffers too
         else:
-            built = resolve(layer, index, self.seed, device).to(device)
+            built = build_layer(layer, index, self.seed, device).to(device)
         if self.traced:  # tensors the graph creates are created on the stage's device
             move_graph(built, device)  # type: ignore[arg-type]
         return built

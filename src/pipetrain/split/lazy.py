@@ -94,10 +94,10 @@ def materialize(layer: nn.Module, index: int, seed: int,
 def build_layers(layers: Sequence[nn.Module | LayerSpec], seed: int,
                  device: torch.device | str = "cpu") -> list[nn.Module]:
     """The whole model as the pipeline would build it: the single-device reference."""
-    return [resolve(layer, i, seed, device) for i, layer in enumerate(layers)]
+    return [build_layer(layer, i, seed, device) for i, layer in enumerate(layers)]
 
 
-def resolve(layer: nn.Module | LayerSpec, index: int, seed: int,
+def build_layer(layer: nn.Module | LayerSpec, index: int, seed: int,
             device: torch.device | str) -> nn.Module:
     """A real module for ``layer``: built from a spec, materialised from meta, or as given."""
     if isinstance(layer, LayerSpec):

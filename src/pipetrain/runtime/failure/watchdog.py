@@ -152,7 +152,7 @@ class Watchdog:
         stuck = holdup(reports, start, self.n_ranks)
         if stuck is not None:
             self.gone.add(stuck)
-        return chain(reports, start, self.n_ranks, self.name)
+        return follow_waits(reports, start, self.n_ranks, self.name)
 
     def _probe(self) -> dict[int, dict[str, Any]]:
         n = self.store.add(f"{self.prefix}probes", 1)
@@ -238,7 +238,7 @@ def _answer(store: Any, prefix: str, rank: int, activity: Activity, stop: thread
                 on_news(job_failure.RankFailed(text))
 
 
-def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int,
+def follow_waits(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int,
           name: Callable[[int], str] = "rank {}".format) -> str:
     """Follow waits from ``start`` to the rank that holds everyone up; describe it.
 
@@ -264,7 +264,7 @@ def chain(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int
 
 def holdup(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int
            ) -> int | None:
-    """The rank at the end of :func:`chain` when it is dead or hung (it does not answer, or
+    """The rank at the end of :func:`follow_waits` when it is dead or hung (it does not answer, or
     is stuck in its stage code or its caller's): it will not count itself out of the
     failure. None for a rank that failed (it says so itself) or ranks waiting in a cycle."""
     _, r = _follow(reports, start, n_ranks)

@@ -15,7 +15,7 @@ An action takes all its messages before it sends any, also where it takes or sen
 
 from __future__ import annotations
 
-from pipetrain.runtime.transport.routes import Ports, Routes, chain
+from pipetrain.runtime.transport.routes import Ports, Routes, linear_routes
 from pipetrain.runtime.transport.wire import ACT, GRAD
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.schedule import Schedule
@@ -31,7 +31,7 @@ def delivery_proofs(schedule: Schedule, rank: int, train: bool = True,
     """For each message a peer sends ``rank``: the peer, and ``rank``'s messages to it that
     the peer took before sending it (each listed once, under the first such message).
     ``routes`` (default: a chain) says which messages each action takes and sends."""
-    ports = (chain(schedule.n_stages) if routes is None else routes).ports
+    ports = (linear_routes(schedule.n_stages) if routes is None else routes).ports
     out: Proofs = {}
     for peer, acts in enumerate(schedule.actions):
         if peer == rank:

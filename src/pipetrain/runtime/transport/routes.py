@@ -66,7 +66,7 @@ class Routes:
         return out
 
 
-def chain(n_stages: int) -> Routes:
+def linear_routes(n_stages: int) -> Routes:
     """Stage k sends its whole output to k+1 and its input gradient to k-1."""
     last = n_stages - 1
     return Routes(tuple(Ports(((s - 1, None),) if s > 0 else (),
