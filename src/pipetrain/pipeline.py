@@ -34,7 +34,7 @@ from pipetrain.runtime.compiled import compile_stages
 from pipetrain.runtime.executor import (
     Executor,
     GradsReady,
-    Loop,
+    TokenFeedback,
     grad_links,
 )
 from pipetrain.runtime.failure.watchdog import Watchdog
@@ -421,7 +421,7 @@ class Pipeline:
         with torch.no_grad():
             return self._run(inputs, targets, train=False, keep_outputs=True, number=step)
 
-    def decode(self, schedule: Schedule, inputs: Sequence[Any], loop: Loop, *,
+    def decode(self, schedule: Schedule, inputs: Sequence[Any], loop: TokenFeedback, *,
                step: int | None = None) -> StepResult:
         """Run a decoding schedule (:mod:`pipetrain.schedules.generators.decode`): forward
         only, the last stage's tokens fed back to stage 0 through ``loop``.
@@ -453,7 +453,7 @@ class Pipeline:
 
     def _run(self, inputs: Any, targets: Any, *, train: bool, keep_outputs: bool,
              on_grads_ready: GradsReady | None = None, number: int | None = None,
-             decoding: tuple[Schedule, Loop] | None = None, drain: bool = False
+             decoding: tuple[Schedule, TokenFeedback] | None = None, drain: bool = False
              ) -> StepResult:
         """One step on the executor the call needs (:class:`~pipetrain.stepper.Stepper`)."""
         schedule = self.schedule if decoding is None else decoding[0]

@@ -26,7 +26,7 @@ from pipetrain.result import StepResult
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
 from pipetrain.runtime.async_steps import Windows
-from pipetrain.runtime.executor import Executor, GradsReady, Loop, StepData, message_plans
+from pipetrain.runtime.executor import Executor, GradsReady, StepData, TokenFeedback, message_plans
 from pipetrain.runtime.failure.step_end import StepTimes, ending_keys, exchange, total_loss
 from pipetrain.runtime.failure.watchdog import Watchdog, diagnosed
 from pipetrain.runtime.stage import Stage
@@ -113,7 +113,7 @@ class Stepper:
 
     def run(self, executor: Executor, schedule: Schedule, tag: Tag, inputs: Any, targets: Any,
             *, train: bool, keep_outputs: bool, on_grads_ready: GradsReady | None,
-            number: int | None, loop: Loop | None, drain: bool, modal: list[nn.Module],
+            number: int | None, loop: TokenFeedback | None, drain: bool, modal: list[nn.Module],
             draws_in_eval: bool = True) -> StepResult:
         """One step of ``executor``, running ``schedule`` (``loop``: a decoding run's;
         ``modal``: the layers put in eval mode while it runs; ``draws_in_eval``: see

@@ -15,7 +15,7 @@ that step's number) and each F and B first puts its weight version into the stag
 
 A decoding schedule (``schedule.feedback``) closes the chain into a ring: the last stage's F
 hands its outputs to ``data.loop.pick``, which picks the tokens, and sends them to stage 0,
-whose F on the fed micro-batch takes its input from ``data.loop.feed`` (:class:`Loop`).
+whose F on the fed micro-batch takes its input from ``data.loop.feed`` (:class:`TokenFeedback`).
 
 That is the chain of a layer list; a traced model's stages take and send one message per
 route instead (:mod:`pipetrain.runtime.transport.routes`: F takes a message from each earlier stage
@@ -57,7 +57,7 @@ __all__: list[str] = []
 GradsReady = Callable[[int], None]
 
 
-class Loop(Protocol):
+class TokenFeedback(Protocol):
     """What a decoding run adds to forward-only steps (:mod:`pipetrain.generation`)."""
 
     def enter(self, stage: int, mb: int) -> None:
@@ -87,7 +87,7 @@ class StepData:
     times: list[float] = field(default_factory=list)  # start, end of each action run, in order
     done_sent: bool = False  # this rank sent its end-of-step message
     rng: Sequence[str] = ()  # stage 0: each micro-batch's starting random state (rng.py)
-    loop: Loop | None = None  # a decoding run's token picking and feeding
+    loop: TokenFeedback | None = None  # a decoding run's token picking and feeding
     previous: int = -1  # an asynchronous window: the number of the step before
     version: int = 0  # an asynchronous window: the weight version of this step's forwards
 

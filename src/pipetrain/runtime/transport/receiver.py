@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -64,7 +64,23 @@ __all__: list[str] = []
 Plan = Sequence[tuple[int, int, int, int]]  # (kind, mb, src_stage, dst_stage) of each message
 RELAY = -2  # the destination stage of an ABORT that passes on another rank's failure
 Describe = Callable[[], str]
-Known = tuple[bytes, int, bytes, Layout, Any]
+
+
+class KnownForm(NamedTuple):
+    """The form of a peer's last message of one (kind, src stage, dst stage): a message of the
+    same form needs no header checks nor spec decoding (:meth:`Receiver._known_form`)."""
+
+    lead: bytes
+    """The header's bytes after its magic and key, up to the spec (all but step and mb)."""
+    size: int
+    """Payload bytes."""
+    spec_bytes: bytes
+    """The encoded spec, compared with the new message's."""
+    where: Layout
+    """Where each tensor lies in the payload."""
+    spec: Any
+    """The decoded spec."""
+
 _LEAD = struct.Struct("<6q")  # magic and key: what differs between messages alike
 _CUT_TAG = 1 << 30  # above every pipeline's tags (17 + 3n ...): nothing is ever sent on it
 _CUT_WAIT = timedelta(milliseconds=1)
@@ -160,7 +176,7 @@ class Inbound:
         self.spare: list[tuple[torch.Tensor, Any]] = []
         """Frames received into before, each free again once no tensor of its message is left
         (:func:`_free_frame`)."""
-        self.known: dict[tuple[int, int, int], Known] = {}
+        self.known: dict[tuple[int, int, int], KnownForm] = {}
         """Per route (kind, source and destination stage), the peer's last message on it sent
         behind its header: its header after the key (up to its last tensor's fields, all
         that :func:`~pipetrain.runtime.transport.wire.read_header` reads), payload bytes, spec
@@ -237,8 +253,8 @@ class Inbound:
         """The message in a received frame (``buffer``: numpy's array over it), checked."""
         known = self.known.get((key.kind, key.src_stage, key.dst_stage))
         if (known is not None and _LEAD.unpack_from(buffer.data, 0) == (MAGIC, *key)
-                and buffer[_LEAD.size:_LEAD.size + len(known[0])].tobytes() == known[0]
-                and known[1] <= buffer.size - HEADER_BYTES):
+                and buffer[_LEAD.size:_LEAD.size + len(known.lead)].tobytes() == known.lead
+                and known.size <= buffer.size - HEADER_BYTES):
             return self._known_form(key, buffer, known, deadline)
         header = read_header(buffer)
         if header[0] != MAGIC:
@@ -265,7 +281,7 @@ class Inbound:
         where, spec = layout(header), read_spec(header, payload)
         msg = views(Key(*header[1:6]), payload, where, spec)
         if msg.key == key and header[12]:
-            self.known[(key.kind, key.src_stage, key.dst_stage)] = (
+            self.known[(key.kind, key.src_stage, key.dst_stage)] = KnownForm(
                 buffer[_LEAD.size:described(header)].tobytes(), size,
                 bytes(buffer[HEADER_BYTES:HEADER_BYTES + header[8]]), where, spec)
         if msg.key.kind == ABORT:
@@ -278,11 +294,11 @@ class Inbound:
                             "a step?)")
         return msg
 
-    def _known_form(self, key: Key, buffer: Any, known: Known, deadline: float) -> Message:
+    def _known_form(self, key: Key, buffer: Any, known: KnownForm, deadline: float) -> Message:
         """A message whose header (but for its step and mb) and structure are those of the
         peer's last one, all checked then: its tensors are read where they lay then, and its
         spec is the last one's (read only: its leaves are JSON scalars)."""
-        size, spec_bytes = known[1], known[2]
+        size, spec_bytes = known.size, known.spec_bytes
         if spec_bytes and buffer[HEADER_BYTES:HEADER_BYTES + len(spec_bytes)].tobytes() \
                 != spec_bytes:
             del self.known[(key.kind, key.src_stage, key.dst_stage)]  # another structure
@@ -291,7 +307,7 @@ class Inbound:
         if buffer.size > FRAME_BYTES and 2 * size < buffer.size:
             payload = payload.copy()  # a small message in a large receive: free the rest now
         self.capacity.record(size, False)
-        return views(key, payload, known[3], known[4])
+        return views(key, payload, known.where, known.spec)
 
     def _receive_payload(self, key: Key, header: Sequence[int], size: int,
                          deadline: float) -> torch.Tensor:
