@@ -12,8 +12,7 @@ Each other rank loads it and builds its capture on its own model's tensors::
 
 Loading is not free: torch's loader builds every node's fake tensors again, so a load took
 half of an export's CPU for GPT ``small`` (``benchmarks/capture.py``; 0.45 at fixed shapes,
-where both are cheaper), and that after :func:`~pipetrain.split.load.load_program` spared it
-the type hints and the parses it repeated for every node (0.7 before, symbolic).
+where both are cheaper).
 What sharing guarantees is that every rank splits the very same graph: a
 rank whose model or example differs from rank 0's (their
 :func:`~pipetrain.split.capture_reuse.key` differs), or whose loaded graph does not print as rank
@@ -47,7 +46,6 @@ from pipetrain.split.capture import (
     from_program,
     on_model_device,
 )
-from pipetrain.split.load import load_program
 
 __all__: list[str] = []
 
@@ -177,7 +175,7 @@ def _load(payload: bytes, model: nn.Module, signature: inspect.Signature,
     head = json.loads(payload[8:8 + size])
     if head["key"] != digest:
         return None, ""
-    program = load_program(payload[8 + size:])
+    program = torch.export.load(io.BytesIO(payload[8 + size:]))
     # this rank's own tensors, not the stand-ins
     captured = from_program(program, model, signature, bound, 0.0, head["named"], dynamic)
     if not all(t.is_meta for t in (*model.parameters(), *model.buffers())):
