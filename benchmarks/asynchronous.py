@@ -28,6 +28,7 @@ import torch.distributed as dist
 from calibrated import Case, _loss, stage_costs
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from pipetrain.schedules.steady_state import steady_state
 
 SCHEDULES = ("1f1b", "zbv", "pipedream-2bw", "pipedream")
@@ -35,11 +36,11 @@ SCHEDULES = ("1f1b", "zbv", "pipedream-2bw", "pipedream")
 
 def bound(case: Case, name: str) -> float:
     """The simulator's time per step: makespan, or the steady period of an asynchronous one."""
-    schedule = pt.make_schedule(name, case.ranks, case.microbatches)
+    schedule = ps.make_schedule(name, case.ranks, case.microbatches)
     costs = stage_costs(case, schedule.n_stages)
     if schedule.update is not None:
         return steady_state(schedule, costs).period
-    return pt.simulate(schedule, costs).makespan
+    return ps.simulate(schedule, costs).makespan
 
 
 def rank_body(ctx: pt.RankContext, case: Case, gpt: str | None = None

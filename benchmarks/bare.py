@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import pipetrain as pt
+import pipetrain.schedules as ps
 
 _SPIN = 0.0003  # as calibrated.py: sleep until this close to the deadline, then spin
 _TAG = 1 << 20  # above the tags of the pipelines sharing the process group
@@ -69,7 +69,7 @@ class BareRunner:
 
     order: list[list[str]] | None = None  # it runs pipetrain's order
 
-    def __init__(self, schedule: pt.Schedule, rank: int, layers: int,
+    def __init__(self, schedule: ps.Schedule, rank: int, layers: int,
                  f: float, i: float, w: float) -> None:
         self.schedule, self.rank = schedule, rank
         self.k = layers // schedule.n_stages

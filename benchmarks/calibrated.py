@@ -38,6 +38,7 @@ from bare import BareRunner, spin_sleep
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 
 SHARED = gb.TORCH_CLASSES  # the schedules both libraries have
 OURS_ONLY = ("zb-h1", "zb-h2")
@@ -117,7 +118,7 @@ class Case:
         return [SleepLayer(j, self.f, self.i, self.w) for j in range(self.layers)]
 
 
-def stage_costs(case: Case, n_stages: int) -> pt.Costs:
+def stage_costs(case: Case, n_stages: int) -> ps.Costs:
     """Effective per-stage costs: k layers per stage; stage 0's I is empty, its W (and B) runs
     the W sleeps and the I sleeps of all but its first layer."""
     k = case.layers // n_stages
@@ -125,7 +126,7 @@ def stage_costs(case: Case, n_stages: int) -> pt.Costs:
     f = (k * case.f,) * n_stages
     i = (0.0,) + (k * case.i,) * (n_stages - 1)
     w = (first,) + (k * case.w,) * (n_stages - 1)
-    return pt.Costs(F=f, I=i, W=w, B=(first,) + (k * (case.i + case.w),) * (n_stages - 1))
+    return ps.Costs(F=f, I=i, W=w, B=(first,) + (k * (case.i + case.w),) * (n_stages - 1))
 
 
 def ideal(case: Case) -> float:
@@ -170,7 +171,7 @@ class _Runner:
 
     def __init__(self, lib: str, name: str, case: Case, rank: int) -> None:
         self.lib, self.rank, self.case = lib, rank, case
-        self.schedule = pt.make_schedule(name, case.ranks, case.microbatches)
+        self.schedule = ps.make_schedule(name, case.ranks, case.microbatches)
         self.k = case.layers // self.schedule.n_stages
         n = case.microbatches * 2
         self.x, self.y = torch.randn(n, 8), torch.randn(n, 8)
@@ -284,7 +285,7 @@ def rank_body(ctx: pt.RankContext, cases: list[Case]) -> list[dict[str, Any]]:
             for lib in libs:
                 try:
                     runners[lib] = (_Runner(lib, name, case, ctx.rank) if lib != "bare" else
-                                    BareRunner(pt.make_schedule(name, case.ranks,
+                                    BareRunner(ps.make_schedule(name, case.ranks,
                                                                 case.microbatches),
                                                ctx.rank, case.layers, case.f, case.i, case.w))
                 except (ValueError, RuntimeError) as e:  # a schedule refusing (m, p)
@@ -311,16 +312,16 @@ def _predict(case: Case, name: str, order: list[list[str]] | None) -> tuple[floa
     torch's printable order is what its runtime executes for the IR-driven schedules; for
     GPipe and 1F1B it is a separate derivation, and 1F1B's does not validate.
     """
-    ours = pt.make_schedule(name, case.ranks, case.microbatches)
+    ours = ps.make_schedule(name, case.ranks, case.microbatches)
     costs = stage_costs(case, ours.n_stages)
     if order is not None:
         try:
-            actions = [[pt.Action.parse(a) for a in acts] for acts in order]
-            theirs = pt.Schedule.from_lists(name, case.microbatches, ours.placement, actions)
-            return pt.simulate(theirs, costs).makespan, "own order"
+            actions = [[ps.Action.parse(a) for a in acts] for acts in order]
+            theirs = ps.Schedule.from_lists(name, case.microbatches, ours.placement, actions)
+            return ps.simulate(theirs, costs).makespan, "own order"
         except (ValueError, pt.PipelineError):
             pass
-    return pt.simulate(ours, costs).makespan, "pipetrain order"
+    return ps.simulate(ours, costs).makespan, "pipetrain order"
 
 
 def summarize(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -106,8 +106,8 @@ def transformers_side(args: argparse.Namespace, name: str) -> dict[str, Any]:
 def _pipeline_rank(ctx: pt.RankContext, args: argparse.Namespace, name: str
                    ) -> dict[str, Any]:
     from pipetrain.generation import Generator
-    from pipetrain.schedules.calibrate import hop_delays
-    from pipetrain.schedules.simulate import Costs, simulate
+    from pipetrain.schedules.calibration import hop_delays
+    from pipetrain.schedules.simulator import Costs, simulate
 
     model = build(name, max(args.contexts) + args.new + 8)
     vocab = model.config.vocab_size

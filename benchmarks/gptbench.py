@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from pipetrain.models.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
 from pipetrain.runtime import microbatch
 from pipetrain.runtime.tied import find_tied
@@ -76,16 +77,16 @@ class Workload:
         corpus = default_corpus(max_bytes=1 << 20)
         return Batches(corpus.train, self.batch, self.config.seq_len, seed=self.seed).batch(0)
 
-    def schedule(self, name: str) -> pt.Schedule:
-        return pt.make_schedule(name, self.ranks, self.microbatches)
+    def schedule(self, name: str) -> ps.Schedule:
+        return ps.make_schedule(name, self.ranks, self.microbatches)
 
 
-def split(layers: Sequence[nn.Module], schedule: pt.Schedule) -> list[int]:
+def split(layers: Sequence[nn.Module], schedule: ps.Schedule) -> list[int]:
     """Layers per stage, balanced by parameter bytes (deterministic; blocks weigh the same)."""
     return plan_balance(layers, schedule, "params").balance
 
 
-def stage_modules(layers: Sequence[nn.Module], schedule: pt.Schedule, balance: Sequence[int],
+def stage_modules(layers: Sequence[nn.Module], schedule: ps.Schedule, balance: Sequence[int],
                   rank: int) -> dict[int, nn.Module]:
     """This rank's stages as ``nn.Sequential`` s of the given layers (no copies)."""
     bounds = stage_bounds(balance)
@@ -199,7 +200,7 @@ def _record(stage: Any, spans: list[Span]) -> None:
     stage.backward_weight_one_chunk = timed(lambda k: "W", stage.backward_weight_one_chunk)
 
 
-def _tied_groups(layers: Sequence[nn.Module], sched: pt.Schedule, balance: Sequence[int],
+def _tied_groups(layers: Sequence[nn.Module], sched: ps.Schedule, balance: Sequence[int],
                  rank: int) -> list[tuple[nn.Parameter, Any]]:
     # Every rank creates every group (new_group is collective), in the same order.
     stage_layers = [[(str(i), layers[i]) for i in range(a, e)] for a, e in stage_bounds(balance)]

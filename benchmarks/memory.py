@@ -11,7 +11,7 @@ both ``recompute="never"`` and ``"always"``, on p processes (one thread each):
                message buffers and the transient tensors of a backward
     unit       per stage, bytes one micro-batch's F leaves alive (saved tensors and outputs),
                measured alone on the same rank, plus its input when that arrives as a message
-    sim        ``pt.simulate(schedule).peak_activations[rank]``, in units
+    sim        ``ps.simulate(schedule).peak_activations[rank]``, in units
     sim+I      the same with ``i_held``: per stage, the gradients I keeps until W over the
                unit, measured alone (``i_saved``)
     predicted  the simulator's memory rule on its timeline, each F adding its stage's unit
@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from pipetrain.models.gpt import Block, GPTConfig
 from pipetrain.runtime.backward import backward_full, backward_input
 from pipetrain.schedules.action import Op
@@ -85,7 +86,7 @@ UNIT_KEYS = ("input", "message", "forward", "forward_peak", "i_saved", "b_peak",
              "w_peak")
 
 
-def stage_units(setup: Setup, schedule: pt.Schedule, rank: int) -> dict[int, dict[str, int]]:
+def stage_units(setup: Setup, schedule: ps.Schedule, rank: int) -> dict[int, dict[str, int]]:
     """Per hosted stage, measured alone on one micro-batch (bytes above the level before):
 
     input         the stage input, when it arrives as a message (held until B or W)
@@ -179,7 +180,7 @@ def _deltas(op: Op, u: dict[str, int], recompute: bool, detailed: bool) -> tuple
             Op.I: (f + ip, f + saved), Op.W: (wp, -(x + f + saved))}[op]
 
 
-def _sends(schedule: pt.Schedule, action: pt.Action, rank: int) -> bool:
+def _sends(schedule: ps.Schedule, action: ps.Action, rank: int) -> bool:
     """Whether ``action`` sends its output (F) or input gradient (B, I) to another rank."""
     s = action.stage
     if action.op is Op.F:
@@ -187,8 +188,8 @@ def _sends(schedule: pt.Schedule, action: pt.Action, rank: int) -> bool:
     return action.op in (Op.B, Op.I) and s > 0 and schedule.rank_of(s - 1) != rank
 
 
-def i_held(schedule: pt.Schedule, units: dict[int, dict[str, int]]) -> tuple[float, ...]:
-    """Per stage, the gradients I keeps until W in units of the stage's F (``pt.simulate``)."""
+def i_held(schedule: ps.Schedule, units: dict[int, dict[str, int]]) -> tuple[float, ...]:
+    """Per stage, the gradients I keeps until W in units of the stage's F (``ps.simulate``)."""
     return tuple(max(0, units[s]["i_saved"]) / (units[s]["input"] + units[s]["forward"])
                  for s in range(schedule.n_stages))
 
@@ -224,7 +225,7 @@ def rank_body(ctx: pt.RankContext, setup: Setup, names: Sequence[str]) -> list[d
     data = setup.data()
     out = []
     for name in names:
-        schedule = pt.make_schedule(name, setup.ranks, setup.microbatches)
+        schedule = ps.make_schedule(name, setup.ranks, setup.microbatches)
         units = stage_units(setup, schedule, ctx.rank)
         for recompute in RECOMPUTE:
             out.append({"schedule": name, "recompute": recompute, "rank": ctx.rank,
@@ -236,12 +237,12 @@ def summarize(setup: Setup, per_rank: list[list[dict[str, Any]]]) -> list[dict[s
     rows = []
     for j, first in enumerate(per_rank[0]):
         name, recompute = first["schedule"], first["recompute"]
-        schedule = pt.make_schedule(name, setup.ranks, setup.microbatches)
+        schedule = ps.make_schedule(name, setup.ranks, setup.microbatches)
         units: dict[int, dict[str, int]] = {}
         for r in per_rank:
             units.update({int(s): u for s, u in r[j]["units"].items()})
         held = i_held(schedule, units)
-        plain, sim = pt.simulate(schedule), pt.simulate(schedule, i_held=held)
+        plain, sim = ps.simulate(schedule), ps.simulate(schedule, i_held=held)
         ranks = range(setup.ranks)
         always = recompute == "always"
         pred = [predicted_bytes(sim, r, units, always, detailed=False) for r in ranks]
@@ -267,7 +268,7 @@ def format_table(rows: list[dict[str, Any]], setup: Setup) -> str:
             f"{'predicted':>12}"
             f"{'detailed':>12}{'measured':>12}{'meas/pred':>11}{'meas/det':>11}")
     lines = [head, "-" * len(head)]
-    schedule_of = {name: pt.make_schedule(name, setup.ranks, setup.microbatches)
+    schedule_of = {name: ps.make_schedule(name, setup.ranks, setup.microbatches)
                    for name in dict.fromkeys(r["schedule"] for r in rows)}
     for r in rows:
         sched = schedule_of[r["schedule"]]

@@ -37,6 +37,7 @@ from calibrated import Case, _loss, stage_costs
 from peer_steps import ROWS, WIDTH, deepspeed_step, installed, missing, timed, trained
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 
 
 def _case(p: int, m: int, cost: float, steps: int, warmup: int) -> Case:
@@ -49,7 +50,7 @@ def _data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bound(case: Case, schedule: str) -> float:
-    return pt.simulate(pt.make_schedule(schedule, case.ranks, case.microbatches),
+    return ps.simulate(ps.make_schedule(schedule, case.ranks, case.microbatches),
                        stage_costs(case, case.ranks)).makespan
 
 

@@ -5,7 +5,7 @@ On p = 2 processes (one thread each) training pipetrain's GPT (``small`` preset 
 
     1. calibrate  once, before everything else: a run of one schedule that has F, B, I and W
                   (``--calibrate``, DualPipeV by default): one warm-up step, then the
-                  timelines of ``--calibration-steps`` steps give ``pt.calibrate``'s costs per
+                  timelines of ``--calibration-steps`` steps give ``ps.calibrate``'s costs per
                   stage and op and its message delay; every rank also profiles every layer
                   alone (``profile_layers``), whose times only split a calibrated stage among
                   its layers when another schedule cuts the model elsewhere (``regroup``)
@@ -15,7 +15,7 @@ On p = 2 processes (one thread each) training pipetrain's GPT (``small`` preset 
                   real token ids, the last stage the real loss), and the fused B
                   (``backward_full``) next to it; ``comm`` is half the round trip of one
                   activation-sized tensor between the two ranks, idle
-    3. predict    ``pt.simulate(schedule, costs, comm).makespan``, from the profile
+    3. predict    ``ps.simulate(schedule, costs, comm).makespan``, from the profile
                   (``predicted``) and from the calibration (``calibrated``)
     4. run        the schedule: median over steps of first rank's start to last rank's end
 
@@ -48,11 +48,12 @@ import torch.distributed as dist
 from torch import nn
 
 import pipetrain as pt
-from pipetrain import calibrate as pt_calibrate
+import pipetrain.schedules as ps
 from pipetrain.models.gpt import lm_loss
 from pipetrain.runtime import microbatch
 from pipetrain.runtime.backward import backward_full
-from pipetrain.schedules.calibrate import regroup
+from pipetrain.schedules import calibration as pt_calibrate
+from pipetrain.schedules.calibration import regroup
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.timeline import Span, Timeline
 from pipetrain.split.partition import stage_bounds
@@ -192,21 +193,21 @@ class Calibrated:
     balance: list[int]
     layer_weights: dict[str, list[float]]
 
-    def costs(self, balance: Sequence[int]) -> pt.Costs:
+    def costs(self, balance: Sequence[int]) -> ps.Costs:
         return regroup(self.calibration.costs, self.balance, balance, weights=self.layer_weights)
 
 
 def calibrated(work: gb.Workload, run: dict[str, Any]) -> Calibrated:
-    """The calibration run's costs per stage and op and its median hop (``pt.calibrate``)."""
+    """The calibration run's costs per stage and op and its median hop (``ps.calibrate``)."""
     sched = work.schedule(run["schedule"])
-    steps = [Timeline(sched.n_ranks, tuple(Span(rank, pt.Action.parse(a), start, end)
+    steps = [Timeline(sched.n_ranks, tuple(Span(rank, ps.Action.parse(a), start, end)
                                            for a, rank, start, end in step), "s")
              for step in run["spans"]]
-    return Calibrated(run["schedule"], pt.calibrate(steps, sched), run["balance"], run["layers"])
+    return Calibrated(run["schedule"], ps.calibrate(steps, sched), run["balance"], run["layers"])
 
 
-def _costs(per_stage: dict[int, dict[str, float]], n_stages: int) -> pt.Costs:
-    return pt.Costs(**{op: tuple(per_stage[s][op] for s in range(n_stages)) for op in OPS})
+def _costs(per_stage: dict[int, dict[str, float]], n_stages: int) -> ps.Costs:
+    return ps.Costs(**{op: tuple(per_stage[s][op] for s in range(n_stages)) for op in OPS})
 
 
 def _run_op_times(spans: list[list[tuple[str, int, float, float]]],
@@ -215,7 +216,7 @@ def _run_op_times(spans: list[list[tuple[str, int, float, float]]],
     got: dict[tuple[int, str], list[float]] = {}
     for step in spans:
         for text, _, start, end in step:
-            a = pt.Action.parse(text)
+            a = ps.Action.parse(text)
             got.setdefault((a.stage, a.op.value), []).append(end - start)
     return {s: {op: statistics.mean(got.get((s, op), [0.0])) for op in OPS}
             for s in range(n_stages)}
@@ -224,7 +225,7 @@ def _run_op_times(spans: list[list[tuple[str, int, float, float]]],
 SpanRow = tuple[str, int, float, float]  # (action, rank, start, end)
 
 
-def _waits(spans: list[list[SpanRow]], sched: pt.Schedule) -> tuple[list[float], list[float]]:
+def _waits(spans: list[list[SpanRow]], sched: ps.Schedule) -> tuple[list[float], list[float]]:
     """Two kinds of time between actions in a run:
 
     gap  idle before an action that needs no message (W, F of stage 0, B/I of the last
@@ -238,16 +239,16 @@ def _waits(spans: list[list[SpanRow]], sched: pt.Schedule) -> tuple[list[float],
         for rank in range(sched.n_ranks):
             mine = sorted((row for row in step if row[1] == rank), key=lambda row: row[2])
             for prev, cur in zip(mine, mine[1:]):
-                source = _source(pt.Action.parse(cur[0]), sched.n_stages - 1, end)
+                source = _source(ps.Action.parse(cur[0]), sched.n_stages - 1, end)
                 if source is None:
                     gaps.append(cur[2] - prev[3])
-                elif (sched.rank_of(pt.Action.parse(source).stage) != rank
+                elif (sched.rank_of(ps.Action.parse(source).stage) != rank
                       and end[source] > prev[3]):  # the message was sent after this rank idled
                     hops.append(cur[2] - end[source])
     return gaps, hops
 
 
-def _source(a: pt.Action, last: int, done: dict[str, float]) -> str | None:
+def _source(a: ps.Action, last: int, done: dict[str, float]) -> str | None:
     """The action whose message ``a`` consumes; None for W, F of stage 0, B/I of the last."""
     if a.op.value == "F" and a.stage > 0:
         return f"{a.stage - 1}F{a.mb}"
@@ -256,7 +257,7 @@ def _source(a: pt.Action, last: int, done: dict[str, float]) -> str | None:
     return None
 
 
-def _replay(step: list[SpanRow], sched: pt.Schedule, hop: float) -> float:
+def _replay(step: list[SpanRow], sched: ps.Schedule, hop: float) -> float:
     """The simulator's makespan when every action takes exactly as long as it did in ``step``."""
     took = {row[0]: row[3] - row[2] for row in step}
     result = walk(sched, lambda rank, a: took[str(a)], hop)
@@ -269,9 +270,9 @@ def summarize_one(work: gb.Workload, costs: dict[int, dict[str, float]], comm: f
     """Predictions, measurement and the diagnosis of one schedule."""
     sched = work.schedule(name)
     n = sched.n_stages
-    predicted = pt.simulate(sched, _costs(costs, n), comm).makespan
+    predicted = ps.simulate(sched, _costs(costs, n), comm).makespan
     calibrated_costs = calib.costs(balance)
-    from_calibration = pt.simulate(sched, calibrated_costs, calib.calibration.comm).makespan
+    from_calibration = ps.simulate(sched, calibrated_costs, calib.calibration.comm).makespan
     measured = gb.median_step(walls)
     span = statistics.median(max(r[3] for r in st) - min(r[2] for r in st) for st in runs)
     in_run = _run_op_times(runs, n)
@@ -281,7 +282,7 @@ def summarize_one(work: gb.Workload, costs: dict[int, dict[str, float]], comm: f
     gaps, hops = _waits(runs, sched)
     hop = max(0.0, statistics.mean(hops)) if hops else comm  # < 0: senders preempted
     replay = statistics.median(_replay(step, sched, hop) for step in runs)
-    with_hop = pt.simulate(sched, _costs(costs, n), hop).makespan
+    with_hop = ps.simulate(sched, _costs(costs, n), hop).makespan
     return {"schedule": name, "balance": balance, "predicted_s": predicted,
             "measured_s": measured, "ratio": predicted / measured,
             "calibrated_s": from_calibration, "calibrated_ratio": from_calibration / measured,

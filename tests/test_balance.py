@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain import make_schedule, simulate
 from pipetrain.errors import PartitionError
+from pipetrain.schedules import make_schedule, simulate
 from pipetrain.schedules.action import Op
 from pipetrain.schedules.timeline import Span
 from pipetrain.split.balance import (

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from helpers.models import batch
 from pipetrain.errors import PartitionError
 from pipetrain.testing import grad_mismatches, reference_step
@@ -38,7 +39,7 @@ def test_time_mode_trains_exactly() -> None:
     assert grad_mismatches(pipe.named_parameters(), ref) == []
     plan = pipe.balance_plan
     assert plan is not None
-    pt.simulate(pipe.schedule, plan.costs_for_simulator())
+    ps.simulate(pipe.schedule, plan.costs_for_simulator())
 
 
 def test_automatic_balance_errors() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain import make_schedule
 from pipetrain.cli import main
+from pipetrain.schedules import make_schedule
 
 GOOD = make_schedule("1f1b", 2, 3).to_text()
 # rank 1 starts with micro-batch 1, which rank 0 sends only after its 0B0, which waits on rank 1

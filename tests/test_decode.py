@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from pipetrain.errors import ScheduleError
 from pipetrain.schedules.action import Action, B, F, Op
 from pipetrain.schedules.generators.decode import decode_schedule, steady_bubble
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import simulate
+from pipetrain.schedules.simulator import simulate
 from pipetrain.schedules.validate import validate
 
 
@@ -138,4 +139,4 @@ def test_executor_runs_the_ring(ranks: int) -> None:
 def test_decode_refuses_a_training_schedule() -> None:
     pipe = pt.Pipeline([nn.Linear(2, 2), nn.Linear(2, 2)], "gpipe", 2, local_ranks=2)
     with pytest.raises(ValueError, match="decoding schedule"):
-        pipe.decode(pt.make_schedule("gpipe", 2, 2), [torch.ones(1, 2)] * 2, _Ring())
+        pipe.decode(ps.make_schedule("gpipe", 2, 2), [torch.ones(1, 2)] * 2, _Ring())

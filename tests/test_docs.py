@@ -372,12 +372,12 @@ def test_readme_schedule_table_is_what_the_simulator_says() -> None:
     assert len(rows) >= 12, rows
     for name, rest in rows:
         per_rank, makespan, fraction, rate, peaks, minimum = rest.split(" | ")
-        sim = pt.simulate(pt.make_schedule(name, 4, 8))
+        sim = pt.schedules.simulate(pt.schedules.make_schedule(name, 4, 8))
         got = [str(sim.schedule.n_stages // 4), f"{sim.makespan:g}",
                f"{sim.bubble_fraction:.3f}", f"{sim.bubble_rate:.3f}",
                ", ".join(f"{x:g}" for x in sim.peak_activations)]
         assert got == [per_rank, makespan, fraction, rate, peaks], (name, got)
-        pt.make_schedule(name, 4, int(minimum))  # the smallest m it accepts builds
+        pt.schedules.make_schedule(name, 4, int(minimum))  # the smallest m it accepts builds
 
 
 def test_the_generate_snippet_gives_transformers_tokens(tmp_path: Path) -> None:
@@ -415,12 +415,12 @@ def test_the_decode_schedule_prints_what_the_page_says(capsys: pytest.CaptureFix
 
 def test_the_asynchronous_rows_are_what_the_simulator_says() -> None:
     """README's PipeDream-2BW row (p = 4, m = 8) and schedules.md's steady-state table."""
-    import pipetrain as pt
+    from pipetrain.schedules import Costs, make_schedule, simulate
     from pipetrain.schedules.steady_state import steady_state
 
     def figures(p: int, m: int) -> tuple[str, ...]:
-        got = steady_state(pt.make_schedule("pipedream-2bw", p, m), pt.Costs(F=1, B=2))
-        flushed = pt.simulate(pt.make_schedule("1f1b", p, m), pt.Costs(F=1, B=2))
+        got = steady_state(make_schedule("pipedream-2bw", p, m), Costs(F=1, B=2))
+        flushed = simulate(make_schedule("1f1b", p, m), Costs(F=1, B=2))
         return (f"{got.period:g}", f"{flushed.makespan:g}", f"{got.bubble_fraction:.3f}",
                 ", ".join(f"{x:g}" for x in got.peak_activations),
                 ", ".join(str(v) for v in got.peak_versions))
@@ -429,7 +429,7 @@ def test_the_asynchronous_rows_are_what_the_simulator_says() -> None:
         row = re.search(rf"^\| {title}, `{name}` \| 1 \| (\S+) \| (\S+) \| ([\d, ]+) \| "
                         r"([\d, ]+) \| p \|$", (ROOT / "README.md").read_text(), re.M)
         assert row is not None, name
-        got = steady_state(pt.make_schedule(name, 4, 8), pt.Costs(F=1, B=2))
+        got = steady_state(make_schedule(name, 4, 8), Costs(F=1, B=2))
         assert row.groups() == (f"{got.period:g}", f"{got.bubble_fraction:.3f}",
                                 ", ".join(f"{x:g}" for x in got.peak_activations),
                                 ", ".join(str(v) for v in got.peak_versions)), name

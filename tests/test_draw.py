@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain import make_schedule
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Action
 from pipetrain.schedules.draw import chrome_trace, save_png, save_trace, text_timeline
-from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.simulator import Costs, simulate
 from pipetrain.schedules.timeline import Span, Timeline
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pipetrain import make_schedule
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.dataflow import needs
 from pipetrain.schedules.generators.controllable import (
@@ -18,7 +18,7 @@ from pipetrain.schedules.generators.controllable import (
 )
 from pipetrain.schedules.generators.vshape import zbv
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, Simulation, simulate
+from pipetrain.schedules.simulator import Costs, Simulation, simulate
 from pipetrain.schedules.validate import validate
 from test_generators_v import _check_valid as check_v_valid
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipetrain import make_schedule
-from pipetrain.schedules import simulate as sim
+from pipetrain.schedules import make_schedule
+from pipetrain.schedules import simulator as sim
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.generators import REGISTRY

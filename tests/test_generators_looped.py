@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain import make_schedule
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Op
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.simulator import Costs, simulate
 from pipetrain.schedules.validate import validate
 
 

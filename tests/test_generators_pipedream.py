@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain import make_schedule
 from pipetrain.errors import ScheduleError
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.dataflow import versions_alive, walk
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.simulator import Costs, simulate
 from pipetrain.schedules.steady_state import steady_state
 from pipetrain.schedules.validate import validate
 

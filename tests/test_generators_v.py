@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import pytest
 
-from pipetrain import make_schedule
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.dataflow import needs, produces, walk
 from pipetrain.schedules.generators.dualpipev import dualpipev
 from pipetrain.schedules.generators.vshape import zbv
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.simulator import Costs, simulate
 from pipetrain.schedules.validate import validate
 
 W_SHARES = (0.0, 0.5, 1.0)

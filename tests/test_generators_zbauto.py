@@ -6,13 +6,13 @@ from typing import NamedTuple
 
 import pytest
 
-from pipetrain import make_schedule
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Op
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.generators import Target
 from pipetrain.schedules.generators.zbauto import zb_auto, zb_auto_search
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.simulator import Costs, simulate
 
 UNIT = Costs()  # F = I = W = 1
 TOL = 1e-9  # the memory limit is compared with this tolerance (fractional w_share sums)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from helpers.models import MULTI, SCHEDULES, batch, mlp
 from pipetrain.runtime.executor import grads_final_after
 from pipetrain.schedules.action import Op
@@ -92,7 +93,7 @@ def test_not_called_by_eval_and_a_raising_hook_fails_the_step() -> None:
 def test_points_come_from_the_action_lists() -> None:
     # ZB-H1 on 2 ranks: each stage's last W; 1F1B: each stage's last B
     for name, op in (("zb-h1", Op.W), ("1f1b", Op.B)):
-        sched = pt.make_schedule(name, 2, 4)
+        sched = ps.make_schedule(name, 2, 4)
         for rank in range(2):
             order = [(rank, a) for a in sched.actions[rank]]
             ready = grads_final_after(order, {}, set())

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from helpers.hf import LOSSES, MODELS, batch, materialized, on_meta, points
 from pipetrain.testing import reference_step
 
@@ -52,7 +53,7 @@ def run_case(name: str, schedule: str, dtype: torch.dtype, ranks: int = 2,
     ref = copy.deepcopy(model)
     inputs, targets = batch(name, rows, seq)
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
-    stages = pt.make_schedule(schedule, ranks, M).n_stages
+    stages = ps.make_schedule(schedule, ranks, M).n_stages
     pipe = pt.Pipeline(model, schedule, M, LOSSES[name], local_ranks=ranks,
                        split_points=points(name, stages), example_inputs=inputs, **options)
     got = pipe.step(pipe.pack(**inputs), targets)

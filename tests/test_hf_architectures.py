@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-import pipetrain as pt
+import pipetrain.schedules as ps
 from helpers.hf import python_text, tokenizer
 
 tf = pytest.importorskip("transformers")
@@ -58,7 +58,7 @@ def test_an_architecture_gives_transformers_loss_through_the_pipeline(
     directory = _saved(CONFIGS[name](), tok, tmp_path / name)
     cfg = TrainConfig(hf=str(directory), seq_len=16, microbatches=2)
     source = source_for(cfg)
-    pipe = source.pipeline(cfg, pt.make_schedule("zbv", 2, 2), 2, 0, lambda f: f, local_ranks=2)
+    pipe = source.pipeline(cfg, ps.make_schedule("zbv", 2, 2), 2, 0, lambda f: f, local_ranks=2)
     assert source.loaded(pipe)["tensors_read"] == len(pipe.state_dict())
     window = torch.randint(0, len(tok), (4, 17), generator=torch.Generator().manual_seed(1))
     got = pipe.step(source.feed(window[:, :-1]), window[:, 1:]).loss

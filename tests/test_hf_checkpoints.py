@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-import pipetrain as pt
+import pipetrain.schedules as ps
 from helpers.hf import python_text, save_dir, tokenizer
 from pipetrain.hf import model as hfmodel
 from pipetrain.hf.save import save_pretrained
@@ -111,7 +111,7 @@ def test_the_pipeline_loss_is_the_one_transformers_computes(dirs: dict[str, Path
         cfg = TrainConfig(hf=str(directory), seq_len=16, microbatches=2)
         source = source_for(cfg)
         assert isinstance(source, HFSource)
-        schedule = pt.make_schedule("zbv", 2, 2)
+        schedule = ps.make_schedule("zbv", 2, 2)
         pipe = source.pipeline(cfg, schedule, 2, 0, lambda f: f, local_ranks=2)
         assert source.loaded(pipe)["tensors_read"] == len(pipe.state_dict())
         window = torch.randint(0, len(source.tokenizer), (4, 17),

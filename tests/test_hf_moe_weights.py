@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from helpers.hf import VOCAB, python_text, tokenizer
 from pipetrain.hf.model import load_weights, open_model
 from pipetrain.hf.save import save_pretrained
@@ -94,7 +95,7 @@ def _loaded(directory: Path, ranks: int) -> tuple[pt.Pipeline, Any]:
     its tensors read by :func:`load_weights`; and what it read."""
     hf = open_model(directory)
     cfg = TrainConfig(hf=str(directory), seq_len=16, microbatches=2)
-    pipe = hf_pipeline(hf.model, cfg, pt.make_schedule("1f1b", ranks, 2), 2, lambda f: f,
+    pipe = hf_pipeline(hf.model, cfg, ps.make_schedule("1f1b", ranks, 2), 2, lambda f: f,
                        local_ranks=ranks)
     # pipetrain train --hf captures at its fixed shapes: 2 rows of seq_len tokens
     assert pipe.traced is not None and not pipe.traced.captured.dynamic

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from pipetrain.testing import reference_step
 
 pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
@@ -142,7 +143,7 @@ def test_train_hf_loss_adds_the_router_loss_as_transformers_labels_do() -> None:
     window = torch.randint(1, V, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(3))
     x, y = window[:, :-1], window[:, 1:].contiguous()
     cfg = TrainConfig(seq_len=SEQ, microbatches=M, balance="even")
-    pipe = hf_pipeline(model, cfg, pt.make_schedule("zbv", 2, M), ROWS // M, lambda f: f,
+    pipe = hf_pipeline(model, cfg, ps.make_schedule("zbv", 2, M), ROWS // M, lambda f: f,
                        local_ranks=2)
     got = pipe.step({"input_ids": x}, y).loss
     assert got is not None

@@ -214,10 +214,10 @@ def test_calibrated_plan_of_sharded_layouts(tmp_path: Path, capsys: pytest.Captu
 ])
 def test_a_calibration_term_is_fitted_to_the_measured_steps(field: str, truths: tuple[float, ...],
                                                             policy: str, fsdp: int) -> None:
-    from pipetrain import make_schedule
     from pipetrain.plan.measured import _fitted
     from pipetrain.plan.planner import Scale, evaluate
     from pipetrain.plan.shardcost import Sharding
+    from pipetrain.schedules import make_schedule
     from test_planner import _profile
 
     prof, sharding = _profile(2), Sharding(fsdp=fsdp, reshard="layer")

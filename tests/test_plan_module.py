@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from pipetrain.cli import main
 from pipetrain.plan import ModulePlan, memory_target, plan_module, read_plan, stage_activations
 from pipetrain.plan.planner import Profiled, Scale, evaluate
@@ -111,7 +112,7 @@ def test_the_best_layout_of_a_user_module_steps_like_one_process(
     _steps_like_one_process(model, best, ids, ids, token_loss)
     # zb-auto's searched Schedule travels itself, and builds the same way
     auto = next(p for p in user_plans if p.schedule == "zb-auto")
-    assert isinstance(auto.pipeline_kwargs()["schedule"], pt.Schedule)
+    assert isinstance(auto.pipeline_kwargs()["schedule"], ps.Schedule)
     _steps_like_one_process(model, auto, ids, ids, token_loss)
 
 
@@ -227,8 +228,8 @@ def _check_fits(prof: Profiled, balance: list[int], budget: float, policy: str,
     the budget (the planner's bytes)."""
     target = memory_target(budget, prof, balance, recompute=policy)
     assert target.memory_limit is not None and target.costs is not None
-    schedule = pt.make_schedule("zb-auto", len(balance), m, target=target)
-    assert max(pt.simulate(schedule).peak_activations) <= target.memory_limit
+    schedule = ps.make_schedule("zb-auto", len(balance), m, target=target)
+    assert max(ps.simulate(schedule).peak_activations) <= target.memory_limit
     cand = evaluate(prof, schedule, balance, policy, budget, Scale())
     assert cand.fits and max(cand.predicted_peak_bytes) <= budget
     return target.memory_limit
@@ -312,7 +313,7 @@ def test_a_searched_schedule_travels_as_a_file_beside_the_plan(
     code, report = _cli(tmp_path, capsys, "--memory-limit", "64MiB", "--schedules", "zb-auto")
     kwargs = read_plan(report["config"])
     assert code == 0 and (tmp_path / "plan" / "plan.schedule.csv").is_file()
-    assert kwargs["schedule"].actions == pt.Schedule.from_text(
+    assert kwargs["schedule"].actions == ps.Schedule.from_text(
         report["best"]["schedule_text"]).actions
 
 

@@ -6,7 +6,6 @@ from dataclasses import replace
 
 import pytest
 
-from pipetrain import make_schedule
 from pipetrain.plan.planner import (
     MARGIN,
     Profiled,
@@ -19,6 +18,7 @@ from pipetrain.plan.planner import (
 from pipetrain.plan.planner import (
     ranked as rank_candidates,
 )
+from pipetrain.schedules import make_schedule
 from pipetrain.split.profile import LayerCost
 
 MIB = 2**20

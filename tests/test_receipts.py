@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import pipetrain as pt
+import pipetrain.schedules as ps
 from helpers.models import MULTI, SCHEDULES
 from pipetrain.runtime.executor import message_plans
 from pipetrain.runtime.transport.receipts import delivery_proofs
@@ -12,7 +12,7 @@ from pipetrain.runtime.transport.wire import ACT, GRAD
 
 
 def test_1f1b_a_gradient_proves_its_activation_received() -> None:
-    schedule = pt.make_schedule("1f1b", 2, 4)
+    schedule = ps.make_schedule("1f1b", 2, 4)
     assert delivery_proofs(schedule, 0) == {(GRAD, k, 1, 0): (1, [(ACT, k, 0, 1)])
                                             for k in range(4)}
     # rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3: its activations 2 and 3 follow the gradients 0 and 1
@@ -25,7 +25,7 @@ def test_1f1b_a_gradient_proves_its_activation_received() -> None:
 @pytest.mark.parametrize("n_ranks,m", [(2, 4), (3, 6), (4, 8)])
 def test_every_proof_is_a_message_of_the_step_proven_once(name: str, n_ranks: int, m: int
                                                           ) -> None:
-    schedule = pt.make_schedule(name, n_ranks, m, 2 if name in MULTI else None)
+    schedule = ps.make_schedule(name, n_ranks, m, 2 if name in MULTI else None)
     for train in (True, False):
         for rank in range(n_ranks):
             inbound = message_plans(schedule, rank, train)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain import make_schedule
 from pipetrain.errors import ScheduleError
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Action, B, F, I, Op, W
 from pipetrain.schedules.schedule import Schedule
 

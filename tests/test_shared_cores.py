@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from pipetrain import make_schedule
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Action
-from pipetrain.schedules.calibrate import calibrate
+from pipetrain.schedules.calibration import calibrate
 from pipetrain.schedules.dataflow import walk
 from pipetrain.schedules.shared_cores import rate, shared_walk, unshare
-from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.simulator import Costs, simulate
 from pipetrain.schedules.timeline import Span, Timeline
 
 CASES = [("gpipe", 2, 4), ("1f1b", 4, 8), ("zb-h1", 3, 6), ("zbv", 2, 4),

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from pipetrain import make_schedule
 from pipetrain.errors import ScheduleError
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Op
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, peak_pairs, peak_units, simulate
+from pipetrain.schedules.simulator import Costs, peak_pairs, peak_units, simulate
 from pipetrain.schedules.timeline import Span
 
 GRID = [(p, m) for p in range(1, 9) for m in (1, 2, 3, 5, 8, 12)]

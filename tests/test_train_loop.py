@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import pipetrain as pt
+import pipetrain.schedules as ps
 from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
 from pipetrain.split.partition import stage_bounds
 from pipetrain.testing import reference_step
@@ -198,20 +199,20 @@ def test_nan_injector_reaches_the_loss_and_every_gradient_under_recomputation(
 # -- measured costs ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
 def test_measured_costs_recover_the_costs_of_a_timeline(name: str) -> None:
-    schedule = pt.make_schedule(name, 2, 4)
+    schedule = ps.make_schedule(name, 2, 4)
     n = schedule.n_stages
-    costs = (pt.Costs(F=tuple(1.0 + s for s in range(n)), I=(1.5,) * n, W=(0.5,) * n)
-             if schedule.split_backward else pt.Costs(F=(1.0, 2.0), B=(2.0, 3.0)))
-    simulated = pt.simulate(schedule, costs, comm=0.25)
+    costs = (ps.Costs(F=tuple(1.0 + s for s in range(n)), I=(1.5,) * n, W=(0.5,) * n)
+             if schedule.split_backward else ps.Costs(F=(1.0, 2.0), B=(2.0, 3.0)))
+    simulated = ps.simulate(schedule, costs, comm=0.25)
     assert measured_costs(simulated.timeline, schedule) == costs
     # the prediction also reads the message delay off the step
     assert predict(simulated.timeline, schedule).makespan == pytest.approx(simulated.makespan)
-    assert pt.simulate(schedule, costs).makespan < simulated.makespan
+    assert ps.simulate(schedule, costs).makespan < simulated.makespan
 
 
 def test_measured_costs_need_every_stage() -> None:
-    schedule = pt.make_schedule("1f1b", 2, 2)
-    timeline = pt.simulate(schedule).timeline
+    schedule = ps.make_schedule("1f1b", 2, 2)
+    timeline = ps.simulate(schedule).timeline
     partial = type(timeline)(2, tuple(s for s in timeline.spans if s.action.stage == 0))
     with pytest.raises(ValueError, match="no F action of stage 1"):
         measured_costs(partial, schedule)
@@ -258,12 +259,12 @@ def test_check_config_lists_every_problem_at_once() -> None:
 def test_a_schedule_file_runs_as_written_and_must_fit_the_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from pipetrain.schedules.generators import Target
 
-    searched = pt.make_schedule("zb-auto", 2, 4, 1, Target(memory_limit=4.0))
+    searched = ps.make_schedule("zb-auto", 2, 4, 1, Target(memory_limit=4.0))
     path = tmp_path / "zb.csv"
     searched.save(path)
     cfg = TrainConfig(schedule=str(path), microbatches=4, batch_size=8)
     got = run_schedule(cfg, 2)
-    assert got.actions == searched.actions != pt.make_schedule("zb-auto", 2, 4).actions
+    assert got.actions == searched.actions != ps.make_schedule("zb-auto", 2, 4).actions
     check_config(cfg, 2)
     with pytest.raises(ValueError, match=r"has ranks \(--pp\) 2 where the run has 4, "
                                          r"micro-batches \(--microbatches\) 4 where the run has 8"):
@@ -313,7 +314,7 @@ def test_a_failing_step_names_the_callers_step_number() -> None:
 def test_each_rank_builds_the_layers_pipeline_gives_it(schedule: str, ranks: int,
                                                        balance: str) -> None:
     cfg = GPTConfig(vocab_size=256, d_model=16, n_heads=2, n_layers=6, seq_len=8)
-    sched = pt.make_schedule(schedule, ranks, 4)
+    sched = ps.make_schedule(schedule, ranks, 4)
     mode = _balance(balance)
     if isinstance(mode, list) and sched.n_stages != len(mode):
         mode = [1] * (sched.n_stages - 1) + [8 - (sched.n_stages - 1)]
@@ -327,7 +328,7 @@ def test_each_rank_builds_the_layers_pipeline_gives_it(schedule: str, ranks: int
 
 def test_profiling_balances_build_every_layer_on_every_rank() -> None:
     cfg = GPTConfig(vocab_size=256, d_model=16, n_heads=2, n_layers=2, seq_len=8)
-    assert hosted_layers(cfg, pt.make_schedule("1f1b", 2, 4), "time", 1) is None
+    assert hosted_layers(cfg, ps.make_schedule("1f1b", 2, 4), "time", 1) is None
 
 
 def test_the_layout_line_names_every_parallel_dimension() -> None:

@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from pipetrain import make_schedule
 from pipetrain.errors import ScheduleError
+from pipetrain.schedules import make_schedule
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.validate import format_grid, validate

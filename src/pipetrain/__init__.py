@@ -1,6 +1,13 @@
-"""pipetrain: pipeline-parallel training of PyTorch models, every schedule as data."""
+"""pipetrain: pipeline-parallel training of PyTorch models, every schedule as data.
 
-import sys
+What a user calls is here: :class:`Pipeline` and its :class:`StepResult`, :func:`launch` and
+its :class:`RankContext`, :func:`verify`, :class:`Generator`, :func:`build_layers` and the
+errors. The toolkits are their subpackages: :mod:`pipetrain.schedules` (make, simulate and
+calibrate schedules), :mod:`pipetrain.parallel` (FSDP2 and tensor parallelism on the stages),
+:mod:`pipetrain.plan` (plan a model's layout).
+"""
+
+import warnings
 from typing import Any
 
 from pipetrain._version import __version__ as __version__
@@ -8,34 +15,26 @@ from pipetrain.errors import PipelineError
 from pipetrain.generation import Generator, Sampling
 from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.runtime.launch import RankContext, launch
-from pipetrain.schedules.action import Action, Op
-from pipetrain.schedules.calibrate import calibrate
-from pipetrain.schedules.generators import Target, make_schedule
-from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, simulate
 from pipetrain.split.lazy import LayerSpec, build_layers
 from pipetrain.verify import Verification, VerificationFailed, verify
 
 __all__ = [
-    "Action", "Costs", "Generator", "LayerSpec", "Op", "Pipeline", "PipelineError", "RankContext",
-    "Sampling", "Schedule", "ShardedStages", "StepResult", "Target", "TensorParallel",
-    "Verification", "VerificationFailed", "build_layers", "calibrate", "launch", "make_schedule",
-    "plan_module", "simulate", "verify",
+    "Generator", "LayerSpec", "Pipeline", "PipelineError", "RankContext", "Sampling",
+    "StepResult", "Verification", "VerificationFailed", "build_layers", "launch", "verify",
 ]
-_LAZY = {"ShardedStages": "pipetrain.parallel.sharded",
-         "TensorParallel": "pipetrain.parallel.tensor_parallel",
-         "plan_module": "pipetrain.plan.module_plan"}
-"""Imported on first use: FSDP and DTensor take half a second to import, and the planner
-sits at the top of the package's ladder."""
+_MOVED = {**{name: "pipetrain.schedules" for name in (
+    "Action", "Costs", "Op", "Schedule", "Target", "calibrate", "make_schedule", "simulate")},
+    "ShardedStages": "pipetrain.parallel", "TensorParallel": "pipetrain.parallel",
+    "plan_module": "pipetrain.plan"}
+"""Names that were here until 0.1.0 and live in their toolkit now; the old spelling works,
+with a DeprecationWarning, for one more release."""
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    if name in _MOVED:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        warnings.warn(f"pipetrain.{name} is {_MOVED[name]}.{name} now; the old name goes in "
+                      "the next release", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")
-
-
-if "pdoc" in sys.modules:  # the API reference is being built: let it see every public name
-    globals().update({name: __getattr__(name) for name in _LAZY})

@@ -28,7 +28,7 @@ from pipetrain.plan import plan_command as plan_cli
 from pipetrain.schedules import draw
 from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import DEFAULT_W_SHARE, Costs, Simulation, simulate
+from pipetrain.schedules.simulator import DEFAULT_W_SHARE, Costs, Simulation, simulate
 from pipetrain.schedules.steady_state import SteadyState, steady_state
 from pipetrain.schedules.validate import format_grid, validate
 from pipetrain.train.commands import export_command as export_cli

@@ -68,7 +68,7 @@ class ShardedStages:
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "pp"))
         pipe = pt.Pipeline(layers, "1f1b", 8, loss_fn, group=mesh.get_group("pp"),
-                           parallelize=pt.ShardedStages(mesh["fsdp"]))
+                           parallelize=pt.parallel.ShardedStages(mesh["fsdp"]))
         pipe.step(x, y)  # each stage's gradients reduce-scattered over its fsdp group
     """
 

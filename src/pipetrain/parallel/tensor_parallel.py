@@ -147,7 +147,7 @@ class TensorParallel:
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         pipe = pt.Pipeline(gpt_layers(config), "1f1b", 8, lm_loss, group=mesh.get_group("pp"),
-                           parallelize=pt.TensorParallel(mesh["tp"]))
+                           parallelize=pt.parallel.TensorParallel(mesh["tp"]))
     """
 
     def __init__(self, mesh: DeviceMesh, plan: Plan | None = None, *,

@@ -1,7 +1,7 @@
 """Budget: a memory budget in bytes per rank as the simulator's stage-activations (a Target).
 
 ``make_schedule("zb-auto", p, m, target=Target(memory_limit=N))`` keeps every rank at or under
-``N`` stage-activations, the unit of :mod:`pipetrain.schedules.simulate`: what one F of one
+``N`` stage-activations, the unit of :mod:`pipetrain.schedules.simulator`: what one F of one
 stage on one micro-batch keeps alive until its backward. A budget is bytes. Per rank ``r``
 (zb-auto: one stage per rank, stage ``r``), in the planner's memory model
 (:mod:`pipetrain.plan.planner`)::
@@ -107,7 +107,7 @@ def memory_target(budget_bytes: float, profile: Profiled, balance: Sequence[int]
     Example::
 
         target = memory_target(64 * 2**20, plan.profile, plan.balance)
-        schedule = pt.make_schedule("zb-auto", len(plan.balance), plan.microbatches,
+        schedule = pt.schedules.make_schedule("zb-auto", len(plan.balance), plan.microbatches,
                                     target=target)
     """
     if recompute not in ("never", "always"):

@@ -3,7 +3,7 @@
 One local launch (as ``pipetrain train``) at the calibration layout (the fewest pipeline ranks
 searched, the rest replicas) trains 3 steps each of zb-h1, 1f1b and 1f1b recomputed: the
 measured/profiled ratio of each op, the hop delay, the step's time outside the schedule, the
-runtime's cost per action and what recomputation adds (:mod:`pipetrain.schedules.calibrate`); the
+runtime's cost per action and what recomputation adds (:mod:`pipetrain.schedules.calibration`); the
 same launch then times all-reduce, all-gather, reduce-scatter and all-to-all over groups of each
 size the layouts use (:func:`pipetrain.plan.shardcost.measure_collectives`). When the layouts
 shard, one more launch each trains 3 steps of 1f1b under tensor parallelism, under FSDP
@@ -181,7 +181,7 @@ def _fitted(field: str, runs: list[dict[str, Any]], prof: Any, scale: Any,
 
 def _calibrated(run: dict[str, Any], cores: float | None) -> dict[str, Any]:
     """A calibration run's costs (work at full speed when the ranks shared ``cores``) and hop."""
-    from pipetrain.schedules.calibrate import calibrate
+    from pipetrain.schedules.calibration import calibrate
 
     calib = calibrate(run["timelines"], run["schedule"], cores=cores)
     return {**run, "costs": calib.costs.to_dict(), "comm": calib.comm}

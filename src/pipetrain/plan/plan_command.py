@@ -16,7 +16,7 @@
    local launch, as ``pipetrain train``, at the fewest pipeline ranks searched, the rest
    replicas); the measured/profiled ratio of each op, the hop delay, the step's time outside
    the schedule, the runtime's cost per action and what recomputation adds scale every
-   prediction (:mod:`pipetrain.schedules.calibrate`); then time all-reduce, all-gather and
+   prediction (:mod:`pipetrain.schedules.calibration`); then time all-reduce, all-gather and
    reduce-scatter over groups of each size the layouts use (:mod:`pipetrain.plan.shardcost`).
 3. Search (:func:`pipetrain.plan.planner.search`) each layout, print the best candidates, and
    write the best

@@ -61,7 +61,7 @@ from pipetrain.plan.shardcost import (
 )
 from pipetrain.schedules.generators import REGISTRY, Target, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, Simulation, peak_units, simulate
+from pipetrain.schedules.simulator import Costs, Simulation, peak_units, simulate
 from pipetrain.schedules.steady_state import steady_state
 from pipetrain.split.balance import plan_balance
 from pipetrain.split.partition import stage_bounds

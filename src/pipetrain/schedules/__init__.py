@@ -8,3 +8,12 @@ per-stage costs (``simulate.py``, ``sharing.py``, ``calibrate.py``) and drawn (`
 
 May import: :mod:`pipetrain.errors` (and torch, the standard library).
 """
+
+from pipetrain.schedules.action import Action, Op
+from pipetrain.schedules.calibration import calibrate
+from pipetrain.schedules.generators import Target, make_schedule
+from pipetrain.schedules.schedule import Schedule
+from pipetrain.schedules.simulator import Costs, simulate
+
+__all__ = ["Action", "Costs", "Op", "Schedule", "Target", "calibrate", "make_schedule",
+           "simulate"]

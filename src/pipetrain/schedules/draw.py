@@ -4,7 +4,7 @@ Every picture is made from a :class:`~pipetrain.schedules.timeline.Timeline` alo
 run (cost units, starting at 0) and a measured one (seconds, arbitrary start) draw the same way:
 times are shifted to start at 0 and the timeline's own ``unit`` labels the axis.
 
-    >>> from pipetrain.schedules.simulate import simulate
+    >>> from pipetrain.schedules.simulator import simulate
     >>> sim = simulate(make_schedule("1f1b", 4, 8))            # doctest: +SKIP
     >>> print(text_timeline(sim.timeline))                      # doctest: +SKIP
     >>> save_png(sim.timeline, "1f1b.png", title="1f1b")        # doctest: +SKIP

@@ -52,7 +52,7 @@ class Schedule:
     """A pipeline schedule: ``actions[rank]`` is the ordered list that rank executes.
 
     ``placement[stage]`` is the rank holding that stage. Build one with
-    :func:`pipetrain.make_schedule`, :meth:`from_text`, or directly from lists of actions.
+    :func:`pipetrain.schedules.make_schedule`, :meth:`from_text`, or directly from lists of actions.
     """
 
     name: str

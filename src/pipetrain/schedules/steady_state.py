@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pipetrain.schedules.dataflow import versions_alive
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, simulate
+from pipetrain.schedules.simulator import Costs, simulate
 
 __all__ = ["SteadyState", "steady_state"]
 

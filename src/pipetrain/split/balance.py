@@ -37,7 +37,7 @@ from torch import nn
 
 from pipetrain.schedules.action import Op
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import (
+from pipetrain.schedules.simulator import (
     Costs,
     Simulation,
     held_per_stage,
@@ -63,7 +63,7 @@ LayerCostFn = Callable[[Sequence[LayerCost], int, int], float]
 def stage_peaks(sim: Simulation) -> tuple[float, ...]:
     """Per stage, the most of its own micro-batch activations alive at once in ``sim``.
 
-    :mod:`pipetrain.schedules.simulate`'s memory model (``w_share`` and ``i_held`` included)
+    :mod:`pipetrain.schedules.simulator`'s memory model (``w_share`` and ``i_held`` included)
     applied to one stage's spans; with one stage per rank it equals ``peak_activations``.
     """
     held = held_per_stage(sim.i_held, sim.schedule.n_stages)
@@ -73,7 +73,7 @@ def stage_peaks(sim: Simulation) -> tuple[float, ...]:
 def stage_pairs(sim: Simulation) -> tuple[tuple[tuple[float, float], ...], ...]:
     """Per stage, the Pareto-maximal (units, I-held count) pairs alive at once in ``sim``.
 
-    See :func:`pipetrain.schedules.simulate.peak_pairs`; ``sim.i_held`` is not used (the count is
+    See :func:`pipetrain.schedules.simulator.peak_pairs`; ``sim.i_held`` is not used (the count is
     kept apart so that a caller can weigh it by bytes).
     """
     return tuple(peak_pairs(spans, sim.w_share) for spans in _by_stage(sim))

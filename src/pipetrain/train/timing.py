@@ -2,18 +2,19 @@
 simulator's prediction from them.
 
 The picture of a run's last step shows its measured timeline next to what
-:func:`pipetrain.schedules.simulate` predicts for the same schedule when every action of stage ``s``
-with op ``o`` takes the median measured duration of that stage's ``o`` actions and every
-message between ranks the median hop (:mod:`pipetrain.schedules.calibrate`), both read off the step
+:func:`pipetrain.schedules.simulate` predicts for the same schedule when every action of stage
+``s`` with op ``o`` takes the median measured duration of that stage's ``o`` actions and every
+message between ranks the median hop (:mod:`pipetrain.schedules.calibration`), both read off
+the step
 before it: the prediction is not fitted to the step it predicts. What remains between the two
 is step-to-step and per-action variation, and waits the hop's median does not cover.
 """
 
 from __future__ import annotations
 
-from pipetrain.schedules.calibrate import calibrate, stage_costs
+from pipetrain.schedules.calibration import calibrate, stage_costs
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, Simulation
+from pipetrain.schedules.simulator import Costs, Simulation
 from pipetrain.schedules.timeline import Timeline
 
 __all__ = ["measured_costs", "predict"]

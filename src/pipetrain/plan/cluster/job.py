@@ -3,7 +3,7 @@
 For one layout (tp x pp x dp x fsdp x cp x ep, a schedule, micro-batches), each pipeline stage's
 F, I and W come from :mod:`.layer_cost` (matrix multiplies at the measured efficiency of their
 shapes, flash attention, memory-bound work, the collectives on the critical path); the
-schedule's own simulator (:func:`pipetrain.schedules.simulate.simulate`) lays them out, with each
+schedule's own simulator (:func:`pipetrain.schedules.simulator.simulate`) lays them out, with each
 pipeline hop's send as the delay between ranks; then what follows the pipeline::
 
     step = pipeline makespan                      (the simulator, this schedule's action lists;
@@ -37,7 +37,7 @@ from pipetrain.plan.cluster.kernels import Kernels
 from pipetrain.plan.cluster.layer_cost import BF16, LayerCost, Shard, head_cost, layer_cost
 from pipetrain.schedules.generators import Target, make_schedule
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs, Simulation, simulate
+from pipetrain.schedules.simulator import Costs, Simulation, simulate
 from pipetrain.schedules.validate import validate
 
 __all__ = ["Job", "Layout", "Prediction", "predict", "simulation"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from pipetrain.schedules.schedule import Schedule
 
 if TYPE_CHECKING:
-    from pipetrain.schedules.simulate import Costs
+    from pipetrain.schedules.simulator import Costs
 
 __all__ = ["ScheduleKind", "Target", "REGISTRY", "make_schedule", "register"]
 
@@ -20,7 +20,7 @@ class Target:
 
     Attributes:
         memory_limit: the most stage-activations any rank may hold, in the simulator's count
-            (:mod:`pipetrain.schedules.simulate`) at ``w_share``; None lets the generator
+            (:mod:`pipetrain.schedules.simulator`) at ``w_share``; None lets the generator
             pick its own.
         costs: op costs per stage per micro-batch; None means F = I = W = 1.
         comm: the delay of every message between ranks.
@@ -28,8 +28,9 @@ class Target:
 
     Example: a zero-bubble schedule whose ranks hold at most 3 stage-activations::
 
-        schedule = pt.make_schedule("zb-auto", 4, 8, target=pt.Target(memory_limit=3))
-        pt.simulate(schedule).peak_activations  # every rank <= 3
+        schedule = pt.schedules.make_schedule("zb-auto", 4, 8,
+                                              target=pt.schedules.Target(memory_limit=3))
+        pt.schedules.simulate(schedule).peak_activations  # every rank <= 3
     """
 
     memory_limit: float | None = None

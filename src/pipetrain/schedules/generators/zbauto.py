@@ -32,7 +32,7 @@ ours and lowers a few of its ZB-2p bubbles (by up to 0.0005 of the step on Table
     one_more       each rank but the last takes one warm-up F beyond the estimate, memory
                    permitting (the estimate ignores that forwards wait for their input)
 
-Times follow :mod:`pipetrain.schedules.simulate` (an op starts when its rank is free and its input
+Times follow :mod:`pipetrain.schedules.simulator` (an op starts when its rank is free and its input
 has arrived, ``comm`` after it was produced on the neighbouring rank), so the chosen lists
 simulate exactly as planned. Memory is counted in the simulator's units: F takes 1 unit when
 it starts, I frees ``1 - w_share``, W frees ``w_share``; no rank ever holds more than
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.generators import ScheduleKind, Target, register
 from pipetrain.schedules.schedule import Schedule
-from pipetrain.schedules.simulate import Costs
+from pipetrain.schedules.simulator import Costs
 
 __all__ = ["zb_auto", "zb_auto_search"]
 
@@ -329,7 +329,7 @@ def zb_auto_search(p: int, m: int, v: int, target: Target) -> Schedule:
     Bubble: with Table 9's profiled costs and ``w_share = 0.5``, Table 5's ZB-1p at
     ``memory_limit = p`` exactly, and ZB-2p at ``2p`` or up to 0.0005 below. At unit costs it
     is no worse than ZB-H1 at limit p and ZB-H2 at 2p-1 (w_share 0, 0.5 and 1 tested).
-    Memory: every rank's peak in :func:`pipetrain.schedules.simulate.simulate` (F +1 at its start,
+    Memory: every rank's peak in :func:`pipetrain.schedules.simulator.simulate` (F +1 at its start,
     I frees ``1 - w_share``, W frees ``w_share``) is at most ``memory_limit`` (+1e-9).
 
     Raises:

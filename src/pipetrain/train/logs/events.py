@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pipetrain.schedules.simulate import Simulation
+from pipetrain.schedules.simulator import Simulation
 from pipetrain.schedules.timeline import Timeline
 
 __all__ = ["Reporter", "NullReporter"]

@@ -38,7 +38,7 @@ from rich.progress import (
 from rich.table import Table
 
 from pipetrain.schedules import draw
-from pipetrain.schedules.simulate import Simulation
+from pipetrain.schedules.simulator import Simulation
 from pipetrain.schedules.timeline import Timeline
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.logs.sinks import open_sinks, parse, scalars

@@ -30,7 +30,7 @@ from pipetrain.schedules.action import Op
 from pipetrain.schedules.dataflow import needs, produces
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.shared_cores import unshare
-from pipetrain.schedules.simulate import Costs, Simulation, simulate
+from pipetrain.schedules.simulator import Costs, Simulation, simulate
 from pipetrain.schedules.timeline import Span, Timeline
 
 __all__ = ["Calibration", "calibrate", "hop_delays", "regroup", "stage_costs"]
