@@ -148,22 +148,51 @@ class Pipeline:
         n_ranks, self.rank = pipeline_ranks(group, local_ranks)
         self.schedule = resolve_schedule(schedule, n_ranks, microbatches, stages_per_rank)
         self.device = device_of(device, group)
-        n_stages = self.schedule.n_stages
         if isinstance(model, nn.Module) and example_inputs is not None:
             example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
-        # one export for the group (parallelize= works on the stages, after the capture)
-        self._share = None if local_ranks is not None else group or dist.group.WORLD
+        self._share = None if self.local else group or dist.group.WORLD  # one export for all
+        source = self._capture(model, split_points, example_inputs, balance, dynamic,
+                               parallelize, init_seed, rng)
+        if split_points == "auto" and balance is None:
+            balance = "params"
+        self._lay_out(source.items, balance, example_inputs, group, n_ranks)
+        untied, gathering = self._place(source, recompute, parallelize, compile)
+        self._connect(group, n_ranks, timeout, max_message_bytes, untied, gathering,
+                      parallelize, compile, optimizer)
+        self.evaluator: Executor | None = None
+        """The executor of ``eval_step`` when the model was captured in training mode into a
+        graph that eval changes (dropout, batch norm): the eval graph, sharing the tensors
+        (:mod:`pipetrain.split.eval_graph`), captured at the first eval step; None: not (yet)."""
+        self._decoder: Executor | None = None  # decode()'s
+        self._stepper = Stepper(
+            Feed(self.rank, self.schedule, self.traced, self.rng,
+                 self.device, loss_fn, split_dim, loss_reduction),
+            self.stages, self.executor, self.transport, self.windows, self.watchdog,
+            self._copies, self._tied_grads)
+        self._closer = weakref.finalize(self, self._stepper.close)
+
+    def _capture(self, model: nn.Module | Sequence[nn.Module | LayerSpec],
+                 split_points: Sequence[str] | str | None, example_inputs: Any,
+                 balance: Any, dynamic: bool, parallelize: Any, init_seed: int,
+                 rng: bool | None) -> Layers:
+        """The model as layers: a layer list as given, or any module cut by tracing (one
+        export for the group; ``parallelize=`` works on the stages, after the capture)."""
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
-            model, split_points, example_inputs, balance, n_stages, self._share, dynamic)
+            model, split_points, example_inputs, balance, self.schedule.n_stages, self._share,
+            dynamic)
         self._modal: tuple[nn.Module, Any, TracedSplit] | None = None  # eval graph: when used
         if isinstance(model, nn.Module) and self.traced is not None and parallelize is None \
                 and depends_on_mode(model, self.traced):
             self._modal = (model, example_inputs, self.traced)
         source = Layers(model, self.traced, init_seed)
-        layers = source.items
-        self.rng = carries_rng(rng, self.traced, layers)
-        if split_points == "auto" and balance is None:
-            balance = "params"
+        self.rng = carries_rng(rng, self.traced, source.items)
+        return source
+
+    def _lay_out(self, layers: list[tuple[str, nn.Module | LayerSpec]], balance: Any,
+                 example_inputs: Any, group: dist.ProcessGroup | None, n_ranks: int) -> None:
+        """Layers per stage (given, even, or measured), the routes between stages, and which
+        ranks this process hosts."""
+        n_stages = self.schedule.n_stages
         self.balance_plan: BalancePlan | None = None
         if isinstance(balance, str) or callable(balance):
             sample = example_inputs if self.traced is None else packed(self.traced,
@@ -177,6 +206,12 @@ class Pipeline:
         self.balance = sizes
         self.routes = linear_routes(n_stages) if self.traced is None else self.traced.routes(sizes)
         self.hosted = list(range(n_ranks)) if self.local else [self.rank]
+
+    def _place(self, source: Layers, recompute: Policy, parallelize: Any, compile: bool | str
+               ) -> tuple[dict[str, Any], Any]:
+        """This rank's stages built (the others' layers released), tied weights found,
+        ``parallelize=`` and ``compile=`` applied; (the ties it untied, its gathering)."""
+        layers = source.items
         self._stage_layers: dict[int, list[tuple[str, nn.Module]]] = {}
         self.stages: dict[int, Stage] = {}
         # ties and names follow Parameter identity, which materialising replaces: read them first
@@ -196,6 +231,13 @@ class Pipeline:
         compile_stages(self.stages, compile, recompute, parallelize,
                        self.schedule.split_backward, self.rng)
         self._copies = LocalCopies(untied, gathering.gathered if gathering else lambda p: p)
+        return untied, gathering
+
+    def _connect(self, group: dist.ProcessGroup | None, n_ranks: int, timeout: float,
+                 max_message_bytes: int, untied: dict[str, Any], gathering: Any,
+                 parallelize: Any, compile: bool | str, optimizer: Any) -> None:
+        """The transport to the other ranks, tied weights' gradient exchange, the executor
+        (an asynchronous schedule's windows), and the watchdog."""
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
                                                      timeout, max_message_bytes)
         held = held_parameter(self._stage_layers, self._canonical, gathering)
@@ -217,19 +259,8 @@ class Pipeline:
         self.executor = self.windows.steady if self.windows else Executor(
             self.schedule, self.stages, self.hosted, self.transport, linked, deferred,
             routes=self.routes)
-        self.evaluator: Executor | None = None
-        """The executor of ``eval_step`` when the model was captured in training mode into a
-        graph that eval changes (dropout, batch norm): the eval graph, sharing the tensors
-        (:mod:`pipetrain.split.eval_graph`), captured at the first eval step; None: not (yet)."""
         self.watchdog = None if self.transport is None else Watchdog.of(
             self.transport, self.executor.activity)
-        self._decoder: Executor | None = None  # decode()'s
-        self._stepper = Stepper(
-            Feed(self.rank, self.schedule, self.traced, self.rng,
-                 self.device, loss_fn, split_dim, loss_reduction),
-            self.stages, self.executor, self.transport, self.windows, self.watchdog,
-            self._copies, self._tied_grads)
-        self._closer = weakref.finalize(self, self._stepper.close)
 
     def close(self) -> None:
         """End what this pipeline started on this rank: its watchdog thread, its connections
