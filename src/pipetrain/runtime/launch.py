@@ -40,8 +40,8 @@ __all__ = ["RankContext", "launch", "free_port", "loopback_store", "start_contex
 _LOOPBACK = "127.0.0.1"
 RANK_MODULES = ("torch._dynamo", "torch.export._trace", "torch.fx.experimental.symbolic_shapes")
 """torch's modules every pipeline rank imports anyway: capture exports, and the first backward
-imports symbolic shapes (with sympy). About 1.1 s of each rank's start (0.95 s torch._dynamo,
-0.14 s torch.export, measured on 2 CPU cores after ``import pipetrain``), paid once instead."""
+imports symbolic shapes (with sympy). Imported once by the forkserver rather than by each
+rank (what that saves: docs/benchmarks.md, the start of a launch)."""
 PRELOAD = ("__main__", "pipetrain", *RANK_MODULES)
 """What the forkserver imports once for every rank it starts (``__main__`` only when it is a
 script, whose functions the ranks then find as they would under spawn)."""
@@ -50,8 +50,8 @@ _ASKED: dict[str, None] = {}  # the modules asked for so far, in order
 
 def start_context(preload: tuple[str, ...] = PRELOAD) -> Any:
     """How ranks are started: a forkserver that imported torch and ``preload`` once, so a rank
-    starts in about 0.1 s instead of importing them again (2-4 s each, which on a laptop is
-    most of a small job's start); spawn where there is no forkserver (Windows).
+    starts without importing them again (on a laptop that import is most of a small job's
+    start; docs/benchmarks.md has the figures); spawn where there is no forkserver (Windows).
 
     The server starts at the first launch of the process and serves every later one: it
     imports what every call before that start asked for.
