@@ -83,3 +83,17 @@ def test_changes_name_who_left_and_who_joined_from_whom() -> None:
         ("replica_left", {"replica": 1, "step": 5}),
         ("replica_joined", {"replica": 2, "step": 5, "recovered_from": 0})]
     assert replicas.changes((0, 2), said, 6) == []
+
+
+def test_the_local_launch_names_a_replica_that_failed_for_good() -> None:
+    from pipetrain.train.config import TrainConfig
+    from pipetrain.train.launch.elastic import JobFailed
+    from pipetrain.train.launch.replica_launch import _verdict
+
+    cfg = TrainConfig(ft=True, dp=3, out="")
+    with pytest.raises(JobFailed, match=r"replica 1 failed for good \(exit code 1; .*"
+                                        r"--max-restarts 0\); replicas 0, 2 finished"):
+        _verdict(cfg, [0, 1, 0])
+    with pytest.raises(JobFailed, match=r"replicas 0, 1 failed for good \(exit codes 1, 1"):
+        _verdict(cfg, [1, 1, 0])
+    assert _verdict(cfg, [0, 0, 0]) == {}

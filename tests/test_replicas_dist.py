@@ -40,24 +40,6 @@ def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r["kind"] == "step"]
 
 
-def test_a_replica_that_fails_for_good_leaves_the_others_going(tmp_path: Path) -> None:
-    """dp 2 x pp 2, replica 1's second rank raising at step 3, with no restart: replica 0 logs
-    every step once, taking part alone from step 3 (a ``replica_left`` record); the launch
-    names replica 1 as failed for good (exit 1)."""
-    done = _train(tmp_path, "--nproc", "4", "--dp", "2", "--ft", "--steps", "8",
-                  faults="raise@rank3:step3")
-    assert done.returncode == 1, done.stderr
-    assert "replica 1 failed for good" in done.stderr and "replica 0 finished" in done.stderr
-    records = _records(tmp_path / "replica-0")
-    steps = _steps(records)
-    assert [r["step"] for r in steps] == list(range(8))  # each once, no restart
-    assert [r["replicas"] for r in steps] == [2, 2, 2, 1, 1, 1, 1, 1]
-    assert [(r["replica"], r["step"]) for r in records if r["kind"] == "replica_left"] == [(1, 3)]
-    assert sum(r["kind"] == "start" for r in records) == 1
-    end = records[-1]
-    assert end["kind"] == "end" and end["replicas_bitwise_equal"] is True  # (alone)
-
-
 def test_a_restarted_replica_loads_a_peers_state_and_rejoins(tmp_path: Path) -> None:
     """dp 3 x pp 2 (6 processes), replica 2's first rank killed at step 2 and restarted by its
     agent: the others never restart, every step is committed once, and replica 2, with no
@@ -108,10 +90,12 @@ def test_with_every_replica_required_a_failure_costs_no_step(tmp_path: Path) -> 
     assert [s["loss"] for s in survivor] == [s["loss"] for s in _steps(want)]
 
 
-def test_one_torchrun_per_replica_against_torchfts_own_lighthouse(tmp_path: Path) -> None:
+def test_one_torchrun_per_replica_and_a_replica_that_fails_for_good(tmp_path: Path) -> None:
     """The cluster recipe on one machine: torchft's ``torchft_lighthouse`` command, then one
-    torchrun per replica (``--ft-replica-id``, ``--ft-lighthouse``), two ranks each (pp 2):
-    both replicas train every step together and end bitwise equal."""
+    torchrun per replica (``--ft-replica-id``, ``--ft-lighthouse``), two ranks each (pp 2).
+    Replica 1's second rank raises at step 3 and its torchrun has no restart left: it exits 1,
+    while replica 0 logs every step once, alone from step 3 (``replica_left``), never
+    restarting."""
     import shutil
 
     from pipetrain.runtime.launch import free_port
@@ -121,25 +105,29 @@ def test_one_torchrun_per_replica_against_torchfts_own_lighthouse(tmp_path: Path
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPETRAIN_")}
     lighthouse = subprocess.Popen([command, "--bind", f"127.0.0.1:{port}", "--min_replicas",
-                                   "1", "--join_timeout_ms", "1000"], env={**env,
-                                  "RUST_LOG": "error"}, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+                                   "1", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms",
+                                   "2000"], env={**env, "RUST_LOG": "error"},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         replicas = [subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", "-m", "pipetrain", "train", *TINY, "--dp", "2", "--ft", "--ft-replica-id",
-             str(r), "--ft-lighthouse", f"127.0.0.1:{port}", "--steps", "4", "--out",
-             str(tmp_path)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            for r in range(2)]
+             "2", "--max-restarts", "0", "-m", "pipetrain", "train", *TINY, "--dp", "2",
+             "--ft", "--ft-replica-id", str(r), "--ft-lighthouse", f"127.0.0.1:{port}",
+             "--steps", "7", "--out", str(tmp_path)],
+            env={**env, "PIPETRAIN_FAULTS": "raise@rank3:step3"}, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
         ends = [p.communicate(timeout=240) for p in replicas]
     finally:
         lighthouse.kill()
         lighthouse.wait()
-    assert [p.returncode for p in replicas] == [0, 0], "\n".join(e[1][-3000:] for e in ends)
-    losses = []
-    for r in range(2):
-        records = _records(tmp_path / f"replica-{r}")
-        assert [s["replicas"] for s in _steps(records)] == [2, 2, 2, 2]
-        assert records[-1]["replicas_bitwise_equal"] is True and records[-1]["replica"] == r
-        losses.append([s["loss"] for s in _steps(records)])
-    assert losses[0] == losses[1]
+    assert replicas[0].returncode == 0, ends[0][1][-3000:]
+    assert replicas[1].returncode != 0 and "InjectedFault" in ends[1][1], ends[1][1][-3000:]
+    survivor = _records(tmp_path / "replica-0")
+    steps = _steps(survivor)
+    assert [s["step"] for s in steps] == list(range(7))  # each once, no restart
+    assert [s["replicas"] for s in steps] == [2, 2, 2, 1, 1, 1, 1]
+    assert [(x["replica"], x["step"]) for x in survivor if x["kind"] == "replica_left"] == [(1, 3)]
+    assert sum(x["kind"] == "start" for x in survivor) == 1
+    assert survivor[-1]["kind"] == "end" and survivor[-1]["replicas_bitwise_equal"] is True
+    failed = _steps(_records(tmp_path / "replica-1"))  # until it failed: the same steps
+    assert [s["loss"] for s in failed] == [s["loss"] for s in steps[:3]]
