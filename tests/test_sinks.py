@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -65,8 +66,13 @@ def test_wandb_offline_run_holds_the_scalars(tmp_path: Path,
     monkeypatch.setenv("WANDB_PROJECT", "pipetrain-test")
     _run(TrainConfig(out=str(tmp_path / "run"), steps=3, log="wandb"))
     (run,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    data = run.read_bytes()  # W&B's own log of the run, uploaded by `wandb sync`
-    for name in (b"train/loss", b"train/tokens_per_s", b"eval/eval_loss", b"pipetrain-test"):
+    names = (b"train/loss", b"train/tokens_per_s", b"eval/eval_loss", b"pipetrain-test")
+    deadline = time.monotonic() + 60  # W&B's service process may still be writing after
+    data = run.read_bytes()           # finish() returns (seen once, on a loaded machine)
+    while not all(n in data for n in names) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        data = run.read_bytes()  # W&B's own log of the run, uploaded by `wandb sync`
+    for name in names:
         assert name in data, name
 
 
