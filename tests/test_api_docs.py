@@ -105,3 +105,11 @@ def test_a_toolkit_name_at_the_top_still_works_for_a_release_with_a_warning(
         old = getattr(pipetrain, name)
     assert old is getattr(importlib.import_module(where), name)
     assert name not in pipetrain.__all__ and name not in dir(pipetrain)
+
+
+def test_the_first_screen_of_dir_is_the_user_api() -> None:
+    shown = [n for n in dir(pipetrain) if not n.startswith("_")]  # (verify: the function)
+    assert sorted(set(shown) - {"errors", "generation", "pipeline", "result", "runtime",
+                                "schedules", "split", "stepper", "pipeline_args",
+                                "models", "parallel", "checkpoint", "testing", "hf", "train",
+                                "plan", "cli", "examples"}) == sorted(pipetrain.__all__)

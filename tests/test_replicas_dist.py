@@ -48,7 +48,7 @@ def test_a_restarted_replica_loads_a_peers_state_and_rejoins(tmp_path: Path) -> 
     after the failure depends on timing: the others go on without replica 2 once torchft has
     seen it gone, unless it is back first; a replica slow to ask for the next quorum is left
     out of it and loads a peer's state at the one after, as torchft does.)"""
-    done = _train(tmp_path, "--nproc", "6", "--dp", "3", "--ft", "--steps", "16",
+    done = _train(tmp_path, "--nproc", "6", "--dp", "3", "--ft", "--steps", "40",
                   "--max-restarts", "1", faults="kill@rank4:step2")
     assert done.returncode == 0, done.stderr
     logs = {r: _records(tmp_path / f"replica-{r}") for r in range(3)}
@@ -56,14 +56,15 @@ def test_a_restarted_replica_loads_a_peers_state_and_rejoins(tmp_path: Path) -> 
     for records in logs.values():
         last_start = max(i for i, x in enumerate(records) if x["kind"] == "start")
         steps = [s["step"] for s in _steps(records[last_start:])]
-        assert steps == sorted(set(steps)) and steps[-1] == 15  # each once, in order
+        assert steps == sorted(set(steps)) and steps[-1] == 39  # each once, in order
         end = records[-1]
-        assert end["kind"] == "end" and end["steps"] == 16 and end["replicas_bitwise_equal"]
+        assert end["kind"] == "end" and end["steps"] == 40 and end["replicas_bitwise_equal"]
         assert _steps(records)[-1]["replicas"] == 3
-    assert {s["step"] for r in (0, 1) for s in _steps(logs[r])} == set(range(16))
+    assert {s["step"] for r in (0, 1) for s in _steps(logs[r])} == set(range(40))
     restarted = logs[2][[x["kind"] for x in logs[2]].index("start", 1):]
     assert restarted[0]["resumed_from"] is None  # no checkpoint: a peer's state
-    assert 2 <= _steps(restarted)[0]["step"] <= 12
+    assert 2 <= _steps(restarted)[0]["step"] <= 30  # back well before the end (40 steps:
+    # room for a slow restart on a busy machine, the others then going on without it)
 
 
 def test_with_every_replica_required_a_failure_costs_no_step(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ calibrate schedules), :mod:`pipetrain.parallel` (FSDP2 and tensor parallelism on
 :mod:`pipetrain.plan` (plan a model's layout).
 """
 
-import warnings
-from typing import Any
+import warnings as _warnings
+from typing import Any as _Any
 
 from pipetrain._version import __version__ as __version__
 from pipetrain.errors import PipelineError
@@ -30,11 +30,11 @@ _MOVED = {**{name: "pipetrain.schedules" for name in (
 with a DeprecationWarning, for one more release."""
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in _MOVED:
         import importlib
 
-        warnings.warn(f"pipetrain.{name} is {_MOVED[name]}.{name} now; the old name goes in "
+        _warnings.warn(f"pipetrain.{name} is {_MOVED[name]}.{name} now; the old name goes in "
                       "the next release", DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")
