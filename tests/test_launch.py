@@ -61,3 +61,11 @@ def test_a_rank_starts_with_torchs_capture_modules_imported_by_the_forkserver() 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         pytest.skip("no forkserver: spawned ranks import what they use")
     assert pt.launch(_preloaded, 2) == [[True] * len(RANK_MODULES)] * 2
+
+
+def test_a_failure_report_lists_the_ranks_that_caused_it_before_those_that_relayed_it() -> None:
+    from pipetrain.runtime.launch import _causes_first
+
+    failed = {0: "PeerFailed: rank 3 failed at stage 1", 1: "PeerClosed: rank 2 closed",
+              2: "process exited with code -11 and no result", 3: "StageError: [rank 3 ...]"}
+    assert _causes_first(failed) == [2, 3, 0, 1]

@@ -211,9 +211,17 @@ def launch(fn: Callable[..., Any], nprocs: int, *args: Any, backend: str | None 
                     p.kill()
     failed = {r: v for r, (ok, v) in got.items() if not ok}
     if failed:
-        detail = "\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items()))
+        detail = "\n".join(f"--- rank {r} ---\n{failed[r]}" for r in _causes_first(failed))
         raise PipelineError(f"{len(failed)} of {nprocs} ranks failed:\n{detail}")
     return [got[r][1] for r in range(nprocs)]
+
+
+def _causes_first(failed: dict[int, str]) -> list[int]:
+    """The failed ranks, those that failed on their own (or died) before those that failed
+    because a peer did: a long report, cut short by a terminal or a CI log, keeps the cause."""
+    def relayed(r: int) -> bool:
+        return failed[r].startswith(("PeerFailed:", "PeerClosed:"))
+    return sorted(failed, key=lambda r: (relayed(r), r))
 
 
 def _collect(procs: list[Any], results: Any, got: dict[int, tuple[bool, Any]],
