@@ -40,8 +40,8 @@ HANG_S = 600.0  # the hung rank never wakes by itself: the test ends its process
 CASES = [(4, "raise", 1, 1), (4, "kill", 2, 2), (4, "shape", 1, 2), (4, "hang", 2, 2),
          (8, "raise", 5, 5), (8, "kill", 3, 3), (8, "shape", 6, 7), (8, "hang", 4, 4)]
 # a survivor was aborted at exit (SIGABRT, "terminate called without an active exception") in
-# most runs of these before lifetime.py: two rounds more after CASES, one after another (not
-# retries), so that each runs three times
+# most runs of these before lifetime.py: the long tier runs each twice more, one round after
+# another (not retries)
 ROUNDS = [[(8, "kill", 4, 4)], [(8, "shape", 6, 7)]] * 2
 
 
@@ -171,5 +171,12 @@ def _run(cases: list[tuple[int, str, int, int]], rounds: list[list[tuple[int, st
 
 def test_every_survivor_exits_soon_and_normally_after_a_failure_naming_the_culprit(
         tmp_path: Path) -> None:
-    wrong = [line for job in _run(CASES, ROUNDS, tmp_path) for line in _verdict(job)]
+    wrong = [line for job in _run(CASES, [], tmp_path) for line in _verdict(job)]
+    assert wrong == [], "\n".join(wrong)
+
+
+@pytest.mark.long  # each case once: the test above
+def test_the_cases_that_used_to_abort_at_exit_exit_normally_again_and_again(
+        tmp_path: Path) -> None:
+    wrong = [line for job in _run([], ROUNDS, tmp_path) for line in _verdict(job)]
     assert wrong == [], "\n".join(wrong)

@@ -67,6 +67,7 @@ def test_a_restarted_replica_loads_a_peers_state_and_rejoins(tmp_path: Path) -> 
     # room for a slow restart on a busy machine, the others then going on without it)
 
 
+@pytest.mark.long  # 16 processes; a restart under --ft: the test above
 def test_with_every_replica_required_a_failure_costs_no_step(tmp_path: Path) -> None:
     """Replicas of pp 2 x fsdp 2 (8 processes), --ft-min-replicas 2 of dp 2: the survivor
     waits for the killed replica to come back (its agent restarts it, it loads the survivor's
