@@ -157,9 +157,9 @@ def run_config(hf: Path, data: Path, work: Path, settings: Settings, seed: int
 def _answer_all(ctx: RankContext, cfg: TrainConfig, prompts: list[str]) -> list[str]:
     """On every rank: build the run's pipeline from ``cfg.hf`` and answer each prompt, greedy,
     one token per eval step, stopping at the end-of-turn token (the same on every rank)."""
-    from pipetrain.train.hf_source import HFSource
     from pipetrain.train.infer import generate
     from pipetrain.train.setup import build
+    from pipetrain.train.sources.hf_source import HFSource
 
     trainer = build(cfg)
     source = trainer.source

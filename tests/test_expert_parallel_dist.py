@@ -265,9 +265,9 @@ def _planned_saving(root: Path, balance: list[int]) -> list[int]:
     """The planner's predicted peak bytes per pipeline rank of the trained layout (1F1B, 2
     micro-batches of 2 rows, ``balance``) at ``ep`` 1 minus at ``ep`` 2, from its own profile
     of the model (``pipetrain plan``'s, uncalibrated)."""
-    from pipetrain.plan.plan_command import model_units, profile_model
     from pipetrain.plan.planner import Scale, evaluate
     from pipetrain.plan.shardcost import Sharding
+    from pipetrain.plan.unit_profile import model_units, profile_model
     from pipetrain.schedules.generators import make_schedule
     from pipetrain.train.config import TrainConfig
 

@@ -53,7 +53,7 @@ def _saved(config: Any, tok: Any, path: Path) -> Path:
 def test_an_architecture_gives_transformers_loss_through_the_pipeline(
         name: str, tok: Any, tmp_path: Path) -> None:
     from pipetrain.train.config import TrainConfig
-    from pipetrain.train.setup import source_for
+    from pipetrain.train.sources.choice import source_for
 
     directory = _saved(CONFIGS[name](), tok, tmp_path / name)
     cfg = TrainConfig(hf=str(directory), seq_len=16, microbatches=2)

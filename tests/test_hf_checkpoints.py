@@ -104,8 +104,8 @@ def test_the_pipeline_loss_is_the_one_transformers_computes(dirs: dict[str, Path
     """Stages read from the files, local ranks: the loss of ``model(ids, labels=ids)``."""
     import transformers as tf
 
-    from pipetrain.train.hf_source import HFSource
-    from pipetrain.train.setup import source_for
+    from pipetrain.train.sources.choice import source_for
+    from pipetrain.train.sources.hf_source import HFSource
 
     for name, directory in dirs.items():
         cfg = TrainConfig(hf=str(directory), seq_len=16, microbatches=2)

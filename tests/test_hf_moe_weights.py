@@ -30,7 +30,7 @@ from helpers.hf import VOCAB, python_text, tokenizer
 from pipetrain.hf.model import load_weights, open_model
 from pipetrain.hf.save import save_pretrained
 from pipetrain.train.config import TrainConfig
-from pipetrain.train.hf_source import hf_pipeline
+from pipetrain.train.sources.hf_source import hf_pipeline
 
 pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 

@@ -8,7 +8,7 @@ every parameter's gradient, the routers' (``mlp.gate.weight``) included, equal t
 model run on the same micro-batches one after another (float64, ``batched_mm`` experts). The
 term is made large (``router_aux_loss_coef=0.5``) and the routers' gradients checked to differ
 from those without it, so that a pipeline which dropped it would fail. ``pipetrain train
---hf``'s loss (:func:`pipetrain.train.hf_source.causal_lm_loss_of`) adds it as transformers'
+--hf``'s loss (:func:`pipetrain.train.sources.hf_source.causal_lm_loss_of`) adds it as transformers'
 ``model(input_ids, labels=...)`` does.
 """
 
@@ -135,7 +135,7 @@ def test_router_loss_and_every_gradient_match_transformers(
 
 def test_train_hf_loss_adds_the_router_loss_as_transformers_labels_do() -> None:
     from pipetrain.train.config import TrainConfig
-    from pipetrain.train.hf_source import causal_lm_loss, causal_lm_loss_of, hf_pipeline
+    from pipetrain.train.sources.hf_source import causal_lm_loss, causal_lm_loss_of, hf_pipeline
 
     assert causal_lm_loss_of(build("mixtral", router=False)) is causal_lm_loss
     model = build("mixtral")

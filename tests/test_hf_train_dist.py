@@ -196,7 +196,7 @@ def test_tp_refuses_a_model_without_a_plan_or_weights(place: Path, tmp_path: Pat
     with pytest.raises(ValueError, match="tp=3 must divide the model's num_attention_heads=4"):
         shrink(open_model(place / "llama").model, 3)
     from pipetrain.train.config import TrainConfig
-    from pipetrain.train.hf_source import HFSource
+    from pipetrain.train.sources.hf_source import HFSource
 
     bare = save_dir("llama", tmp_path / "bare", (place / "data.py").read_text(), weights=False)
     cfg = TrainConfig(hf=str(bare), tp=2)

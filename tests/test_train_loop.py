@@ -30,8 +30,8 @@ from pipetrain.train.optim import (
     param_groups,
 )
 from pipetrain.train.precision import LossScale, autocast
-from pipetrain.train.source import hosted_layers
-from pipetrain.train.source import parse_balance as _balance
+from pipetrain.train.sources.source import hosted_layers
+from pipetrain.train.sources.source import parse_balance as _balance
 from pipetrain.train.timing import measured_costs, predict
 
 SMALL = GPTConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2)

@@ -1,6 +1,6 @@
 """Setup: from a TrainConfig to this rank's mesh, pipelined model, optimizer, loss scale and data.
 
-The model comes from its source (:mod:`pipetrain.train.source`): the built-in GPT, whose
+The model comes from its source (:mod:`pipetrain.train.sources.source`): the built-in GPT, whose
 layers every rank builds in order from ``cfg.seed`` keeping real only those of its own stages,
 or a Hugging Face checkpoint (``--hf``), built on ``meta``, cut at its decoder layers, each
 rank materialising and loading only its own stages. A rank hosts its stages in a
@@ -27,18 +27,18 @@ from pipetrain.train.config import TrainConfig
 from pipetrain.train.data.examples import ExampleBatches, ExampleCorpus, example_batches
 from pipetrain.train.data.packing import packed_batches
 from pipetrain.train.data.text import Batches, Corpus
-from pipetrain.train.hf_source import HFSource
 from pipetrain.train.mesh import GradReducer, Mesh, build_mesh
 from pipetrain.train.nonfinite import NaNInjector
 from pipetrain.train.optim import build_optimizer, counted_parameters
 from pipetrain.train.placement import gather_rank_map
 from pipetrain.train.precision import LossScale
-from pipetrain.train.source import GPTSource, Source
+from pipetrain.train.sources.choice import source_for
+from pipetrain.train.sources.source import Source
 
 if TYPE_CHECKING:
     from pipetrain.train.launch.replicas import Replicas
 
-__all__ = ["Trainer", "build", "source_for"]
+__all__ = ["Trainer", "build"]
 
 Batch = tuple[Any, Any]
 """(inputs, targets): token ids, or padded examples' dicts
@@ -162,13 +162,6 @@ class Trainer:
         lo = self.part * n
         taken: Batch = pytree.tree_map(lambda t: t[lo:lo + n], batch)
         return taken
-
-
-def source_for(cfg: TrainConfig) -> Source:
-    """The run's model: ``--hf DIR`` when given, else the GPT preset."""
-    if cfg.hf:
-        return HFSource(cfg)
-    return GPTSource(cfg)
 
 
 def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:

@@ -2,7 +2,7 @@
 
 The model is built from ``DIR/config.json`` alone (no weights are read), optionally shrunk
 (``--layers K`` decoder layers, ``--width W`` hidden size), in float64 on ``meta``; the
-pipeline is the one ``pipetrain train --hf`` builds (:func:`~pipetrain.train.hf_source.
+pipeline is the one ``pipetrain train --hf`` builds (:func:`~pipetrain.train.sources.hf_source.
 hf_pipeline`: the same cut, balance, schedule, recomputation, loss and by-name
 initialisation from ``--seed``), all its ranks in this process, and
 :func:`pipetrain.verify.verify_with` compares one step on random token ids with one process.

@@ -60,7 +60,7 @@ def verify_hf(cfg: TrainConfig, pp: int, *, layers: int | None = None,
     g = torch.Generator().manual_seed(cfg.seed)
     window = torch.randint(0, vocab, (ROWS * cfg.microbatches, cfg.seq_len + 1), generator=g)
 
-    from pipetrain.train.hf_source import hf_pipeline
+    from pipetrain.train.sources.hf_source import hf_pipeline
 
     return verify_with(lambda m: hf_pipeline(m, cfg, schedule, ROWS, lambda f: f,
                                              local_ranks=pp),

@@ -135,7 +135,7 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None, *,
         raise ValueError(f"nproc must be at least 1, got {cfg.nproc}")
     backend = backend_for(cfg.device, cfg.nproc)
     if cfg.hf and run is None:  # tokenize (once, cached) here, with a bar on this terminal
-        from pipetrain.train.hf_source import HFSource
+        from pipetrain.train.sources.hf_source import HFSource
 
         HFSource(cfg).corpus(cfg, progress=cfg.progress)
     from torch.distributed.elastic.multiprocessing.api import SignalException

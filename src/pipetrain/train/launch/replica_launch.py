@@ -53,7 +53,7 @@ def launch_replicas(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.nproc % cfg.dp:
         raise ValueError(f"--ft: --nproc {cfg.nproc} must divide into --dp {cfg.dp} replicas")
     if cfg.hf:  # tokenize (once, cached) here, with a bar on this terminal
-        from pipetrain.train.hf_source import HFSource
+        from pipetrain.train.sources.hf_source import HFSource
 
         HFSource(cfg).corpus(cfg, progress=cfg.progress)
     if not cfg.verbose:  # torchft's own log (Rust): warnings and errors only

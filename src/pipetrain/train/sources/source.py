@@ -1,7 +1,7 @@
 """Model source: what a ``pipetrain train`` run trains, and how text becomes its input.
 
 A run trains the built-in GPT on bytes (:class:`GPTSource`, ``--preset``) or a local Hugging
-Face checkpoint through its own tokenizer (:class:`~pipetrain.train.hf_source.HFSource`,
+Face checkpoint through its own tokenizer (:class:`~pipetrain.train.sources.hf_source.HFSource`,
 ``--hf DIR``). The rest of the run (mesh, schedule, optimizer, checkpoints, eval, samples)
 asks its source for the same few things, listed by :class:`Source`.
 """

@@ -42,7 +42,7 @@ from pipetrain.train.data.records import is_dataset
 from pipetrain.train.data.text import Corpus
 from pipetrain.train.data.tokens import token_corpus
 from pipetrain.train.optim import no_decay_names
-from pipetrain.train.source import LossWrap, Source, parse_balance
+from pipetrain.train.sources.source import LossWrap, Source, parse_balance
 
 __all__ = ["HFSource", "causal_lm_loss", "causal_lm_loss_of", "hf_pipeline", "peak_rss_bytes"]
 
