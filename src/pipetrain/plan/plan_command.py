@@ -31,11 +31,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pipetrain.parallel import RESHARD
 from pipetrain.plan.unit_profile import profile_layouts
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.sources.choice import kind_of
 
 __all__ = ["HELP", "configure", "run"]
 
@@ -167,7 +166,7 @@ def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: in
     from pipetrain.train.mesh import layout
 
     n, out, why = cfg.nproc, [], None
-    moe = _meta(cfg) if ep != 1 else None
+    moe = kind_of(cfg).meta_model(cfg) if ep != 1 else None
     divisors = [k for k in range(1, n + 1) if n % k == 0]
     for p, d, s, t in itertools.product(divisors, repeat=4):
         if p * d * s * t != n or (pp is None and p < 2 and n > 1) or any(
@@ -178,7 +177,6 @@ def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: in
                                     sequence_parallel=bool(cfg.seq_len % t == 0))
         try:
             check_config(trial, n)
-            _check_hf_tp(cfg, t)
         except ValueError as e:
             why = why or e
             continue
@@ -189,25 +187,6 @@ def candidate_layouts(cfg: TrainConfig, pp: int | None, dp: int | None, fsdp: in
             layout(n, dp or 1, pp, fsdp or 1, tp or 1)  # raises, naming the mismatch
         raise ValueError(f"no layout of {n} processes is possible with these flags: {why}")
     return out
-
-
-def _meta(cfg: TrainConfig) -> torch.nn.Module | None:
-    """``--hf``'s model on ``meta`` (None for the GPT presets)."""
-    from pipetrain.hf.model import open_model
-
-    return open_model(Path(cfg.hf)).model if cfg.hf else None
-
-
-def _check_hf_tp(cfg: TrainConfig, tp: int) -> None:
-    """What ``pipetrain train --hf --tp`` would refuse, raised here (ValueError)."""
-    if not cfg.hf or tp == 1:
-        return
-    from pipetrain.hf.model import open_model
-    from pipetrain.hf.tp_plan import require_weights, shrink
-
-    opened = open_model(Path(cfg.hf))
-    shrink(opened.model, tp)
-    require_weights(bool(opened.weights), cfg.hf)
 
 
 def _calibration_layout(layouts: list[Layout], nproc: int) -> Layout:
@@ -268,7 +247,7 @@ def _print(shown: list[Any], limit: int, cfg: TrainConfig, toml_path: Path,
            png_path: Path) -> None:
     from pipetrain.plan.table import print_candidates
 
-    print_candidates(shown, f"pipetrain plan: {cfg.hf or cfg.preset}, memory limit "
+    print_candidates(shown, f"pipetrain plan: {kind_of(cfg).label(cfg)}, memory limit "
                      f"{_mib(limit)} per rank", _layout, tokens=cfg.batch_size * cfg.seq_len)
     print(f"best: {toml_path} (pipetrain train --config {toml_path}); timeline {png_path}")
     if not shown[0].fits:

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.sources.choice import GPTKind, HFKind, Kind, kind_of
 
-__all__ = ["Units", "model_units", "profile_layouts", "profile_model"]
+__all__ = ["UNITS", "Units", "model_units", "profile_layouts", "profile_model"]
 
 Layout = tuple[int, Any]
 """(pp, a :class:`~pipetrain.plan.shardcost.Sharding`)."""
@@ -40,22 +41,39 @@ class Units:
 
 
 def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
-    """The GPT preset's layers, or ``--hf``'s units: its decoder layers (the embedding with the
-    first, norm and head with the last) captured with torch.export, materialised from the seed
-    (values do not change the times); under ``tp``, one rank's share: the GPT plan's
-    (:func:`pipetrain.parallel.tensor_parallel.local_layer`), or the model's own plan's
-    (:func:`pipetrain.hf.tp_plan.shrink`, before the capture, as ``train`` does)."""
-    if not cfg.hf:
-        from pipetrain.models.gpt import gpt_layers, lm_loss
-        from pipetrain.parallel.tensor_parallel import gpt_plan, local_layer, traffic
-        from pipetrain.train.sources.source import GPTSource
+    """The units of ``cfg``'s model, by the kind of its source (:data:`UNITS`).
 
-        plan = gpt_plan(False)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            layers = [local_layer(layer, plan, tp) for layer in gpt_layers(GPTSource(cfg).model)]
-        return Units(layers, lambda ids: ids, lm_loss,
-                     lambda layer, x, ids: traffic(layer, plan, x) if tp > 1 else ((), ()))
+    Raises:
+        ValueError: for a kind of source the planner cannot profile.
+    """
+    kind = kind_of(cfg)
+    units = UNITS.get(type(kind))
+    if units is None:
+        raise ValueError(f"pipetrain plan cannot profile a {type(kind).__name__} source yet: "
+                         "plan with --preset or --hf, or give --module")
+    return units(cfg, pp, tp)
+
+
+def gpt_units(cfg: TrainConfig, pp: int, tp: int) -> Units:
+    """The GPT preset's blocks; under ``tp``, one rank's share of each, by the GPT plan
+    (:func:`pipetrain.parallel.tensor_parallel.local_layer`)."""
+    from pipetrain.models.gpt import gpt_layers, lm_loss
+    from pipetrain.parallel.tensor_parallel import gpt_plan, local_layer, traffic
+    from pipetrain.train.sources.source import GPTSource
+
+    plan = gpt_plan(False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        layers = [local_layer(layer, plan, tp) for layer in gpt_layers(GPTSource(cfg).model)]
+    return Units(layers, lambda ids: ids, lm_loss,
+                 lambda layer, x, ids: traffic(layer, plan, x) if tp > 1 else ((), ()))
+
+
+def hf_units(cfg: TrainConfig, pp: int, tp: int) -> Units:
+    """``--hf``'s units: its decoder layers (the embedding with the first, norm and head with
+    the last) captured with torch.export, materialised from the seed (values do not change
+    the times); under ``tp``, one rank's share by the model's own plan
+    (:func:`pipetrain.hf.tp_plan.shrink`, before the capture, as ``train`` does)."""
     from pipetrain.hf.model import open_model, split_points
     from pipetrain.hf.tp_plan import shrink
     from pipetrain.plan.experts import expert_sizes
@@ -73,6 +91,11 @@ def model_units(cfg: TrainConfig, pp: int, tp: int = 1) -> Units:
     return Units(list(traced.stages), lambda ids: packed(traced, {"input_ids": ids}),
                  causal_lm_loss, lambda layer, x, ids: _split_traffic(layer, splits, ids),
                  expert_sizes(meta))
+
+
+UNITS: dict[type[Kind], Callable[[TrainConfig, int, int], Units]] = {
+    GPTKind: gpt_units, HFKind: hf_units}
+"""How the planner cuts each kind of source into units (a new kind of source adds its own)."""
 
 
 def _split_traffic(layer: torch.nn.Module, splits: dict[str, Any], ids: torch.Tensor

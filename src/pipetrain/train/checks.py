@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipetrain.errors import ScheduleError
-from pipetrain.models.gpt import PRESETS
 from pipetrain.schedules.generators import REGISTRY, _load_builtin, make_schedule
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.schedules.validate import validate
@@ -20,6 +19,7 @@ from pipetrain.train.data.examples import data_problems
 from pipetrain.train.mesh import layout
 from pipetrain.train.placement import check_order
 from pipetrain.train.precision import PRECISIONS
+from pipetrain.train.sources.choice import kind_of
 
 __all__ = ["check_config", "run_schedule"]
 
@@ -68,16 +68,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     except ValueError as e:
         problems.append(str(e))
         dp = max(cfg.dp, 1) * max(cfg.fsdp, 1)
-    if not cfg.hf and cfg.preset not in PRESETS:
-        problems.append(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
-    elif not cfg.hf and cfg.tp > 1:
-        c = PRESETS[cfg.preset]
-        if c.n_heads % cfg.tp or c.mlp_ratio * c.d_model % cfg.tp:
-            problems.append(f"tp={cfg.tp} must divide the preset's {c.n_heads} heads and "
-                            f"{c.mlp_ratio * c.d_model} MLP units; use a divisor of both")
-        if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
-            problems.append(f"seq_len={cfg.seq_len} must divide by tp={cfg.tp} under sequence "
-                            "parallelism; change --seq-len, or pass --no-sequence-parallel")
+    problems += kind_of(cfg).problems(cfg)
     try:
         check_order(cfg.mesh_order)
     except ValueError as e:
@@ -105,7 +96,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     if cfg.steps < 1 or cfg.seq_len < 1 or cfg.warmup < 0 or cfg.eval_batches < 1:
         problems.append("steps, seq_len and eval_batches must be >= 1 and warmup >= 0 (got "
                         f"{cfg.steps}, {cfg.seq_len}, {cfg.eval_batches}, {cfg.warmup})")
-    problems += data_problems(cfg.data, cfg.hf, cfg.text_field, cfg.chat)
+    problems += data_problems(cfg.data, cfg.text_field, cfg.chat)
     if problems:
         raise ValueError("invalid training configuration:\n" + "\n".join(
             f"  - {p}" for p in problems))
@@ -116,9 +107,6 @@ def _ep_problems(cfg: TrainConfig, dp: int) -> list[str]:
     if cfg.ep == 1:
         return []
     problems = []
-    if not cfg.hf:
-        problems.append(f"--ep {cfg.ep} spreads a mixture of experts' experts over ranks; "
-                        "the built-in GPT has none: give --hf an MoE model, or leave --ep out")
     if dp % cfg.ep:
         problems.append(f"--ep {cfg.ep} must divide the {dp} data-parallel ranks (dp x fsdp) "
                         "holding each stage: the experts are spread over data-parallel "

@@ -253,7 +253,7 @@ def _save_hf(trainer: Trainer, reporter: Reporter) -> None:
     own shard (FSDP2 shards, tensor- and expert-parallel ranks first gather their weights
     whole, the first of them writes)."""
     source, mesh = trainer.source, trainer.mesh
-    if source is None or not trainer.cfg.out or mesh.dp_rank >= max(mesh.fsdp, mesh.ep):
+    if not source.exports or not trainer.cfg.out or mesh.dp_rank >= max(mesh.fsdp, mesh.ep):
         return
     state = {k: whole(v) for k, v in trainer.pipe.state_dict().items()}  # over the shards
     if mesh.dp_rank != 0 or mesh.tp_rank != 0:
@@ -428,7 +428,7 @@ def _held(trainer: Trainer) -> list[torch.Tensor]:
 
 
 def _n_params(trainer: Trainer) -> int:
-    return trainer.source.n_params if trainer.source is not None else trainer.model.n_params
+    return trainer.source.n_params
 
 
 def _run_id() -> str | None:

@@ -12,7 +12,6 @@ uninterrupted one.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -25,6 +24,7 @@ from pipetrain.checkpoint import run as checkpoint
 from pipetrain.errors import CheckpointError
 from pipetrain.runtime.dtensors import local_shard
 from pipetrain.train.setup import Trainer
+from pipetrain.train.sources.choice import kind_of
 
 __all__ = ["checkpoint_root", "save", "restore", "peer_state", "load_peer_state"]
 
@@ -50,14 +50,12 @@ def _state(trainer: Trainer, *, rng: bool) -> dict[str, torch.Tensor]:
 
 def _model(trainer: Trainer) -> dict[str, object]:
     """The model's identity (a GPT config, or a Hugging Face architecture and config)."""
-    if trainer.source is not None:
-        described: dict[str, object] = json.loads(json.dumps(trainer.source.describe()))
-        return described
-    return dataclasses.asdict(trainer.model)
+    described: dict[str, object] = json.loads(json.dumps(trainer.source.describe()))
+    return described
 
 
 def _meta(trainer: Trainer) -> dict[str, object]:
-    source = {"hf_source": str(Path(trainer.cfg.hf).resolve())} if trainer.cfg.hf else {}
+    source = kind_of(trainer.cfg).provenance(trainer.cfg)
     return {"model": _model(trainer), "layout": trainer.layout(), **source,
             "seed": trainer.cfg.seed, "skipped": trainer.skipped,
             "loss_scale": trainer.scale.state_dict(), "data": {"seed": trainer.cfg.seed,

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from pipetrain.train.data.text import decode, encode
 from pipetrain.train.infer import eval_loss, generate
 from pipetrain.train.precision import autocast
 from pipetrain.train.setup import Trainer
@@ -45,14 +44,14 @@ def sample(trainer: Trainer) -> str | None:
     source, prompt = trainer.source, prompt_ids(trainer)
     ids = _cached_sample(trainer, prompt)
     if ids is not None:
-        return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
+        return source.decode(prompt + ids)
     with autocast(cfg.precision, trainer.mesh.device):
         ids = generate(trainer.pipe, trainer.mesh, prompt, cfg.sample_tokens,
                        context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
                        step=last_step(trainer), feed=trainer.feed,
-                       logits=source.logits if source is not None else None,
+                       logits=source.logits,
                        multiple=trainer.mesh.tp if _split_sequence(trainer) else 1)
-    return source.decode(prompt + ids) if source is not None else decode(prompt + ids)
+    return source.decode(prompt + ids)
 
 
 def _cached_sample(trainer: Trainer, prompt: list[int]) -> list[int] | None:
@@ -78,16 +77,16 @@ def _cached_sample(trainer: Trainer, prompt: list[int]) -> list[int] | None:
 def cache_length(trainer: Trainer, prompt: list[int]) -> int | None:
     """The positions a cached sample of ``prompt`` needs, or None when it cannot have one."""
     cfg, source = trainer.cfg, trainer.source
-    hf = getattr(source, "hf", None)
     length = len(prompt) + cfg.sample_tokens - 1
-    if not cfg.out or hf is None or (hf.max_positions is not None and length > hf.max_positions):
+    limit = source.max_positions
+    if not cfg.out or not source.exports or (limit is not None and length > limit):
         return None
     return length
 
 
 def prompt_ids(trainer: Trainer) -> list[int]:
     source, text = trainer.source, trainer.cfg.prompt
-    return (source.encode(text) if source is not None else encode(text).tolist()) or [NEWLINE]
+    return source.encode(text) or [NEWLINE]
 
 
 def last_step(trainer: Trainer) -> int:

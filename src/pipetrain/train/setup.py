@@ -62,6 +62,8 @@ class Trainer:
     eval_set: list[Batch]
     """This replica's rows of the held-out batches."""
     injector: NaNInjector
+    source: Source
+    """The model's source (built-in GPT or ``--hf``): input, logits and text."""
     params: list[nn.Parameter] = field(default_factory=list)
     """This rank's trainable parameters."""
     counted: list[nn.Parameter] = field(default_factory=list)
@@ -72,8 +74,6 @@ class Trainer:
     """The next step to run (= steps done, skipped ones included)."""
     skipped: int = 0
     """Steps skipped for a non-finite loss, gradients or an fp16 overflow."""
-    source: Source | None = None
-    """The model's source (built-in GPT or ``--hf``): input, logits and text."""
     loaded: dict[str, Any] = field(default_factory=dict)
     """What this rank read of stored weights (``--hf``), and its peak memory after."""
     last_scale: float = 1.0
@@ -155,7 +155,7 @@ class Trainer:
 
     def feed(self, ids: torch.Tensor) -> Any:
         """The pipeline's input for token ids (a dict of keyword arguments for ``--hf``)."""
-        return ids if self.source is None else self.source.feed(ids)
+        return self.source.feed(ids)
 
     def rows(self, batch: Batch) -> Batch:
         n = pytree.tree_leaves(batch)[0].size(0) // self.parts
@@ -216,9 +216,9 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
         cfg, mesh, source.model, pipe,
         build_optimizer(pipe.named_parameters(), source.no_decay, lr=cfg.lr,
                         weight_decay=cfg.weight_decay),
-        scale, reducer, batches, [], NaNInjector.for_pipeline(pipe),
+        scale, reducer, batches, [], NaNInjector.for_pipeline(pipe), source,
         params, *_tp_split([p for p in counted_parameters(pipe) if id(p) not in apart],
-                           split is not None), source=source,
+                           split is not None),
         loaded=loaded, sharded=sharded, tensor_parallel=split, ranks=ranks, experts=experts,
         expert_load=load, expert_reducer=expert_reducer, replicas=replica, parts=parts,
         part=part)

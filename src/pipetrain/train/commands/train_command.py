@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.train.config import TrainConfig
+from pipetrain.train.sources.choice import kind_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -202,16 +203,11 @@ def check(cfg: TrainConfig) -> None:
     Raises:
         ValueError: naming the setting, its value and what to use instead.
     """
-    from pipetrain.models.gpt import PRESETS
     from pipetrain.schedules.generators import REGISTRY, _load_builtin
 
     _load_builtin()
-    if cfg.hf and not Path(cfg.hf, "config.json").is_file():
-        raise ValueError(f"--hf {cfg.hf!r}: no config.json there; give a local directory "
-                         "written by save_pretrained (config, safetensors, tokenizer) or a "
-                         "Hub id, ORG/NAME[@REVISION]")
-    if not cfg.hf and cfg.preset not in PRESETS:
-        raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}")
+    for problem in kind_of(cfg).problems(cfg):  # the first one, before any other flag
+        raise ValueError(problem)
     if cfg.schedule not in REGISTRY and not Path(cfg.schedule).is_file():
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of "
                          f"{sorted(REGISTRY)}, or give a schedule file")
@@ -261,8 +257,6 @@ def _check_lora(cfg: TrainConfig) -> None:
         if cfg.merge:
             raise ValueError("--merge merges a LoRA adapter: give --lora-r too")
         return
-    if not cfg.hf:
-        raise ValueError("--lora-r adapts a Hugging Face model: give --hf DIR or ORG/NAME")
     if not 0.0 <= cfg.lora_dropout < 1.0:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.lora_alpha < 0:

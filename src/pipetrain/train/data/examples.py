@@ -321,15 +321,12 @@ def describe(record: dict[str, Any]) -> str:
                "truncated)"))
 
 
-def data_problems(data: str | None, hf: str, text_field: str, chat: bool) -> list[str]:
+def data_problems(data: str | None, text_field: str, chat: bool) -> list[str]:
     """What is wrong with the data settings (checked before any process starts)."""
     import importlib.util
 
     dataset = is_dataset(data)
     problems = []
-    if dataset and not hf:
-        problems.append(f"--data {data} is a data set: it needs --hf DIR, whose tokenizer "
-                        "reads it (the built-in GPT trains on the bytes of text files)")
     if not dataset and (chat or text_field != "text"):
         flag = "--chat" if chat else f"--text-field {text_field}"
         problems.append(f"{flag} needs --data to be a .jsonl, .json, .parquet or .csv file "

@@ -57,6 +57,7 @@ from pipetrain.runtime.launch import RANK_MODULES, loopback_store, start_context
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.launch import faults
 from pipetrain.train.logs.events import NullReporter, Reporter
+from pipetrain.train.sources.choice import kind_of
 
 __all__ = ["JobFailed", "RunFn", "under_torchrun", "launch_local", "worker", "backend_for",
            "SHUTDOWN_GRACE"]
@@ -134,10 +135,8 @@ def launch_local(cfg: TrainConfig, run: RunFn | None = None, *,
     if cfg.nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {cfg.nproc}")
     backend = backend_for(cfg.device, cfg.nproc)
-    if cfg.hf and run is None:  # tokenize (once, cached) here, with a bar on this terminal
-        from pipetrain.train.sources.hf_source import HFSource
-
-        HFSource(cfg).corpus(cfg, progress=cfg.progress)
+    if run is None:
+        kind_of(cfg).prepare(cfg)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -177,12 +176,10 @@ def _elastic(cfg: TrainConfig, port: int, logs: str) -> Any:
 
 def _start_method(cfg: TrainConfig) -> str:
     """forkserver, whose server imports torch, pipetrain's training loop, torch's capture
-    modules (and for ``--hf`` transformers with the model's modeling module, which this
-    process opened) once for every worker and restart, or spawn where there is none."""
-    modeling = sorted(m for m in sys.modules if m.startswith("transformers.models.")
-                      and ".modeling_" in m) if cfg.hf else []
-    modules = ("pipetrain.train.loop", *RANK_MODULES,
-               *(("transformers", *modeling) if cfg.hf else ()))
+    modules and the source's (for ``--hf`` transformers with the model's modeling module,
+    which this process opened) once for every worker and restart, or spawn where there is
+    none."""
+    modules = ("pipetrain.train.loop", *RANK_MODULES, *kind_of(cfg).rank_modules(cfg))
     return str(start_context(modules).get_start_method())
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from pipetrain.train.config import TrainConfig, config_toml
 from pipetrain.train.launch.elastic import JobFailed
 from pipetrain.train.launch.replicas import replica_out, require_torchft
+from pipetrain.train.sources.choice import kind_of
 
 __all__ = ["launch_replicas", "JOIN_TIMEOUT_MS", "HEARTBEAT_TIMEOUT_MS"]
 
@@ -52,10 +53,7 @@ def launch_replicas(cfg: TrainConfig) -> dict[str, Any]:
     require_torchft()
     if cfg.nproc % cfg.dp:
         raise ValueError(f"--ft: --nproc {cfg.nproc} must divide into --dp {cfg.dp} replicas")
-    if cfg.hf:  # tokenize (once, cached) here, with a bar on this terminal
-        from pipetrain.train.sources.hf_source import HFSource
-
-        HFSource(cfg).corpus(cfg, progress=cfg.progress)
+    kind_of(cfg).prepare(cfg)
     if not cfg.verbose:  # torchft's own log (Rust): warnings and errors only
         os.environ.setdefault("RUST_LOG", "error")
     from torchft.coordination import LighthouseServer

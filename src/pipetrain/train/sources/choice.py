@@ -1,16 +1,151 @@
-"""Source choice: the one place a run's config decides what it trains."""
+"""Source choice: the one place a run's config decides what it trains.
+
+``--hf DIR`` (or a Hub id) trains that checkpoint (:class:`.hf_source.HFSource`); without it,
+the built-in GPT of ``--preset`` (:class:`.source.GPTSource`). What differs between the two
+before any rank starts (the checks, the launcher's one tokenization, what the workers import,
+what a checkpoint records) is a :class:`Kind`, light to import, since the launcher asks it;
+what differs on each rank is the :class:`~.source.Source` it builds. A new source is a
+``Source`` class, a ``Kind`` and a line in :func:`kind_of`.
+"""
 
 from __future__ import annotations
 
-from pipetrain.train.config import TrainConfig
-from pipetrain.train.sources.hf_source import HFSource
-from pipetrain.train.sources.source import GPTSource, Source
+import sys
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["source_for"]
+from pipetrain.models.gpt import PRESETS
+from pipetrain.train.config import TrainConfig
+from pipetrain.train.data.records import is_dataset
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pipetrain.train.sources.source import Source
+
+__all__ = ["Kind", "kind_of", "source_for"]
+
+
+class Kind(ABC):
+    """A kind of model source, as the command and the launcher see it before any rank starts."""
+
+    @abstractmethod
+    def problems(self, cfg: TrainConfig) -> list[str]:
+        """What keeps this source from ``cfg``'s run, each saying how to fix it."""
+
+    @abstractmethod
+    def source(self, cfg: TrainConfig) -> Source:
+        """The source itself, built on a rank of the run."""
+
+    def prepare(self, cfg: TrainConfig) -> None:
+        """The launcher's work for this source before any rank starts, once a run."""
+        return
+
+    def rank_modules(self, cfg: TrainConfig) -> tuple[str, ...]:
+        """Modules this source's ranks import, for the launcher's forkserver to import once."""
+        return ()
+
+    def provenance(self, cfg: TrainConfig) -> dict[str, str]:
+        """Where the model came from, kept in each checkpoint's metadata."""
+        return {}
+
+    def meta_model(self, cfg: TrainConfig) -> nn.Module | None:
+        """The whole model on ``meta``, for the planner to size (None: it needs none)."""
+        return None
+
+    @abstractmethod
+    def label(self, cfg: TrainConfig) -> str:
+        """The model's name in a title."""
+
+
+class GPTKind(Kind):
+    """The built-in GPT of ``--preset``, on the bytes of text files."""
+
+    def problems(self, cfg: TrainConfig) -> list[str]:
+        if cfg.preset not in PRESETS:
+            return [f"unknown preset {cfg.preset!r}; choose one of {list(PRESETS)}"]
+        c, problems = PRESETS[cfg.preset], []
+        if cfg.tp > 1 and (c.n_heads % cfg.tp or c.mlp_ratio * c.d_model % cfg.tp):
+            problems.append(f"tp={cfg.tp} must divide the preset's {c.n_heads} heads and "
+                            f"{c.mlp_ratio * c.d_model} MLP units; use a divisor of both")
+        if cfg.tp > 1 and cfg.sequence_parallel and cfg.seq_len % cfg.tp:
+            problems.append(f"seq_len={cfg.seq_len} must divide by tp={cfg.tp} under sequence "
+                            "parallelism; change --seq-len, or pass --no-sequence-parallel")
+        if cfg.ep > 1:
+            problems.append(f"--ep {cfg.ep} spreads a mixture of experts' experts over ranks; "
+                            "the built-in GPT has none: give --hf an MoE model, or leave --ep "
+                            "out")
+        if cfg.lora_r:
+            problems.append("--lora-r adapts a Hugging Face model: give --hf DIR or ORG/NAME")
+        if is_dataset(cfg.data):
+            problems.append(f"--data {cfg.data} is a data set: it needs --hf DIR, whose "
+                            "tokenizer reads it (the built-in GPT trains on the bytes of text "
+                            "files)")
+        return problems
+
+    def source(self, cfg: TrainConfig) -> Source:
+        from pipetrain.train.sources.source import GPTSource
+
+        return GPTSource(cfg)
+
+    def label(self, cfg: TrainConfig) -> str:
+        return cfg.preset
+
+
+class HFKind(Kind):
+    """A Hugging Face checkpoint (``--hf``), through its own tokenizer."""
+
+    def problems(self, cfg: TrainConfig) -> list[str]:
+        """A directory without a config; under ``--tp``, a model without a tensor-parallel
+        plan whose heads split, or without stored weights (read on ``meta``)."""
+        if not Path(cfg.hf, "config.json").is_file():
+            return [f"--hf {cfg.hf!r}: no config.json there; give a local directory written by "
+                    "save_pretrained (config, safetensors, tokenizer) or a Hub id, "
+                    "ORG/NAME[@REVISION]"]
+        if cfg.tp > 1:
+            from pipetrain.hf.model import open_model
+            from pipetrain.hf.tp_plan import require_weights, shrink
+
+            opened = open_model(Path(cfg.hf))
+            try:
+                shrink(opened.model, cfg.tp)
+                require_weights(bool(opened.weights), cfg.hf)
+            except ValueError as e:
+                return [str(e)]
+        return []
+
+    def source(self, cfg: TrainConfig) -> Source:
+        from pipetrain.train.sources.hf_source import HFSource
+
+        return HFSource(cfg)
+
+    def prepare(self, cfg: TrainConfig) -> None:
+        """Tokenize the corpus once (cached), here, with a bar on the launcher's terminal."""
+        self.source(cfg).corpus(cfg, progress=cfg.progress)
+
+    def rank_modules(self, cfg: TrainConfig) -> tuple[str, ...]:
+        """transformers, and the modeling modules this process opened (:meth:`prepare`)."""
+        return ("transformers", *sorted(m for m in sys.modules if m.startswith(
+            "transformers.models.") and ".modeling_" in m))
+
+    def provenance(self, cfg: TrainConfig) -> dict[str, str]:
+        return {"hf_source": str(Path(cfg.hf).resolve())}
+
+    def meta_model(self, cfg: TrainConfig) -> nn.Module | None:
+        from pipetrain.hf.model import open_model
+
+        return open_model(Path(cfg.hf)).model
+
+    def label(self, cfg: TrainConfig) -> str:
+        return cfg.hf
+
+
+def kind_of(cfg: TrainConfig) -> Kind:
+    """The kind of the run's model source: ``--hf``'s when given, else the GPT preset's."""
+    return HFKind() if cfg.hf else GPTKind()
 
 
 def source_for(cfg: TrainConfig) -> Source:
-    """The run's model: ``--hf DIR`` when given, else the GPT preset."""
-    if cfg.hf:
-        return HFSource(cfg)
-    return GPTSource(cfg)
+    """The run's model source, built (on every rank of the run)."""
+    return kind_of(cfg).source(cfg)

@@ -124,6 +124,8 @@ class HFSource(Source):
             positions.
     """
 
+    exports = True  # <out>/hf, with save_pretrained's files
+
     def __init__(self, cfg: TrainConfig) -> None:
         self.root = Path(cfg.hf)
         self.hf = open_model(self.root)
@@ -143,7 +145,7 @@ class HFSource(Source):
         if len(self.tokenizer) > vocab:
             raise ValueError(f"--hf {cfg.hf}: the tokenizer has {len(self.tokenizer)} tokens but "
                              f"the model's vocab_size is {vocab}; save the matching tokenizer")
-        limit = self.hf.max_positions
+        self.max_positions = limit = self.hf.max_positions
         if limit is not None and cfg.seq_len > limit:
             raise ValueError(f"--seq-len {cfg.seq_len} is longer than {limit}, the positions "
                              f"of {type(self.hf.model).__name__} (max_position_embeddings); "

@@ -42,6 +42,12 @@ class Source(ABC):
     """Parameters of the whole model (a tied weight once)."""
     no_decay: set[str]
     """Parameter names without weight decay (biases, norms, embeddings)."""
+    exports = False
+    """Whether :meth:`save` writes the model as ``save_pretrained`` does (``<out>/hf``, which
+    the run's samples then generate from with a KV cache); else a run keeps it in pipetrain's
+    checkpoints only."""
+    max_positions: int | None = None
+    """The most positions the model attends over (None: no limit known)."""
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
