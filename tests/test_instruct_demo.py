@@ -12,7 +12,8 @@ from types import ModuleType
 
 import pytest
 
-pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long tier (CONTRIBUTING.md: tests): chat
+# examples trained and answered in CI: test_examples_train_dist.py, test_generate_cli.py
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "instruct_demo.py"

@@ -259,18 +259,21 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_bitwise_equal(tmp_path: P
         assert drained == {2: (True, True), 5: (True, False), 7: (True, False)}, drained
 
 
+@pytest.mark.parametrize(("extra", "code", "said"), [
+    ([], 1, 1), pytest.param(["--verbose"], 1, 3, marks=pytest.mark.long),
+    pytest.param(["--max-restarts", "1"], 0, 1, marks=pytest.mark.long)],
+    ids=["plain", "verbose", "restart"])
 def test_the_console_holds_back_native_notes_and_says_a_shared_error_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, extra: list[str], code: int, said: int) -> None:
     """An error every rank raises alike (injected in both at step 2; step 1's memory is
     measured under the torch profiler) is said once: by the launcher's verdict, or by one
     rank when the launcher restarts the job, whose console then holds that line only, no note
     of torch's profiler or allocator. ``--verbose`` shows the notes and every rank's line."""
     both = "raise@rank0:step2,raise@rank1:step2"
-    for extra, code, said in ([], 1, 1), (["--verbose"], 1, 3), (["--max-restarts", "1"], 0, 1):
-        proc = _start(tmp_path / f"fail{len(extra)}", "--steps", "3", *extra, faults=both)
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == code, out + err
-        assert err.count("injected exception at step 2") == said, (extra, err)
-        assert ("profiler_start" in err) == (extra == ["--verbose"]), (extra, err)
-        if code == 0:  # restarted and finished: the one line is all of stderr
-            assert len(err.strip().splitlines()) == 1, err
+    proc = _start(tmp_path, "--steps", "3", *extra, faults=both)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == code, out + err
+    assert err.count("injected exception at step 2") == said, (extra, err)
+    assert ("profiler_start" in err) == (extra == ["--verbose"]), (extra, err)
+    if code == 0:  # restarted and finished: the one line is all of stderr
+        assert len(err.strip().splitlines()) == 1, err
