@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # the long tier (CONTRIBUTING.md: tests): the
+# scripts print figures; the library they time is tested in CI on its own
 
 ROOT = Path(__file__).resolve().parent.parent
 
