@@ -2,8 +2,8 @@
 in which pytest-xdist's workers take the test files.
 
 The forkserver imports once what the test ranks import (pytest, transformers and the models
-the tests build) on top of pipetrain's own preload. The suite runs on three workers, a file
-at a time (``-n 3 --dist loadfile`` in pyproject.toml), each computing on one thread: the
+the tests build) on top of pipetrain's own preload. The suite runs on two workers, a file
+at a time (``-n 2 --dist loadfile`` in pyproject.toml), each computing on one thread: the
 slowest files go out first, so the workers finish together instead of one running a long file
 alone at the end.
 """
@@ -17,7 +17,7 @@ import torch
 
 from pipetrain.runtime.launch import start_context
 
-# three workers share two cores: one intra-op thread each, whose pool never spins while
+# two workers share two cores with the ranks they start: one intra-op thread each, whose pool never spins while
 # another worker's ranks wait for the core; the commands the tests start inherit the same
 # (ranks set their own: pt.launch's threads=1, train's OMP_NUM_THREADS=1)
 torch.set_num_threads(1)
