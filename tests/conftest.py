@@ -17,8 +17,9 @@ import torch
 
 from pipetrain.runtime.launch import start_context
 
-# two workers share two cores with the ranks they start: one intra-op thread each, whose pool never spins while
-# another worker's ranks wait for the core; the commands the tests start inherit the same
+# two workers share two cores with the ranks they start: one intra-op thread each, whose pool
+# never spins while another worker's ranks wait for the core; the commands the tests start
+# inherit the same
 # (ranks set their own: pt.launch's threads=1, train's OMP_NUM_THREADS=1)
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
