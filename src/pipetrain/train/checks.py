@@ -2,8 +2,10 @@
 
 ``pipetrain train`` and ``pipetrain plan`` refuse a configuration here, in the launching
 process, with each problem and its fix (exit 2), and every rank checks it again as it builds
-(:func:`pipetrain.train.setup.build`). Nothing here builds a model: the launcher does not
-import the training stack (FSDP2, the model sources) to check its flags.
+(:func:`pipetrain.train.setup.build`). Nothing here builds a model's weights: the launcher
+imports neither the training stack (FSDP2) nor the per-rank sources to check its flags; the
+source's own checks come from its light :class:`~pipetrain.train.sources.choice.Kind`, and only
+``--hf --tp`` opens the model, on ``meta``, to see that its plan splits it.
 """
 
 from __future__ import annotations
