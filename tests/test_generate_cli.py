@@ -119,6 +119,39 @@ def test_bad_flags_exit_2(saved: Path, extra: list[str], problem: str,
     assert problem in capsys.readouterr().err
 
 
+def test_more_ranks_than_decoder_layers_exit_2_before_any_capture(
+        saved: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """``--nproc 5`` on a 4-layer model: refused in the launcher, naming the layers and the
+    --nproc to use (it failed in torch.export's capture on every rank); under torchrun, its
+    world is the number asked for."""
+    from pipetrain.train.launch import elastic
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(elastic, "launch_local", started)
+    assert main(["generate", "--hf", str(saved), "--prompt", "def ", "--nproc", "5",
+                 "--max-new-tokens", "4"]) == 2
+    assert ("LlamaForCausalLM has 4 decoder layers, fewer than the 5 stages asked for (--nproc "
+            "5: one stage a rank); generation cuts between decoder layers only: use --nproc 4 "
+            "or fewer") in capsys.readouterr().err
+    monkeypatch.setattr(elastic, "worker", started)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["generate", "--hf", str(saved), "--prompt", "def ", "--max-new-tokens", "4"]) == 2
+    assert "(6 torchrun processes: one stage a rank)" in capsys.readouterr().err
+
+
+def test_a_generator_refuses_more_ranks_than_decoder_layers(saved: Path) -> None:
+    from pipetrain.hf.model import open_model
+
+    with pytest.raises(ValueError, match="has 4 decoder layers, fewer than the 5 stages asked "
+                                         "for .5 ranks: one stage a rank.*use 4 ranks or fewer"):
+        Generator(open_model(saved).model, local_ranks=5)
+
+
 def test_a_directory_without_config_exits_2(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--hf", str(tmp_path), "--prompt", "x"]) == 2

@@ -173,6 +173,9 @@ def test_tp_splits_a_stored_llama_by_its_own_plan_and_resumes_across_layouts(
     split = _train(place, "llama", "llama-tp", "--nproc", "4", "--pp", "2", "--tp", "2",
                    "--sample-tokens", "6")
     assert split["layout"]["tp"] == 2 and split["sample"].startswith("def ")
+    start = _records(place / "llama-tp", "start")[0]  # the whole layout, tp counted
+    assert start["world"] == 4 and start["degrees"] == {"pp": 2, "dp": 1, "fsdp": 1, "tp": 2,
+                                                        "ep": 1}
     curves = [[r[k] for r in _records(place / out, "step") for k in ("loss", "grad_norm")]
               for out in ("llama-tp", "llama-pp2")]
     assert curves[0] == pytest.approx(curves[1], rel=1e-5)

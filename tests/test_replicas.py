@@ -85,15 +85,59 @@ def test_changes_name_who_left_and_who_joined_from_whom() -> None:
     assert replicas.changes((0, 2), said, 6) == []
 
 
-def test_the_local_launch_names_a_replica_that_failed_for_good() -> None:
+def test_the_local_launch_names_a_replica_that_stopped_for_good_and_why() -> None:
     from pipetrain.train.config import TrainConfig
     from pipetrain.train.launch.elastic import JobFailed
-    from pipetrain.train.launch.replica_launch import _verdict
+    from pipetrain.train.launch.replica_launch import _Ended, _verdict
 
-    cfg = TrainConfig(ft=True, dp=3, out="")
-    with pytest.raises(JobFailed, match=r"replica 1 failed for good \(exit code 1; .*"
-                                        r"--max-restarts 0\); replicas 0, 2 finished"):
-        _verdict(cfg, [0, 1, 0])
-    with pytest.raises(JobFailed, match=r"replicas 0, 1 failed for good \(exit codes 1, 1"):
-        _verdict(cfg, [1, 1, 0])
-    assert _verdict(cfg, [0, 0, 0]) == {}
+    why = "the job failed after 3 restarts: rank 0 failed first: killed by SIGKILL (pid 7)"
+    cfg = TrainConfig(ft=True, dp=3, out="", max_restarts=3)
+    ok, failed = _Ended(0, ""), _Ended(1, why)
+    with pytest.raises(JobFailed) as e:
+        _verdict(cfg, [ok, failed, ok])
+    assert str(e.value) == (f"replica 1 stopped for good after 3 restarts (--max-restarts 3), "
+                            f"exit code 1: {why}\nreplicas 0, 2 finished")
+    let_go = TrainConfig(ft=True, dp=3, out="runs/a", max_restarts=0)
+    with pytest.raises(JobFailed) as e:
+        _verdict(let_go, [_Ended(1, ""), _Ended(1, why), ok])
+    assert str(e.value).splitlines() == [
+        "replica 0 stopped for good, not restarted (--max-restarts 0 lets a failed replica go), "
+        "exit code 1: its error is above",
+        "replica 1 stopped for good, not restarted (--max-restarts 0 lets a failed replica go), "
+        f"exit code 1: {why}",
+        f"replica 2 finished (under {Path('runs/a') / 'replica-2'})"]
+    assert _verdict(cfg, [ok, ok, ok]) == {}
+
+
+@pytest.mark.parametrize(("argv", "restarts"), [
+    (["--ft", "--dp", "2"], 3), (["--ft", "--dp", "2", "--max-restarts", "0"], 0),
+    (["--dp", "2"], 0), (["--ft", "--dp", "2", "--max-restarts", "5"], 5)])
+def test_ft_restarts_a_failed_replica_unless_told_not_to(argv: list[str], restarts: int
+                                                         ) -> None:
+    """--ft's promise (a failed replica comes back and recovers from a peer) needs no second
+    flag: a bounded number of restarts by default, printed in the config line."""
+    from pipetrain.cli import build_parser
+    from pipetrain.train.commands.train_command import FT_RESTARTS, resolved
+    from pipetrain.train.config import format_config
+
+    pytest.importorskip("torchft")
+    cfg = resolved(build_parser().parse_args(["train", "--nproc", "4", *argv]), env={}).cfg
+    assert cfg.max_restarts == restarts and FT_RESTARTS == 3
+    assert f"max_restarts={restarts}" in format_config(cfg)
+
+
+def test_a_replicas_stderr_passes_through_and_its_last_verdict_is_kept(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    from pipetrain.train.launch.replica_launch import _Tee
+
+    script = ("import sys; w = sys.stderr.write; w('pipetrain train: restart 1\\n'); "
+              "w('pipetrain train: the job failed: rank 1 failed first\\n'); "
+              "w('  then rank 0: exit code 1\\n'); w('done\\n')")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    tee = _Tee(proc)
+    proc.wait()
+    assert tee.joined() == "the job failed: rank 1 failed first\n  then rank 0: exit code 1"
+    assert "pipetrain train: restart 1\n" in capfd.readouterr().err

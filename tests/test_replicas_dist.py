@@ -41,16 +41,19 @@ def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_a_restarted_replica_loads_a_peers_state_and_rejoins(tmp_path: Path) -> None:
-    """dp 3 x pp 2 (6 processes), replica 2's first rank killed at step 2 and restarted by its
-    agent: the others never restart, every step is committed once, and replica 2, with no
-    checkpoint to resume from, goes on within a bounded number of steps from a healthy
-    replica's state; all end bitwise equal. (Which replicas take part in the steps right
+    """dp 3 x pp 2 (6 processes; the command infers --dp 3 from --nproc 6 and --pp 2), replica
+    2's first rank killed at step 2 and restarted by its agent (--ft restarts a failed replica
+    without --max-restarts): the others never restart, every step is committed once, and replica
+    2, with no checkpoint to resume from, goes on within a bounded number of steps from a
+    healthy replica's state; all end bitwise equal. (Which replicas take part in the steps right
     after the failure depends on timing: the others go on without replica 2 once torchft has
-    seen it gone, unless it is back first; a replica slow to ask for the next quorum is left
-    out of it and loads a peer's state at the one after, as torchft does.)"""
-    done = _train(tmp_path, "--nproc", "6", "--dp", "3", "--ft", "--steps", "40",
-                  "--max-restarts", "1", faults="kill@rank4:step2")
+    seen it gone, unless it is back first; a replica slow to ask for the next quorum is left out
+    of it and loads a peer's state at the one after, as torchft does.)"""
+    done = _train(tmp_path, "--nproc", "6", "--ft", "--steps", "40",
+                  faults="kill@rank4:step2")  # --dp 3 from the world, restarts by default
     assert done.returncode == 0, done.stderr
+    assert "pipetrain train: --dp 3 (inferred: 6 ranks / pp=2;" in done.stdout
+    assert "max_restarts=3" in done.stdout  # the config line says how many
     logs = {r: _records(tmp_path / f"replica-{r}") for r in range(3)}
     assert [sum(x["kind"] == "start" for x in logs[r]) for r in range(3)] == [1, 1, 2]
     for records in logs.values():

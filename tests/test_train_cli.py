@@ -78,7 +78,8 @@ def _settings(cfg: TrainConfig) -> dict[str, object]:
 
 
 def _resolved(argv: list[str]) -> tuple[TrainConfig, tuple[str, ...]]:
-    return train_cli.resolved(build_parser().parse_args(["train", *argv]))
+    cfg, tuned, _ = train_cli.resolved(build_parser().parse_args(["train", *argv]), env={})
+    return cfg, tuned
 
 
 @pytest.mark.parametrize("weights", ["model.safetensors", "model.safetensors.index.json"])

@@ -107,7 +107,7 @@ class Generator:
                  timeout: float = 60.0, balance: Sequence[int] | str | None = None,
                  init_seed: int = 0) -> None:
         from pipetrain.hf.cache import CachedLM
-        from pipetrain.hf.model import split_points
+        from pipetrain.hf.model import check_generation_stages, split_points
 
         if min(rows, length, prefill, window) < 1:
             raise ValueError(f"rows, length, prefill and window must be >= 1, got {rows}, "
@@ -115,6 +115,7 @@ class Generator:
         self.rows, self.length, self.prefill, self.window = rows, length, prefill, window
         self.group = group
         n_ranks = local_ranks or (dist.get_world_size(group) if dist.is_initialized() else 1)
+        check_generation_stages(model, n_ranks, "ranks")
         model.eval()
         wrapped = CachedLM(model, rows, length)
         example = {"input_ids": torch.zeros(rows, 2, dtype=torch.long),

@@ -35,7 +35,7 @@ from pipetrain.runtime.dtensors import copy_whole_
 from pipetrain.split.autosplit import cut_points, units
 
 __all__ = ["Fused", "HFModel", "LoadReport", "has_weights", "load_weights", "meta_model",
-           "open_model", "split_points"]
+           "open_model", "split_points", "decoder_layers", "check_generation_stages"]
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -257,12 +257,7 @@ def split_points(model: nn.Module, n_stages: int, example: dict[str, Any] | None
         ValueError: when the model has fewer units than stages.
     """
     found = units(model)
-    stacks: dict[str, list[str]] = {}
-    for name in found:
-        parent, _, index = name.rpartition(".")
-        if index.isdigit():
-            stacks.setdefault(parent, []).append(name)
-    layers = max(stacks.values(), key=len, default=[])
+    layers = decoder_layers(model, found)
     if len(layers) >= n_stages:
         return layers[1:]
     if len(found) >= n_stages:
@@ -270,6 +265,40 @@ def split_points(model: nn.Module, n_stages: int, example: dict[str, Any] | None
     raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers and "
                      f"{len(found)} units in all, fewer than the {n_stages} stages of this "
                      "layout; use fewer ranks or stages per rank (--stages-per-rank 1)")
+
+
+def decoder_layers(model: nn.Module, found: list[str] | None = None) -> list[str]:
+    """The names of the model's decoder layers: its largest stack of numbered units, such as
+    ``model.layers.0`` .. ``model.layers.31`` (``found``: its units, when known already)."""
+    stacks: dict[str, list[str]] = {}
+    for name in units(model) if found is None else found:
+        parent, _, index = name.rpartition(".")
+        if index.isdigit():
+            stacks.setdefault(parent, []).append(name)
+    return max(stacks.values(), key=len, default=[])
+
+
+def check_generation_stages(model: nn.Module, n_stages: int, flag: str = "--nproc") -> None:
+    # flag: how the caller sets the stages, as "<flag> N" ("--nproc") or "N <flag>" ("ranks")
+    """Refuse, before any capture, more generation stages than the model has decoder layers.
+
+    Generation cuts between decoder layers only: its stages carry the KV cache's positions and
+    mask, which a cut inside the embedding, the rotary table or the head would have to pass
+    between shapes that torch.export cannot tie together (training, without a cache, can cut
+    at every unit: :func:`split_points`).
+
+    Raises:
+        ValueError: naming the model, its layers, the stages asked for and what to use.
+    """
+    n_layers = len(decoder_layers(model))
+    if n_stages > n_layers:
+        def setting(n: int) -> str:
+            return f"{flag} {n}" if flag.startswith("-") else f"{n} {flag}"
+
+        raise ValueError(f"{type(model).__name__} has {n_layers} decoder layers, fewer than the "
+                         f"{n_stages} stages asked for ({setting(n_stages)}: one stage a rank); "
+                         f"generation cuts between decoder layers only: use "
+                         f"{setting(max(n_layers, 1))} or fewer")
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,12 @@ class TrainConfig:
     pp: int | None = None
     """Pipeline ranks; None: world size // (dp x fsdp x tp)."""
     dp: int = 1
-    """Data-parallel replicas of the whole pipeline."""
+    """Data-parallel replicas of the whole pipeline; on the command line, when left out with
+    ``pp`` given, world size // (pp x fsdp x tp)."""
     fsdp: int = 1
     """Shards of each replica: this many ranks hold the same stages, each a slice of every
-    weight, gradient and optimizer state (FSDP2), each its own rows of the batch."""
+    weight, gradient and optimizer state (FSDP2), each its own rows of the batch; on the
+    command line, when left out with ``pp`` and ``dp`` given, world size // (pp x dp x tp)."""
     tp: int = 1
     """Tensor-parallel ranks per pipeline rank: they split each block's attention heads and
     MLP (Megatron style), see the same rows, and each hold a slice of those weights."""
@@ -154,7 +156,9 @@ class TrainConfig:
     resume: bool = True
     """Continue from the newest committed checkpoint under ``out`` when there is one."""
     max_restarts: int = 0
-    """Times a local launch restarts the job after a rank fails (resuming from a checkpoint)."""
+    """Times a local launch restarts the job after a rank fails (resuming from a checkpoint);
+    with ``ft``, times each failed replica is restarted (recovering from a peer), 3 when not
+    given, 0 to let a failed replica go."""
     ft: bool = False
     """Fault-tolerant replicas (torchft): each of the ``dp`` replicas is a whole pipeline
     with its own elastic agent; a failure restarts that replica only, which then loads a

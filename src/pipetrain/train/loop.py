@@ -393,12 +393,25 @@ def _expert_load(trainer: Trainer) -> dict[str, Any] | None:
 
 
 def _start_fields(trainer: Trainer) -> dict[str, Any]:
-    return {"config": dataclasses.asdict(trainer.cfg), "world": trainer.mesh.dp * trainer.mesh.pp,
-            "layout": trainer.layout(), "ranks": trainer.ranks,
+    return {"config": dataclasses.asdict(trainer.cfg), "world": _job_world(trainer),
+            "degrees": _degrees(trainer), "layout": trainer.layout(), "ranks": trainer.ranks,
             "balance": list(trainer.pipe.balance),
             "params": _n_params(trainer), "start_step": trainer.step,
             "run_id": _run_id(), **({"load": _every_rank(trainer.loaded)} if trainer.loaded
                                      else {})}
+
+
+def _job_world(trainer: Trainer) -> int:
+    """The job's ranks: every replica's under ``--ft``, where this world is one of them."""
+    return trainer.mesh.world * (trainer.cfg.dp if trainer.replicas is not None else 1)
+
+
+def _degrees(trainer: Trainer) -> dict[str, int]:
+    """Every degree of the layout, 1s included: ``pp``, ``dp`` (replicas), ``fsdp``, ``tp``,
+    ``ep``; their product (``ep`` aside, a part of ``dp x fsdp``) is the start's ``world``."""
+    mesh = trainer.mesh
+    replicas = trainer.cfg.dp if trainer.replicas is not None else mesh.dp // mesh.fsdp
+    return {"pp": mesh.pp, "dp": replicas, "fsdp": mesh.fsdp, "tp": mesh.tp, "ep": mesh.ep}
 
 
 def _every_rank(value: dict[str, Any]) -> list[dict[str, Any]]:

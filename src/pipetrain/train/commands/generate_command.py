@@ -134,9 +134,24 @@ def _request(args: argparse.Namespace) -> Request:
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
     _check_positions(args.hf, prompts, args.max_new_tokens)
+    _check_stages(args.hf, args.nproc)
     return Request(args.hf, tuple(prompts), args.max_new_tokens, args.batch, args.temperature,
                    args.top_k, args.top_p, args.seed, args.prefill, args.window, args.timeout,
                    args.json, args.out)
+
+
+def _check_stages(hf: str, nproc: int) -> None:
+    """Refuse, before any process starts, more ranks than the model has decoder layers (the
+    model opened on ``meta``: its config only)."""
+    import os
+
+    from pipetrain.hf.model import check_generation_stages, open_model
+    from pipetrain.train.launch.elastic import under_torchrun
+
+    torchrun = under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc
+    check_generation_stages(open_model(Path(hf)).model, world,
+                            "torchrun processes" if torchrun else "--nproc")
 
 
 def _check_positions(hf: str, prompts: list[str], new: int) -> None:

@@ -42,7 +42,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["HELP", "configure", "run", "resolve", "resolved", "load_toml", "field_docs"]
+__all__ = ["HELP", "configure", "run", "resolve", "resolved", "Resolved", "load_toml",
+           "field_docs", "FT_RESTARTS"]
 
 HELP = ("train a pipelined GPT, or a local Hugging Face checkpoint with --hf (local processes, "
         "or one worker under torchrun)")
@@ -129,12 +130,32 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
             type, or a setting is out of range.
         OSError: the file cannot be read.
     """
-    return resolved(args)[0]
+    return resolved(args).cfg
 
 
-def resolved(args: argparse.Namespace) -> tuple[TrainConfig, tuple[str, ...]]:
-    """:func:`resolve`'s config, and the names of the settings that took the fine-tuning
-    defaults (empty for a preset, or ``--hf`` without weights).
+class Resolved(typing.NamedTuple):
+    """A run's settings as :func:`resolved` found them."""
+
+    cfg: TrainConfig
+    tuned: tuple[str, ...]
+    """The settings that took the fine-tuning defaults (empty for a preset, or ``--hf``
+    without weights)."""
+    inferred: str
+    """What was inferred from the world and how (:func:`pipetrain.train.degrees.said`), or
+    empty."""
+
+
+FT_RESTARTS = 3
+"""``--max-restarts`` under ``--ft`` when not given: a failed replica comes back this many
+times (each loading a healthy replica's state); ``--max-restarts 0`` lets it go."""
+
+
+def resolved(args: argparse.Namespace, env: typing.Mapping[str, str] | None = None
+             ) -> Resolved:
+    """:func:`resolve`'s config, the settings that took the fine-tuning defaults, and what was
+    inferred: the layout's one open degree from the world (``env``'s torchrun ``WORLD_SIZE``,
+    else ``--nproc``; :mod:`pipetrain.train.degrees`), and ``--max-restarts`` under ``--ft``
+    (:data:`FT_RESTARTS`).
 
     The flags default to "not given" (argparse.SUPPRESS), so what the file and the command
     line set is exactly the namespace's fields and the file's keys: only the others can take
@@ -150,9 +171,38 @@ def resolved(args: argparse.Namespace) -> tuple[TrainConfig, tuple[str, ...]]:
 
         given["hf"] = local(str(given["hf"]))
     tuned = fine_tuning_defaults(given)
-    cfg = TrainConfig(**{**tuned, **given})
+    if given.get("ft") and "max_restarts" not in given:
+        given["max_restarts"] = FT_RESTARTS
+    inferred = _open_degree(given, os.environ if env is None else env)
+    cfg = TrainConfig(**{**tuned, **given, **inferred})
     check(cfg)
-    return cfg, tuple(tuned)
+    world = _world(given, os.environ if env is None else env)
+    from pipetrain.train.degrees import said
+
+    shown = inferred and max(inferred.values()) > 1  # a 1 changes nothing the user sees
+    return Resolved(cfg, tuple(tuned), said(inferred, world, given) if shown else "")
+
+
+def _world(given: dict[str, Any], env: typing.Mapping[str, str]) -> int:
+    """The job's ranks: torchrun's world (times ``--dp`` for one ``--ft`` replica's), else
+    ``--nproc``."""
+    from pipetrain.train.launch.elastic import under_torchrun
+
+    if not under_torchrun(dict(env)):
+        return int(given.get("nproc", TrainConfig.nproc))
+    world = int(env["WORLD_SIZE"])
+    return world * int(given.get("dp", 1)) if given.get("ft_replica_id") is not None else world
+
+
+def _open_degree(given: dict[str, Any], env: typing.Mapping[str, str]) -> dict[str, int]:
+    """The layout's open degree (:func:`pipetrain.train.degrees.open_degree`); one ``--ft``
+    replica's world (``--ft-replica-id``) needs ``--dp`` given."""
+    from pipetrain.train.degrees import open_degree
+
+    if given.get("ft") and given.get("ft_replica_id") is not None and "dp" not in given:
+        raise ValueError("--ft-replica-id R: this world is one replica, so --dp (how many "
+                         "replicas) cannot be inferred from it; give --dp")
+    return open_degree(given, _world(given, env))
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -308,9 +358,12 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError, OSError: bad flags or config file (the command line turns them into exit 2).
     """
-    cfg, tuned = resolved(args)
+    cfg, tuned, inferred = resolved(args)
     from pipetrain.train.checks import check_config
     from pipetrain.train.launch import elastic
+
+    if inferred and os.environ.get("RANK", "0") == "0":
+        print(f"pipetrain train: {inferred}", flush=True)
 
     # what the workers would refuse, refused before any starts (exit 2)
     world = int(os.environ["WORLD_SIZE"]) if elastic.under_torchrun() else cfg.nproc

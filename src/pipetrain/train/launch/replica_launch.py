@@ -9,9 +9,10 @@ torchrun per replica (docs/cluster.md)::
       ├── replica 0: elastic agent ── ranks 0, 1   (its own world, store and restarts)
       └── replica 1: elastic agent ── ranks 0, 1
 
-A replica that fails is restarted by its own agent (``--max-restarts``) while the others go
-on; the launch ends when every replica has ended. Replica 0 prints the config and the progress
-bar; every replica writes under ``<out>/replica-<R>``.
+A replica that fails is restarted by its own agent (``--max-restarts``: 3 unless given, 0 lets
+it go) while the others go on; the launch ends when every replica has ended, and names each
+replica that stopped for good with its own launch's verdict. Replica 0 prints the config and
+the progress bar; every replica writes under ``<out>/replica-<R>``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipetrain.train.config import TrainConfig, config_toml
 from pipetrain.train.launch.elastic import JobFailed
@@ -63,16 +65,24 @@ def launch_replicas(cfg: TrainConfig) -> dict[str, Any]:
                                   heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
     url = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
     try:
-        codes = _run_replicas(cfg, url)
+        ends = _run_replicas(cfg, url)
     finally:
         lighthouse.shutdown()
-    return _verdict(cfg, codes)
+    return _verdict(cfg, ends)
 
 
-def _run_replicas(cfg: TrainConfig, url: str) -> list[int]:
-    """Start every replica's launch and wait for all of them; their exit codes."""
+class _Ended(NamedTuple):
+    """How a replica's launch ended: its exit code and the verdict it printed last."""
+
+    code: int
+    why: str
+
+
+def _run_replicas(cfg: TrainConfig, url: str) -> list[_Ended]:
+    """Start every replica's launch and wait for all of them; how each ended."""
     with tempfile.TemporaryDirectory(prefix="pipetrain-ft-") as tmp:
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[subprocess.Popen[str]] = []
+        tees: list[_Tee] = []
         try:
             for r in range(cfg.dp):
                 child = dataclasses.replace(cfg, nproc=cfg.nproc // cfg.dp, ft_replica_id=r,
@@ -81,8 +91,11 @@ def _run_replicas(cfg: TrainConfig, url: str) -> list[int]:
                 path.write_text(config_toml(child))
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "pipetrain", "train", "--config", str(path)],
-                    stdout=None if r == 0 else subprocess.DEVNULL))
-            return [p.wait() for p in procs]
+                    stdout=None if r == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                    text=True))
+                tees.append(_Tee(procs[-1]))
+            codes = [p.wait() for p in procs]
+            return [_Ended(code, tee.joined()) for code, tee in zip(codes, tees, strict=True)]
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -91,16 +104,47 @@ def _run_replicas(cfg: TrainConfig, url: str) -> list[int]:
                         p.wait(10)
 
 
-def _verdict(cfg: TrainConfig, codes: list[int]) -> dict[str, Any]:
-    failed = [r for r, code in enumerate(codes) if code != 0]
-    done = [r for r, code in enumerate(codes) if code == 0]
+class _Tee:
+    """Passes a replica's stderr through to this process's, keeping the last verdict it
+    printed (its launch's ``pipetrain train: ...`` line, with the lines under it)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.verdict: list[str] = []
+        self._thread = threading.Thread(target=self._pass, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _pass(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None  # opened with stderr=PIPE
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            if line.startswith("pipetrain train: "):
+                self.verdict = [line.removeprefix("pipetrain train: ").rstrip()]
+            elif self.verdict and line.startswith("  "):
+                self.verdict.append(line.rstrip())
+        sys.stderr.flush()
+
+    def joined(self) -> str:
+        """The verdict, once the replica's stderr is closed."""
+        self._thread.join()
+        return "\n".join(self.verdict)
+
+
+def _verdict(cfg: TrainConfig, ends: list[_Ended]) -> dict[str, Any]:
+    """Replica 0's summary when every replica finished; else which stopped for good, why."""
+    failed = [r for r, end in enumerate(ends) if end.code != 0]
+    done = [r for r, end in enumerate(ends) if end.code == 0]
     if failed:
-        names = ", ".join(str(r) for r in failed)
-        rest = (f"; replica{'s' * (len(done) > 1)} {', '.join(map(str, done))} finished"
-                if done else "")
-        raise JobFailed(f"replica{'s' * (len(failed) > 1)} {names} failed for good (exit "
-                        f"code{'s' * (len(failed) > 1)} {', '.join(str(codes[r]) for r in failed)}"
-                        f"; the error is above; --max-restarts {cfg.max_restarts}){rest}")
+        restarts = (f" after {cfg.max_restarts} restart{'s' * (cfg.max_restarts != 1)} "
+                    f"(--max-restarts {cfg.max_restarts})" if cfg.max_restarts
+                    else ", not restarted (--max-restarts 0 lets a failed replica go)")
+        lines = [f"replica {r} stopped for good{restarts}, exit code {ends[r].code}: "
+                 f"{ends[r].why or 'its error is above'}" for r in failed]
+        if done:
+            lines.append(f"replica{'s' * (len(done) > 1)} {', '.join(map(str, done))} "
+                         f"finished (under {replica_out(cfg.out, done[0])})" if cfg.out
+                         else f"replica{'s' * (len(done) > 1)} {', '.join(map(str, done))} "
+                         "finished")
+        raise JobFailed("\n".join(lines))
     if not cfg.out:
         return {}
     path = Path(replica_out(cfg.out, done[0])) / "summary.json"
