@@ -16,7 +16,7 @@ import torch
 
 import pipetrain as pt
 from pipetrain.errors import CommError
-from pipetrain.runtime.failure.step_end import done_key
+from pipetrain.runtime.step_end import done_key
 from pipetrain.runtime.transport.comm import P2P
 from pipetrain.runtime.transport.wire import (
     ACT,
@@ -90,7 +90,7 @@ def _forged(rank: int, forge: Callable[[torch.Tensor], torch.Tensor], valid: boo
             p2p.send(1, Message(_key(0, 0), [_tensor(0, 0, 4000)]))  # grows the capacity
             first, _, _ = encode(Message(_key(0, 1), [_tensor(0, 1, 4000)]), 0, 0, 1 << 16)
             sent = forge(first)
-            p2p._link.to(1).send([sent], 1, p2p._tag).wait()  # noqa: SLF001  (raw, as a peer)
+            p2p._link.to(1).send([sent], 1, p2p._tag).wait()  # raw, as a peer
             if valid:
                 p2p.send(1, Message(done_key(0, 0), [torch.zeros(3)]))
             p2p.settle("rank 0")
@@ -132,7 +132,7 @@ def _directions(rank: int) -> bool:
     (separate connections: one of our threads at each end of each)."""
     p2p = _transport(rank)
     try:
-        link = p2p._link  # noqa: SLF001
+        link = p2p._link
         return link.to(1 - rank) is not link.from_(1 - rank)
     finally:
         p2p.close()

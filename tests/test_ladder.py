@@ -82,13 +82,14 @@ def _from_names(path: Path, module: str) -> list[str]:
 
 
 def test_modules_import_each_other_without_a_cycle() -> None:
-    """Not even through an import inside a function: a cycle means a piece both need is in
-    one of them; move it where both can import it."""
+    """Not even through an import inside a function, nor through a package's ``__init__``
+    (``from pipetrain.schedules import dataflow`` runs the package's, which imports what it
+    re-exports): a cycle means a piece both need is in one of them; move it where both can
+    import it."""
     name = {p: ".".join(("pipetrain", *p.relative_to(ROOT).with_suffix("").parts))
             .removesuffix(".__init__") for p in ROOT.rglob("*.py")}
     modules = set(name.values())
-    graph = {name[p]: _imported(p, modules) - {name[p]} for p in name
-             if p.name != "__init__.py"}
+    graph = {name[p]: _imported(p, modules) - {name[p]} for p in name}
     done: set[str] = set()
 
     def visit(m: str, path: list[str]) -> None:
@@ -101,3 +102,29 @@ def test_modules_import_each_other_without_a_cycle() -> None:
 
     for m in sorted(graph):
         visit(m, [])
+
+
+RUNTIME = [["lifetime"], ["transport"], ["failure"]]
+"""runtime's own rungs: a part imports only from its own rung or below; every other module of
+runtime (the executor, the stages, the end of a step) stands above them all."""
+
+
+def test_runtime_parts_import_only_down() -> None:
+    """transport (the messages) and failure (a failed or stuck peer as an error everywhere)
+    run below what runs a step: neither imports the executor, a stage or the end of a step."""
+    rung = {part: i for i, parts in enumerate(RUNTIME) for part in parts}
+    top = len(RUNTIME)
+
+    def part(module: str) -> int:
+        parts = module.split(".")
+        return rung.get(parts[2], top) if len(parts) > 2 and parts[1] == "runtime" else -1
+
+    against = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        module = ".".join(("pipetrain", *path.relative_to(ROOT).with_suffix("").parts))
+        if path.name == "__init__.py" and path.parent.name == "runtime":
+            continue
+        for imported, line in _imports(path):
+            if part(imported) > part(module):
+                against.append(f"{path.relative_to(ROOT)}:{line} imports {imported}")
+    assert against == []

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pipetrain.runtime.failure.step_end import StepTimes
+from pipetrain.runtime.step_end import StepTimes
 from pipetrain.schedules.timeline import Timeline
 
 __all__ = ["StepResult"]

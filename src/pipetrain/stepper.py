@@ -27,7 +27,7 @@ from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
 from pipetrain.runtime.async_steps import Windows
 from pipetrain.runtime.executor import Executor, GradsReady, StepData, TokenFeedback, message_plans
-from pipetrain.runtime.failure.step_end import StepTimes, ending_keys, exchange, total_loss
+from pipetrain.runtime.step_end import StepTimes, ending_keys, exchange, total_loss
 from pipetrain.runtime.failure.watchdog import Watchdog, diagnosed
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tied import LocalCopies, TiedGrads

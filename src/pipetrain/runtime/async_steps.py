@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.executor import Executor, StepData
-from pipetrain.runtime.failure.step_end import StepTimes, exchange_window, total_loss
+from pipetrain.runtime.step_end import StepTimes, exchange_window, total_loss
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.transport.comm import P2P
 from pipetrain.runtime.transport.routes import Routes
@@ -118,7 +118,7 @@ class Windows:
                own: Sequence[tuple[int, Any]]) -> tuple[torch.Tensor | None, StepTimes]:
         """The loss of the step ``schedule`` (a phase) ran, where this process computed it,
         and its times; the loss of the step before in :attr:`previous_loss`
-        (:func:`~pipetrain.runtime.failure.step_end.exchange_window`)."""
+        (:func:`~pipetrain.runtime.step_end.exchange_window`)."""
         drain = "drain" in self.phases and schedule is self.phases["drain"].schedule
         if transport is None:
             loss = total_loss(data)

@@ -332,7 +332,7 @@ def message_plans(schedule: Schedule, rank: int, train: bool = True,
 
     Each entry is ``(kind, mb, src_stage, dst_stage)``; ``routes`` (default: a chain) says
     which stages an action sends to, in the order :class:`Executor` sends. The end-of-step
-    messages (:func:`pipetrain.runtime.failure.step_end.ending_keys`) are not listed: the end of the
+    messages (:func:`pipetrain.runtime.step_end.ending_keys`) are not listed: the end of the
     step receives them directly.
     """
     ports = (linear_routes(schedule.n_stages) if routes is None else routes).ports

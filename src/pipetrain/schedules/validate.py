@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from pipetrain.errors import ScheduleError
-from pipetrain.schedules import dataflow
+import pipetrain.schedules.dataflow as dataflow
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.schedule import Schedule
 

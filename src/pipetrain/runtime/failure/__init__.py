@@ -1,2 +1,2 @@
 """Runtime failure: how a failed or stuck rank becomes an error on every rank within a
-bounded time (the watchdog, the job's first failure in its store, the end-of-step exchange)."""
+bounded time (the watchdog, and the job's first failure in its store)."""

@@ -125,7 +125,7 @@ class P2P:
                    proofs: Proofs | None = None, carry: tuple[int, int] | None = None) -> None:
         """Start receiving one step: ``plans[peer]`` lists its messages in the order it sends,
         and ``last[peer]`` is its end-of-step message, after them (a peer not in ``last``
-        sends none to this rank: :func:`~pipetrain.runtime.failure.step_end.ending_keys`).
+        sends none to this rank: :func:`~pipetrain.runtime.step_end.ending_keys`).
 
         ``proofs`` (:func:`~pipetrain.runtime.transport.receipts.delivery_proofs`) lets
         :meth:`recv` free the

@@ -1,4 +1,4 @@
-"""Finish: the end-of-step exchange, after which every rank knows the step succeeded everywhere.
+"""Step end: the end-of-step exchange, after which every rank knows the step succeeded everywhere.
 
 The rank holding stage 0, the *root*, ends most steps last (the first stage's backward is the
 end of every flush schedule's critical path). Each other rank, once its last action ran, sends
