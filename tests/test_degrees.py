@@ -81,5 +81,5 @@ def test_one_ft_replicas_world_needs_dp_given() -> None:
         resolved(args, env={**TORCHRUN, "WORLD_SIZE": "2"})
     given = build_parser().parse_args(["train", "--pp", "2", "--dp", "2", "--ft",
                                        "--ft-replica-id", "0", "--ft-lighthouse", "h:1"])
-    cfg = resolved(given, env={**TORCHRUN, "WORLD_SIZE": "2"}).cfg
+    cfg = resolved(given, env={**TORCHRUN, "WORLD_SIZE": "2"})[0]
     assert (cfg.dp, cfg.fsdp) == (2, 1)  # 2 ranks a replica x 2 replicas = pp 2 x dp 2

@@ -121,7 +121,7 @@ def test_ft_restarts_a_failed_replica_unless_told_not_to(argv: list[str], restar
     from pipetrain.train.config import format_config
 
     pytest.importorskip("torchft")
-    cfg = resolved(build_parser().parse_args(["train", "--nproc", "4", *argv]), env={}).cfg
+    cfg = resolved(build_parser().parse_args(["train", "--nproc", "4", *argv]), env={})[0]
     assert cfg.max_restarts == restarts and FT_RESTARTS == 3
     assert f"max_restarts={restarts}" in format_config(cfg)
 

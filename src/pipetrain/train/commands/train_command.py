@@ -42,8 +42,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["HELP", "configure", "run", "resolve", "resolved", "Resolved", "load_toml",
-           "field_docs", "FT_RESTARTS"]
+__all__ = ["HELP", "configure", "run", "resolve", "resolved", "load_toml", "field_docs",
+           "FT_RESTARTS"]
 
 HELP = ("train a pipelined GPT, or a local Hugging Face checkpoint with --hf (local processes, "
         "or one worker under torchrun)")
@@ -130,19 +130,7 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
             type, or a setting is out of range.
         OSError: the file cannot be read.
     """
-    return resolved(args).cfg
-
-
-class Resolved(typing.NamedTuple):
-    """A run's settings as :func:`resolved` found them."""
-
-    cfg: TrainConfig
-    tuned: tuple[str, ...]
-    """The settings that took the fine-tuning defaults (empty for a preset, or ``--hf``
-    without weights)."""
-    inferred: str
-    """What was inferred from the world and how (:func:`pipetrain.train.degrees.said`), or
-    empty."""
+    return resolved(args)[0]
 
 
 FT_RESTARTS = 3
@@ -151,11 +139,12 @@ times (each loading a healthy replica's state); ``--max-restarts 0`` lets it go.
 
 
 def resolved(args: argparse.Namespace, env: typing.Mapping[str, str] | None = None
-             ) -> Resolved:
-    """:func:`resolve`'s config, the settings that took the fine-tuning defaults, and what was
-    inferred: the layout's one open degree from the world (``env``'s torchrun ``WORLD_SIZE``,
-    else ``--nproc``; :mod:`pipetrain.train.degrees`), and ``--max-restarts`` under ``--ft``
-    (:data:`FT_RESTARTS`).
+             ) -> tuple[TrainConfig, tuple[str, ...], str]:
+    """:func:`resolve`'s config, the settings that took the fine-tuning defaults (empty for a
+    preset, or ``--hf`` without weights), and the line that says what was inferred (empty when
+    nothing the user sees was). Inferred: the layout's one open degree from the world
+    (``env``'s torchrun ``WORLD_SIZE``, else ``--nproc``; :mod:`pipetrain.train.degrees`), and
+    ``--max-restarts`` under ``--ft`` (:data:`FT_RESTARTS`).
 
     The flags default to "not given" (argparse.SUPPRESS), so what the file and the command
     line set is exactly the namespace's fields and the file's keys: only the others can take
@@ -180,7 +169,7 @@ def resolved(args: argparse.Namespace, env: typing.Mapping[str, str] | None = No
     from pipetrain.train.degrees import said
 
     shown = inferred and max(inferred.values()) > 1  # a 1 changes nothing the user sees
-    return Resolved(cfg, tuple(tuned), said(inferred, world, given) if shown else "")
+    return cfg, tuple(tuned), said(inferred, world, given) if shown else ""
 
 
 def _world(given: dict[str, Any], env: typing.Mapping[str, str]) -> int:
