@@ -9,6 +9,9 @@ Every page (README.md and docs/*.md) is checked here without running anything he
   that exists and takes each flag given; a pytest line names test files that exist;
 - every file (``tests/...``, ``benchmarks/...``, ``src/pipetrain/...``) and test function named
   in backticks exists, and every relative link reaches a page and one of its headings;
+- every ``name.py`` in README.md, CONTRIBUTING.md, docs/*.md and src/pipetrain's docstrings,
+  bare or with a path, backticked or not, is the end of a file's path in the repository (a
+  package's docstring: of a file in that package), but for a short list of placeholders;
 - every docs page opens with the command or snippet to run, before its second section.
 
 The snippets that make sense to run at a tiny size run below (and in tests/test_readme.py,
@@ -259,6 +262,79 @@ def test_named_files_tests_and_links_exist(page: Path) -> None:
         assert linked.exists(), f"{page.name} links to {target}, which does not exist"
         if anchor and linked.suffix == ".md":
             assert anchor in _anchors(linked), f"{page.name}: {target}#{anchor} is no heading"
+
+
+# -- file names in prose -------------------------------------------------------------------------
+
+PY_NAME = re.compile(r"(?<![\w./~-])((?:[\w.-]+/)*[\w-]+\.py)(?![\w/])")  # x.py, a/b/x.py
+URL = re.compile(r"https?://\S+")
+# Names a reader writes, not files of this repository (each matched whole, as written):
+PLACEHOLDERS = {
+    "my.py",             # README's table: the reader's own module for `plan --module my.py:build`
+    "train.py",          # plan_command.py and module_command.py: the user's own training script
+    "path/to/file.py",   # planning.md and module_command.py: the form of `--module SPEC`
+    "make_tiny.py",      # hf.md's snippet that saves a tiny Llama, as the reader names it
+    "make_chat.py",      # hf.md's snippet that adds a chat template, as the reader names it
+    "tests/test_x.py",   # CONTRIBUTING.md: "one file" in `pytest -n 0 tests/test_x.py`
+}
+
+
+def repository_files() -> list[str]:
+    """Every file of the repository a page may name, as a path from the root."""
+    found = [p.name for p in ROOT.iterdir() if p.is_file()]
+    for top in ("src", "tests", "benchmarks", "docs", ".ci"):
+        found += [p.relative_to(ROOT).as_posix() for p in (ROOT / top).rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts]
+    return found
+
+
+def prose() -> Iterator[tuple[str, str, Path]]:
+    """(where, text, the folder its names must lie under) for README.md, CONTRIBUTING.md,
+    docs/*.md (not CHANGELOG.md, which names old files on purpose, nor docs/notes/, records of
+    past runs) and every docstring of src/pipetrain: a package's own (its ``__init__.py``'s)
+    maps the package's files, so what it names must lie in that package."""
+    for page in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted(ROOT.glob("docs/*.md"))]:
+        yield str(page.relative_to(ROOT)), page.read_text(), ROOT
+    for source in sorted((ROOT / "src" / "pipetrain").rglob("*.py")):
+        where = source.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                package = (source.parent if isinstance(node, ast.Module)
+                           and source.name == "__init__.py" else ROOT)
+                if doc:
+                    yield f"{where}:{getattr(node, 'name', 'docstring')}", doc, package
+
+
+def unknown_file_names(text: str, files: list[str], under: str = "") -> list[str]:
+    """The ``name.py`` (bare or with a path) in ``text`` that no file of ``files`` under
+    ``under`` ends with (``runtime/executor.py`` and ``executor.py`` both name
+    src/pipetrain/runtime/executor.py), placeholders aside."""
+    names = PY_NAME.findall(URL.sub("", text))
+    inside = [f for f in files if f.startswith(under)]
+    return [name for name in names if name not in PLACEHOLDERS and not any(
+        f == name.removeprefix("./") or f.endswith("/" + name.removeprefix("./"))
+        for f in inside)]
+
+
+def test_prose_names_only_files_that_exist() -> None:
+    files = repository_files()
+    stale = []
+    for where, text, package in prose():
+        under = "" if package == ROOT else package.relative_to(ROOT).as_posix() + "/"
+        stale += [f"{where}: {name}" + (f" (not in {under})" if under else "")
+                  for name in unknown_file_names(text, files, under)]
+    assert not stale, "names of files that do not exist (CHANGELOG.md: was -> is):\n" + (
+        "\n".join(stale))
+
+
+def test_the_file_name_check_catches_an_old_name() -> None:
+    files = ["src/pipetrain/runtime/executor.py", "src/pipetrain/cli.py", "benchmarks/soak.py"]
+    text = ("`executor.py`, runtime/executor.py, `benchmarks/soak.py`, news.py, `my.py:build`, "
+            "see https://example.org/gone.py, not a .pyc or pipetrain.cli")
+    assert unknown_file_names(text, files) == ["news.py"]
+    assert unknown_file_names("``cli.py``", files, "src/pipetrain/plan/") == ["cli.py"]
+    assert unknown_file_names("``executor.py``", files, "src/pipetrain/runtime/") == []
 
 
 def test_the_reference_check_knows_a_heading() -> None:

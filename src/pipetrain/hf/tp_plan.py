@@ -1,4 +1,4 @@
-"""HF tensor parallel: a Hugging Face model's own tensor-parallel plan, on its traced stages.
+"""TP plan: a Hugging Face model's own tensor-parallel plan, on its traced stages.
 
 A traced stage is one flat graph (torch.export): its weights are ``get_attr`` nodes that
 ``aten.linear`` calls read, with no module a parallel style could wrap, and the sizes the model

@@ -1,4 +1,4 @@
-"""Plan calibration: what ``pipetrain plan`` measures on the ranks to scale its predictions.
+"""Measured: what ``pipetrain plan`` measures on the ranks to scale its predictions.
 
 One local launch (as ``pipetrain train``) at the calibration layout (the fewest pipeline ranks
 searched, the rest replicas) trains 3 steps each of zb-h1, 1f1b and 1f1b recomputed: the

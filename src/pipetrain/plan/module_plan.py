@@ -1,4 +1,4 @@
-"""Plan your own module: profile its units, search layouts, return Pipeline keyword arguments.
+"""Module plan: profile a user's own module's units, search layouts, return Pipeline kwargs.
 
     plans = plan_module(model, x, loss_fn, y, ranks=4, memory_limit=16 * 2**30)
     pipe = pt.Pipeline(model, **plans[0].pipeline_kwargs(), loss_fn=loss_fn)

@@ -2,7 +2,7 @@
 
     $ pipetrain plan --preset small --nproc 4 --memory-limit 64MiB
     $ pipetrain plan --hf llama-local --data notes.txt --nproc 4 --memory-limit 16GiB
-    $ pipetrain plan --module train.py:build --pp 4 --memory-limit 1TiB   # custom_cli.py
+    $ pipetrain plan --module train.py:build --pp 4 --memory-limit 1TiB   # module_command.py
 
 0. Layouts: every ``pp x dp x fsdp x tp = nproc`` (pp at least 2; FSDP under each reshard)
    that the flags given pin and ``pipetrain train`` accepts (:func:`candidate_layouts`).

@@ -1,4 +1,4 @@
-"""Sharing: a schedule's timeline when its ranks share fewer cores than there are ranks.
+"""Shared cores: a schedule's timeline when its ranks share fewer cores than there are ranks.
 
 On a CPU, ``n`` ranks of one thread each on ``cores`` cores compute at full speed only while at
 most ``cores`` of them are busy; with ``k > cores`` busy ranks, each advances at ``cores / k`` of

@@ -1,4 +1,4 @@
-"""Simulation: when each action of a schedule runs, given op costs and a per-hop comm delay.
+"""Simulator: when each action of a schedule runs, given op costs and a per-hop comm delay.
 
 Times come from :func:`pipetrain.schedules.dataflow.walk`: every rank runs its list in order, each
 action as soon as the rank is free and its inputs have arrived; an input produced on another rank

@@ -1,4 +1,4 @@
-"""Recall: a capture reused for another model of the same structure, in the same process.
+"""Capture reuse: a capture reused for another model of the same structure, in the same process.
 
 torch.export takes seconds per model, and a process often captures the same model again: a
 script that builds a pipeline per schedule, a test that builds one per case, every rank of a

@@ -1,4 +1,4 @@
-"""Modes: the evaluation graph of a model captured in training mode, sharing its tensors.
+"""Eval graph: the evaluation graph of a model captured in training mode, sharing its tensors.
 
 Capture takes a model's Python-level decisions once (:mod:`pipetrain.split.trace`): a model in
 training mode records dropout that draws, and batch norms that normalise by the batch and

@@ -1,4 +1,4 @@
-"""Cluster: a training job's step time, throughput and memory on GPUs it does not run on.
+"""Job: a training job's step time, throughput and memory on GPUs it does not run on.
 
 For one layout (tp x pp x dp x fsdp x cp x ep, a schedule, micro-batches), each pipeline stage's
 F, I and W come from :mod:`.layer_cost` (matrix multiplies at the measured efficiency of their

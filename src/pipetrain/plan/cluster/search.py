@@ -1,4 +1,4 @@
-"""Cluster search: every layout of a job's GPUs that the flags leave open, predicted and ranked.
+"""Search: every layout of a job's GPUs that the flags leave open, predicted and ranked.
 
 A flag given pins its dimension; every other is searched::
 

@@ -1,4 +1,4 @@
-"""Delivery: which of a rank's sends a peer has surely received, read off the schedule.
+"""Receipts: which of a rank's sends a peer has surely received, read off the schedule.
 
 A peer runs its action list in order, and an action takes its input message before it sends
 its output. So once this rank holds a message a peer sent, the peer took every message of this

@@ -1,4 +1,4 @@
-"""Data: byte-level text, a held-out split, and batches that a resumed run repeats exactly.
+"""Text: byte-level text, a held-out split, and batches that a resumed run repeats exactly.
 
 Tokens are bytes (ids 0..255), so any text needs no tokenizer and no download. The default
 corpus is the Python standard library's own source and documentation found on this machine.
