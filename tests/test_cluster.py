@@ -212,6 +212,31 @@ def test_the_table_run_writes_a_timeline_and_a_config_train_accepts(tmp_path: Pa
     check_config(cfg, cfg.nproc)  # pipetrain train --config runs it as it is
 
 
+def test_the_table_reads_whole_at_80_columns_and_boxed_at_120(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipetrain.plan.cluster.cluster_command import _print
+    from pipetrain.plan.cluster.job import Prediction
+
+    wide = Layout(tp=8, pp=4, dp=2, fsdp=8, schedule="interleaved-1f1b", stages_per_rank=2,
+                  microbatches=48, recompute="selective")
+    shown = [Prediction(wide, 29.451, 417.0, 0.0, 0.0, 0.601, 66.3 * 2**30, True, {}),
+             Prediction(Layout(pp=2, fsdp=256, schedule="zbv", stages_per_rank=2,
+                               microbatches=8), 0.139, 58_862.0, 0.0, 0.0, 0.503,
+                        9.4 * 2**30, False, {})]
+    headers = ("layout", "schedule", "v", "m", "b", "recompute", "step", "s", "tokens/s", "per",
+               "GPU", "MFU", "peak", "GiB", "fits")
+    cells = ("tp8", "pp4", "dp2", "fsdp8", "interleaved-1f1b", "48", "selective", "29.451", "417",
+             "0.601", "66.3", "yes", "pp2", "fsdp256", "zbv", "58,862", "9.4", "NO")
+    for width in (80, 120):
+        monkeypatch.setenv("COLUMNS", str(width))  # rich's width off a terminal
+        _print(shown, _job(gpus=512, batch=1536))
+        text = capsys.readouterr().out
+        assert max(map(len, text.splitlines())) <= width, text
+        assert "…" not in text and set(headers + cells) <= set(text.split()), text
+        assert ("┃ layout" in text) == (width == 120), text  # boxed where it fits
+        assert text.startswith("512 x H100-SXM, 1.4 B parameters, 2048 tokens x 1536 "), text
+
+
 def test_a_hardware_file_describes_another_gpu(tmp_path: Path) -> None:
     path = tmp_path / "mine.toml"
     path.write_text('name = "mine"\nbf16_tflops = 500\nhbm_gb = 96\nhbm_gbps = 4000\n'

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
 from torch import nn
 
 import pipetrain as pt

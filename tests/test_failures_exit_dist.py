@@ -68,7 +68,7 @@ def user_rank(rank: int, world: int, port: int, out: str, how: str, culprit: int
     record: dict[str, Any] = {"error": "no error"}
     try:
         _train(rank, world, port, how, culprit, out)
-    except Exception as e:  # a PipelineError, named below
+    except Exception as e:  # noqa: BLE001  (a PipelineError; any other is recorded too)
         record = {"error_at": time.time(), "error": f"{type(e).__name__}: {e}"}
         return 1
     finally:

@@ -59,7 +59,7 @@ def _one(name: str, how: int) -> None:
     _steps(pipe)
     if how == 1:
         pipe.close()
-    pipe = None  # the user's variable, rebound  # noqa: F841
+    pipe = None  # the user's variable, rebound
 
 
 def _many(ctx: pt.RankContext) -> dict[str, Any]:

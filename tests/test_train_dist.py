@@ -354,7 +354,7 @@ def _four(ctx: pt.RankContext, tmp: str) -> tuple[list[str], list[float]]:
     full: list[float] = []
     try:
         full = _save_at_pp4(tmp)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001  (reported with the others)
         problems.append(f"_save_at_pp4: raised {type(e).__name__}: {e}")
     return problems, full
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
 from torch import nn
 
 VOCAB, LAYERS = 64, 4

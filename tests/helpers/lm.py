@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
 from torch import nn
 
 from pipetrain.split.capture import Captured
@@ -24,7 +24,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, C = x.shape  # noqa: N806  (batch, time, channels: the usual letters)
         q, k, v = self.qkv(x).split(C, dim=2)
         q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)
         k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)

@@ -227,7 +227,7 @@ def _write_data(tmp: Path, state: dict[str, torch.Tensor], group: Group) -> None
         with _quiet():
             dcp_save(plain, storage_writer=writer, process_group=group,
                      no_dist=not _distributed())
-    except Exception as e:  # noqa: BLE001  (DCP raises the same error on every rank)
+    except Exception as e:  # DCP raises the same error on every rank
         raise CheckpointError(f"writing checkpoint data into {tmp} failed: {e}; the previous "
                               "checkpoints are untouched") from e
 
@@ -295,7 +295,7 @@ def load(path: str | os.PathLike[str], state: dict[str, torch.Tensor], *, group:
         with _quiet():
             dcp_load({**wanted, **whole}, storage_reader=reader, process_group=group,
                      no_dist=not _distributed())
-    except Exception as e:  # noqa: BLE001  (DCP raises the same error on every rank)
+    except Exception as e:  # DCP raises the same error on every rank
         raise CheckpointError(f"reading checkpoint {path} failed: {e}") from e
     for key, value in whole.items():
         copy_whole_(wanted[key], value)

@@ -291,7 +291,7 @@ def parse_dcp_metadata(data: bytes, where: Path) -> Metadata:
         metadata = _IndexUnpickler(io.BytesIO(data)).load()
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from e
-    except Exception as e:  # noqa: BLE001  (any malformed pickle)
+    except Exception as e:  # any malformed pickle
         raise CheckpointError(f"{where}: not a DCP index ({type(e).__name__}: {e})") from e
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
 from torch import nn
 
 VOCAB, WIDTH, DEPTH, ROWS, SEQ = 256, 64, 6, 8, 32

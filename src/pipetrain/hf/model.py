@@ -217,7 +217,7 @@ def _stored_files(root: Path) -> dict[str, Path]:
         from safetensors import safe_open
 
         with safe_open(str(root / SINGLE), "pt") as f:
-            return {name: root / SINGLE for name in f.keys()}  # noqa: SIM118 (not a dict)
+            return {name: root / SINGLE for name in f.keys()}  # a safetensors handle, not a dict
     pickled = sorted(p.name for p in root.glob("*.bin"))
     if pickled:
         raise ValueError(f"{root} holds weights only as pickle files ({', '.join(pickled)}), "
@@ -401,7 +401,7 @@ def _read_fused(hf: HFModel, group: Fused, wanted: dict[str, str],
         converter.add_tensor(group.key, stored, pattern, values.pop(stored))
     try:
         out = converter.convert(group.key, model=hf.model, config=hf.config)
-    except Exception as e:  # noqa: BLE001  (any op's failure, named with the tensors)
+    except Exception as e:  # any op's failure, named with the tensors
         ops = ", ".join(type(op).__name__ for op in converter.operations)
         raise ValueError(f"{where}: transformers' {ops} could not fuse them into the model's "
                          f"{group.key} ({type(e).__name__}: {e})") from e

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
 from torch import nn
 
 from pipetrain.split.lazy import LayerSpec
@@ -135,11 +135,11 @@ class Embedding(nn.Module):
         nn.init.normal_(self.positions, 0.0, INIT_STD)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        T = ids.size(1)
-        if T > self.seq_len:
-            raise ValueError(f"sequence of {T} tokens is longer than the model's seq_len "
+        length = ids.size(1)
+        if length > self.seq_len:
+            raise ValueError(f"sequence of {length} tokens is longer than the model's seq_len "
                              f"{self.seq_len}; crop it or build the model with a larger seq_len")
-        x = F.embedding(ids, self.tokens) + self.positions[:T]
+        x = F.embedding(ids, self.tokens) + self.positions[:length]
         return F.dropout(x, self.dropout, self.training)
 
 
@@ -154,7 +154,7 @@ class Attention(nn.Module):
         self.proj = Linear(d, d, std=_residual_std(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, C = x.shape  # noqa: N806  (batch, time, channels: the shape's usual letters)
         head = C // self.n_heads
         # chunk, not split(C): under tensor parallelism qkv yields this rank's heads only
         q, k, v = (t.reshape(B, T, -1, head).transpose(1, 2) for t in self.qkv(x).chunk(3, 2))

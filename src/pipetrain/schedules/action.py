@@ -80,16 +80,16 @@ def F(stage: int, mb: int) -> Action:  # noqa: N802  (reads like the glossary)
     return Action(stage, Op.F, mb)
 
 
-def B(stage: int, mb: int) -> Action:  # noqa: N802
+def B(stage: int, mb: int) -> Action:  # noqa: N802  (the glossary's letter)
     """Shorthand for a full-backward action."""
     return Action(stage, Op.B, mb)
 
 
-def I(stage: int, mb: int) -> Action:  # noqa: N802, E741, E743
+def I(stage: int, mb: int) -> Action:  # noqa: N802, E743  (the glossary's letter)
     """Shorthand for an input-gradient action."""
     return Action(stage, Op.I, mb)
 
 
-def W(stage: int, mb: int) -> Action:  # noqa: N802
+def W(stage: int, mb: int) -> Action:  # noqa: N802  (the glossary's letter)
     """Shorthand for a weight-gradient action."""
     return Action(stage, Op.W, mb)

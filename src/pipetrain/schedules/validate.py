@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from pipetrain.errors import ScheduleError
 import pipetrain.schedules.dataflow as dataflow
+from pipetrain.errors import ScheduleError
 from pipetrain.schedules.action import Action, Op
 from pipetrain.schedules.schedule import Schedule
 

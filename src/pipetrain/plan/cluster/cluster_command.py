@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipetrain.plan.cluster.arch import Arch
 from pipetrain.plan.cluster.hardware import GPUS, gpu, load_toml, with_overrides
@@ -163,21 +163,59 @@ def _fix(p: Prediction) -> str:
     return "try a larger --tp, --pp or --fsdp, or more GPUs"
 
 
-def _print(shown: list[Prediction], job: Job) -> None:
+_DEGREES = ("tp", "pp", "dp", "fsdp", "cp", "ep")  # a layout's, in the JSON's order
+
+# each column: its header on one line, its header on a narrow terminal, the cells' side
+_COLUMNS: tuple[tuple[str, str, Literal["left", "right"]], ...] = (
+    ("layout", "layout", "left"), ("schedule", "schedule", "left"), ("v", "v", "right"),
+    ("m", "m", "right"), ("b", "b", "right"), ("recompute", "recompute", "left"),
+    ("step s", "step s", "right"), ("tokens/s per GPU", "tokens/s\nper GPU", "right"),
+    ("MFU", "MFU", "right"), ("peak GiB", "peak\nGiB", "right"), ("fits", "fits", "left"))
+
+
+def _layout_label(layout: Layout) -> str:
+    """``tp2 pp4 dp8``: the degrees above 1, in the JSON's order (``1 GPU`` if none is)."""
+    return " ".join(f"{name}{getattr(layout, name)}" for name in _DEGREES
+                    if getattr(layout, name) > 1) or "1 GPU"
+
+
+def _print(shown: list[Prediction], job: Job, console: Any = None) -> None:
+    """The ranked layouts as a table: boxed where that fits the terminal's width; narrower
+    (80 columns) without the box, the long headers' words stacked and the columns 2, then 1
+    space apart, so that every header and cell reads whole (only a layout wraps, at its
+    spaces)."""
+    from rich import box
     from rich.console import Console
+
+    console = Console() if console is None else console
+    title = (f"{job.gpus} x {job.gpu.name}, {job.arch.params() / 1e9:.1f} B parameters, "
+             f"{job.seq} tokens x {job.global_batch} sequences per step")
+    unboxed = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False}
+    styles: list[tuple[bool, dict[str, Any]]] = [
+        (True, {"title": title, "title_justify": "left"}),
+        (False, {**unboxed, "padding": (0, 1), "collapse_padding": True}),  # 2 spaces apart
+        (False, {**unboxed, "padding": (0, 0)})]  # 1 space apart
+    unbounded = console.options.update_width(10_000)
+    for boxed, style in styles:
+        table = _table(shown, boxed, style)
+        if console.measure(table, options=unbounded).maximum <= console.width:
+            break
+    if not boxed:
+        console.print(title)
+    console.print(table)
+
+
+def _table(shown: list[Prediction], boxed: bool, style: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"{job.gpus} x {job.gpu.name}, {job.arch.params() / 1e9:.1f} B "
-                        f"parameters, {job.seq} tokens x {job.global_batch} sequences per step",
-                  title_justify="left")
-    for name in ("tp", "pp", "dp", "fsdp", "cp", "ep", "schedule", "v", "m", "b", "recompute",
-                 "step s", "tokens/s/GPU", "MFU", "peak GiB", "fits"):
-        table.add_column(name, justify="left" if name in ("schedule", "recompute") else "right")
+    table = Table(**style)
+    for wide, narrow, justify in _COLUMNS:
+        table.add_column(wide if boxed else narrow, justify=justify,
+                         no_wrap=not boxed and wide != "layout")
     for p in shown:
         lay = p.layout
-        table.add_row(*map(str, (lay.tp, lay.pp, lay.dp, lay.fsdp, lay.cp, lay.ep)),
-                      lay.schedule, str(lay.stages_per_rank), str(lay.microbatches),
-                      str(lay.micro_batch_size), lay.recompute, f"{p.step_s:.3f}",
-                      f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu:.3f}",
+        table.add_row(_layout_label(lay), lay.schedule, str(lay.stages_per_rank),
+                      str(lay.microbatches), str(lay.micro_batch_size), lay.recompute,
+                      f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu:.3f}",
                       f"{p.peak_bytes_per_gpu / 2**30:.1f}", "yes" if p.fits else "NO")
-    Console().print(table)
+    return table

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
 
 from pipetrain.train.data.records import Encoder, is_dataset, read_rows
 from pipetrain.train.data.text import Positioned
-from pipetrain.train.data.tokens import _bar, cache_key, fill_once
+from pipetrain.train.data.tokens import _Bar, cache_key, fill_once
 
 __all__ = ["ExampleBatches", "ExampleCorpus", "data_problems", "describe", "example_batches",
            "example_corpus", "masked_lm_loss"]
@@ -173,7 +173,7 @@ def _kind(encoder: Encoder) -> str:
     return "chat" if encoder.chat else f"text column {encoder.column!r}"
 
 
-class _Rows(_bar):
+class _Rows(_Bar):
     """The progress bar over rows (the text corpus's counts bytes)."""
 
     def __init__(self, shown: bool, n_rows: int) -> None:

@@ -81,7 +81,7 @@ def read_rows(path: Path, cache_dir: Path) -> Any:
             with _quiet(datasets):
                 rows = datasets.load_dataset(reader, data_files=str(path), split="train",
                                              cache_dir=str(cache_dir))
-        except Exception as e:  # datasets' own errors name no common base class
+        except Exception as e:  # noqa: BLE001  (datasets' own errors name no common base class)
             cause = e.__cause__ or e
             bad = _bad_line(path) if path.suffix.lower() == ".jsonl" else None
             if bad:
@@ -192,7 +192,7 @@ class Encoder:
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=prompt)
-        except Exception as e:  # a Jinja error, or one the template raises itself
+        except Exception as e:  # noqa: BLE001  (a Jinja error, or any the template raises)
             raise ValueError(f"{self.where} row {row}: the chat template failed on "
                              f"{len(messages)} messages ({type(e).__name__}: {e})") from None
         return str(text)

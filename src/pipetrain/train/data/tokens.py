@@ -182,7 +182,7 @@ def _tokenize(tokenizer: Any, root: Path, files: Sequence[Path], limit: int | No
     eos = tokenizer.eos_token_id
     partial = tokens.with_suffix(f".partial{os.getpid()}")
     n = 0
-    with open(partial, "wb") as out, _bar(progress, files, limit) as advance:
+    with open(partial, "wb") as out, _Bar(progress, files, limit) as advance:
         for i, (piece, size) in enumerate(_pieces(files, limit)):
             if piece is None:  # the end of a file
                 ids = [eos] if eos is not None else []
@@ -222,7 +222,7 @@ def _pieces(files: Sequence[Path], limit: int | None) -> Iterator[tuple[str | No
         yield None, 0
 
 
-class _bar:
+class _Bar:
     """A rich progress bar over the bytes to tokenize (no-op when not shown)."""
 
     def __init__(self, shown: bool, files: Sequence[Path], limit: int | None) -> None:

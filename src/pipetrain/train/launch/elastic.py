@@ -291,7 +291,7 @@ def worker(cfg: TrainConfig, run: RunFn | None = None, env: dict[str, str] | Non
     joined: list[Any] = []  # the job's store, once joined
     try:
         return _work(cfg, run, rank, joined, tuned)
-    except BaseException as e:  # noqa: BLE001  (every failure becomes a clean exit 1)
+    except BaseException as e:  # every failure becomes a clean exit 1
         if isinstance(e, SystemExit) and e.code in (0, None):
             raise
         if _says(e, joined[0] if joined else None, cfg.verbose):
