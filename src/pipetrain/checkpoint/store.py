@@ -42,6 +42,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pipetrain.errors import CheckpointError
+from pipetrain.runtime.torch_distributed import DCP_PICKLED
 
 __all__ = ["FORMAT", "step_dir", "partial_dir", "latest", "committed", "clean", "retire",
            "seal", "commit", "prepare", "Opened", "open_checkpoint", "verify_files",
@@ -264,10 +265,9 @@ def verify_files(opened: Opened, names: list[str]) -> list[str]:
 
 # -- DCP's pickled index, read with an allow-list ---------------------------------------------
 _DCP_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+                "TensorStorageMetadata", "ChunkStorageMetadata")
 _ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in _DCP_CLASSES} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    *DCP_PICKLED, ("torch", "Size"), ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
     ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath"),
 }

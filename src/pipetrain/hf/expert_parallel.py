@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pipetrain.runtime.torch_private import set_parameters_dict
+
 __all__ = ["EP_STYLE", "TracedExpertParallel", "called", "experts_paths", "experts_patterns",
            "region", "roles"]
 
@@ -141,7 +143,7 @@ class TracedExpertParallel:
                                        shape=whole.shape, stride=whole.stride())
             params[name] = nn.Parameter(shard, requires_grad=whole.requires_grad)
             self.params.append(params[name])  # type: ignore[arg-type]
-        experts._parameters = params
+        set_parameters_dict(experts, params)
         experts.num_experts, experts._is_expert_parallel = local, True
         EpDispatchExpertsParallel().install_forward(  # type: ignore[no-untyped-call]
             experts, self.ep_mesh, tp_mesh=self.tp_mesh, ep_implementation="all_to_all")

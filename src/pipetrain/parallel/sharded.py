@@ -41,6 +41,15 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from pipetrain.errors import PartitionError, PipelineError
 from pipetrain.parallel import RESHARD
 from pipetrain.runtime.dtensors import strided_on
+from pipetrain.runtime.torch_distributed import (
+    fsdp_param_groups,
+    fsdp_state,
+    group_params,
+    post_backward,
+    root_post_backward_final_callback,
+    sharded_param,
+    unsharded_param,
+)
 
 __all__ = ["RESHARD", "ShardedStages", "unit_bytes"]
 
@@ -122,15 +131,15 @@ class ShardedStages:
         if self.mesh.device_type == "cpu":  # no overlap to win: prefetch nothing
             unit.set_modules_to_backward_prefetch([unit])
         for param in _fsdp_params(unit):
-            self._sharded[id(param.sharded_param)] = param
+            self._sharded[id(sharded_param(param))] = param
         return unit
 
     def gathered(self, param: nn.Parameter) -> nn.Parameter:
         """The gathered parameter a step's gradients of sharded ``param`` accumulate in."""
         owner = self._sharded.get(id(param))
-        if owner is None or not hasattr(owner, "_unsharded_param"):
+        gathered = None if owner is None else unsharded_param(owner)
+        if gathered is None:
             return param  # not sharded, gathered already, or never gathered yet
-        gathered: nn.Parameter = owner._unsharded_param
         return gathered
 
     def gather(self, weights: Sequence[torch.Tensor]) -> None:
@@ -157,8 +166,9 @@ class ShardedStages:
         for units in self._units.values():
             for module in units:
                 for param in _fsdp_params(module):
-                    if hasattr(param, "_unsharded_param"):
-                        self._owner[id(param._unsharded_param)] = module
+                    gathered = unsharded_param(param)
+                    if gathered is not None:
+                        self._owner[id(gathered)] = module
 
     def reduce(self, stage: int) -> None:
         """Reduce-scatter ``stage``'s gradients and reshard its layers (``on_grads_ready``)."""
@@ -176,8 +186,7 @@ class ShardedStages:
             self.reduce(stage)
         for modules in self.modules.values():
             for module in modules:
-                state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
-                state._root_post_backward_final_callback()
+                root_post_backward_final_callback(fsdp_state(module))
                 self._hold(module, True)
         self._reduced.clear()
 
@@ -266,20 +275,19 @@ def _placement(param: nn.Parameter) -> Any:
 
 def _fsdp_params(module: FSDPModule) -> list[Any]:
     """FSDP2's records of ``module``'s parameters (sharded and gathered tensors)."""
-    return [p for group in _param_groups(module) for p in group.fsdp_params]
+    return [p for group in _param_groups(module) for p in group_params(group)]
 
 
 def _reduce(module: FSDPModule) -> None:
     """Run FSDP2's post-backward of ``module``'s parameter groups now."""
     for group in _param_groups(module):
-        group.post_backward()
+        post_backward(group)
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:
     """FSDP2's parameter groups of ``module`` (its private state: see the module docstring)."""
     try:
-        state: Any = fully_shard.state(module)  # type: ignore[attr-defined]
-        groups: list[Any] = state._fsdp_param_groups
+        groups = fsdp_param_groups(fsdp_state(module))
     except AttributeError as e:
         raise PipelineError(f"this torch's FSDP2 has no per-module parameter groups ({e}); "
                             "ShardedStages is written against torch 2.13") from None

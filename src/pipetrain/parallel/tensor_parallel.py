@@ -51,7 +51,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from pipetrain.runtime.torch_distributed import colwise_prepare_input_fn, strided_shard
 
 __all__ = ["FusedColwise", "GPT_PLAN", "Plan", "TensorParallel", "gpt_plan", "keep_slice",
            "local_layer", "traffic"]
@@ -72,14 +74,13 @@ class FusedColwise(ParallelStyle):
         if not isinstance(module, nn.Linear):
             raise TypeError(f"FusedColwise splits an nn.Linear, got {type(module).__name__}")
         for pname, param in list(module.named_parameters(recurse=False)):
-            placement = (_StridedShard(0, split_factor=self.parts) if param.ndim > 1
+            placement = (strided_shard(0, self.parts) if param.ndim > 1
                          else Replicate())  # a bias: whole (DTensor slices it in the add)
             split = distribute_tensor(param, mesh, [placement])
             module.register_parameter(pname, nn.Parameter(split, param.requires_grad))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        prepare = partial(ColwiseParallel._prepare_input_fn, (self.input_layout,),
-                          (Replicate(),))
+        prepare = partial(colwise_prepare_input_fn, (self.input_layout,), (Replicate(),))
         out: nn.Module = distribute_module(module, device_mesh, self._partition, prepare,
                                            _local_output)
         return out

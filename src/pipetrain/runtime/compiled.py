@@ -29,9 +29,16 @@ from typing import Any, cast
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from pipetrain.runtime.backward import INPUT_PASS
+from pipetrain.runtime.torch_private import (
+    aot_function,
+    buffers_dict,
+    default_partition,
+    is_view,
+    parameters_dict,
+    pytree,
+)
 
 __all__ = ["CompiledLayers", "compile_stages"]
 
@@ -69,8 +76,9 @@ class CompiledLayers:
         params = [n for n, _ in module.named_parameters()]
         buffers = [n for n, _ in module.named_buffers()]
         self.names = params + buffers
-        self._slots = [(_owner(module, n)._parameters, n.rpartition(".")[2]) for n in params] + [
-            (_owner(module, n)._buffers, n.rpartition(".")[2]) for n in buffers]
+        self._slots = [(parameters_dict(_owner(module, n)), n.rpartition(".")[2])
+                       for n in params] + [
+            (buffers_dict(_owner(module, n)), n.rpartition(".")[2]) for n in buffers]
         """Where each weight lives: read at each call by one lookup, not a walk of the
         module tree (which costs about 60 microseconds per F at 50 weights)."""
 
@@ -237,9 +245,6 @@ def _trace(module: nn.Module, names: list[str], weights: list[torch.Tensor], lea
            ) -> tuple[fx.GraphModule, fx.GraphModule, int, pytree.TreeSpec, list[Any], list[int]]:
     """The forward and backward graphs of ``module`` on these inputs (AOTAutograd's default
     partition: the forward saves what the backward reads)."""
-    from torch._functorch.aot_autograd import aot_function
-    from torch._functorch.partitioners import default_partition
-
     n_weights = len(weights)
     positions = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     found: dict[str, Any] = {}
@@ -288,7 +293,7 @@ def _own(given: Sequence[torch.Tensor], outs: list[torch.Tensor]) -> tuple[torch
     seen = set(map(id, given))
     owned = []
     for v in outs:
-        owned.append(v.clone() if id(v) in seen or v._is_view() else v)
+        owned.append(v.clone() if id(v) in seen or is_view(v) else v)
         seen.add(id(v))
     return tuple(owned)
 

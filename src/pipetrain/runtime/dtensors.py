@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from pipetrain.runtime.torch_distributed import is_strided_shard
+
 __all__ = ["local_shard", "whole", "copy_whole_", "is_strided", "strided_on"]
 
 
@@ -55,7 +57,7 @@ def copy_whole_(dest: torch.Tensor, value: torch.Tensor) -> None:
 def strided_on(placement: Any) -> int | None:
     """The tensor dimension a strided split (``_StridedShard``: several pieces per rank, as
     tensor parallelism splits a fused q, k, v) cuts, or None for any other placement."""
-    if type(placement).__name__ != "_StridedShard":
+    if not is_strided_shard(placement):
         return None
     dim: int = placement.dim
     return dim

@@ -30,15 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in __all__
 
 from pipetrain.errors import PipelineError
 from pipetrain.runtime.failure.job_failure import STORE_HOST_ENV
+from pipetrain.runtime.torch_distributed import TCPStore
+from pipetrain.runtime.torch_private import DYNAMO, EXPORT_TRACE
 
 __all__ = ["RankContext", "launch", "free_port", "loopback_store", "start_context"]
 
 _LOOPBACK = "127.0.0.1"
-RANK_MODULES = ("torch._dynamo", "torch.export._trace", "torch.fx.experimental.symbolic_shapes")
+RANK_MODULES = (DYNAMO, EXPORT_TRACE, "torch.fx.experimental.symbolic_shapes")
 """torch's modules every pipeline rank imports anyway: capture exports, and the first backward
 imports symbolic shapes (with sympy). Imported once by the forkserver rather than by each
 rank (what that saves: docs/benchmarks.md, the start of a launch)."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from pipetrain.runtime.torch_private import pytree
 from pipetrain.runtime.transport.payload import flatten, unflatten
 
 __all__: list[str] = []

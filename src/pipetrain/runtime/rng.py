@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pipetrain.runtime.torch_private import DropoutNd, op_schema
+
 __all__: list[str] = []
 
 KEY = "rng@"
@@ -103,7 +105,7 @@ def node_draws(node: fx.Node) -> bool:
     if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(
             target, "tags", ()):
         return False
-    schema = getattr(target, "_schema", None)
+    schema = op_schema(target)
     if schema is None:
         return True
     values: dict[str, Any] = {a.name: a.default_value if a.has_default_value() else None
@@ -119,7 +121,7 @@ def graph_draws(module: nn.Module) -> bool:
     return any(node_draws(n) for g in graphs for n in g.nodes)
 
 
-_RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
+_RANDOM_MODULES = (DropoutNd, nn.RReLU)
 
 
 def module_draws(module: nn.Module) -> bool:

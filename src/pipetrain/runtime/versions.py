@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.torch_private import parameters_dict
 
 __all__: list[str] = []
 
@@ -142,6 +143,7 @@ class Versions:
 def _slots(module: nn.Module) -> Iterable[Slot]:
     """Every trainable parameter's holder, name and value (a tied one once per holder)."""
     for sub in module.modules():
-        for name, p in sub._parameters.items():
+        held = parameters_dict(sub)
+        for name, p in held.items():
             if p is not None and p.requires_grad:
-                yield sub._parameters, name, p
+                yield held, name, p

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export import Dim, ShapesCollection
 
 from pipetrain.errors import PartitionError
 from pipetrain.runtime.launch import RANK_MODULES
+from pipetrain.runtime.torch_private import EXPORT_ASSERTS, GUARDS_FN, aten_to_copy, pytree
 from pipetrain.split import capture_reuse
 from pipetrain.split.inputs import Packed
 from pipetrain.split.lazy import is_meta
@@ -48,8 +48,7 @@ __all__ = ["Captured", "capture", "move_graph"]
 
 RECALL = capture_reuse.Recall()
 """This process's captures, by what each depends on."""
-_DROPPED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-            "aten.sym_constrain_range_for_size.default"}
+_DROPPED = {*EXPORT_ASSERTS, "aten.sym_constrain_range_for_size.default"}
 
 
 @dataclass(frozen=True)
@@ -307,8 +306,7 @@ def _float_histc(graph: fx.Graph) -> bool:
         val = x.meta.get("val") if isinstance(x, fx.Node) else None
         if isinstance(val, torch.Tensor) and not val.is_floating_point():
             with graph.inserting_before(node):
-                cast = graph.call_function(torch.ops.aten._to_copy.default, (x,),
-                                           {"dtype": torch.float32})
+                cast = graph.call_function(aten_to_copy, (x,), {"dtype": torch.float32})
             cast.meta = {**node.meta, "val": val.float()}  # in the same module's call
             node.args = (cast, *node.args[1:])
             changed = True
@@ -318,7 +316,7 @@ def _float_histc(graph: fx.Graph) -> bool:
 def _clean(graph: fx.Graph) -> None:
     """Drop export's guard call and shape assertions (inputs are checked by ``leaves``)."""
     for node in list(graph.nodes):
-        if node.op == "call_module" and node.target == "_guards_fn" or str(
+        if node.op == "call_module" and node.target == GUARDS_FN or str(
                 node.target) in _DROPPED:
             graph.erase_node(node)
     graph.eliminate_dead_code()  # keeps in-place updates (impure nodes)

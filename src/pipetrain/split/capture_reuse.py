@@ -23,14 +23,15 @@ from collections.abc import Hashable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
+
+from pipetrain.runtime.torch_private import MODULE_DICTS, pytree
 
 __all__: list[str] = []
 
 SIZE = 8
 """Captures kept, the most recently used first out."""
-_MODULE_STATE = {"_parameters", "_buffers", "_modules", "training"}
+_MODULE_STATE = {*MODULE_DICTS, "training"}
 
 
 def key(model: nn.Module, example: Any, dynamic: bool = True) -> Hashable:

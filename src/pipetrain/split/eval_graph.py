@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from pipetrain.errors import PartitionError
 from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.torch_private import BATCH_NORM_LEGIT, buffers_dict
 from pipetrain.split.capture import capture, move_graph
 from pipetrain.split.partition import stage_bounds
 from pipetrain.split.shared_capture import capture_shared
@@ -29,8 +30,7 @@ from pipetrain.split.trace import TracedSplit, split_model
 __all__: list[str] = []
 
 _TRAINING_NORMS = {"aten.batch_norm.default": 5, "aten.native_batch_norm.default": 5,
-                   "aten._native_batch_norm_legit.default": 5,
-                   "aten._native_batch_norm_legit_functional.default": 5}
+                   **dict.fromkeys(BATCH_NORM_LEGIT, 5)}
 """Batch-norm ops and the index of their ``training`` argument."""
 
 
@@ -138,7 +138,8 @@ def _set(module: nn.Module, target: str, value: Any) -> None:
     owner: Any = module
     for part in path:
         owner = getattr(owner, part)
-    if isinstance(value, nn.Parameter) or name not in getattr(owner, "_buffers", {}):
+    if isinstance(value, nn.Parameter) or not isinstance(owner, nn.Module) \
+            or name not in buffers_dict(owner):
         setattr(owner, name, value)
     else:
-        owner._buffers[name] = value
+        buffers_dict(owner)[name] = value

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-import torch.utils._pytree as pytree
+
+from pipetrain.runtime.torch_private import pytree
 
 __all__ = ["Packed", "read"]
 

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pipetrain.runtime.torch_private import buffers_dict, parameters_dict
+
 __all__ = ["LayerSpec", "NamedInit", "build_layers", "materialize"]
 
 
@@ -235,7 +237,7 @@ class NamedInit:
         by every module holding it); the ids of the new parameters."""
         fresh: set[int] = set()
         for module in part.modules():
-            for name, p in list(module._parameters.items()):
+            for name, p in list(parameters_dict(module).items()):
                 if p is None or not p.is_meta:
                     continue
                 if id(p) not in self._real:
@@ -243,12 +245,12 @@ class NamedInit:
                                         requires_grad=p.requires_grad)
                     self._keep(p, real)
                     fresh.add(id(real))
-                module._parameters[name] = self._real[id(p)]  # type: ignore[assignment]
-            for name, b in list(module._buffers.items()):
+                parameters_dict(module)[name] = self._real[id(p)]  # type: ignore[assignment]
+            for name, b in list(buffers_dict(module).items()):
                 if b is not None and b.is_meta:
                     if id(b) not in self._real:
                         self._keep(b, torch.empty_like(b, device=device))
-                    module._buffers[name] = self._real[id(b)]
+                    buffers_dict(module)[name] = self._real[id(b)]
         return fresh
 
     def _keep(self, meta: torch.Tensor, real: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from pipetrain.errors import PartitionError
+from pipetrain.runtime.torch_private import modules_dict
 from pipetrain.split.lazy import LayerSpec
 
 __all__: list[str] = []
@@ -23,7 +24,7 @@ def named_layers(model: nn.Module | Sequence[nn.Module | LayerSpec]
     if isinstance(model, nn.Sequential):
         # not named_children(): it hides a module used twice (a tied layer), which would
         # silently drop a layer from the pipeline
-        return [(name, m) for name, m in model._modules.items() if m is not None]
+        return [(name, m) for name, m in modules_dict(model).items() if m is not None]
     if isinstance(model, (list, tuple, nn.ModuleList)):
         layers = list(model)
         for i, layer in enumerate(layers):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from pipetrain.errors import PartitionError
+from pipetrain.runtime.torch_private import op_schema
 from pipetrain.runtime.transport.routes import Routes
 
 __all__: list[str] = []
@@ -69,7 +70,7 @@ def _written(node: fx.Node) -> list[fx.Node]:
             return [a for i in indices if i < len(node.args)
                     for a in [node.args[i]] if isinstance(a, fx.Node)]
         return []
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None:
         return []
     return [a for arg, a in zip(schema.arguments, node.args) if isinstance(a, fx.Node)
@@ -79,7 +80,7 @@ def _written(node: fx.Node) -> list[fx.Node]:
 def _base(node: fx.Node) -> fx.Node:
     """The tensor a view was taken of (``x.view(...)[0]`` -> ``x``)."""
     while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
-        schema = getattr(node.target, "_schema", None)
+        schema = op_schema(node.target)
         if schema is None or not schema.returns or schema.returns[0].alias_info is None \
                 or schema.returns[0].alias_info.is_write:
             return node

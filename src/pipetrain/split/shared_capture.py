@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.errors import PipelineError
+from pipetrain.runtime.torch_distributed import default_store
+from pipetrain.runtime.torch_private import program_state, program_state_swapped
 from pipetrain.split import capture_reuse
 from pipetrain.split.capture import (
     RECALL,
@@ -97,7 +99,7 @@ def capture_shared(model: nn.Module, example: Any, group: dist.ProcessGroup,
     members = tuple(dist.get_process_group_ranks(group))  # (a key of this group's own: another
     n = _count[members] = _count.get(members, -1) + 1  # group with this rank 0 counts apart)
     name = f"pipetrain/capture/{'-'.join(map(str, members))}/{n}"
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     kept = RECALL.get(k, model)
     if dist.get_rank(group) == 0:
         return _export_and_share(model, signature, bound, kept, k, digest, store, name,
@@ -153,15 +155,13 @@ def _payload(program: torch.export.ExportedProgram, model: nn.Module, captured: 
     owned = capture_reuse.names_by_id(model)
     named = {t: owned[id(v)] for t, v in captured.attrs.items()
              if isinstance(v, torch.Tensor) and id(v) in owned}
-    state, constants = program._state_dict, program._constants
-    program._state_dict = {n: _meta(t) for n, t in state.items()}
-    program._constants = {n: _meta(t) if isinstance(t, torch.Tensor) and id(t) in owned else t
-                          for n, t in constants.items()}
-    try:
+    state, constants = program_state(program)
+    with program_state_swapped(
+            program, {n: _meta(t) for n, t in state.items()},
+            {n: _meta(t) if isinstance(t, torch.Tensor) and id(t) in owned else t
+             for n, t in constants.items()}):
         out = io.BytesIO()
         torch.export.save(program, out)
-    finally:
-        program._state_dict, program._constants = state, constants
     head = json.dumps({"key": digest, "graph": _graph_digest(captured), "named": named})
     return len(head).to_bytes(8, "little") + head.encode() + out.getvalue()
 

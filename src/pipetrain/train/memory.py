@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.runtime.torch_private import profiler_event_type
 from pipetrain.split.profile import storages
 from pipetrain.train.launch.quiet import held_notes
 
@@ -89,8 +90,7 @@ def _peak_allocated(prof: Any) -> int | None:
     """The most bytes the profiled block's own CPU allocations held at once (None: this torch
     does not expose allocation events)."""
     try:
-        from torch._C._profiler import _EventType
-
+        event_type = profiler_event_type()
         roots = list(prof.profiler.kineto_results.experimental_event_tree())
     except (ImportError, AttributeError):
         return None
@@ -99,7 +99,7 @@ def _peak_allocated(prof: Any) -> int | None:
     while stack:
         event = stack.pop()
         stack.extend(event.children)
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+        if event.tag == event_type.Allocation and event.extra_fields.device.type == "cpu":
             fields = event.extra_fields
             allocations.append((event.start_time_ns, fields.alloc_size, fields.ptr))
     return _peak(sorted(allocations))

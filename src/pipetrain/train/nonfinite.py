@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from pipetrain.errors import PipelineError
 from pipetrain.runtime.failure import job_failure
+from pipetrain.runtime.torch_private import pytree
 
 if TYPE_CHECKING:
     from pipetrain.pipeline import Pipeline

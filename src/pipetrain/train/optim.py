@@ -23,6 +23,7 @@ from pipetrain.models.gpt import Embedding
 from pipetrain.pipeline import Pipeline
 from pipetrain.runtime.dtensors import local_shard
 from pipetrain.runtime.failure import job_failure
+from pipetrain.runtime.torch_private import foreach_mul_, foreach_norm
 
 __all__ = ["lr_at", "no_decay_names", "param_groups", "build_optimizer", "set_lr",
            "counted_parameters", "grad_square_sum", "global_grad_norm", "clip_grads_"]
@@ -107,7 +108,7 @@ def grad_square_sum(counted: Sequence[nn.Parameter], device: torch.device) -> to
     grads = [local_shard(p.grad) for p in counted if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(grads, 2.0)
+    norms = foreach_norm(grads, 2.0)
     return torch.stack([n.float() for n in norms]).square().sum().to(device)
 
 
@@ -134,6 +135,6 @@ def clip_grads_(params: Iterable[nn.Parameter], norm: torch.Tensor, max_norm: fl
     factor = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)  # float32, as torch computes it
     grads = [local_shard(p.grad) for p in params if p.grad is not None]
     if grads and float(factor) < 1.0:
-        torch._foreach_mul_(grads, factor.to(grads[0].device))
+        foreach_mul_(grads, factor.to(grads[0].device))
     return float(factor)
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.runtime.torch_private import foreach_mul_
+
 __all__ = ["PRECISIONS", "autocast", "LossScale"]
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
@@ -77,7 +79,7 @@ class LossScale:
             return
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, 1.0 / (self.value if value is None else value))
+            foreach_mul_(grads, 1.0 / (self.value if value is None else value))
 
     def unscale_loss(self, loss: float, value: float | None = None) -> float:
         return loss / (self.value if value is None else value) if self.enabled else loss

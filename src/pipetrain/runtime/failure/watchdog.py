@@ -37,6 +37,7 @@ import torch.distributed as dist
 from pipetrain.errors import CommError
 from pipetrain.runtime import lifetime
 from pipetrain.runtime.failure import job_failure
+from pipetrain.runtime.torch_distributed import default_store
 from pipetrain.runtime.transport.receiver import PeerClosed
 
 __all__: list[str] = []
@@ -351,6 +352,6 @@ def job_store() -> Any:
     if not job_failure.enabled():
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except (RuntimeError, ValueError):  # no default group (older torch: RuntimeError)
         return None

@@ -13,9 +13,9 @@ from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Store  # type: ignore[attr-defined]  # not in __all__
 
 from pipetrain.errors import CommError
+from pipetrain.runtime.torch_distributed import PrefixStore, Store, default_store
 
 __all__: list[str] = []
 
@@ -79,11 +79,11 @@ def twin_group(members: Sequence[int], rank: int, generation: int, timeout: floa
     nothing of the group after this returns.
     """
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
     except (RuntimeError, ValueError):
         return None
     key = f"pipetrain/twin/{'-'.join(map(str, members))}/{generation}/"
-    written = _Written(dist.distributed_c10d.PrefixStore(key, store))
+    written = _Written(PrefixStore(key, store))
     backend = dist.ProcessGroupGloo(written, rank, len(members), timedelta(seconds=timeout))
     # gloo's mesh is whole on one side before the other: without this wait, a rank that built
     # its pipeline last and returned (a test, a script that only builds) could close its

@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]  # not in __all__
 
 from pipetrain.errors import PipelineError
 from pipetrain.runtime.failure import job_failure
 from pipetrain.runtime.failure.watchdog import job_store
 from pipetrain.runtime.launch import RANK_MODULES, loopback_store, start_context
+from pipetrain.runtime.torch_distributed import PrefixStore, TCPStore
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.launch import faults
 from pipetrain.train.logs.events import NullReporter, Reporter

@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import torch.utils._pytree as pytree
+
+from pipetrain.runtime.torch_private import pytree
 
 if TYPE_CHECKING:
     from pipetrain.pipeline import Pipeline

@@ -270,7 +270,7 @@ class Replicas:
 def _attempt_store(mesh: Mesh, stack: contextlib.ExitStack) -> tuple[str, int]:
     """A TCPStore for this restart attempt's Managers, hosted by the replica's rank 0 (a
     restarted replica must not read the keys of the attempt before it); (host, port)."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from pipetrain.runtime.torch_distributed import TCPStore
 
     local = os.environ.get("PIPETRAIN_LAUNCHER") == "local"
     said: list[Any] = [None]
