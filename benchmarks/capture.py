@@ -56,7 +56,7 @@ def _capture_child(preset: str, conn: Any) -> None:
                    "export_s": cap.seconds, "capture_s": t1 - t0, "split_s": t2 - t1,
                    "rss_growth_mib": _rss_mib() - before,
                    "fp32_weights_gib": 4 * cfg.n_params / 2**30})
-    except BaseException as e:  # report, do not hang the parent
+    except BaseException as e:  # noqa: BLE001  (report any failure, do not hang the parent)
         import traceback
         conn.send({"preset": preset, "error": traceback.format_exc(), "exc": repr(e)})
     finally:

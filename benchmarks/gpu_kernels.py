@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Record = dict[str, Any]

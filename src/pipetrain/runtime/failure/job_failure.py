@@ -1,4 +1,4 @@
-"""News: the first failure of a job, posted in the job's store and read by every rank.
+"""Job failure: the first failure of a job, posted in the job's store and read by every rank.
 
 A pipeline's ABORT frames reach the ranks of that pipeline only. The ranks of the other
 data-parallel replicas exchange no pipeline messages with it: they would sit in their gradient

@@ -82,7 +82,7 @@ class Watchdog:
         generation, timeout: the pipeline's
             (:attr:`~pipetrain.runtime.transport.comm.P2P.generation`) and
             its peers' wait bound.
-        on_news: called with :class:`~pipetrain.runtime.failure.job_failure.RankFailed` when the
+        on_failure: called with :class:`~pipetrain.runtime.failure.job_failure.RankFailed` when the
             job's news
             arrives.
         name: how errors say pipeline rank r.
@@ -91,7 +91,7 @@ class Watchdog:
 
     def __init__(self, store: Any, prefix: str, rank: int, n_ranks: int,
                  activity: Activity, generation: int = 0, timeout: float = 60.0,
-                 on_news: Callable[[BaseException], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None,
                  name: Callable[[int], str] = "rank {}".format,
                  ranks: Sequence[int] | None = None) -> None:
         self.store, self.prefix, self.rank, self.n_ranks = store, prefix, rank, n_ranks
@@ -106,7 +106,7 @@ class Watchdog:
         if store is not None:
             job_failure.built(generation)
             self.thread = lifetime.start(_answer, (store, prefix, rank, activity, self.stop,
-                                                   generation, on_news), "pipetrain-watchdog")
+                                                   generation, on_failure), "pipetrain-watchdog")
             lifetime.own(self)
 
     @classmethod
@@ -118,13 +118,13 @@ class Watchdog:
         prefix = f"pipetrain/runtime/watchdog/{transport.first_global}/{transport.spare_tag}/"
         inbox = weakref.ref(transport.inbox)  # the thread must not keep the transport alive
 
-        def on_news(error: BaseException) -> None:
+        def on_failure(error: BaseException) -> None:
             box = inbox()
             if box is not None:
                 box.fail(error)
 
         dog = cls(job_store(), prefix, transport.rank, transport.n_ranks, activity,
-                  transport.generation, transport.timeout, on_news,
+                  transport.generation, transport.timeout, on_failure,
                   transport.name, transport.globals)
         weakref.finalize(transport, dog.stop.set)
         return dog
@@ -170,9 +170,9 @@ class Watchdog:
                     break
         return reports
 
-    def news(self) -> str | None:
-        """The job's news, read from the store now (not waiting for this thread's next look):
-        a rank posts it before it closes its connections."""
+    def first_failure(self) -> str | None:
+        """The job's first failure, read from the store now (not waiting for this thread's
+        next look): a rank posts it before it closes its connections."""
         if self.store is None:
             return None
         try:
@@ -219,7 +219,7 @@ class Watchdog:
 
 
 def _answer(store: Any, prefix: str, rank: int, activity: Activity, stop: threading.Event,
-            generation: int, on_news: Callable[[BaseException], None] | None) -> None:
+            generation: int, on_failure: Callable[[BaseException], None] | None) -> None:
     """Answer each probe with ``activity`` and look for the job's news: two checks of the
     store every ``_POLL_S`` (a blocking wait would hold the store's connection, which the main
     thread shares, and c10d logs every wait that times out)."""
@@ -235,8 +235,8 @@ def _answer(store: Any, prefix: str, rank: int, activity: Activity, stop: thread
         if text is not None:
             told = True
             job_failure.heard(generation, text)
-            if on_news is not None:
-                on_news(job_failure.RankFailed(text))
+            if on_failure is not None:
+                on_failure(job_failure.RankFailed(text))
 
 
 def follow_waits(reports: dict[int, dict[str, Any]], start: Sequence[int], n_ranks: int,
@@ -316,7 +316,7 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
 
     job_failure.start_failing()
     if isinstance(error, CommError) and "closed the connection" in str(error):
-        text = _news_within(watchdog, _ANSWER_S + 2 * _POLL_S)
+        text = _failure_within(watchdog, _ANSWER_S + 2 * _POLL_S)
         if text is None or text in str(error):
             return error
         return PeerFailed(f"{text}\n  (seen here as: {error})")  # the cause first
@@ -329,20 +329,20 @@ def diagnosed(error: BaseException, watchdog: Watchdog | None) -> BaseException:
     return CommError(f"{error}\n  watchdog: {found}") if found else error
 
 
-def _news_within(watchdog: Watchdog | None, seconds: float) -> str | None:
+def _failure_within(watchdog: Watchdog | None, seconds: float) -> str | None:
     """The job's news, waited for while a peer is finding out why: gloo closes a connection
     when its own wait times out, before that rank has probed the others and posted the
     cause. A peer that died probes nothing: after ``_PROBE_GRACE_S`` without a probe, None."""
     if watchdog is None or watchdog.store is None:
         return None
     start = time.monotonic()
-    text = watchdog.news()
+    text = watchdog.first_failure()
     while text is None:
         elapsed = time.monotonic() - start
         if elapsed > seconds or (elapsed > _PROBE_GRACE_S and watchdog.probes() == 0):
             return None
         time.sleep(0.05)
-        text = watchdog.news()
+        text = watchdog.first_failure()
     return text
 
 
