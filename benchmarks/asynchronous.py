@@ -72,7 +72,7 @@ def rank_body(ctx: pt.RankContext, case: Case, gpt: str | None = None
             pipe.step(x, y)
         dist.barrier()
         seconds = (time.perf_counter() - start) / case.steps
-        if pipe.windows is not None:
+        if pipe.asynchronous:
             pipe.drain()
         rows.append({"schedule": name, "measured_s": seconds})
     return rows

@@ -1,7 +1,8 @@
 """The package is a ladder of subpackages: a module imports only from its own rung or below.
 
     errors  <  schedules  <  runtime  <  split  <  models  <  parallel  <  checkpoint
-            <  pipeline, testing, verify  <  hf  <  generation  <  train  <  plan
+            <  pipeline (its config, args, result, kinds, stepper), testing, verify
+            <  hf  <  generation  <  train  <  plan
             <  cli, __init__, __main__, examples
 
 Every import counts, those inside functions too (a lazy import is still a dependency). A
@@ -17,7 +18,8 @@ import pipetrain
 ROOT = Path(pipetrain.__file__).parent
 LADDER = [["errors", "_version"], ["schedules"], ["runtime"], ["split"], ["models"],
           ["parallel"], ["checkpoint"],
-          ["pipeline_args", "result", "stepper", "pipeline", "testing", "verify"],
+          ["pipeline_args", "pipeline_config", "result", "step_kinds", "stepper", "pipeline",
+           "testing", "verify"],
           ["hf"], ["generation"], ["train"],
           ["plan"], ["cli", "__init__", "__main__", "examples"]]
 RUNG = {name: i for i, names in enumerate(LADDER) for name in names}

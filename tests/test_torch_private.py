@@ -30,13 +30,6 @@ REPO = ROOT.parents[1]
 PRIVATE = {ROOT / "runtime" / "torch_private.py": torch_private,
            ROOT / "runtime" / "torch_distributed.py": torch_distributed}
 DEPENDENCIES = [(d, m) for m in PRIVATE.values() for d in m.DEPENDENCIES]
-NOT_YET = {  # switched by the engine refactor
-    "src/pipetrain/generation.py",  # the logger name torch._export.non_strict_utils
-    "src/pipetrain/runtime/executor.py",  # import torch.utils._pytree
-    "src/pipetrain/train/setup.py",  # import torch.utils._pytree
-    "src/pipetrain/verify.py",  # import torch.utils._pytree
-}
-"""Modules that still reach torch privately, left to be switched to the two modules."""
 
 
 def _where(module: ModuleType) -> str:
@@ -165,7 +158,6 @@ def _reaches(path: Path, base: Path = REPO) -> list[str]:
 
 def test_no_other_module_reaches_torch_privately() -> None:
     reached = [hit for path in sorted(ROOT.rglob("*.py")) if path not in PRIVATE
-               and str(path.relative_to(REPO)) not in NOT_YET
                for hit in _reaches(path)]
     assert reached == [], "reach torch's private parts through pipetrain.runtime." \
         "torch_private or torch_distributed (a new one: add it there, with its row):\n" \

@@ -14,12 +14,14 @@ from pipetrain._version import __version__ as __version__
 from pipetrain.errors import PipelineError
 from pipetrain.generation import Generator, Sampling
 from pipetrain.pipeline import Pipeline, StepResult
+from pipetrain.pipeline_config import PipelineConfig
 from pipetrain.runtime.launch import RankContext, launch
 from pipetrain.split.lazy import LayerSpec, build_layers
 from pipetrain.verify import Verification, VerificationFailed, verify
 
 __all__ = [
-    "Generator", "LayerSpec", "Pipeline", "PipelineError", "RankContext", "Sampling",
+    "Generator", "LayerSpec", "Pipeline", "PipelineConfig", "PipelineError", "RankContext",
+    "Sampling",
     "StepResult", "Verification", "VerificationFailed", "build_layers", "launch", "verify",
 ]
 _MOVED = {**{name: "pipetrain.schedules" for name in (

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipetrain.pipeline import Pipeline, StepResult
+from pipetrain.pipeline_config import PipelineConfig
+from pipetrain.runtime.torch_private import EXPORT_NON_STRICT_LOGGER
 from pipetrain.schedules.generators.decode import decode_schedule
 from pipetrain.split.partition import even_balance
 
@@ -127,14 +129,14 @@ class Generator:
         kinds = {id(t): i % 3 for i, t in enumerate(wrapped.cache_tensors())}
         names = {id(b): n for n, b in wrapped.named_buffers()}
         cache_names = {names[i] for i in kinds if i in names}
-        export_log = logging.getLogger("torch._export.non_strict_utils")
+        export_log = logging.getLogger(EXPORT_NON_STRICT_LOGGER)
         level = export_log.level  # rows = 1 fixes the batch size, as the cache does anyway
         export_log.setLevel(logging.ERROR)
         with torch.no_grad(), _grouped_query_attention(_on_cpu(device, group)):
-            self.pipe = Pipeline(wrapped, decode_schedule(n_ranks, 1, 1), split_points=points,
-                                 example_inputs=example, balance=balance, group=group,
-                                 local_ranks=local_ranks, device=device, timeout=timeout,
-                                 init_seed=init_seed, rng=False)
+            self.pipe = Pipeline.from_config(wrapped, PipelineConfig(
+                decode_schedule(n_ranks, 1, 1), split_points=points, example_inputs=example,
+                balance=balance, group=group, local_ranks=local_ranks, device=device,
+                timeout=timeout, init_seed=init_seed, rng=False))
         export_log.setLevel(level)
         self.caches = {s: [b for n, b in self.pipe.named_buffers(s) if n in cache_names]
                        for s in self.pipe.stages}
@@ -371,8 +373,7 @@ class _Run:
                     table[self._rows(g), column] = picked.cpu()
         if not pipe.local:
             holder = pipe.schedule.rank_of(last)
-            device = pipe.transport.device if pipe.transport is not None else torch.device("cpu")
-            shared = table.to(device)
+            shared = table.to(pipe.device)
             src = holder if self.gen.group is None else dist.get_global_rank(self.gen.group,
                                                                                holder)
             dist.broadcast(shared, src=src, group=self.gen.group)

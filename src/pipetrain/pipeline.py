@@ -11,6 +11,7 @@ runs exactly the same action lists.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -28,8 +29,9 @@ from pipetrain.pipeline_args import (
     pipeline_ranks,
     resolve_schedule,
 )
+from pipetrain.pipeline_config import PipelineConfig
 from pipetrain.result import StepResult
-from pipetrain.runtime.async_steps import Windows
+from pipetrain.runtime.async_steps import AsyncSteps
 from pipetrain.runtime.compiled import compile_stages
 from pipetrain.runtime.executor import (
     Executor,
@@ -43,6 +45,7 @@ from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.tied import LocalCopies, TiedGrads, find_tied
 from pipetrain.runtime.transport.comm import P2P
 from pipetrain.runtime.transport.routes import linear_routes
+from pipetrain.schedules.action import Action
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.balance import BalancePlan
 from pipetrain.split.capture import on_model_device
@@ -51,6 +54,7 @@ from pipetrain.split.layers import Layers, packed, trace_stages
 from pipetrain.split.lazy import LayerSpec
 from pipetrain.split.partition import check_balance, even_balance, stage_bounds
 from pipetrain.split.trace import TracedSplit
+from pipetrain.step_kinds import DecodeStep, EvalStep, StepHooks, StepKind, TrainStep, WindowStep
 from pipetrain.stepper import Feed, Stepper
 
 __all__ = ["Pipeline", "StepResult"]
@@ -63,67 +67,13 @@ class Pipeline:
         model: the full model, or a list of layers that may be :class:`LayerSpec` or live on
             the ``meta`` device; this rank keeps (and builds) only its stages' layers. With
             ``split_points`` the model may be built on ``meta`` too (:mod:`pipetrain.split.layers`).
-        schedule: a schedule name (``pipetrain schedules``) or a :class:`Schedule`.
-        microbatches: micro-batches per step (taken from ``schedule`` if it is a Schedule).
-        loss_fn: ``loss_fn(outputs, targets) -> scalar`` applied per micro-batch.
-        balance: layers per stage; None splits evenly; ``"params"``, ``"time"`` or
-            ``"memory"`` (or ``fn(layer_costs, first, end) -> cost``) chooses the split that
-            minimises the bottleneck exactly (:mod:`pipetrain.split.balance`; the profiling modes
-            need ``example_inputs``, one micro-batch of the first layer's input, and real
-            layers: ``meta`` ones take ``"params"``). The plan is kept as ``balance_plan``.
-        stages_per_rank: None takes the schedule's own (2 for interleaved-1f1b, zbv, dualpipev).
-        group: the pipeline process group (default: the world).
-        local_ranks: run this many ranks in this one process instead of distributed.
-        device: where the stages live (default: the current CUDA device under NCCL, else CPU).
-        split_dim: the batch dimension that micro-batches split.
-        loss_reduction: ``"mean"`` (micro-batch i weighted by its share of the batch) or
-            ``"sum"`` (weight 1), matching how ``loss_fn`` reduces.
-        timeout: seconds any wait for a peer may last before the step fails.
-        recompute: activation recomputation (:mod:`pipetrain.runtime.recompute`): per stage,
-            ``"never"``, ``"always"``, ``"except_last"`` (the last stage's backward follows
-            its forward at once, so recomputing it saves little) or a collection of stage
-            indices; or per layer, ``("every", k)``: the layers whose index in the layer list
-            is a multiple of k (0, k, 2k, ...; a traced model's layers are its stages).
-        split_points: cut an arbitrary ``model`` (not a layer list) into stages by tracing it
-            (:func:`pipetrain.split.trace.split_model`): one stage starts at the first use of each
-            named module (``["blocks.4", "blocks.8"]``); ``"auto"`` cuts at every unit
-            (:mod:`pipetrain.split.autosplit`) and groups the units by ``balance`` (default
-            ``"params"``); with ``balance=``, a list cuts units that the balance groups the
-            same way. Needs ``example_inputs``; ``step`` takes the inputs as ``forward`` does:
-            a tensor, a tuple of positional arguments, a dict of keyword arguments, or
-            :meth:`pack`'s payload (to mix positional and keyword arguments).
-        example_inputs: with ``split_points``, positional (tuple) or keyword (dict) arguments
-            of ``model.forward``; with a profiling ``balance``, one micro-batch of input.
-        dynamic: with ``split_points``, capture every input dimension symbolic where the code
-            allows, so steps may change batch size and sequence length (default); False: at
-            ``example_inputs``' shapes, which every step must give, in about a third of the
-            CPU time (:mod:`pipetrain.split.capture`).
-        init_seed: seed of the per-layer initialisation of :class:`LayerSpec` and ``meta``
-            layers, and of the by-name initialisation of a traced ``meta`` model, whose
-            parameters then equal ``NamedInit(model, init_seed).materialize(model)`` (see
-            :mod:`pipetrain.split.lazy`); real modules are used as given.
-        parallelize: ``fn(stage, layers)``, called once for each stage this rank holds, after
-            the split and before the first step, to wrap the stage's layers in place: FSDP2's
-            ``fully_shard`` (:class:`pipetrain.parallel.sharded.ShardedStages` does it), tensor
-            parallelism, or the user's own. Parameters keep their names in the model.
-        rng: whether each micro-batch's forward draws its random numbers (dropout) from a
-            stream of its own that travels with it from stage to stage, so that every layer
-            draws what it draws on one device when micro-batch i starts from
-            ``rng.start(base, i)`` (:mod:`pipetrain.runtime.rng`; ``testing.reference_step(...,
-            rng=True)``). None: when the model draws (a captured graph with a dropout of p > 0
-            in training; a layer list with a dropout module of p > 0 in training mode; for
-            dropout called as a function in a layer's own forward, pass True).
-        compile: run each stage's layers as compiled F, I and W programs
-            (:mod:`pipetrain.runtime.compiled`): True for ``torch.compile``'s inductor, or
-            the name of another ``torch.compile`` backend. Every schedule, split backward
-            included; not with ``recompute`` or ``parallelize``, nor with a model that
-            draws (dropout) unless ``rng=False``.
-        optimizer: PipeDream's weight stashing (``schedule="pipedream"``) only, where the
-            pipeline steps each stage after every backward: a function that makes an optimizer
-            from a stage's parameters (``lambda ps: torch.optim.SGD(ps, lr=0.1)``).
+        the others: the fields of :class:`~pipetrain.pipeline_config.PipelineConfig`, each
+            documented there; the pipeline builds one of them (:attr:`config`), and
+            :meth:`from_config` takes one.
 
     Raises:
-        ValueError: for an unknown schedule or integers outside its constraints.
+        ValueError, TypeError: for settings that do not go together (the config's rules),
+            an unknown schedule or integers outside its constraints.
         PartitionError: when the layers do not fit the stages.
     """
 
@@ -141,34 +91,56 @@ class Pipeline:
         rng: bool | None = None, compile: bool | str = False,
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        self.loss_fn, self.split_dim, self.loss_reduction = loss_fn, split_dim, loss_reduction
-        self.local = local_ranks is not None
-        n_ranks, self.rank = pipeline_ranks(group, local_ranks)
-        self.schedule = resolve_schedule(schedule, n_ranks, microbatches, stages_per_rank)
-        self.device = device_of(device, group)
+        self._build(model, PipelineConfig(
+            schedule, microbatches, loss_fn, balance, stages_per_rank, group, local_ranks,
+            device, split_dim, loss_reduction, timeout, max_message_bytes, recompute,
+            init_seed, split_points, example_inputs, dynamic, parallelize, rng, compile,
+            optimizer))
+
+    @classmethod
+    def from_config(cls, model: nn.Module | Sequence[nn.Module | LayerSpec],
+                    config: PipelineConfig) -> Pipeline:
+        """The pipeline of ``model`` that ``config`` describes (what the constructor makes of
+        its arguments)."""
+        pipe = cls.__new__(cls)
+        pipe._build(model, config)
+        return pipe
+
+    def _build(self, model: nn.Module | Sequence[nn.Module | LayerSpec], c: PipelineConfig
+               ) -> None:
+        self.config = c
+        """The settings this pipeline was built with (frozen, checked)."""
+        self.loss_fn, self.split_dim, self.loss_reduction = c.loss_fn, c.split_dim, \
+            c.loss_reduction
+        self.local = c.local_ranks is not None
+        n_ranks, self.rank = pipeline_ranks(c.group, c.local_ranks)
+        self.schedule = resolve_schedule(c.schedule, n_ranks, c.microbatches, c.stages_per_rank)
+        self.device = device_of(c.device, c.group)
+        example_inputs = c.example_inputs
         if isinstance(model, nn.Module) and example_inputs is not None:
             example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
-        self._share = None if self.local else group or dist.group.WORLD  # one export for all
-        source = self._capture(model, split_points, example_inputs, balance, dynamic,
-                               parallelize, init_seed, rng)
-        if split_points == "auto" and balance is None:
-            balance = "params"
-        self._lay_out(source.items, balance, example_inputs, group, n_ranks)
-        untied, gathering = self._place(source, recompute, parallelize, compile)
-        self._connect(group, n_ranks, timeout, max_message_bytes, untied, gathering,
-                      parallelize, compile, optimizer)
+        self._share = None if self.local else c.group or dist.group.WORLD  # one export for all
+        source = self._capture(model, c.split_points, example_inputs, c.balance, c.dynamic,
+                               c.parallelize, c.init_seed, c.rng)
+        balance = "params" if c.split_points == "auto" and c.balance is None else c.balance
+        self._lay_out(source.items, balance, example_inputs, c.group, n_ranks)
+        untied, gathering = self._place(source, c.recompute, c.parallelize, c.compile)
+        self._connect(c.group, n_ranks, c.timeout, c.max_message_bytes, untied, gathering,
+                      c.optimizer)
         self.evaluator: Executor | None = None
         """The executor of ``eval_step`` when the model was captured in training mode into a
         graph that eval changes (dropout, batch norm): the eval graph, sharing the tensors
         (:mod:`pipetrain.split.eval_graph`), captured at the first eval step; None: not (yet)."""
         self._decoder: Executor | None = None  # decode()'s
+        steps = self.async_steps
         self._stepper = Stepper(
             Feed(self.rank, self.schedule, self.traced, self.rng,
-                 self.device, loss_fn, split_dim, loss_reduction),
-            self.stages, self.executor, self.transport, self.windows, self.watchdog,
-            self._copies, self._tied_grads)
+                 self.device, c.loss_fn, c.split_dim, c.loss_reduction),
+            self.stages, self.executor, self.transport, self.watchdog,
+            self._copies, self._tied_grads,
+            carry=None if steps is None else lambda: (steps.previous,
+                                                      self.schedule.n_microbatches),
+            on_failure=None if steps is None else steps.versions.restore)
         self._closer = weakref.finalize(self, self._stepper.close)
 
     def _capture(self, model: nn.Module | Sequence[nn.Module | LayerSpec],
@@ -235,7 +207,7 @@ class Pipeline:
 
     def _connect(self, group: dist.ProcessGroup | None, n_ranks: int, timeout: float,
                  max_message_bytes: int, untied: dict[str, Any], gathering: Any,
-                 parallelize: Any, compile: bool | str, optimizer: Any) -> None:
+                 optimizer: Any) -> None:
         """The transport to the other ranks, tied weights' gradient exchange, the executor
         (an asynchronous schedule's windows), and the watchdog."""
         self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
@@ -245,22 +217,41 @@ class Pipeline:
             self.tied, self.rank, group, held, self.transport.spare_tag, timeout)
         linked, deferred = grad_links(self.tied, self.local)
         deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
-        self.windows: Windows | None = None  # an asynchronous schedule's phases and versions
+        self.async_steps: AsyncSteps | None = None
+        """An asynchronous schedule's phases and weight versions (None: a flushing one)."""
         if self.schedule.update is not None:
-            asynchronous_fits(self.schedule, compile, parallelize, optimizer, self.tied)
-            self.windows = Windows(self.schedule, self.stages, self.hosted, self.transport,
-                                   linked, self.routes, None if optimizer is None else {
-                                       s: optimizer(st.parameters())
-                                       for s, st in self.stages.items()})
-        elif optimizer is not None:
-            raise ValueError(f"optimizer= is for schedule 'pipedream' (an update after every "
-                             f"backward); under {self.schedule.name!r} step your optimizer "
-                             "after each step")
-        self.executor = self.windows.steady if self.windows else Executor(
+            asynchronous_fits(self.schedule, self.tied)
+            optimizers = None if optimizer is None else {
+                s: optimizer(st.parameters()) for s, st in self.stages.items()}
+            self.async_steps = AsyncSteps(self.schedule, self.stages, self.hosted,
+                                          self.transport, linked, self.routes, optimizers)
+        self.executor = self.async_steps.steady if self.async_steps else Executor(
             self.schedule, self.stages, self.hosted, self.transport, linked, deferred,
             routes=self.routes)
         self.watchdog = None if self.transport is None else Watchdog.of(
             self.transport, self.executor.activity)
+
+    @property
+    def windows(self) -> AsyncSteps | None:
+        """Deprecated: :attr:`async_steps` (and, for what a caller needs of it,
+        :attr:`asynchronous` and :attr:`StepResult.gave_grads`)."""
+        warnings.warn("Pipeline.windows is Pipeline.async_steps now (and a caller needs "
+                      "Pipeline.asynchronous or StepResult.gave_grads); the old name goes in "
+                      "the next release", DeprecationWarning, stacklevel=2)
+        return self.async_steps
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether the schedule never flushes (``pipedream-2bw``, ``pipedream``): a step's
+        gradients are the step before's (:attr:`StepResult.gave_grads`), its loss comes a step
+        late on most ranks (:attr:`StepResult.previous_loss`), and :meth:`drain` ends a run."""
+        return self.async_steps is not None
+
+    def running(self) -> Action | None:
+        """The action this process runs now (None between actions): for a hook that counts
+        what runs in forwards only, say, and not in a recomputation before a backward."""
+        current = self.executor.current
+        return None if current is None else current[1]
 
     def close(self) -> None:
         """End what this pipeline started on this rank: its watchdog thread, its connections
@@ -387,8 +378,8 @@ class Pipeline:
         messages on the wire, where a rank that ran another step is caught. Default: the
         count of this pipeline's earlier steps and eval steps.
         """
-        return self._run(inputs, targets, train=True, keep_outputs=return_outputs,
-                         on_grads_ready=on_grads_ready, number=step)
+        return self._stepper.run(self._training(), inputs, targets,
+                                 StepHooks(on_grads_ready, return_outputs), step)
 
     def drain(self, *, on_grads_ready: GradsReady | None = None,
               step: int | None = None) -> StepResult:
@@ -400,13 +391,14 @@ class Pipeline:
         Raises:
             ValueError: for a synchronous schedule, or when no micro-batch is in flight.
         """
-        if self.windows is None or not self.windows.in_flight:
+        if self.async_steps is None or not self.async_steps.in_flight:
             raise ValueError(f"[rank {self.rank}] drain() finishes the micro-batches an "
                              "asynchronous schedule's step left in flight; "
-                             + ("none are" if self.windows else
+                             + ("none are" if self.async_steps else
                                 f"{self.schedule.name!r} flushes every step"))
-        return self._run(None, None, train=True, keep_outputs=False,
-                         on_grads_ready=on_grads_ready, number=step, drain=True)
+        assert self.async_steps is not None  # checked above
+        return self._stepper.run(WindowStep(self.async_steps, drain=True), None, None,
+                                 StepHooks(on_grads_ready), step)
 
     def in_flight_state(self) -> dict[str, Any]:
         """``pipedream-2bw`` between steps: what an exact resume needs beside
@@ -416,10 +408,10 @@ class Pipeline:
         Raises:
             ValueError: under another schedule, or with nothing in flight.
         """
-        if self.windows is None:
+        if self.async_steps is None:
             raise ValueError(f"in_flight_state() is for pipedream-2bw; {self.schedule.name!r} "
                              "keeps nothing in flight between steps")
-        return self.windows.state({id(p): n for n, p in self.named_parameters()})
+        return self.async_steps.state({id(p): n for n, p in self.named_parameters()})
 
     def refill(self, inputs: Any, targets: Any, state: dict[str, Any], *,
                step: int | None = None) -> StepResult:
@@ -433,10 +425,10 @@ class Pipeline:
             ValueError: under another schedule, with micro-batches in flight, or for a state
                 of other stages.
         """
-        if self.windows is None:
+        if self.async_steps is None:
             raise ValueError(f"refill() is for pipedream-2bw, not {self.schedule.name!r}")
-        self.windows.restore(state, dict(self.named_parameters()))
-        return self._run(inputs, targets, train=True, keep_outputs=False, number=step)
+        self.async_steps.restore(state, dict(self.named_parameters()))
+        return self._stepper.run(self._training(), inputs, targets, StepHooks(), step)
 
     def eval_step(self, inputs: Any = None, targets: Any = None, *,
                   step: int | None = None) -> StepResult:
@@ -450,7 +442,8 @@ class Pipeline:
         :meth:`step` (several eval steps may share one number).
         """
         with torch.no_grad():
-            return self._run(inputs, targets, train=False, keep_outputs=True, number=step)
+            return self._stepper.run(self._evaluation(), inputs, targets,
+                                     StepHooks(keep_outputs=True), step)
 
     def decode(self, schedule: Schedule, inputs: Sequence[Any], loop: TokenFeedback, *,
                step: int | None = None) -> StepResult:
@@ -468,37 +461,32 @@ class Pipeline:
                              f"({self.schedule.placement}); got {schedule.name!r} placed "
                              f"{schedule.placement} with feedback {schedule.feedback}")
         with torch.no_grad():
-            return self._run(list(inputs), None, train=False, keep_outputs=False, number=step,
-                             decoding=(schedule, loop))
+            kind = DecodeStep(self._decoding(schedule), loop, self._modal_layers())
+            return self._stepper.run(kind, list(inputs), None, StepHooks(), step)
 
-    def _executor(self, schedule: Schedule) -> Executor:
-        """The executor of ``schedule``: the pipeline's own, or one kept per decoding run."""
-        if schedule is self.schedule:
-            return self.executor
+    def _training(self) -> StepKind:
+        """A training step's kind: an asynchronous schedule's window, in the phase it is in."""
+        return TrainStep(self.executor) if self.async_steps is None else WindowStep(
+            self.async_steps, drain=False)
+
+    def _evaluation(self) -> StepKind:
+        """An eval step's kind: on the eval graph where the model has one (captured now if
+        this is the first eval step), with a layer list in eval mode while it runs."""
+        evaluator = self._evaluating()
+        return EvalStep(self.executor if evaluator is None else evaluator,
+                        None if evaluator is None else "eval", self._modal_layers(),
+                        self._draws_in_eval)
+
+    def _modal_layers(self) -> list[nn.Module]:
+        """What a forward-only step puts in eval mode: a layer list's layers (a traced
+        model's graph has its mode captured)."""
+        return [] if self.traced is not None else [m for _, m in self._hosted_layers()]
+
+    def _decoding(self, schedule: Schedule) -> Executor:
+        """The executor of a decoding ``schedule``, kept for the next call with the same."""
         if self._decoder is None or self._decoder.schedule != schedule:
             self._decoder = Executor(schedule, self.stages, self.hosted, self.transport,
                                      routes=self.routes)
             if self.watchdog is not None:
                 self._decoder.activity = self.executor.activity  # what the watchdog reads
         return self._decoder
-
-    def _run(self, inputs: Any, targets: Any, *, train: bool, keep_outputs: bool,
-             on_grads_ready: GradsReady | None = None, number: int | None = None,
-             decoding: tuple[Schedule, TokenFeedback] | None = None, drain: bool = False
-             ) -> StepResult:
-        """One step on the executor the call needs (:class:`~pipetrain.stepper.Stepper`)."""
-        schedule = self.schedule if decoding is None else decoding[0]
-        executor = self._executor(schedule)
-        tag: Schedule | str | None = None if decoding is None else schedule
-        if train and self.windows is not None:  # the window's phase: fill, steady or drain
-            executor = self.windows.executor(self.windows.phase(drain))
-            schedule, tag = executor.schedule, executor.schedule
-        evaluator = None if decoding is not None or train else self._evaluating()
-        if evaluator is not None:
-            executor, tag = evaluator, "eval"
-        modal = [] if train or self.traced is not None else self._hosted_layers()
-        return self._stepper.run(executor, schedule, tag, inputs, targets, train=train,
-                                 keep_outputs=keep_outputs, on_grads_ready=on_grads_ready,
-                                 number=number, loop=None if decoding is None else decoding[1],
-                                 drain=drain, modal=[m for _, m in modal],
-                                 draws_in_eval=self._draws_in_eval)

@@ -1,4 +1,4 @@
-"""Construction: what the Pipeline constructor resolves and refuses beside building stages."""
+"""Pipeline args: what the Pipeline constructor resolves and refuses beside building stages."""
 
 from __future__ import annotations
 
@@ -21,30 +21,16 @@ from pipetrain.split.trace import TracedSplit
 __all__: list[str] = []
 
 
-def asynchronous_fits(schedule: Schedule, compile: bool | str, parallelize: Any,
-                       optimizer: Any, tied: Sequence[Any]) -> None:
-    """Refuse what an asynchronous schedule does not run with yet."""
-    stash = schedule.update == "stash"
-    if stash and optimizer is None:
-        raise ValueError(f"{schedule.name!r} steps each stage after every backward: pass "
-                         "optimizer=, a function making an optimizer from a stage's "
-                         "parameters, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
-    if not stash and optimizer is not None:
-        raise ValueError(f"optimizer= is for schedule 'pipedream'; under {schedule.name!r} "
-                         "step your optimizer after each step")
-    if stash and tied:
+def asynchronous_fits(schedule: Schedule, tied: Sequence[Any]) -> None:
+    """Refuse what an asynchronous schedule does not run with on this model (what it does
+    not run with whatever the model: :class:`~pipetrain.pipeline_config.PipelineConfig`)."""
+    if schedule.update == "stash" and tied:
         raise ValueError(
             f"'pipedream' updates each stage after each of its backwards, stage by stage a "
             f"different number of micro-batches late: the copies of a weight tied between "
             f"stages ({tied[0].name!r}) would take the halves of its gradient at different times "
             f"and drift apart. Use 'pipedream-2bw' (one update per step, the halves summed) "
             f"or a synchronous schedule, or untie the weight")
-    refused = [what for what, on in (("compile=", compile),
-                                     ("parallelize=", parallelize is not None)) if on]
-    if refused:
-        raise ValueError(f"{schedule.name!r} (asynchronous: weight versions per step) does not "
-                         f"run with {', '.join(refused)} yet; use a synchronous schedule "
-                         "such as '1f1b' there")
 
 
 def carries_rng(given: bool | None, traced: TracedSplit | None,
@@ -76,14 +62,9 @@ def resolve_schedule(schedule: str | Schedule, n_ranks: int, microbatches: int |
         if schedule.n_ranks != n_ranks:
             raise ValueError(f"schedule {schedule.name!r} has {schedule.n_ranks} ranks but the "
                              f"pipeline group has {n_ranks}")
-        if microbatches not in (None, schedule.n_microbatches):
-            raise ValueError(f"schedule {schedule.name!r} has {schedule.n_microbatches} "
-                             f"micro-batches, but microbatches={microbatches} was passed")
         resolved = schedule
-    else:
-        if microbatches is None:
-            raise ValueError("microbatches is required with a schedule name")
-        resolved = make_schedule(schedule, n_ranks, microbatches, stages_per_rank)
+    else:  # microbatches given: PipelineConfig
+        resolved = make_schedule(schedule, n_ranks, microbatches or 0, stages_per_rank)
     from pipetrain.schedules.validate import validate
 
     validate(resolved)
@@ -101,8 +82,6 @@ def device_of(device: torch.device | str | None, group: dist.ProcessGroup | None
 def pipeline_ranks(group: dist.ProcessGroup | None, local_ranks: int | None) -> tuple[int, int]:
     """The pipeline's number of ranks and this process's rank in it (0 for ``local_ranks``)."""
     if local_ranks is not None:
-        if local_ranks < 1:
-            raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
         return local_ranks, 0
     if not dist.is_initialized():
         raise PipelineError(

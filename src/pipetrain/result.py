@@ -29,6 +29,10 @@ class StepResult:
     """An asynchronous schedule (``pipedream-2bw``): the loss of the step before, on every
     rank. Its ranks do not wait for each other at the end of a step, so ``loss`` is there only
     on the rank holding the last stage (and in local mode)."""
+    gave_grads: bool = True
+    """Whether the step left gradients in ``.grad`` for an optimizer step: False for an eval
+    or decoding step, and for an asynchronous schedule's first step (its backwards finish no
+    micro-batch yet; each later step gives the gradients of the step before)."""
 
     @cached_property
     def timeline(self) -> Timeline:

@@ -1,14 +1,17 @@
 """Stepper: one step of a pipeline on this rank, from the caller's batch to its result or failure.
 
-    run ──► the step's receives posted (each peer's plan, kept per executor)
-        ──► the batch split into micro-batches (:class:`Feed`)
-        ──► executor.run: every action of the rank's list
-        ──► the end of the step: the exchange, copied and tied gradients, deferred hooks
+    run(kind, inputs, targets, hooks, number)
+        ──► the step's receives posted (each peer's plan, kept per kind)
+        ──► the batch split into micro-batches (:class:`Feed`, as the kind says)
+        ──► kind.executor.run: every action of the rank's list
+        ──► the end of the step (the kind's): the exchange; then, if it gave gradients,
+            copied and tied gradients and deferred hooks
         ──► StepResult
     any error ──► stages cleared, peers told (ABORT), the pipeline marked broken for good
 
-:class:`pipetrain.pipeline.Pipeline` builds one and picks, for each call, the executor that
-runs it (training, eval graph, decoding, an asynchronous window's phase).
+What differs between a training, an eval, a decoding and an asynchronous step is the kind's
+(:mod:`pipetrain.step_kinds`); :class:`pipetrain.pipeline.Pipeline` builds one stepper and
+makes the kind of each call.
 """
 
 from __future__ import annotations
@@ -19,17 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from pipetrain.errors import PipelineError
 from pipetrain.result import StepResult
 from pipetrain.runtime import microbatch
 from pipetrain.runtime import rng as rng_streams
-from pipetrain.runtime.async_steps import Windows
-from pipetrain.runtime.executor import Executor, GradsReady, StepData, TokenFeedback, message_plans
-from pipetrain.runtime.step_end import StepTimes, ending_keys, exchange, total_loss
+from pipetrain.runtime.executor import Executor, StepData, message_plans
 from pipetrain.runtime.failure.watchdog import Watchdog, diagnosed
 from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.step_end import StepTimes, ending_keys
 from pipetrain.runtime.tied import LocalCopies, TiedGrads
 from pipetrain.runtime.transport.comm import P2P
 from pipetrain.runtime.transport.receipts import Proofs, delivery_proofs
@@ -38,10 +39,9 @@ from pipetrain.runtime.transport.wire import OPS
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.eval_graph import eval_mode
 from pipetrain.split.trace import TracedSplit
+from pipetrain.step_kinds import StepHooks, StepKind, Tag
 
 __all__: list[str] = []
-
-Tag = Schedule | str | None  # which executor's plans: None (training), "eval", a Schedule
 
 
 @dataclass(frozen=True)
@@ -92,17 +92,23 @@ class Feed:
 
 @dataclass
 class Stepper:
-    """Runs a pipeline's steps on this rank (see the module); counts them, keeps each
-    executor's message plans, and once a step failed refuses every later one."""
+    """Runs a pipeline's steps on this rank (see the module); counts them, keeps each kind's
+    message plans, and once a step failed refuses every later one.
+
+    ``carry``: an asynchronous schedule's (step before, m), whose message streams go on from
+    one step to the next (sends then wait a step, so no receipt proves them done);
+    ``on_failure``: what a failed step undoes beyond the stages' activations (its weight
+    versions)."""
 
     feed: Feed
     stages: dict[int, Stage]
     executor: Executor  # the pipeline's own: its deferred hooks run at the end of a step
     transport: P2P | None
-    windows: Windows | None
     watchdog: Watchdog | None
     copies: LocalCopies
     tied_grads: TiedGrads | None
+    carry: Callable[[], tuple[int, int]] | None = None
+    on_failure: Callable[[], None] | None = None
     count: int = 0
     broken: str | None = None
     closed: bool = False
@@ -111,13 +117,40 @@ class Stepper:
     proofs: dict[tuple[bool, Tag], Proofs] = field(default_factory=dict)
     """Per executor, the sends that each received message proves done."""
 
-    def run(self, executor: Executor, schedule: Schedule, tag: Tag, inputs: Any, targets: Any,
-            *, train: bool, keep_outputs: bool, on_grads_ready: GradsReady | None,
-            number: int | None, loop: TokenFeedback | None, drain: bool, modal: list[nn.Module],
-            draws_in_eval: bool = True) -> StepResult:
-        """One step of ``executor``, running ``schedule`` (``loop``: a decoding run's;
-        ``modal``: the layers put in eval mode while it runs; ``draws_in_eval``: see
-        :meth:`Feed.prepare`)."""
+    def run(self, kind: StepKind, inputs: Any, targets: Any, hooks: StepHooks,
+            number: int | None) -> StepResult:
+        """One step of ``kind`` on the caller's batch (``number``: the caller's step number,
+        default the count of earlier steps)."""
+        step = self._number(number)
+        data = StepData(step, [], [], [], hooks.keep_outputs, kind.train, hooks.on_grads_ready,
+                        loop=kind.loop)
+        kind.begin(data)
+        if self.transport is not None:
+            self._start(self.transport, data, kind)
+        try:
+            self.copies.refresh()
+            kind.prepare(self.feed.prepare, data, self.stages, inputs, targets)
+            with eval_mode(kind.modal()):  # a layer list: eval() while it runs
+                kind.executor.run(data)
+            kind.after_run(data)
+            loss, times = self._finish(data, kind)
+        except BaseException as e:
+            error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
+            if self.watchdog is not None:
+                self.watchdog.failed(error)
+            self._fail(step, error, data.done_sent, kind.executor)
+            if error is e:
+                raise
+            raise error from e
+        outputs = None
+        if hooks.keep_outputs and data.outputs:
+            outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
+                                       self.feed.split_dim)
+        return StepResult(loss, outputs, times, kind.previous_loss(),
+                          kind.gives_grads())
+
+    def _number(self, number: int | None) -> int:
+        """The step's number; refuses a closed or broken pipeline."""
         rank = self.feed.rank
         if self.closed:
             raise PipelineError(f"[rank {rank}] this pipeline was closed (Pipeline.close, or the "
@@ -129,37 +162,7 @@ class Stepper:
             raise TypeError(f"step must be an int (the caller's step number), got {number!r}")
         step = self.count if number is None else number
         self.count += 1
-        data = StepData(step, [], [], [], keep_outputs, train, on_grads_ready, loop=loop)
-        if train and self.windows is not None:
-            self.windows.begin(data)
-        if self.transport is not None:
-            self._start(self.transport, data, executor, schedule, tag)
-        try:
-            self.copies.refresh()
-            if loop is None and not drain:
-                self.feed.prepare(data, self.stages, inputs, targets, draws_in_eval)
-            else:
-                data.inputs, data.targets = inputs, [None] * schedule.n_microbatches
-                data.weights = [1.0] * schedule.n_microbatches
-            with eval_mode(modal):  # a layer list: eval() while it runs
-                executor.run(data)
-            if train and self.windows is not None:
-                self.windows.end(data, drain)
-            loss, times = self._finish(data, executor, schedule)
-        except BaseException as e:
-            error = diagnosed(e, self.watchdog)  # a timeout names the rank holding all up
-            if self.watchdog is not None:
-                self.watchdog.failed(error)
-            self._fail(step, error, data.done_sent, executor)
-            if error is e:
-                raise
-            raise error from e
-        previous = None if self.windows is None or not train else self.windows.previous_loss
-        outputs = None
-        if keep_outputs and data.outputs:
-            outputs = microbatch.merge([data.outputs[i] for i in sorted(data.outputs)],
-                                       self.feed.split_dim)
-        return StepResult(loss, outputs, times, previous)
+        return step
 
     def close(self) -> None:
         """End what the pipeline started on this rank: its watchdog's thread, its transport
@@ -179,48 +182,37 @@ class Stepper:
         for stage in self.stages.values():
             stage.clear()
 
-    def _start(self, transport: P2P, data: StepData, executor: Executor, schedule: Schedule,
-               tag: Tag) -> None:
-        """Post the step's first receive from each peer, by the plan of ``executor``."""
-        rank, train = self.feed.rank, data.train
-        key = (train, tag)
+    def _start(self, transport: P2P, data: StepData, kind: StepKind) -> None:
+        """Post the step's first receive from each peer, by the plan of ``kind``."""
+        rank, schedule = self.feed.rank, kind.schedule
+        key = (data.train, kind.tag)
         if key not in self.plans:  # per peer, what it sends this rank in a step
-            if data.loop is not None:  # one decoding schedule kept at a time
-                self.plans = {k: v for k, v in self.plans.items()
-                              if not isinstance(k[1], Schedule)}
-            self.plans[key] = message_plans(schedule, rank, train, executor.routes)
-            self.proofs[key] = delivery_proofs(schedule, rank, train, executor.routes) \
-                if self.windows is None else {}  # a window's routes repeat: sends wait a step
-        carry = None if self.windows is None else (self.windows.previous,
-                                                   self.feed.schedule.n_microbatches)
-        window = train and self.windows is not None
+            self.plans = kind.kept_plans(self.plans)
+            self.plans[key] = message_plans(schedule, rank, data.train, kind.executor.routes)
+            self.proofs[key] = {} if self.carry is not None else delivery_proofs(
+                schedule, rank, data.train, kind.executor.routes)
+        carry = None if self.carry is None else self.carry()
         transport.start_step(data.step, self.plans[key],
-                             ending_keys(schedule, rank, data.step, window), self.proofs[key],
-                             carry)
+                             ending_keys(schedule, rank, data.step, kind.window),
+                             self.proofs[key], carry)
 
-    def _finish(self, data: StepData, executor: Executor, schedule: Schedule
+    def _finish(self, data: StepData, kind: StepKind
                 ) -> tuple[torch.Tensor | None, StepTimes]:
-        rank = self.feed.rank
+        rank, executor = self.feed.rank, kind.executor
         own = executor.executed(data.train)
-        if self.transport is None and self.windows is not None and data.train:
-            loss, times = self.windows.finish(None, schedule, data, own)
-        elif self.transport is None:
-            loss, times = total_loss(data), StepTimes(schedule, data.train, own, data.times)
+        if self.transport is None:
+            loss, times = kind.finish(None, rank, data, own)
         else:
-            window = data.train and self.windows is not None  # the peers whose message it takes
             executor.activity.waiting("the end-of-step exchange", tuple(
-                ending_keys(schedule, rank, data.step, window)), data.step)
-            loss, times = exchange(self.transport, schedule, rank, data, own) if \
-                self.windows is None or not data.train else \
-                self.windows.finish(self.transport, schedule, data, own)
+                ending_keys(kind.schedule, rank, data.step, kind.window)), data.step)
+            loss, times = kind.finish(self.transport, rank, data, own)
             executor.activity.idle()
-        if data.train and self.windows is not None and not self.windows.versions.gave_grads:
-            return loss, times  # a first asynchronous step: no gradients yet
-        if data.train:
-            self.copies.merge_grads()
-        if data.train and self.tied_grads is not None:
+        if not kind.gives_grads():
+            return loss, times
+        self.copies.merge_grads()
+        if self.tied_grads is not None:
             self.tied_grads.all_reduce()
-        if data.train and self.executor.deferred:
+        if self.executor.deferred:
             self.executor.grads_ready(rank, None, self.executor.deferred, data)
         return loss, times
 
@@ -228,8 +220,8 @@ class Stepper:
               ) -> None:
         for stage in self.stages.values():
             stage.clear()
-        if self.windows is not None:
-            self.windows.versions.restore()
+        if self.on_failure is not None:
+            self.on_failure()
         self.broken = f"{type(error).__name__}: {error}"
         if self.transport is None:
             return

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from pipetrain.pipeline import Pipeline
+from pipetrain.pipeline_config import PipelineConfig
+from pipetrain.runtime.torch_private import pytree
 from pipetrain.split.lazy import NamedInit, is_meta
 from pipetrain.testing import reference_step
 
@@ -186,11 +187,14 @@ def verify(
     inputs = example_inputs if layers else _as_forward_inputs(module, example_inputs)
     example = _cast(inputs if layers or isinstance(inputs, dict) else (inputs,), dtype)
 
+    config = PipelineConfig(schedule, microbatches, loss_fn or default_loss, balance=balance,
+                            stages_per_rank=stages_per_rank, local_ranks=ranks,
+                            recompute=recompute, init_seed=seed,
+                            split_points=None if layers else split_points,
+                            example_inputs=example)  # its rules, checked before any copy
+
     def build(copied: nn.Module) -> Pipeline:
-        return Pipeline(copied, schedule, microbatches, loss_fn or default_loss,
-                        balance=balance, stages_per_rank=stages_per_rank, local_ranks=ranks,
-                        recompute=recompute, init_seed=seed,
-                        split_points=None if layers else split_points, example_inputs=example)
+        return Pipeline.from_config(copied, config)
 
     return verify_with(build, module, inputs, targets, tolerance=tolerance, dtype=dtype,
                        seed=seed)
@@ -221,7 +225,7 @@ def verify_with(build: Build, model: nn.Module, inputs: Any, targets: Any = None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         result = pipe.step(inputs, targets)
-        if pipe.windows is not None:  # PipeDream-2BW: its drain leaves the step's gradients
+        if pipe.asynchronous:  # PipeDream-2BW: its drain leaves the step's gradients
             pipe.drain()
     if result.loss is None:
         raise ValueError("the pipeline returned no loss")
@@ -250,7 +254,7 @@ def _one_process(reference: nn.Module, pipe: Pipeline, loss_fn: Callable[[Any, A
             return reference_step(reference, inputs, targets, loss_fn,
                                   pipe.schedule.n_microbatches, split_dim=pipe.split_dim,
                                   loss_reduction=pipe.loss_reduction, rng=pipe.rng)
-    except Exception as e:  # noqa: BLE001  (the model's own error, said to be so)
+    except Exception as e:  # the model's own error, said to be so
         raise ValueError(f"{type(reference).__name__} fails on one process, before any "
                          f"pipelining: {type(e).__name__}: {e}") from e
 

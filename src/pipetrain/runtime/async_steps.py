@@ -1,4 +1,4 @@
-"""Windows: the steps of an asynchronous schedule, each one window of a pipeline never flushed.
+"""Async steps: an asynchronous schedule's steps, each one window of a pipeline never flushed.
 
 The first step runs the window's ``fill`` phase (no earlier micro-batches to finish), every
 later one the window itself, and ``drain`` the backward actions that finish the last step's
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from pipetrain.runtime.executor import Executor, StepData
-from pipetrain.runtime.step_end import StepTimes, exchange_window, total_loss
 from pipetrain.runtime.stage import Stage
+from pipetrain.runtime.step_end import StepTimes, exchange_window, total_loss
 from pipetrain.runtime.transport.comm import P2P
 from pipetrain.runtime.transport.routes import Routes
 from pipetrain.runtime.versions import Versions
@@ -28,7 +28,7 @@ from pipetrain.schedules.schedule import Schedule
 __all__: list[str] = []
 
 
-class Windows:
+class AsyncSteps:
     """The phases, versions and step count of an asynchronous schedule on one process."""
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], hosted: Sequence[int],

@@ -190,17 +190,8 @@ def compile_stages(stages: Mapping[int, Any], compile: bool | str, recompute: An
     layers, for ``Pipeline(compile=...)`` (``splits``: the schedule splits its backward;
     ``draws``: micro-batches carry random streams); raises ValueError for what cannot be
     combined."""
-    if compile is False:
+    if compile is False:  # its type, recompute= and parallelize=: PipelineConfig's
         return
-    if not isinstance(compile, (bool, str)):
-        raise TypeError(f"compile must be True, False or a torch.compile backend name, got "
-                        f"{compile!r}")
-    if recompute != "never":
-        raise ValueError("compile=True with recompute: a compiled stage keeps what its own "
-                         "graph saves; pass recompute='never' (or compile=False)")
-    if parallelize is not None:
-        raise ValueError("compile=True with parallelize= (FSDP2, tensor parallel) is not "
-                         "supported; drop one of the two")
     if draws:
         raise ValueError("compile=True with a model that draws random numbers in training "
                          "(dropout of p > 0): its graphs draw other numbers than the eager "

@@ -1,4 +1,4 @@
-"""Runtime: the one interpreter of per-rank action lists, with in-memory or point-to-point hand-off.
+"""Executor: the one interpreter of per-rank action lists, in-memory or point-to-point hand-off.
 
 For every action of its list, in order, a rank does exactly this::
 
@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.utils._pytree as pytree
 
 from pipetrain.errors import CommError, PipelineError, StageError
 from pipetrain.runtime.failure.watchdog import Activity
 from pipetrain.runtime.stage import Incoming, Stage
 from pipetrain.runtime.tied import TiedParam
+from pipetrain.runtime.torch_private import pytree
 from pipetrain.runtime.transport.comm import P2P
 from pipetrain.runtime.transport.payload import flatten
 from pipetrain.runtime.transport.routes import Routes, linear_routes

@@ -154,9 +154,9 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
     from pipetrain.split.shared_capture import capture_shared
     from pipetrain.split.trace import split_model
 
-    if not isinstance(model, nn.Module) or example_inputs is None:
-        raise TypeError("split_points= needs the model as one nn.Module and example_inputs= "
-                        "(a tuple or dict of its forward's arguments)")
+    if not isinstance(model, nn.Module):  # example_inputs= given: PipelineConfig
+        raise TypeError("split_points= needs the model as one nn.Module (to cut a layer "
+                        "list, leave split_points out)")
     if isinstance(split_points, str) and split_points != "auto":
         raise PartitionError(f"split_points={split_points!r}: give a list of module names, "
                              "or 'auto'")

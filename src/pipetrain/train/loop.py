@@ -175,7 +175,7 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     tally = Tally()
     saved = resumed
     meter = MemoryMeter(trainer.mesh.device, cfg.steps - trainer.step,
-                        measure=trainer.pipe.windows is None, verbose=cfg.verbose)
+                        measure=not trainer.pipe.asynchronous, verbose=cfg.verbose)
     clock = time.perf_counter()
     members = tuple(range(cfg.dp)) if cfg.ft else ()
     while trainer.step < cfg.steps:
@@ -203,7 +203,7 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
     final_eval = evaluate(trainer)
     reporter.record("eval", {"step": trainer.step - 1, "eval_loss": final_eval})
     last = tally.last
-    if last is not None and trainer.pipe.windows is None:  # (an asynchronous step's timeline
+    if last is not None and not trainer.pipe.asynchronous:  # (an asynchronous step's timeline
         # holds this rank's actions only) predicted from the step before: costs it was not
         # measured on
         basis = tally.before_last or last
@@ -285,10 +285,10 @@ def train_step(trainer: Trainer, step: int) -> StepStats | None:
                                on_grads_ready=trainer.on_grads_ready)  # [3]
     finally:
         trainer.injector.armed = False
-    windows = pipe.windows  # an asynchronous schedule: the gradients are the step before's
+    asynchronous = pipe.asynchronous  # the gradients are the step before's
     loss, grad_norm, skipped = math.nan, math.nan, False
-    updated = windows is None or windows.versions.gave_grads  # not a first, filling step
-    if windows is None:
+    updated = result.gave_grads  # not an asynchronous schedule's first, filling step
+    if not asynchronous:
         done = _update(trainer, step, result.loss, used)
         if done is None:  # --ft: not committed
             return None
@@ -298,7 +298,7 @@ def train_step(trainer: Trainer, step: int) -> StepStats | None:
                                                     trainer.last_scale))
     trainer.last_scale = used
     drained: dict[str, Any] | None = None
-    if windows is not None and _drain_due(trainer, step):  # the step's own batch too
+    if asynchronous and _drain_due(trainer, step):  # the step's own batch too
         last = _applied(_update(trainer, step, pipe.drain(
             step=step, on_grads_ready=trainer.on_grads_ready).previous_loss, used))
         if updated:  # the record keeps the first update's figures, the drain's apart

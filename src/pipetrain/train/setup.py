@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 
 from pipetrain.parallel.parallelize import Composed
 from pipetrain.parallel.sharded import ShardedStages
 from pipetrain.pipeline import Pipeline
+from pipetrain.runtime.torch_private import pytree
 from pipetrain.split.shared_capture import across
 from pipetrain.train.checks import check_config, run_schedule
 from pipetrain.train.config import TrainConfig
@@ -257,10 +257,9 @@ def _count_forwards(load: Any, pipe: Pipeline, *, tapped: bool) -> None:
     before its backward); tap the experts' graphs unless expert parallelism counts already."""
     from pipetrain.schedules.action import Op
 
-    executor = pipe.executor
-
     def forward() -> bool:
-        return executor.current is not None and executor.current[1].op is Op.F
+        running = pipe.running()
+        return running is not None and running.op is Op.F
 
     load.when = forward
     if not tapped:

@@ -49,6 +49,9 @@ class ScheduleKind:
     build: Callable[[int, int, int], Schedule]  # (p, m, v) -> Schedule
     search: Callable[[int, int, int, Target], Schedule] | None = None
     """For a searching generator: (p, m, v, target) -> Schedule; ``build`` uses Target()."""
+    update: str | None = None
+    """Its schedules' :attr:`~pipetrain.schedules.schedule.Schedule.update` (an asynchronous
+    family's: ``"stash"``, ``"2bw"``), known before one is built."""
 
 
 REGISTRY: dict[str, ScheduleKind] = {}

@@ -77,6 +77,7 @@ def pipedream(p: int, m: int, v: int = 1) -> Schedule:
 
 register(ScheduleKind("pipedream", "1F1B without a flush, an update after every backward on "
                       "the weights its forward used (PipeDream, weight stashing; asynchronous)",
-                      1, pipedream))
+                      1, pipedream, update="stash"))
 register(ScheduleKind("pipedream-2bw", "1F1B without a flush, two weight versions, the update "
-                      "delayed one step (PipeDream-2BW; asynchronous)", 1, pipedream_2bw))
+                      "delayed one step (PipeDream-2BW; asynchronous)", 1, pipedream_2bw,
+                      update="2bw"))
