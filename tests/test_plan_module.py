@@ -114,6 +114,9 @@ def test_the_best_layout_of_a_user_module_steps_like_one_process(
     auto = next(p for p in user_plans if p.schedule == "zb-auto")
     assert isinstance(auto.pipeline_kwargs()["schedule"], ps.Schedule)
     _steps_like_one_process(model, auto, ids, ids, token_loss)
+    config = best.pipeline_config(loss_fn=token_loss, local_ranks=2)  # the one configuration
+    assert (config.balance, config.recompute) == (list(best.balance), best.recompute)
+    assert pt.Pipeline.from_config(model, config).balance == list(best.balance)
 
 
 def test_a_layer_list_is_planned_layer_by_layer() -> None:

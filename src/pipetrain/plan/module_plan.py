@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.pipeline_config import PipelineConfig
 from pipetrain.plan.planner import (
     RECOMPUTE,
     SCHEDULES,
@@ -103,6 +104,12 @@ class ModulePlan:
         if self.example_inputs is not None:
             kwargs.update(split_points="auto", example_inputs=self.example_inputs)
         return kwargs
+
+    def pipeline_config(self, **rest: Any) -> PipelineConfig:
+        """This layout as the :class:`~pipetrain.pipeline_config.PipelineConfig` that
+        ``pt.Pipeline.from_config(model, ...)`` takes: :meth:`pipeline_kwargs` with ``rest``
+        (``loss_fn``, ``local_ranks`` or ``group``, ``device``), checked by its rules."""
+        return PipelineConfig(**self.pipeline_kwargs(), **rest)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the planner's :meth:`~pipetrain.plan.planner.Candidate.to_dict`."""
