@@ -80,7 +80,7 @@ def body(ctx: pt.RankContext, work: gb.Workload, name: str, warmup: int,
     layers = work.layers()
     sched = work.schedule(name)
     runner = gb.PipetrainRunner(work, name, layers, gb.split(layers, sched))
-    transport = runner.pipe.transport
+    transport = runner.pipe.engine.transport
     if transport is not None:
         link = transport._link  # the groups each direction's messages are posted on
         transport._link = dataclasses.replace(link, up=_TimedFrames(link.up, rec),

@@ -111,6 +111,6 @@ def test_the_first_screen_of_dir_is_the_user_api() -> None:
     shown = [n for n in dir(pipetrain) if not n.startswith("_")]  # (verify: the function)
     assert sorted(set(shown) - {"errors", "generation", "pipeline", "result", "runtime",
                                 "schedules", "split", "stepper", "pipeline_args",
-                                "pipeline_config", "step_kinds",
+                                "pipeline_config", "step_kinds", "engine",
                                 "models", "parallel", "checkpoint", "testing", "hf", "train",
                                 "plan", "cli", "examples"}) == sorted(pipetrain.__all__)

@@ -48,10 +48,10 @@ def test_dropout_and_batch_norm_evaluate_as_eval_mode(ranks: int) -> None:
     x, y = torch.randn(12, 6, dtype=torch.float64), torch.randint(0, 3, (12,))
     pipe = pt.Pipeline(model, "1f1b", 4, _loss, split_points=["blocks.1", "blocks.2"][:ranks - 1],
                        example_inputs=(x,), local_ranks=ranks)
-    assert pipe.evaluator is None  # captured by the first eval step
+    assert pipe.engine.evaluator is None  # captured by the first eval step
     stats = {n: b.clone() for n, b in pipe.named_buffers()}
     got = pipe.eval_step(x, y).loss
-    assert pipe.evaluator is not None
+    assert pipe.engine.evaluator is not None
     with torch.no_grad():
         want = _loss(ref.eval()(x), y)
     assert got is not None and torch.allclose(got, want, rtol=1e-12, atol=0)
@@ -90,12 +90,12 @@ def test_a_model_without_dropout_keeps_one_graph() -> None:
     pipe = pt.Pipeline(model, "1f1b", 2, lm_loss, split_points=["model.layers.2"],
                        example_inputs=inputs, local_ranks=2)
     pipe.eval_step(pipe.pack(**inputs))
-    assert pipe.evaluator is None
+    assert pipe.engine.evaluator is None
     x = torch.randn(4, 6)
     pipe = pt.Pipeline(Noisy().eval(), "1f1b", 2, _loss, split_points=["blocks.1"],
                        example_inputs=(x,), local_ranks=2)
     pipe.eval_step(x)
-    assert pipe.evaluator is None  # captured in eval mode: its graph is the eval graph
+    assert pipe.engine.evaluator is None  # captured in eval mode: its graph is the eval graph
 
 
 def test_a_layer_list_evaluates_in_eval_mode() -> None:

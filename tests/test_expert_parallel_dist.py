@@ -113,7 +113,7 @@ def _spread(ctx: pt.RankContext) -> list[str]:
                            # captures: at fixed shapes
                            parallelize=Composed(spread, sharded) if sharded else spread)
         ops.clear()
-        ops.append(pipe.executor)
+        ops.append(pipe.engine.executor)
         got = pipe.step({"input_ids": x[mine]}, y[mine],
                         on_grads_ready=sharded.reduce if sharded else None)
         backward = {"I" if s else "W" for s, _ in ops[1:]} if schedule.startswith("zb") else {"B"}

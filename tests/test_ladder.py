@@ -18,8 +18,8 @@ import pipetrain
 ROOT = Path(pipetrain.__file__).parent
 LADDER = [["errors", "_version"], ["schedules"], ["runtime"], ["split"], ["models"],
           ["parallel"], ["checkpoint"],
-          ["pipeline_args", "pipeline_config", "result", "step_kinds", "stepper", "pipeline",
-           "testing", "verify"],
+          ["pipeline_args", "pipeline_config", "result", "step_kinds", "stepper", "engine",
+           "pipeline", "testing", "verify"],
           ["hf"], ["generation"], ["train"],
           ["plan"], ["cli", "__init__", "__main__", "examples"]]
 RUNG = {name: i for i, names in enumerate(LADDER) for name in names}

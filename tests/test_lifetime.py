@@ -77,7 +77,7 @@ def test_a_captured_model_with_its_eval_graph_is_freed_at_once(no_collector: Non
                            example_inputs=(x,), local_ranks=2)
         pipe.step(x, y)
         pipe.eval_step(x, y)
-        assert pipe.evaluator is not None
+        assert pipe.engine.evaluator is not None
         return pipe
 
     assert _gone(make)

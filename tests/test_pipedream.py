@@ -306,8 +306,8 @@ def test_pipedream_follows_weight_stashing_bitwise(ranks: int, optimizer: Optimi
 def test_pipedream_keeps_the_versions_of_the_micro_batches_in_flight() -> None:
     pipe, _, _ = stash_pair(mlp(), 4, sgd, m=8, local_ranks=4)
     pipe.step(*batch(16))
-    assert pipe.async_steps is not None
-    held = {s: {v for v, leaves in pipe.async_steps.versions.leaves.items()
+    assert pipe.engine.async_steps is not None
+    held = {s: {v for v, leaves in pipe.engine.async_steps.versions.leaves.items()
                 if any(id(p) in leaves for p in st.parameters())}
             for s, st in pipe.stages.items()}
     assert [len(held[s]) for s in range(4)] == [3, 2, 1, 0]  # d micro-batches after a step

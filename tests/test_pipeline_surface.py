@@ -8,12 +8,10 @@ from pathlib import Path
 import pipetrain
 
 ROOT = Path(pipetrain.__file__).parent
-ENGINE = {"transport", "executor", "windows", "async_steps", "watchdog", "evaluator",
-          "_stepper", "_decoder", "_copies", "_tied_grads"}
-"""A Pipeline's engine parts: its transport, executors (the training one, an asynchronous
-schedule's phases, the eval graph's, a decoding run's), watchdog, stepper and gradient
-copies."""
-OWN = {"pipeline.py", "stepper.py", "step_kinds.py",
+ENGINE = {"engine", "transport", "executor", "windows", "async_steps", "watchdog", "evaluator",
+          "_copies"}
+"""A Pipeline's engine (:mod:`pipetrain.engine`), and the old names of its parts."""
+OWN = {"pipeline.py", "engine.py", "stepper.py", "step_kinds.py",
        "testing.py"}  # testing.py: gathers a pipeline's parameters over its own CPU group
 """The pipeline's own modules, which build and drive the engine."""
 PIPE_NAMES = {"pipe", "pipeline"}
@@ -52,3 +50,17 @@ def test_the_check_finds_a_reach(tmp_path: Path) -> None:
         assert _reaches(bad) == ["loop.py:2 .windows"]
     finally:
         ROOT = saved
+
+
+def test_the_engines_parts_under_their_old_names_warn() -> None:
+    import pytest
+    import torch
+    from torch import nn
+
+    pipe = pipetrain.Pipeline([nn.Linear(2, 2), nn.Linear(2, 2)], "1f1b", 2, local_ranks=2)
+    for old, part in (("transport", "transport"), ("executor", "executor"),
+                      ("watchdog", "watchdog"), ("evaluator", "evaluator"),
+                      ("windows", "async_steps")):
+        with pytest.warns(DeprecationWarning, match=f"Pipeline.{old} is Pipeline.engine.{part}"):
+            assert getattr(pipe, old) is getattr(pipe.engine, part)
+    assert pipe.step(torch.ones(2, 2)).loss is None  # no loss_fn: the engine still runs

@@ -123,7 +123,7 @@ def _eval_capture(ctx: pt.RankContext) -> list[str]:
         torch.export.export = export
     with torch.no_grad():
         want = lm_loss(ref(**inputs), targets)
-    problems = [] if pipe.evaluator is not None else ["no eval graph was made"]
+    problems = [] if pipe.engine.evaluator is not None else ["no eval graph was made"]
     if ctx.rank == 1 and (loaded or got is None
                           or not torch.allclose(got, want, rtol=1e-10, atol=0)):
         problems.append(f"eval: {got} != {want}, own exports {len(loaded)}")

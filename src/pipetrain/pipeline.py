@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.engine import Engine
 from pipetrain.parallel.parallelize import Gathering, held_parameter, join, parallelize_stages
 from pipetrain.pipeline_args import (
     asynchronous_fits,
@@ -58,6 +59,24 @@ from pipetrain.step_kinds import DecodeStep, EvalStep, StepHooks, StepKind, Trai
 from pipetrain.stepper import Feed, Stepper
 
 __all__ = ["Pipeline", "StepResult"]
+
+_MOVED_TO_ENGINE = {"transport": "transport", "executor": "executor", "watchdog": "watchdog",
+                    "evaluator": "evaluator", "windows": "async_steps"}
+"""The engine's parts that were a pipeline's attributes until 0.1.0 (``pipe.windows``: its
+``async_steps``); the old names work, with a DeprecationWarning, for one more release."""
+
+
+def _moved(name: str) -> Any:
+    """The deprecated ``Pipeline.<name>``: the engine's part."""
+    part = _MOVED_TO_ENGINE[name]
+
+    def get(self: Pipeline) -> Any:
+        warnings.warn(f"Pipeline.{name} is Pipeline.engine.{part} now (a caller needs "
+                      "Pipeline.asynchronous, Pipeline.running() or StepResult.gave_grads); "
+                      "the old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return getattr(self.engine, part)
+
+    return property(get, doc=f"Deprecated: ``engine.{part}``.")
 
 
 class Pipeline:
@@ -125,23 +144,8 @@ class Pipeline:
         balance = "params" if c.split_points == "auto" and c.balance is None else c.balance
         self._lay_out(source.items, balance, example_inputs, c.group, n_ranks)
         untied, gathering = self._place(source, c.recompute, c.parallelize, c.compile)
-        self._connect(c.group, n_ranks, c.timeout, c.max_message_bytes, untied, gathering,
-                      c.optimizer)
-        self.evaluator: Executor | None = None
-        """The executor of ``eval_step`` when the model was captured in training mode into a
-        graph that eval changes (dropout, batch norm): the eval graph, sharing the tensors
-        (:mod:`pipetrain.split.eval_graph`), captured at the first eval step; None: not (yet)."""
-        self._decoder: Executor | None = None  # decode()'s
-        steps = self.async_steps
-        self._stepper = Stepper(
-            Feed(self.rank, self.schedule, self.traced, self.rng,
-                 self.device, c.loss_fn, c.split_dim, c.loss_reduction),
-            self.stages, self.executor, self.transport, self.watchdog,
-            self._copies, self._tied_grads,
-            carry=None if steps is None else lambda: (steps.previous,
-                                                      self.schedule.n_microbatches),
-            on_failure=None if steps is None else steps.versions.restore)
-        self._closer = weakref.finalize(self, self._stepper.close)
+        self._connect(c, n_ranks, untied, gathering)
+        self._closer = weakref.finalize(self, self.engine.stepper.close)
 
     def _capture(self, model: nn.Module | Sequence[nn.Module | LayerSpec],
                  split_points: Sequence[str] | str | None, example_inputs: Any,
@@ -205,52 +209,56 @@ class Pipeline:
         self._copies = LocalCopies(untied, gathering.gathered if gathering else lambda p: p)
         return untied, gathering
 
-    def _connect(self, group: dist.ProcessGroup | None, n_ranks: int, timeout: float,
-                 max_message_bytes: int, untied: dict[str, Any], gathering: Any,
-                 optimizer: Any) -> None:
-        """The transport to the other ranks, tied weights' gradient exchange, the executor
-        (an asynchronous schedule's windows), and the watchdog."""
-        self.transport = None if self.local else P2P(group, self.rank, n_ranks, self.device,
-                                                     timeout, max_message_bytes)
+    def _connect(self, c: PipelineConfig, n_ranks: int, untied: dict[str, Any],
+                 gathering: Any) -> None:
+        """The engine: the transport to the other ranks, tied weights' gradient exchange, the
+        executor (an asynchronous schedule's windows), the watchdog and the stepper."""
+        transport = None if self.local else P2P(c.group, self.rank, n_ranks, self.device,
+                                                c.timeout, c.max_message_bytes)
         held = held_parameter(self._stage_layers, self._canonical, gathering)
-        self._tied_grads = None if self.transport is None else TiedGrads(
-            self.tied, self.rank, group, held, self.transport.spare_tag, timeout)
+        tied_grads = None if transport is None else TiedGrads(
+            self.tied, self.rank, c.group, held, transport.spare_tag, c.timeout)
         linked, deferred = grad_links(self.tied, self.local)
         deferred |= {s for t in self.tied if t.name in untied for s in t.stages}  # merged last
-        self.async_steps: AsyncSteps | None = None
-        """An asynchronous schedule's phases and weight versions (None: a flushing one)."""
+        steps: AsyncSteps | None = None
         if self.schedule.update is not None:
             asynchronous_fits(self.schedule, self.tied)
-            optimizers = None if optimizer is None else {
-                s: optimizer(st.parameters()) for s, st in self.stages.items()}
-            self.async_steps = AsyncSteps(self.schedule, self.stages, self.hosted,
-                                          self.transport, linked, self.routes, optimizers)
-        self.executor = self.async_steps.steady if self.async_steps else Executor(
-            self.schedule, self.stages, self.hosted, self.transport, linked, deferred,
+            optimizers = None if c.optimizer is None else {
+                s: c.optimizer(st.parameters()) for s, st in self.stages.items()}
+            steps = AsyncSteps(self.schedule, self.stages, self.hosted, transport, linked,
+                               self.routes, optimizers)
+        executor = steps.steady if steps else Executor(
+            self.schedule, self.stages, self.hosted, transport, linked, deferred,
             routes=self.routes)
-        self.watchdog = None if self.transport is None else Watchdog.of(
-            self.transport, self.executor.activity)
+        watchdog = None if transport is None else Watchdog.of(transport, executor.activity)
+        m = self.schedule.n_microbatches
+        stepper = Stepper(
+            Feed(self.rank, self.schedule, self.traced, self.rng, self.device, c.loss_fn,
+                 c.split_dim, c.loss_reduction),
+            self.stages, executor, transport, watchdog, self._copies, tied_grads,
+            carry=None if steps is None else lambda: (steps.previous, m),
+            on_failure=None if steps is None else steps.versions.restore)
+        self.engine = Engine(transport, executor, watchdog, steps, stepper)
+        """What runs this pipeline's steps on this rank (:mod:`pipetrain.engine`): for tools
+        and tests that look inside; its parts may change between releases."""
 
-    @property
-    def windows(self) -> AsyncSteps | None:
-        """Deprecated: :attr:`async_steps` (and, for what a caller needs of it,
-        :attr:`asynchronous` and :attr:`StepResult.gave_grads`)."""
-        warnings.warn("Pipeline.windows is Pipeline.async_steps now (and a caller needs "
-                      "Pipeline.asynchronous or StepResult.gave_grads); the old name goes in "
-                      "the next release", DeprecationWarning, stacklevel=2)
-        return self.async_steps
+    transport = _moved("transport")
+    executor = _moved("executor")
+    watchdog = _moved("watchdog")
+    evaluator = _moved("evaluator")
+    windows = _moved("windows")
 
     @property
     def asynchronous(self) -> bool:
         """Whether the schedule never flushes (``pipedream-2bw``, ``pipedream``): a step's
         gradients are the step before's (:attr:`StepResult.gave_grads`), its loss comes a step
         late on most ranks (:attr:`StepResult.previous_loss`), and :meth:`drain` ends a run."""
-        return self.async_steps is not None
+        return self.engine.async_steps is not None
 
     def running(self) -> Action | None:
         """The action this process runs now (None between actions): for a hook that counts
         what runs in forwards only, say, and not in a recomputation before a backward."""
-        current = self.executor.current
+        current = self.engine.executor.current
         return None if current is None else current[1]
 
     def close(self) -> None:
@@ -271,7 +279,7 @@ class Pipeline:
     def _draws_in_eval(self) -> bool:
         """Whether ``eval_step``'s stages carry random streams: not those of a traced model's
         eval graph (it draws nothing); a layer list's do (in eval mode they draw nothing)."""
-        return self.evaluator is None and self._modal is None
+        return self.engine.evaluator is None and self._modal is None
 
     def _evaluating(self) -> Executor | None:
         """The eval graph's executor, captured now if this is the first eval step (the model
@@ -282,11 +290,13 @@ class Pipeline:
                                traced.captured.dynamic)
             stages = eval_stages(split, self.balance, self.stages, self._stage_layers,
                                  self.device, self.loss_fn, self.split_dim)
-            self.evaluator = Executor(self.schedule, stages, self.hosted, self.transport,
+            self.engine.evaluator = Executor(self.schedule, stages, self.hosted,
+                                             self.engine.transport,
                                       routes=split.routes(self.balance))
-            self.evaluator.activity = self.executor.activity  # the one the watchdog reads
+            # the activity the watchdog reads
+            self.engine.evaluator.activity = self.engine.executor.activity
             self._modal = None
-        return self.evaluator
+        return self.engine.evaluator
 
     def _build_stages(self, layers: list[tuple[str, nn.Module | LayerSpec]],
                       replay: Sequence[bool], source: Layers) -> None:
@@ -378,7 +388,7 @@ class Pipeline:
         messages on the wire, where a rank that ran another step is caught. Default: the
         count of this pipeline's earlier steps and eval steps.
         """
-        return self._stepper.run(self._training(), inputs, targets,
+        return self.engine.stepper.run(self._training(), inputs, targets,
                                  StepHooks(on_grads_ready, return_outputs), step)
 
     def drain(self, *, on_grads_ready: GradsReady | None = None,
@@ -391,14 +401,14 @@ class Pipeline:
         Raises:
             ValueError: for a synchronous schedule, or when no micro-batch is in flight.
         """
-        if self.async_steps is None or not self.async_steps.in_flight:
+        if self.engine.async_steps is None or not self.engine.async_steps.in_flight:
             raise ValueError(f"[rank {self.rank}] drain() finishes the micro-batches an "
                              "asynchronous schedule's step left in flight; "
-                             + ("none are" if self.async_steps else
+                             + ("none are" if self.engine.async_steps else
                                 f"{self.schedule.name!r} flushes every step"))
-        assert self.async_steps is not None  # checked above
-        return self._stepper.run(WindowStep(self.async_steps, drain=True), None, None,
-                                 StepHooks(on_grads_ready), step)
+        assert self.engine.async_steps is not None  # checked above
+        return self.engine.stepper.run(WindowStep(self.engine.async_steps, drain=True), None,
+                                       None, StepHooks(on_grads_ready), step)
 
     def in_flight_state(self) -> dict[str, Any]:
         """``pipedream-2bw`` between steps: what an exact resume needs beside
@@ -408,10 +418,10 @@ class Pipeline:
         Raises:
             ValueError: under another schedule, or with nothing in flight.
         """
-        if self.async_steps is None:
+        if self.engine.async_steps is None:
             raise ValueError(f"in_flight_state() is for pipedream-2bw; {self.schedule.name!r} "
                              "keeps nothing in flight between steps")
-        return self.async_steps.state({id(p): n for n, p in self.named_parameters()})
+        return self.engine.async_steps.state({id(p): n for n, p in self.named_parameters()})
 
     def refill(self, inputs: Any, targets: Any, state: dict[str, Any], *,
                step: int | None = None) -> StepResult:
@@ -425,10 +435,10 @@ class Pipeline:
             ValueError: under another schedule, with micro-batches in flight, or for a state
                 of other stages.
         """
-        if self.async_steps is None:
+        if self.engine.async_steps is None:
             raise ValueError(f"refill() is for pipedream-2bw, not {self.schedule.name!r}")
-        self.async_steps.restore(state, dict(self.named_parameters()))
-        return self._stepper.run(self._training(), inputs, targets, StepHooks(), step)
+        self.engine.async_steps.restore(state, dict(self.named_parameters()))
+        return self.engine.stepper.run(self._training(), inputs, targets, StepHooks(), step)
 
     def eval_step(self, inputs: Any = None, targets: Any = None, *,
                   step: int | None = None) -> StepResult:
@@ -436,13 +446,13 @@ class Pipeline:
 
         It runs what ``model.eval()`` runs: a layer list in eval mode while it lasts; a model
         captured in training mode whose graph draws (dropout) or normalises by the batch, its
-        eval graph (:attr:`evaluator`, :mod:`pipetrain.split.eval_graph`), captured by the first
+        eval graph (``engine.evaluator``, :mod:`pipetrain.split.eval_graph`), captured by the first
         eval step (the pipeline keeps a reference to the model until then), except under
         ``parallelize=``, where the stages it wraps are the training graph's. ``step`` as in
         :meth:`step` (several eval steps may share one number).
         """
         with torch.no_grad():
-            return self._stepper.run(self._evaluation(), inputs, targets,
+            return self.engine.stepper.run(self._evaluation(), inputs, targets,
                                      StepHooks(keep_outputs=True), step)
 
     def decode(self, schedule: Schedule, inputs: Sequence[Any], loop: TokenFeedback, *,
@@ -462,18 +472,19 @@ class Pipeline:
                              f"{schedule.placement} with feedback {schedule.feedback}")
         with torch.no_grad():
             kind = DecodeStep(self._decoding(schedule), loop, self._modal_layers())
-            return self._stepper.run(kind, list(inputs), None, StepHooks(), step)
+            return self.engine.stepper.run(kind, list(inputs), None, StepHooks(), step)
 
     def _training(self) -> StepKind:
         """A training step's kind: an asynchronous schedule's window, in the phase it is in."""
-        return TrainStep(self.executor) if self.async_steps is None else WindowStep(
-            self.async_steps, drain=False)
+        steps = self.engine.async_steps
+        return TrainStep(self.engine.executor) if steps is None else WindowStep(steps,
+                                                                               drain=False)
 
     def _evaluation(self) -> StepKind:
         """An eval step's kind: on the eval graph where the model has one (captured now if
         this is the first eval step), with a layer list in eval mode while it runs."""
         evaluator = self._evaluating()
-        return EvalStep(self.executor if evaluator is None else evaluator,
+        return EvalStep(self.engine.executor if evaluator is None else evaluator,
                         None if evaluator is None else "eval", self._modal_layers(),
                         self._draws_in_eval)
 
@@ -484,9 +495,10 @@ class Pipeline:
 
     def _decoding(self, schedule: Schedule) -> Executor:
         """The executor of a decoding ``schedule``, kept for the next call with the same."""
-        if self._decoder is None or self._decoder.schedule != schedule:
-            self._decoder = Executor(schedule, self.stages, self.hosted, self.transport,
-                                     routes=self.routes)
-            if self.watchdog is not None:
-                self._decoder.activity = self.executor.activity  # what the watchdog reads
-        return self._decoder
+        engine = self.engine
+        if engine.decoder is None or engine.decoder.schedule != schedule:
+            engine.decoder = Executor(schedule, self.stages, self.hosted, engine.transport,
+                                      routes=self.routes)
+            if engine.watchdog is not None:
+                engine.decoder.activity = engine.executor.activity  # what the watchdog reads
+        return engine.decoder

@@ -278,9 +278,10 @@ def grad_mismatches(
         if group is not None:
             raise ValueError("grad_mismatches: pass group= only with (name, parameter) pairs; "
                              "a Pipeline is checked over its own process group")
-        named, one_process = pipeline.named_parameters(), pipeline.transport is None
-        if pipeline.transport is not None:
-            group = pipeline.transport.cpu_group  # gloo (under NCCL too): the pipeline's ranks
+        named, one_process = pipeline.named_parameters(), pipeline.local
+        transport = pipeline.engine.transport
+        if transport is not None:
+            group = transport.cpu_group  # gloo (under NCCL too): the pipeline's ranks
     else:
         named = pipeline
         one_process = not (dist.is_available() and dist.is_initialized())
