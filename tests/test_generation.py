@@ -61,12 +61,12 @@ def test_end_tokens() -> None:
     gen = Generator(model, rows=2, length=32, prefill=4, window=3, local_ranks=2)
     assert gen.generate(batch, NEW, eos_token_id=eos) == want
     single = [batch[1]]  # this row alone stops after the window that holds its end token
-    steps = gen.pipe._stepper.count
+    steps = gen.pipe.engine.stepper.count
     gen.generate(single, NEW)
-    assert gen.pipe._stepper.count - steps == 3  # windows: prefill + 3 steps (4 tokens), 3, 3
-    steps = gen.pipe._stepper.count
+    assert gen.pipe.engine.stepper.count - steps == 3  # windows: prefill + 3 steps (4 tokens), 3, 3
+    steps = gen.pipe.engine.stepper.count
     assert gen.generate(single, NEW, eos_token_id=eos) == [want[1]]
-    assert gen.pipe._stepper.count - steps == 1  # its end token (the 4th) is in the first window
+    assert gen.pipe.engine.stepper.count - steps == 1  # its end token (the 4th) is in the first window
 
 
 def test_streaming_windows() -> None:
