@@ -194,7 +194,7 @@ def test_readme_first_run_prints_what_readme_shows(tmp_path: Path) -> None:
     """README's first command, all 1500 steps, prints the deterministic lines README shows,
     field by field (README leaves some lines out: those it shows come in the printed order).
     They are of the Python README names, whose standard library the run trains on."""
-    python = re.search(r"these are CPython (\d+\.\d+\.\d+)'s", (ROOT / "README.md").read_text())
+    python = re.search(r"these are CPython\s+(\d+\.\d+\.\d+)'s", (ROOT / "README.md").read_text())
     assert python is not None, "README no longer names the Python of its first run"
     if platform.python_version() != python[1]:
         pytest.skip(f"README's first run is CPython {python[1]}'s standard library; this is "
