@@ -63,10 +63,12 @@ def test_end_tokens() -> None:
     single = [batch[1]]  # this row alone stops after the window that holds its end token
     steps = gen.pipe.engine.stepper.count
     gen.generate(single, NEW)
-    assert gen.pipe.engine.stepper.count - steps == 3  # windows: prefill + 3 steps (4 tokens), 3, 3
+    # windows: prefill + 3 steps (4 tokens), 3, 3
+    assert gen.pipe.engine.stepper.count - steps == 3
     steps = gen.pipe.engine.stepper.count
     assert gen.generate(single, NEW, eos_token_id=eos) == [want[1]]
-    assert gen.pipe.engine.stepper.count - steps == 1  # its end token (the 4th) is in the first window
+    # its end token (the 4th) is in the first window
+    assert gen.pipe.engine.stepper.count - steps == 1
 
 
 def test_streaming_windows() -> None:
