@@ -18,6 +18,7 @@ no ``--pp``            ``--pp``          ``--dp 2`` -> pp 4 (what every run did 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,9 +46,9 @@ def open_degree(given: Mapping[str, Any], world: int) -> dict[str, int]:
         open_name, fixed = "fsdp", {"pp": pp, "dp": int(given["dp"]), "tp": tp}
     else:
         return {}
-    product = 1
-    for value in fixed.values():
-        product *= max(value, 1)
+    if min(fixed.values()) < 1:  # refused, naming the flag, by the command's checks
+        return {}
+    product = math.prod(fixed.values())
     named = " x ".join(f"{k}={v}" for k, v in fixed.items() if v != 1 or k == "pp")
     if world % product:
         raise ValueError(f"the world has {world} ranks, which {named} does not divide, so "
@@ -57,7 +58,8 @@ def open_degree(given: Mapping[str, Any], world: int) -> dict[str, int]:
 
 
 def said(inferred: Mapping[str, int], world: int, given: Mapping[str, Any]) -> str:
-    """The line that says what was inferred: ``--dp 2 (inferred: 4 ranks / pp=2)``."""
+    """The line that says what was inferred, from what: ``--dp 2 (inferred: 4 ranks / pp=2;
+    give --dp to set it)``."""
     (name, degree), = inferred.items()
     fixed = [f"{k}={given[k]}" for k in ("pp", "dp", "fsdp", "tp")
              if given.get(k) is not None and k != name and (k != "tp" or given[k] != 1)]

@@ -162,10 +162,10 @@ def resolved(args: argparse.Namespace, env: typing.Mapping[str, str] | None = No
     tuned = fine_tuning_defaults(given)
     if given.get("ft") and "max_restarts" not in given:
         given["max_restarts"] = FT_RESTARTS
-    inferred = _open_degree(given, os.environ if env is None else env)
+    world = _world(given, os.environ if env is None else env)
+    inferred = _open_degree(given, world)
     cfg = TrainConfig(**{**tuned, **given, **inferred})
     check(cfg)
-    world = _world(given, os.environ if env is None else env)
     from pipetrain.train.degrees import said
 
     shown = inferred and max(inferred.values()) > 1  # a 1 changes nothing the user sees
@@ -183,7 +183,7 @@ def _world(given: dict[str, Any], env: typing.Mapping[str, str]) -> int:
     return world * int(given.get("dp", 1)) if given.get("ft_replica_id") is not None else world
 
 
-def _open_degree(given: dict[str, Any], env: typing.Mapping[str, str]) -> dict[str, int]:
+def _open_degree(given: dict[str, Any], world: int) -> dict[str, int]:
     """The layout's open degree (:func:`pipetrain.train.degrees.open_degree`); one ``--ft``
     replica's world (``--ft-replica-id``) needs ``--dp`` given."""
     from pipetrain.train.degrees import open_degree
@@ -191,7 +191,7 @@ def _open_degree(given: dict[str, Any], env: typing.Mapping[str, str]) -> dict[s
     if given.get("ft") and given.get("ft_replica_id") is not None and "dp" not in given:
         raise ValueError("--ft-replica-id R: this world is one replica, so --dp (how many "
                          "replicas) cannot be inferred from it; give --dp")
-    return open_degree(given, _world(given, env))
+    return open_degree(given, world)
 
 
 def load_toml(path: Path) -> dict[str, Any]:
