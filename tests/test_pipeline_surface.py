@@ -64,3 +64,49 @@ def test_the_engines_parts_under_their_old_names_warn() -> None:
         with pytest.warns(DeprecationWarning, match=f"Pipeline.{old} is Pipeline.engine.{part}"):
             assert getattr(pipe, old) is getattr(pipe.engine, part)
     assert pipe.step(torch.ones(2, 2)).loss is None  # no loss_fn: the engine still runs
+
+
+def test_running_names_the_action_of_the_step_in_progress() -> None:
+    """A forward hook sees F in forwards, the backward's op in a recomputation's replay, F in
+    an eval step, and nothing between steps."""
+    import torch
+    from torch import nn
+
+    from pipetrain.schedules.action import Op
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    pipe = pipetrain.Pipeline(layers, "1f1b", 2, nn.functional.mse_loss, local_ranks=2,
+                              recompute="always")
+    seen: list[Op | None] = []
+    layers_held = [m for s in pipe.stages.values() for m in s.module.modules()
+                   if isinstance(m, nn.Linear)]
+    for layer in layers_held:
+        layer.register_forward_hook(lambda *_: seen.append(
+            None if pipe.running() is None else pipe.running().op))  # type: ignore[union-attr]
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+    pipe.step(x, y)
+    assert seen.count(Op.F) == 4 and len(seen) == 8 and None not in seen  # 4 F, 4 replays
+    assert set(seen) - {Op.F} <= {Op.B, Op.I}
+    seen.clear()
+    pipe.eval_step(x, y)
+    assert seen == [Op.F] * 4 and pipe.running() is None
+
+
+def test_running_sees_an_asynchronous_schedules_fill_phase() -> None:
+    """pipedream-2bw's first step runs its fill phase's executor, not the steady one."""
+    import torch
+    from torch import nn
+
+    from pipetrain.schedules.action import Op
+
+    layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    pipe = pipetrain.Pipeline(layers, "pipedream-2bw", 2, nn.functional.mse_loss,
+                              local_ranks=2)
+    seen: list[Op | None] = []
+    for stage in pipe.stages.values():
+        stage.module.register_forward_hook(lambda *_: seen.append(
+            None if pipe.running() is None else pipe.running().op))  # type: ignore[union-attr]
+    pipe.step(torch.randn(4, 2), torch.randn(4, 2))  # the fill
+    assert seen == [Op.F] * 4
+    pipe.drain()

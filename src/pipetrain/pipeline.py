@@ -258,7 +258,8 @@ class Pipeline:
     def running(self) -> Action | None:
         """The action this process runs now (None between actions): for a hook that counts
         what runs in forwards only, say, and not in a recomputation before a backward."""
-        current = self.engine.executor.current
+        executor = self.engine.stepper.running  # the step's: an eval, decoding or fill one too
+        current = None if executor is None else executor.current
         return None if current is None else current[1]
 
     def close(self) -> None:
@@ -292,7 +293,7 @@ class Pipeline:
                                  self.device, self.loss_fn, self.split_dim)
             self.engine.evaluator = Executor(self.schedule, stages, self.hosted,
                                              self.engine.transport,
-                                      routes=split.routes(self.balance))
+                                             routes=split.routes(self.balance))
             # the activity the watchdog reads
             self.engine.evaluator.activity = self.engine.executor.activity
             self._modal = None

@@ -109,6 +109,8 @@ class Stepper:
     tied_grads: TiedGrads | None
     carry: Callable[[], tuple[int, int]] | None = None
     on_failure: Callable[[], None] | None = None
+    running: Executor | None = None
+    """The executor of the step in progress (None between steps)."""
     count: int = 0
     broken: str | None = None
     closed: bool = False
@@ -130,8 +132,12 @@ class Stepper:
         try:
             self.copies.refresh()
             kind.prepare(self.feed.prepare, data, self.stages, inputs, targets)
-            with eval_mode(kind.modal()):  # a layer list: eval() while it runs
-                kind.executor.run(data)
+            self.running = kind.executor
+            try:
+                with eval_mode(kind.modal()):  # a layer list: eval() while it runs
+                    kind.executor.run(data)
+            finally:
+                self.running = None
             kind.after_run(data)
             loss, times = self._finish(data, kind)
         except BaseException as e:
