@@ -117,7 +117,7 @@ class Generator:
         self.rows, self.length, self.prefill, self.window = rows, length, prefill, window
         self.group = group
         n_ranks = local_ranks or (dist.get_world_size(group) if dist.is_initialized() else 1)
-        check_generation_stages(model, n_ranks, "ranks")
+        check_generation_stages(model, n_ranks, "{} ranks")
         model.eval()
         wrapped = CachedLM(model, rows, length)
         example = {"input_ids": torch.zeros(rows, 2, dtype=torch.long),

@@ -278,9 +278,11 @@ def decoder_layers(model: nn.Module, found: list[str] | None = None) -> list[str
     return max(stacks.values(), key=len, default=[])
 
 
-def check_generation_stages(model: nn.Module, n_stages: int, flag: str = "--nproc") -> None:
-    # flag: how the caller sets the stages, as "<flag> N" ("--nproc") or "N <flag>" ("ranks")
-    """Refuse, before any capture, more generation stages than the model has decoder layers.
+def check_generation_stages(model: nn.Module, n_stages: int, how: str = "--nproc {}"
+                            ) -> None:
+    """Refuse, before any capture, more generation stages than the model has decoder layers
+    (``how``: the setting that asks for N stages, as a format: ``"--nproc {}"``,
+    ``"{} ranks"``).
 
     Generation cuts between decoder layers only: its stages carry the KV cache's positions and
     mask, which a cut inside the embedding, the rotary table or the head would have to pass
@@ -292,13 +294,10 @@ def check_generation_stages(model: nn.Module, n_stages: int, flag: str = "--npro
     """
     n_layers = len(decoder_layers(model))
     if n_stages > n_layers:
-        def setting(n: int) -> str:
-            return f"{flag} {n}" if flag.startswith("-") else f"{n} {flag}"
-
         raise ValueError(f"{type(model).__name__} has {n_layers} decoder layers, fewer than the "
-                         f"{n_stages} stages asked for ({setting(n_stages)}: one stage a rank); "
-                         f"generation cuts between decoder layers only: use "
-                         f"{setting(max(n_layers, 1))} or fewer")
+                         f"{n_stages} stages asked for ({how.format(n_stages)}: one stage a "
+                         f"rank); generation cuts between decoder layers only: use "
+                         f"{how.format(max(n_layers, 1))} or fewer")
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ def _check_stages(hf: str, nproc: int) -> None:
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc
     check_generation_stages(open_model(Path(hf)).model, world,
-                            "torchrun processes" if torchrun else "--nproc")
+                            "{} torchrun processes" if torchrun else "--nproc {}")
 
 
 def _check_positions(hf: str, prompts: list[str], new: int) -> None:
