@@ -152,7 +152,8 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
     from pipetrain.split.autosplit import cut_points
     from pipetrain.split.capture import capture
     from pipetrain.split.shared_capture import capture_shared
-    from pipetrain.split.trace import split_model
+    from pipetrain.split.prefix import vision_prefix
+    from pipetrain.split.trace import split_model, with_prefix
 
     if not isinstance(model, nn.Module):  # example_inputs= given: PipelineConfig
         raise TypeError("split_points= needs the model as one nn.Module (to cut a layer "
@@ -169,11 +170,14 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
         raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} units, fewer "
                              f"than the schedule's {n_stages} stages; give at least "
                              f"{n_stages - 1} split points")
-    captured = capture(model, example_inputs, dynamic) if share is None else \
-        capture_shared(model, example_inputs, share, dynamic)
+    prefix = vision_prefix(model, example_inputs)  # an image-text model: from its text on
+    example = example_inputs if prefix is None else prefix.example(example_inputs)
+    captured = capture(model, example, dynamic) if share is None else \
+        capture_shared(model, example, share, dynamic)
     if split_points == "auto":  # one small stage per unit; the balancer groups them
-        split_points = cut_points(model, example_inputs, captured=captured)
-    return split_model(model, split_points, example_inputs, captured=captured)
+        split_points = cut_points(model, example, captured=captured)
+    split = split_model(model, split_points, example, captured=captured)
+    return split if prefix is None else with_prefix(split, prefix, model)
 
 
 def packed(traced: TracedSplit, example: Any) -> Any:

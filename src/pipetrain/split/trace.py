@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
 from typing import Any
 
@@ -52,10 +52,11 @@ import torch
 from torch import fx, nn
 
 from pipetrain.errors import PartitionError
-from pipetrain.runtime import rng
+from pipetrain.runtime import microbatch, rng
 from pipetrain.runtime.transport.routes import Routes, direct
 from pipetrain.split.capture import Captured, capture
 from pipetrain.split.inputs import Packed, read
+from pipetrain.split.prefix import Prefixed, VisionPrefix
 from pipetrain.split.provenance import Write, prove_routes, prove_writes, writes, written_inputs
 
 __all__ = ["TracedSplit", "split_model"]  # public: split_model and its result
@@ -86,6 +87,9 @@ class TracedSplit:
     """In-place writes that a later stage reads after (:mod:`pipetrain.split.provenance`)."""
     points: tuple[str, ...] = ()
     """The split points the stages start at (what :func:`split_model` was given)."""
+    prefix: VisionPrefix | None = None
+    """An image-text model's vision prefix, run eagerly in stage 0 before its graph
+    (:mod:`pipetrain.split.prefix`); stage 0's payload is then the model's own arguments."""
 
     def pack(self, *args: Any, **kwargs: Any) -> Packed:
         """Stage 0's payload for ``model(*args, **kwargs)``: argument name -> value.
@@ -101,7 +105,16 @@ class TracedSplit:
         """Stage 0's payload for ``inputs`` given as ``forward`` takes them: a tensor, a tuple
         of positional arguments, a dict of keyword arguments, or what :meth:`pack` made
         (:func:`pipetrain.split.inputs.read`)."""
+        if self.prefix is not None:
+            return self.prefix.payload(inputs)
         return read(self.captured, inputs)
+
+    def split(self, payload: Packed, m: int, dim: int) -> list[Any]:
+        """Stage 0's payload in ``m`` micro-batches (an image-text model's images go with the
+        rows that show them: :meth:`~pipetrain.split.prefix.VisionPrefix.split`)."""
+        if self.prefix is not None:
+            return self.prefix.split(payload, m, dim)
+        return microbatch.split(payload, m, dim)
 
     def run(self, payload: dict[str, Any]) -> Any:
         """Run the stages one after another on stage 0's payload; returns the model output."""
@@ -194,6 +207,17 @@ def split_model(
                         *uses, tuple(rng.graph_draws(stage) for stage in stages),
                         tuple(found), tuple(points))
     return split
+
+
+def with_prefix(split: TracedSplit, prefix: VisionPrefix, model: nn.Module) -> TracedSplit:
+    """``split``, whose capture began at the language model, with ``prefix`` run first in
+    stage 0 (:mod:`pipetrain.split.prefix`)."""
+    first = Prefixed(prefix, split.stages[0], split.captured.pack)
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    names = [{n: canonical[id(p)] for n, p in first.named_parameters()}, *split.param_names[1:]]
+    given = [n for n in prefix.given]
+    return replace(split, stages=[first, *split.stages[1:]], param_names=names,
+                   input_names=given, prefix=prefix)
 
 
 # -- names --------------------------------------------------------------------------------

@@ -1,0 +1,314 @@
+"""Vision prefix: an image-text model's forward up to its language model, run eagerly in stage 0.
+
+An image-text-to-text model (LLaVA, Qwen2-VL, Gemma 3, PaliGemma, ...) encodes its images,
+projects them, writes them over the image placeholders of the embedded text, for Qwen2-VL
+computes 3-D position ids from the image grids, and only then calls its ``language_model``.
+The vision part's shapes depend on its inputs' values (Qwen2-VL splits its patches by
+``image_grid_thw.tolist()``), which torch.export cannot capture, and how many image tokens a
+row holds changes from batch to batch. So pipetrain captures such a model from its language
+model on (:func:`vision_prefix` finds one):
+
+* :class:`VisionPrefix` runs the model's own ``forward`` as Python up to the call of its
+  ``language_model`` and records that call's arguments; what it returns are the arguments of
+  the model's ``forward`` that stand for them (``inputs_embeds`` for the token ids and the
+  images, ``position_ids``, Mllama's ``cross_attention_states``), with the user's other
+  arguments (the 2-D ``attention_mask``, ``token_type_ids``, ``labels``) as given;
+* the capture is taken of the model called with those, so the graph holds the language model,
+  the head and the loss, cut between decoder layers as for a text model;
+* stage 0 runs the prefix on each micro-batch before its graph (:class:`Prefixed`), and
+  autograd through that eager run gives the vision tower, the projector and the embedding
+  their gradients (their modules are stage 0's, under the model's names).
+
+A batch of such a model is not split by rows alone: Qwen2-VL's ``pixel_values`` holds every
+image's patches one after another. :meth:`VisionPrefix.split` gives each micro-batch its rows
+and the images whose placeholders those rows hold (see its docstring).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.errors import PartitionError
+from pipetrain.runtime import microbatch
+from pipetrain.split.inputs import Packed
+
+__all__ = ["Prefixed", "VisionPrefix", "vision_prefix"]
+
+_VISUAL = ("pixel_values", "image_", "video_", "aspect_ratio_", "pixel_attention_mask",
+           "spatial_shapes")
+"""Arguments the prefix consumes (the images and what describes them), by name or prefix."""
+_FROM_CALL = ("inputs_embeds", "position_ids", "cross_attention_states",
+              "cross_attention_mask", "full_text_row_masked_out_mask")
+"""Arguments of the language model's call that stand in for the images in the capture."""
+_GROUPS = (("pixel_values", "image_grid_thw", "image_token_id", "image_token_index"),
+           ("pixel_values_videos", "video_grid_thw", "video_token_id", "video_token_index"))
+"""Per kind of visual input: its pixels, its grid, the config's placeholder token names."""
+
+
+class _Reached(Exception):  # noqa: N818  (control flow, never seen by a user)
+    """Raised in the language model's pre-hook to stop the forward there."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        super().__init__("language model reached")
+        self.kwargs = kwargs
+
+
+def vision_prefix(model: nn.Module, example: dict[str, Any]) -> VisionPrefix | None:
+    """The prefix of an image-text model (one whose ``forward`` takes ``pixel_values`` and
+    that holds a ``language_model``), else None."""
+    params = inspect.signature(model.forward).parameters
+    lm = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "language_model"]
+    if "pixel_values" not in params or not lm or not isinstance(example, dict):
+        return None
+    return VisionPrefix(model, min(lm, key=len), example)
+
+
+class VisionPrefix(nn.Module):
+    """``model.forward`` up to ``model.<path>(...)``, eager (see the module).
+
+    Holds as submodules, under the model's own paths, the modules that part of the forward
+    runs (the vision tower, the projector, the token embedding), so that stage 0 holds their
+    parameters; the model itself is kept outside the module tree."""
+
+    def __init__(self, model: nn.Module, path: str, example: dict[str, Any]) -> None:
+        super().__init__()
+        self.path = path
+        object.__setattr__(self, "_model", model)  # not a submodule: stage 0 holds a part
+        self._signature = inspect.signature(model.forward)
+        self.given = tuple(example)
+        """The arguments the example gave, in order."""
+        self.ran = _modules_run(model, path, example)
+        for name in self.ran:
+            _attach(self, name, model.get_submodule(name))
+
+    @property
+    def whole(self) -> nn.Module:
+        """The model (kept outside the module tree)."""
+        return self._model  # type: ignore[no-any-return]
+
+    def payload(self, inputs: Any) -> Packed:
+        """Stage 0's payload for a step's ``inputs``: keyword arguments (a dict), positional
+        ones (a tuple) or the first argument, bound to the model's ``forward``.
+
+        Raises:
+            ValueError: when they do not fit ``forward``.
+        """
+        if isinstance(inputs, Packed):
+            return inputs
+        try:
+            bound = (self._signature.bind(**inputs) if isinstance(inputs, dict) else
+                     self._signature.bind(*inputs) if isinstance(inputs, tuple) else
+                     self._signature.bind(inputs))
+        except TypeError as e:
+            raise ValueError(f"the inputs do not fit {type(self.whole).__name__}.forward: {e}; "
+                             f"the model was captured with {list(self.given)}") from None
+        return Packed(bound.arguments)
+
+    def example(self, example: dict[str, Any]) -> dict[str, Any]:
+        """What the capture is taken with for ``example``: the prefix's outputs, detached."""
+        with torch.no_grad():
+            out = self(self.payload(example))
+        return {k: v.detach() if torch.is_tensor(v) else v for k, v in out.items()}
+
+    def forward(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The arguments for the captured model in place of ``payload``'s images and ids."""
+        call = self.reach(payload)
+        kept = {k: v for k, v in payload.items() if k != "input_ids" and not _visual(k)}
+        params = self._signature.parameters
+        for name in _FROM_CALL:
+            if name in params and name not in kept and torch.is_tensor(call.get(name)):
+                kept[name] = call[name]
+        if "use_cache" in params and "use_cache" not in kept:
+            kept["use_cache"] = False  # a pipeline passes no KV cache between steps
+        return kept
+
+    def reach(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments the model's forward passes its language model for
+        ``payload``."""
+        call = _run_to(self.whole, self.path, dict(payload))
+        if "inputs_embeds" not in call or not torch.is_tensor(call["inputs_embeds"]):
+            raise PartitionError(
+                f"{type(self.whole).__name__} calls {self.path} without inputs_embeds; "
+                "pipetrain captures an image-text model from the embedded text on")
+        return call
+
+    def split(self, payload: dict[str, Any], m: int, dim: int = 0) -> list[dict[str, Any]]:
+        """``payload`` in ``m`` micro-batches of rows, each with the images its rows show.
+
+        Rows are split as :func:`~pipetrain.runtime.microbatch.split` splits them. A visual
+        tensor (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ...) whose first size is
+        not the batch's, or any when the rows hold different numbers of image placeholders,
+        is split by image instead: images belong to rows in the order of their placeholder
+        tokens, an image filling as many placeholders as its grid says (Qwen2-VL's
+        ``t * h * w / merge**2``; its patches are ``t * h * w`` rows of ``pixel_values``) or,
+        without a grid, an equal share of the batch's placeholders.
+
+        Raises:
+            ValueError: when the placeholders do not match the images.
+        """
+        if dim != 0 or "input_ids" not in payload:
+            return microbatch.split(payload, m, dim)
+        ids = payload["input_ids"]
+        rows = microbatch.sizes(ids.shape[0], m)
+        if rows and min(rows) < 1:
+            return microbatch.split(payload, m, dim)  # its error names the sizes
+        plain = {k: v for k, v in payload.items() if not _visual(k)}
+        parts = microbatch.split(Packed(plain), m, dim) if plain else [{} for _ in rows]
+        for pixels, grid, *tokens in _GROUPS:
+            if pixels in payload:
+                per_row = self._images_per_row(payload, pixels, grid, tokens)
+                _split_images(payload, pixels, grid, per_row, rows, parts)
+        for part in parts:  # the order of forward's arguments, as the capture bound them
+            order = list(payload)
+            part_items = sorted(part.items(), key=lambda kv: order.index(kv[0]))
+            part.clear()
+            part.update(part_items)
+        return [Packed(p) for p in parts]
+
+    def _images_per_row(self, payload: dict[str, Any], pixels: str, grid: str,
+                        tokens: list[str]) -> list[int] | None:
+        """How many images each row shows (None: the visual tensors go by rows)."""
+        config = getattr(self.whole, "config", None)
+        token = next((getattr(config, t) for t in tokens if getattr(config, t, None)
+                      is not None), None)
+        ids = payload["input_ids"]
+        if token is None:
+            return None
+        counts = [int(c) for c in (ids == token).sum(dim=1)]
+        n_rows = ids.shape[0]
+        by_rows = all(torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n_rows
+                      for k, v in payload.items() if _visual(k) and k.startswith(pixels[:5]))
+        if by_rows and grid not in payload and len(set(counts)) == 1:
+            return None
+        need = _tokens_per_image(self.whole, payload, pixels, grid, sum(counts))
+        per_row, i = [], 0
+        for r, count in enumerate(counts):
+            n = 0
+            while count > 0 and i < len(need):
+                count -= need[i]
+                i, n = i + 1, n + 1
+            if count != 0:
+                raise ValueError(
+                    f"row {r} of input_ids holds placeholders that do not fit the images of "
+                    f"{pixels} in order ({[int(c) for c in need]} tokens each); give each row "
+                    "the placeholders its images fill (the model's processor writes them)")
+            per_row.append(n)
+        if i != len(need):
+            raise ValueError(f"{len(need)} images in {pixels} but the rows' placeholders "
+                             f"fill only {i}; give as many images as placeholders")
+        return per_row
+
+
+def _tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, grid: str,
+                      total: int) -> list[int]:
+    """Each image's count of placeholder tokens, in order."""
+    if grid in payload:
+        vision = getattr(model.config, "vision_config", None)
+        merge = getattr(vision, "spatial_merge_size", 1) or 1
+        return [int(g.prod()) // merge ** 2 for g in payload[grid]]
+    n = int(payload[pixels].shape[0])
+    if n == 0 or total % n:
+        raise ValueError(f"{total} image placeholders do not share evenly among the {n} "
+                         f"images of {pixels}; give each image the same count of "
+                         "placeholders (the model's processor writes them)")
+    return [total // n] * n
+
+
+def _split_images(payload: dict[str, Any], pixels: str, grid: str,
+                  per_row: list[int] | None, rows: list[int],
+                  parts: list[dict[str, Any]]) -> None:
+    """Put each micro-batch's share of the visual tensors of one kind into ``parts``."""
+    group = [k for k in payload if _visual(k) and _kind(k) == _kind(pixels)]
+    if per_row is None:
+        split = microbatch.split(Packed({k: payload[k] for k in group}), len(rows))
+        for part, share in zip(parts, split):
+            part.update(share)
+        return
+    bounds, at = [], 0
+    for n in rows:
+        bounds.append((sum(per_row[:at]), sum(per_row[:at + n])))
+        at += n
+    patches = ([int(g.prod()) for g in payload[grid]] if grid in payload else None)
+    for k in group:
+        value = payload[k]
+        for part, (lo, hi) in zip(parts, bounds):
+            if k == pixels and patches is not None:
+                lo, hi = sum(patches[:lo]), sum(patches[:hi])
+            part[k] = value[lo:hi] if torch.is_tensor(value) and value.dim() > 0 else value
+
+
+def _kind(name: str) -> str:
+    return "video" if "video" in name else "image"
+
+
+def _visual(name: str) -> bool:
+    return name.startswith(_VISUAL)
+
+
+def _run_to(model: nn.Module, path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Run ``model(**kwargs)`` until it calls the module at ``path``; that call's keyword
+    arguments."""
+    def stop(_: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        if args:
+            raise PartitionError(f"{type(model).__name__} calls {path} with positional "
+                                 "arguments; pipetrain reads that call's keywords")
+        raise _Reached(dict(kw))
+
+    handle = model.get_submodule(path).register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        model(**kwargs)
+    except _Reached as reached:
+        return reached.kwargs
+    finally:
+        handle.remove()
+    raise PartitionError(f"{type(model).__name__}.forward never called {path}")
+
+
+def _modules_run(model: nn.Module, path: str, example: dict[str, Any]) -> list[str]:
+    """The outermost modules the forward runs before it calls ``path`` (the model and the
+    modules whose forward encloses that call left out)."""
+    ran: list[str] = []
+    names = {id(m): n for n, m in model.named_modules()}
+    parts = path.split(".")
+    enclosing = {".".join(parts[:i]) for i in range(len(parts) + 1)}  # "" ... path
+
+    def seen(module: nn.Module, *_: Any) -> None:
+        name = names.get(id(module))
+        if name is not None and name not in enclosing and name not in ran:
+            ran.append(name)
+
+    handles = [m.register_forward_pre_hook(seen) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            _run_to(model, path, dict(example))
+    finally:
+        for h in handles:
+            h.remove()
+    return [n for n in ran if not any(n.startswith(o + ".") for o in ran if o != n)]
+
+
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """``module`` under ``root`` at the dotted ``path``, through empty containers."""
+    *parents, leaf = path.split(".")
+    at = root
+    for part in parents:
+        if part not in at._modules:
+            at.add_module(part, nn.Module())
+        at = at._modules[part]  # type: ignore[assignment]
+    at.add_module(leaf, module)
+
+
+class Prefixed(nn.Module):
+    """Stage 0 of an image-text model: the prefix, then the captured graph's first stage."""
+
+    def __init__(self, prefix: VisionPrefix, stage: nn.Module, pack: Any) -> None:
+        super().__init__()
+        self.prefix, self.stage = prefix, stage
+        self._pack = pack
+
+    def forward(self, payload: dict[str, Any]) -> Any:
+        return self.stage(self._pack(**self.prefix(payload)))
