@@ -24,12 +24,14 @@ traces with ``torch.fx.Tracer``, so there is one capture path.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,12 +202,29 @@ def export(model: nn.Module, bound: inspect.BoundArguments, dynamic: bool = True
     _import_torch_parts()
     start = time.perf_counter()
     try:
-        program = torch.export.export(model, bound.args, bound.kwargs, strict=False,
-                                      dynamic_shapes=_auto_dims(model, bound) if dynamic
-                                      else None)
+        with _no_cache(model):
+            program = torch.export.export(model, bound.args, bound.kwargs, strict=False,
+                                          dynamic_shapes=_auto_dims(model, bound) if dynamic
+                                          else None)
     except Exception as e:
         raise PartitionError(_explain(model, e)) from e
     return program, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """Hugging Face configs with ``use_cache`` off while ``model`` is captured (a pipeline
+    passes no KV cache from one step to the next; a returned cache is no tensor to send),
+    as they were after."""
+    configs = {id(c): c for m in model.modules() for c in [getattr(m, "config", None)]
+               if getattr(c, "use_cache", None) is True}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
 
 
 def _import_torch_parts() -> None:

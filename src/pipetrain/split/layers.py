@@ -150,6 +150,7 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
         PartitionError: for split points that do not make ``n_stages`` stages.
     """
     from pipetrain.split.autosplit import cut_points
+    from pipetrain.split.check import check_capture
     from pipetrain.split.capture import capture
     from pipetrain.split.shared_capture import capture_shared
     from pipetrain.split.prefix import vision_prefix
@@ -177,7 +178,9 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
     if split_points == "auto":  # one small stage per unit; the balancer groups them
         split_points = cut_points(model, example, captured=captured)
     split = split_model(model, split_points, example, captured=captured)
-    return split if prefix is None else with_prefix(split, prefix, model)
+    split = split if prefix is None else with_prefix(split, prefix, model)
+    check_capture(model, split, example_inputs)
+    return split
 
 
 def packed(traced: TracedSplit, example: Any) -> Any:

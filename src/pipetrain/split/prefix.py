@@ -44,6 +44,11 @@ _VISUAL = ("pixel_values", "image_", "video_", "aspect_ratio_", "pixel_attention
 _FROM_CALL = ("inputs_embeds", "position_ids", "cross_attention_states",
               "cross_attention_mask", "full_text_row_masked_out_mask")
 """Arguments of the language model's call that stand in for the images in the capture."""
+_TYPED = ("token_type_ids", "mm_token_type_ids")
+"""Arguments with which a model's masks let image tokens attend both ways (Gemma 3,
+PaliGemma): transformers builds those masks with ``torch.vmap``, which a captured graph cannot
+run, so the capture takes the masks the prefix's run built (``attention_mask`` as a dict of
+4-D masks, which these models' forward accepts) instead of building them itself."""
 _GROUPS = (("pixel_values", "image_grid_thw", "image_token_id", "image_token_index"),
            ("pixel_values_videos", "video_grid_thw", "video_token_id", "video_token_index"))
 """Per kind of visual input: its pixels, its grid, the config's placeholder token names."""
@@ -122,6 +127,9 @@ class VisionPrefix(nn.Module):
         for name in _FROM_CALL:
             if name in params and name not in kept and torch.is_tensor(call.get(name)):
                 kept[name] = call[name]
+        mask = call.get("attention_mask")
+        if isinstance(mask, dict) and any(k in payload for k in _TYPED):
+            kept["attention_mask"] = mask  # the model's own masks, images seen both ways
         if "use_cache" in params and "use_cache" not in kept:
             kept["use_cache"] = False  # a pipeline passes no KV cache between steps
         return kept

@@ -1,0 +1,85 @@
+"""Capture check: a traced model's stages against its eager ``forward``, on the example, before
+any step.
+
+torch.export records the branch a model's Python takes while it traces, and a model may take
+another one under tracing than when it runs (a check of ``torch.compiler.is_exporting()``, a
+value read from a fake tensor): the stages would then train a different function, silently.
+:func:`check_capture` runs the model and its stages on the example inputs, without gradients,
+and raises when an output differs by more than its dtype's rounding; the model's buffers are
+put back afterwards. It cannot compare a model on the meta device (no values) or one whose
+stages draw random numbers (dropout: the two runs draw differently), and leaves those out;
+of an image-text model's outputs, it leaves out the vision tower's own (``image_outputs``),
+which its vision prefix (:mod:`pipetrain.split.prefix`) does not pass on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipetrain.errors import PartitionError
+from pipetrain.runtime.torch_private import pytree
+from pipetrain.split.lazy import is_meta
+from pipetrain.split.trace import TracedSplit
+
+__all__ = ["check_capture"]
+
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2,
+             torch.float16: 3e-3}
+"""Per dtype: the largest difference allowed, relative to the output's largest magnitude."""
+
+
+def check_capture(model: nn.Module, split: TracedSplit, example: Any) -> None:
+    """Raise when ``split``'s stages, run one after another on ``example``, give another
+    output than ``model`` itself (see the module).
+
+    Raises:
+        PartitionError: naming the model, the output and the size of the difference.
+    """
+    if is_meta(model) or any(split.draws):
+        return
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        with torch.no_grad():
+            want = model(**example) if isinstance(example, dict) else model(*example)
+            got = split.run(split.payload(example))
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[name])
+    problems = _differences(want, got, visual=split.prefix is not None)
+    if problems:
+        raise PartitionError(
+            f"the capture of {type(model).__name__} does not compute what its forward computes "
+            f"on example_inputs: {'; '.join(problems)}. torch.export recorded another branch "
+            "of its Python than the one it runs eagerly (code that checks whether it is being "
+            "traced, or reads a value torch.export cannot know); training these stages would "
+            "train another function. Split it as a layer list, or report the model")
+
+
+def _differences(want: Any, got: Any, visual: bool) -> list[str]:
+    """The outputs that differ: path, largest difference and largest magnitude (``visual``:
+    the vision tower's own outputs, which a prefix keeps to itself, left out)."""
+    flat_want, _ = pytree.tree_flatten_with_path(want)
+    flat_got = dict(pytree.tree_flatten_with_path(got)[0])
+    problems = []
+    for path, a in flat_want:
+        b = flat_got.get(path)
+        if not torch.is_tensor(a) or not a.is_floating_point() or a.numel() == 0:
+            continue
+        where = pytree.keystr(path) or "the output"
+        if visual and b is None and ("image" in where or "video" in where):
+            continue
+        if not torch.is_tensor(b) or b.shape != a.shape:
+            problems.append(f"{where}: {tuple(a.shape)} eagerly, "
+                            f"{tuple(b.shape) if torch.is_tensor(b) else type(b).__name__} "
+                            "captured")
+            continue
+        scale = float(a.abs().max())
+        diff = float((a.double() - b.double()).abs().max())
+        if not diff <= TOLERANCE.get(a.dtype, 1e-4) * max(scale, 1.0):
+            problems.append(f"{where}: max |difference| {diff:.3g} of max |value| {scale:.3g} "
+                            f"({str(a.dtype).removeprefix('torch.')})")
+    return problems
