@@ -97,5 +97,6 @@ def test_meta_lm_two_ranks() -> None:
     assert sum(pt.launch(_meta, 2, timeout=240), []) == []
 
 
+@pytest.mark.long  # CI's time; in CI: meta models across ranks: test_meta_lm_two_ranks
 def test_meta_lm_four_ranks() -> None:
     assert sum(pt.launch(_meta, 4, timeout=240), []) == []

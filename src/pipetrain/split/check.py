@@ -50,6 +50,13 @@ def check_capture(model: nn.Module, split: TracedSplit, example: Any) -> None:
             for name, b in model.named_buffers():
                 b.copy_(saved[name])
     problems = _differences(want, got, visual=split.prefix is not None)
+    if problems and split.prefix is not None and split.prefix.dropped:
+        raise PartitionError(
+            f"{type(model).__name__} passes its {split.prefix.path} "
+            f"{', '.join(split.prefix.dropped)}, which its own forward does not take; captured "
+            "from its language model on without them, it computes another function on "
+            f"example_inputs ({'; '.join(problems)}), so it cannot be split from its language "
+            "model on yet (docs/multimodal.md)")
     if problems:
         raise PartitionError(
             f"the capture of {type(model).__name__} does not compute what its forward computes "

@@ -86,7 +86,13 @@ class VisionPrefix(nn.Module):
         self._signature = inspect.signature(model.forward)
         self.given = tuple(example)
         """The arguments the example gave, in order."""
-        self.ran = _modules_run(model, path, example)
+        self.ran, call = _modules_run(model, path, example)
+        params = self._signature.parameters
+        self.dropped = sorted(k for k, v in call.items()
+                              if k not in params and _holds_tensor(v))
+        """Tensors the language model's call takes that the model's forward does not: the
+        capture goes without them, and computes the same only if the model makes them again
+        from what it is given (Mllama's row mask, from its ``cross_attention_mask``)."""
         for name in self.ran:
             _attach(self, name, model.get_submodule(name))
 
@@ -122,7 +128,9 @@ class VisionPrefix(nn.Module):
     def forward(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The arguments for the captured model in place of ``payload``'s images and ids."""
         call = self.reach(payload)
-        kept = {k: v for k, v in payload.items() if k != "input_ids" and not _visual(k)}
+        embedded = torch.is_tensor(call.get("inputs_embeds"))  # else the ids (Mllama)
+        kept = {k: v for k, v in payload.items()
+                if not _visual(k) and not (embedded and k == "input_ids")}
         params = self._signature.parameters
         for name in _FROM_CALL:
             if name in params and name not in kept and torch.is_tensor(call.get(name)):
@@ -138,10 +146,10 @@ class VisionPrefix(nn.Module):
         """The keyword arguments the model's forward passes its language model for
         ``payload``."""
         call = _run_to(self.whole, self.path, dict(payload))
-        if "inputs_embeds" not in call or not torch.is_tensor(call["inputs_embeds"]):
+        if not any(torch.is_tensor(call.get(k)) for k in ("inputs_embeds", "input_ids")):
             raise PartitionError(
-                f"{type(self.whole).__name__} calls {self.path} without inputs_embeds; "
-                "pipetrain captures an image-text model from the embedded text on")
+                f"{type(self.whole).__name__} calls {self.path} with neither inputs_embeds nor "
+                "input_ids; pipetrain captures an image-text model from its text on")
         return call
 
     def split(self, payload: dict[str, Any], m: int, dim: int = 0) -> list[dict[str, Any]]:
@@ -276,9 +284,15 @@ def _run_to(model: nn.Module, path: str, kwargs: dict[str, Any]) -> dict[str, An
     raise PartitionError(f"{type(model).__name__}.forward never called {path}")
 
 
-def _modules_run(model: nn.Module, path: str, example: dict[str, Any]) -> list[str]:
+def _holds_tensor(value: Any) -> bool:
+    return torch.is_tensor(value) or (isinstance(value, (list, tuple)) and
+                                      any(torch.is_tensor(v) for v in value))
+
+
+def _modules_run(model: nn.Module, path: str, example: dict[str, Any]
+                 ) -> tuple[list[str], dict[str, Any]]:
     """The outermost modules the forward runs before it calls ``path`` (the model and the
-    modules whose forward encloses that call left out)."""
+    modules whose forward encloses that call left out), and that call's keywords."""
     ran: list[str] = []
     names = {id(m): n for n, m in model.named_modules()}
     parts = path.split(".")
@@ -292,11 +306,11 @@ def _modules_run(model: nn.Module, path: str, example: dict[str, Any]) -> list[s
     handles = [m.register_forward_pre_hook(seen) for m in model.modules()]
     try:
         with torch.no_grad():
-            _run_to(model, path, dict(example))
+            call = _run_to(model, path, dict(example))
     finally:
         for h in handles:
             h.remove()
-    return [n for n in ran if not any(n.startswith(o + ".") for o in ran if o != n)]
+    return [n for n in ran if not any(n.startswith(o + ".") for o in ran if o != n)], call
 
 
 def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -304,9 +318,10 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     *parents, leaf = path.split(".")
     at = root
     for part in parents:
-        if part not in at._modules:
+        children = dict(at.named_children())
+        if part not in children:
             at.add_module(part, nn.Module())
-        at = at._modules[part]  # type: ignore[assignment]
+        at = at.get_submodule(part)
     at.add_module(leaf, module)
 
 
