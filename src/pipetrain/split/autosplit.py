@@ -50,9 +50,13 @@ def units(model: nn.Module) -> list[str]:
 
 
 def _is_stack(module: nn.Module) -> bool:
-    """A container of two or more layers of one class (transformer blocks, residual blocks)."""
+    """A container of two or more layers of one class (transformer blocks, residual blocks),
+    or of layers whose classes all say they are one (Mllama's self- and cross-attention
+    ``...DecoderLayer`` s, interleaved)."""
     kids = list(module.children())
-    return isinstance(module, _CONTAINERS) and len(kids) > 1 and len({type(k) for k in kids}) == 1
+    return isinstance(module, _CONTAINERS) and len(kids) > 1 and (
+        len({type(k) for k in kids}) == 1
+        or all(type(k).__name__.endswith(("Layer", "Block")) for k in kids))
 
 
 def cut_points(model: nn.Module, example_inputs: tuple[Any, ...] | dict[str, Any], *,

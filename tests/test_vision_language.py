@@ -1,0 +1,248 @@
+"""Image-text-to-text models of transformers through ``pt.Pipeline`` (:mod:`pipetrain.split.prefix`):
+tiny configs built here (nothing is downloaded), ``split_points="auto"``, float64, 2 local
+ranks, rows holding 0, 1 or 2 images of different sizes, against the same micro-batches built
+apart and run one after another through the unsplit model: the loss and every gradient within
+1e-9 of the largest reference gradient, and every parameter held by one stage."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
+from torch import nn
+
+import pipetrain as pt
+from pipetrain.errors import PartitionError
+from pipetrain.split.prefix import vision_prefix
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
+tf = pytest.importorskip("transformers")
+
+V, S, IMG = 96, 40, 95  # vocabulary, row length, the image placeholder token
+TOL = 1e-9
+LLAMA = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+SIGLIP = dict(image_size=8, patch_size=2, hidden_size=16, intermediate_size=32,
+              num_hidden_layers=1, num_attention_heads=2)
+MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])
+QWEN_IDS = dict(image_token_id=IMG, video_token_id=V - 2, vision_start_token_id=V - 3,
+                vision_end_token_id=V - 4)
+QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, spatial_merge_size=2,
+                   temporal_patch_size=2, in_channels=3)
+Row = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One image-text architecture: its model, and a row of text with ``n`` images."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    row: Callable[[int, torch.Generator], Row]
+    images: tuple[int, ...] = (1, 0, 2, 1)  # per row of the batch
+
+
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _text(g: torch.Generator) -> torch.Tensor:
+    return torch.randint(1, V - 5, (1, S), generator=g)
+
+
+def square_images(tokens: int, typed: bool = False) -> Callable[[int, torch.Generator], Row]:
+    """Rows for a model whose images are ``[n, 3, 8, 8]`` and fill ``tokens`` placeholders
+    each (LLaVA, Gemma 3, PaliGemma); ``typed``: with token types (1 on image tokens)."""
+    def row(n: int, g: torch.Generator) -> Row:
+        ids = _text(g)
+        ids[0, 2:2 + tokens * n] = IMG
+        out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if n:
+            out["pixel_values"] = _randn(g, n, 3, 8, 8)
+        if typed:
+            out["token_type_ids"] = (ids == IMG).long()
+        return out
+    return row
+
+
+def qwen_images(g: torch.Generator, n: int) -> Row:
+    """A Qwen-VL row: images of grids 1x4x4 and 1x2x4 (4 and 2 placeholders), each between a
+    vision start and end token, patches flattened into ``pixel_values``."""
+    ids, at, patches, grids = _text(g), 1, [], []
+    for i in range(n):
+        grid = (1, 4, 4) if i % 2 == 0 else (1, 2, 4)
+        tokens = grid[0] * grid[1] * grid[2] // 4
+        ids[0, at], ids[0, at + 1:at + 1 + tokens], ids[0, at + 1 + tokens] = V - 3, IMG, V - 4
+        at += tokens + 2
+        patches.append(_randn(g, grid[0] * grid[1] * grid[2], 3 * 2 * 2 * 2))
+        grids.append(grid)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+           "mm_token_type_ids": (ids == IMG).int()}
+    if n:
+        out.update(pixel_values=torch.cat(patches), image_grid_thw=torch.tensor(grids))
+    return out
+
+
+def mllama_row(n: int, g: torch.Generator) -> Row:
+    """An Mllama row: one image slot of up to 2 tiles (``n``: tiles used), cross-attended from
+    the placeholder on."""
+    ids = _text(g)
+    ids[0, 1] = IMG
+    tiles = max(n, 1)
+    mask = torch.zeros(1, S, 1, 2, dtype=torch.long)
+    mask[0, 1:, 0, :tiles] = 1
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "pixel_values": _randn(g, 1, 1, 2, 3, 8, 8),
+            "aspect_ratio_ids": torch.tensor([[tiles]]),
+            "aspect_ratio_mask": torch.tensor([[[1, int(tiles == 2)]]]),
+            "cross_attention_mask": mask}
+
+
+def _model(cls: str, config: Any) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        tf.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        return getattr(tf, cls)(config()).double()  # type: ignore[no-any-return]
+    return build
+
+
+FAMILIES = [
+    Family("llava", _model("LlavaForConditionalGeneration", lambda: tf.LlavaConfig(
+        text_config=dict(model_type="llama", **LLAMA),
+        vision_config=dict(model_type="clip_vision_model", image_size=8, patch_size=2,
+                           hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, projection_dim=16),
+        image_token_index=IMG)), square_images(16)),
+    Family("qwen2_vl", _model("Qwen2VLForConditionalGeneration", lambda: tf.Qwen2VLConfig(
+        text_config=dict(LLAMA, rope_parameters=MROPE),
+        vision_config=dict(QWEN_VISION, embed_dim=16, hidden_size=32), **QWEN_IDS)),
+        lambda n, g: qwen_images(g, n)),
+    Family("qwen2_5_vl", _model("Qwen2_5_VLForConditionalGeneration",
+                                lambda: tf.Qwen2_5_VLConfig(
+        text_config=dict(LLAMA, rope_parameters=MROPE),
+        vision_config=dict(QWEN_VISION, hidden_size=16, intermediate_size=32,
+                           out_hidden_size=32, window_size=8, fullatt_block_indexes=[1]),
+        **QWEN_IDS)), lambda n, g: qwen_images(g, n)),
+    Family("gemma3", _model("Gemma3ForConditionalGeneration", lambda: tf.Gemma3Config(
+        text_config=dict(LLAMA, head_dim=8, sliding_window=8), vision_config=SIGLIP,
+        mm_tokens_per_image=4, image_token_index=IMG, boi_token_index=V - 2,
+        eoi_token_index=V - 3)), square_images(4, typed=True)),
+    Family("paligemma", _model("PaliGemmaForConditionalGeneration", lambda: tf.PaliGemmaConfig(
+        text_config=dict(LLAMA, model_type="gemma", head_dim=8),
+        vision_config=dict(SIGLIP, model_type="siglip_vision_model"), image_token_index=IMG,
+        projection_dim=32)), square_images(16, typed=True), images=(1, 1, 1, 1)),
+    Family("mllama", _model("MllamaForConditionalGeneration", lambda: tf.MllamaConfig(
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_global_layers=1, attention_heads=2, image_size=8, patch_size=4,
+                           max_num_tiles=2, vision_output_dim=32,
+                           intermediate_layers_indices=[0],
+                           supported_aspect_ratios=[[1, 1], [1, 2]]),
+        text_config=dict(LLAMA, num_hidden_layers=3, cross_attention_layers=[1],
+                         pad_token_id=0),
+        image_token_index=IMG)), mllama_row, images=(1, 2, 1, 2)),
+]
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def batch(rows: list[Row]) -> Row:
+    """Rows made into one batch as a processor makes it: every tensor concatenated along its
+    first dimension (``pixel_values`` of every image, one after another)."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return {k: torch.cat([r[k] for r in rows if k in r]) for k in keys}
+
+
+def lm_loss(out: Any, ids: torch.Tensor) -> torch.Tensor:
+    logits = out.logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def rows_of(family: Family, seed: int = 1) -> list[Row]:
+    g = torch.Generator().manual_seed(seed)
+    return [family.row(n, g) for n in family.images]
+
+
+def differences(pipe: pt.Pipeline, ref: nn.Module) -> list[str]:
+    refs = dict(ref.named_parameters())
+    bad = []
+    for name, p in pipe.named_parameters():
+        want = refs[name].grad
+        if (p.grad is None) != (want is None):
+            bad.append(f"{name}: a gradient on one side only")
+        elif p.grad is not None and want is not None:
+            diff = (p.grad - want).abs().max().item()
+            if diff > TOL * max(want.abs().max().item(), 1e-30):
+                bad.append(f"{name}: max |diff| {diff:.3g}")
+    return bad
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_image_text_models_train_exactly(family: Family, schedule: str) -> None:
+    model = family.build()
+    ref = copy.deepcopy(model)
+    rows = rows_of(family)
+    full = batch(rows)
+    pipe = pt.Pipeline(model, schedule, 2, lm_loss, split_points="auto", example_inputs=full,
+                       local_ranks=2)
+    got = pipe.step(full, full["input_ids"]).loss
+    want = 0.0
+    for part in (rows[:2], rows[2:]):  # the micro-batches, built apart
+        b = batch(part)
+        loss = lm_loss(ref(**b), b["input_ids"]) * 0.5
+        loss.backward()  # type: ignore[no-untyped-call]
+        want += loss.item()
+    assert got is not None and abs(got.item() - want) <= TOL * abs(want)
+    assert differences(pipe, ref) == []
+    assert {n for n, _ in pipe.named_parameters()} == {n for n, _ in ref.named_parameters()}
+    vision = [n for n, _ in pipe.named_parameters(stage=0) if "vision" in n or "visual" in n]
+    assert vision, "the vision tower belongs to stage 0"
+
+
+def test_qwen3_vl_is_refused_naming_what_its_language_model_takes() -> None:
+    """Qwen3-VL hands its language model deepstack features its forward does not take: the
+    capture from the language model on would train without them, and the check says so."""
+    model = _model("Qwen3VLForConditionalGeneration", lambda: tf.Qwen3VLConfig(
+        text_config=dict(LLAMA, head_dim=8, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+        vision_config=dict(QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        **QWEN_IDS))()
+    full = batch([qwen_images(torch.Generator().manual_seed(1), n) for n in (1, 0)])
+    with pytest.raises(PartitionError, match=r"deepstack_visual_embeds, visual_pos_masks, "
+                       r"which its own forward does not take.*max \|difference\|"):
+        pt.Pipeline(model, "1f1b", 2, lm_loss, split_points="auto", example_inputs=full,
+                    local_ranks=2)
+
+
+def test_micro_batches_take_the_images_their_rows_show() -> None:
+    family = BY_NAME["qwen2_vl"]
+    rows = rows_of(family)
+    prefix = vision_prefix(family.build(), batch(rows))
+    assert prefix is not None and prefix.path == "model.language_model"
+    parts = prefix.split(prefix.payload(batch(rows)), 2)
+    for part, want in zip(parts, (batch(rows[:2]), batch(rows[2:]))):
+        assert set(part) == set(want)
+        assert all(torch.equal(part[k], want[k]) for k in want)
+
+
+def test_placeholders_that_do_not_fit_the_images_are_refused() -> None:
+    family = BY_NAME["qwen2_vl"]
+    rows = rows_of(family)
+    full = batch(rows)
+    prefix = vision_prefix(family.build(), full)
+    assert prefix is not None
+    short = dict(full, image_grid_thw=full["image_grid_thw"][:-1])
+    with pytest.raises(ValueError, match="placeholders"):
+        prefix.split(prefix.payload(short), 2)
+    llava = BY_NAME["llava"]
+    rows = rows_of(llava)
+    full = batch(rows)
+    prefix = vision_prefix(llava.build(), full)
+    assert prefix is not None
+    with pytest.raises(ValueError, match="do not share evenly"):
+        prefix.split(prefix.payload(dict(full, pixel_values=full["pixel_values"][:3])), 2)
