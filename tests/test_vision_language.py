@@ -246,3 +246,13 @@ def test_placeholders_that_do_not_fit_the_images_are_refused() -> None:
     assert prefix is not None
     with pytest.raises(ValueError, match="do not share evenly"):
         prefix.split(prefix.payload(dict(full, pixel_values=full["pixel_values"][:3])), 2)
+
+
+def test_an_image_text_model_on_meta_is_refused() -> None:
+    family = BY_NAME["llava"]
+    full = batch(rows_of(family))
+    with torch.device("meta"):
+        model = family.build()
+    with pytest.raises(PartitionError, match="on the meta device.*build it for real"):
+        pt.Pipeline(model, "1f1b", 2, lm_loss, split_points="auto", example_inputs=full,
+                    local_ranks=2)

@@ -35,6 +35,7 @@ from torch import nn
 from pipetrain.errors import PartitionError
 from pipetrain.runtime import microbatch
 from pipetrain.split.inputs import Packed
+from pipetrain.split.lazy import is_meta
 
 __all__ = ["Prefixed", "VisionPrefix", "vision_prefix"]
 
@@ -69,6 +70,11 @@ def vision_prefix(model: nn.Module, example: dict[str, Any]) -> VisionPrefix | N
     lm = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "language_model"]
     if "pixel_values" not in params or not lm or not isinstance(example, dict):
         return None
+    if is_meta(model):
+        raise PartitionError(
+            f"{type(model).__name__} is an image-text model on the meta device: its vision "
+            "prefix runs the model's own modules before the language model, which need "
+            "values; build it for real (from_pretrained, or on the CPU)")
     return VisionPrefix(model, min(lm, key=len), example)
 
 
