@@ -139,7 +139,8 @@ def test_inductor_under_every_schedule() -> None:
             assert [s.compiled.compiles for s in pipe.stages.values()] == [2, 2]
 
 
-@pytest.mark.long  # CI's time; in CI: inductor under every schedule: test_inductor_under_every_schedule
+# in CI: inductor under every schedule: test_inductor_under_every_schedule
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_a_captured_hf_llama_compiled_under_zb_h1() -> None:
     """A model we did not write, captured, split into 2 stages and compiled by inductor, under
     a split-backward schedule: the loss and gradients of the unsplit model, within 1e-5 of

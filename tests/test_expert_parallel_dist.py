@@ -216,7 +216,8 @@ def _train(root: Path, bench: Any, layout: str, *extra: str, steps: int = 2) -> 
     return {**summary, "records": [s for s in records if s["kind"] == "step"]}
 
 
-@pytest.mark.long  # CI's time; in CI: ep's gradients: test_pp2_by_ep2_gives_one_devices_loss_and_gradients
+# in CI: ep's gradients: test_pp2_by_ep2_gives_one_devices_loss_and_gradients
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_train_ep2_equals_dp2_in_less_memory(tmp_path: Path) -> None:
     """``--dp 2 --ep 2`` against ``--dp 2`` on a pipeline of 2 (1F1B): per step the same
     loss and gradient norm (1e-5) and the same tokens per expert; each rank's measured peak of

@@ -111,7 +111,8 @@ def _check(out: Path, texts_of: dict[int, list[str]] | None, case: int, survivor
     assert quiet == {}, f"case {case}: errors not naming {named!r}: {quiet}"
 
 
-@pytest.mark.long  # CI's time; in CI: a replica's failure: test_replicas_dist.py
+# in CI: a replica's failure: test_replicas_dist.py
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_every_replica_learns_of_a_failure_in_another(tmp_path: Path) -> None:
     # global rank 3 is pipeline rank 1 of replica 1; rank 1 hangs in replica 0; rank 2 feeds
     # a Llama bad token ids, then dies

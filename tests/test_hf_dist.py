@@ -80,7 +80,8 @@ def test_hf_models_and_a_cnn_on_two_ranks() -> None:
     assert sum(pt.launch(_all, 2, timeout=600), []) == []
 
 
-@pytest.mark.long  # CI's time; in CI: the same models on two ranks: test_hf_models_and_a_cnn_on_two_ranks
+# in CI: the same models on two ranks: test_hf_models_and_a_cnn_on_two_ranks
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_hf_models_on_four_ranks() -> None:
     assert sum(pt.launch(_all, 4, timeout=600), []) == []
 

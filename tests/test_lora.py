@@ -65,7 +65,8 @@ def _adapter(out: Path) -> dict[str, torch.Tensor]:
     return load_file(str(out / "adapter" / "adapter_model.safetensors"))
 
 
-@pytest.mark.long  # CI's time; in CI: LoRA's gradients under every schedule: test_every_schedule_gives_peft_models_gradients
+# in CI: LoRA's gradients under every schedule: test_every_schedule_gives_peft_models_gradients
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_a_run_writes_peft_adapter_merges_checkpoints_only_it_and_resumes(
         base: Path, tmp_path: Path) -> None:
     """Two data-parallel replicas train the adapter one process trains (float32, within

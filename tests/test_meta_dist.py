@@ -97,6 +97,7 @@ def test_meta_lm_two_ranks() -> None:
     assert sum(pt.launch(_meta, 2, timeout=240), []) == []
 
 
-@pytest.mark.long  # CI's time; in CI: meta models across ranks: test_meta_lm_two_ranks
+# in CI: meta models across ranks: test_meta_lm_two_ranks
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_meta_lm_four_ranks() -> None:
     assert sum(pt.launch(_meta, 4, timeout=240), []) == []

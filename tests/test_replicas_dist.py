@@ -95,7 +95,9 @@ def test_with_every_replica_required_a_failure_costs_no_step(tmp_path: Path) -> 
     assert [s["loss"] for s in survivor] == [s["loss"] for s in _steps(want)]
 
 
-@pytest.mark.long  # CI's time; in CI: a replica's failure and restart: test_a_restarted_replica_loads_a_peers_state_and_rejoins
+# in CI: a replica's failure and restart:
+# test_a_restarted_replica_loads_a_peers_state_and_rejoins
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_one_torchrun_per_replica_and_a_replica_that_fails_for_good(tmp_path: Path) -> None:
     """The cluster recipe on one machine: torchft's ``torchft_lighthouse`` command, then one
     torchrun per replica (``--ft-replica-id``, ``--ft-lighthouse``), two ranks each (pp 2).

@@ -179,7 +179,8 @@ class _Branchy(nn.Module):
         return x * 2 if float(x.sum()) > 0 else x - 1
 
 
-@pytest.mark.long  # CI's time; in CI: the shared capture: this file's other tests
+# in CI: the shared capture: this file's other tests
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_rank_1_loads_rank_0s_capture_and_falls_back_where_it_cannot() -> None:
     assert [f"rank {r}: {p}" for r, ps in enumerate(pt.launch(_cases, 2, timeout=300))
             for p in ps] == []

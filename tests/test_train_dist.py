@@ -507,7 +507,8 @@ def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     return problems
 
 
-@pytest.mark.long  # CI's time; in CI: fsdp and tp alone: test_fsdp_trains_like_dp..., test_tp_trains_like_fsdp...
+# in CI: fsdp and tp alone: test_fsdp_trains_like_dp..., test_tp_trains_like_fsdp...
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_hsdp_and_fsdp_by_tp_train_like_dp_and_resume_sharded(tmp_path: Path) -> None:
     assert _corpus_and_launch(_hsdp, 8, tmp_path) == []
 
@@ -528,7 +529,8 @@ def test_dp_x_pp_equivalence_and_a_save_at_pp4(four_ranks: tuple[str, list[str]]
     assert four_ranks[1] == []
 
 
-@pytest.mark.long  # CI's time; in CI: pp2 training and resume: test_train_launch.py and test_hf_train_dist.py
+# in CI: pp2 training and resume: test_train_launch.py, test_hf_train_dist.py
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_training_on_two_ranks_and_resuming_at_pp2(four_ranks: tuple[str, list[str]]) -> None:
     results = pt.launch(_two, 2, four_ranks[0], timeout=300)
     assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []

@@ -1,8 +1,9 @@
-"""Image-text-to-text models of transformers through ``pt.Pipeline`` (:mod:`pipetrain.split.prefix`):
-tiny configs built here (nothing is downloaded), ``split_points="auto"``, float64, 2 local
-ranks, rows holding 0, 1 or 2 images of different sizes, against the same micro-batches built
-apart and run one after another through the unsplit model: the loss and every gradient within
-1e-9 of the largest reference gradient, and every parameter held by one stage."""
+"""Image-text-to-text models of transformers through ``pt.Pipeline``
+(:mod:`pipetrain.split.prefix`): tiny configs built here (nothing is downloaded),
+``split_points="auto"``, float64, 2 local ranks, rows holding 0, 1 or 2 images of different
+sizes, against the same micro-batches built apart and run one after another through the unsplit
+model: the loss and every gradient within 1e-9 of the largest reference gradient, and every
+parameter held by one stage."""
 
 from __future__ import annotations
 
@@ -256,3 +257,48 @@ def test_an_image_text_model_on_meta_is_refused() -> None:
     with pytest.raises(PartitionError, match="on the meta device.*build it for real"):
         pt.Pipeline(model, "1f1b", 2, lm_loss, split_points="auto", example_inputs=full,
                     local_ranks=2)
+
+
+def test_a_frozen_vision_tower_trains_the_rest_exactly() -> None:
+    """The usual fine-tuning recipe: the vision tower frozen, the projector and the language
+    model trained."""
+    family = BY_NAME["qwen2_vl"]
+    model = family.build()
+    for p in model.model.visual.blocks.parameters():  # the merger (projector) still trains
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    rows = rows_of(family)
+    full = batch(rows)
+    pipe = pt.Pipeline(model, "zbv", 2, lm_loss, split_points="auto", example_inputs=full,
+                       local_ranks=2)
+    pipe.step(full, full["input_ids"])
+    for part in (rows[:2], rows[2:]):
+        b = batch(part)
+        (lm_loss(ref(**b), b["input_ids"]) * 0.5).backward()  # type: ignore[no-untyped-call]
+    assert differences(pipe, ref) == []
+    grads = {n: p.grad for n, p in pipe.named_parameters()}
+    assert all(g is None for n, g in grads.items() if ".visual.blocks." in n)
+    assert all(g is not None for n, g in grads.items() if ".visual.merger." in n)
+
+
+def test_an_eval_step_with_dropout_in_the_config_is_the_models_eval_forward() -> None:
+    """Dropout in the language model and the vision tower: the eval step runs the eval graph
+    and the prefix in eval mode, and gives the unsplit model's eval loss."""
+    config = tf.LlavaConfig(
+        text_config=dict(model_type="llama", attention_dropout=0.2, **LLAMA),
+        vision_config=dict(model_type="clip_vision_model", image_size=8, patch_size=2,
+                           hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, projection_dim=16, attention_dropout=0.2),
+        image_token_index=IMG)
+    model = _model("LlavaForConditionalGeneration", lambda: config)()
+    rows = rows_of(BY_NAME["llava"])
+    full = batch(rows)
+    pipe = pt.Pipeline(model, "1f1b", 2, lm_loss, split_points="auto", example_inputs=full,
+                       local_ranks=2)
+    got = pipe.eval_step(full, full["input_ids"]).loss
+    assert model.model.vision_tower.training  # the prefix's modules back in training mode
+    model.eval()
+    with torch.no_grad():
+        want = sum(lm_loss(model(**batch(p)), batch(p)["input_ids"]).item() * 0.5
+                   for p in (rows[:2], rows[2:]))
+    assert got is not None and abs(got.item() - want) <= TOL * abs(want)

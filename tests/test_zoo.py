@@ -424,7 +424,8 @@ def _across(ctx: pt.RankContext) -> list[tuple[list[str], set[str]]]:
     return [check(BY_NAME[name], local=False) for name in ACROSS_PROCESSES]
 
 
-@pytest.mark.long  # CI's time; in CI: a model per family across processes: test_hf_dist.py
+# in CI: a model per family across processes: test_hf_dist.py
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_a_model_of_each_family_on_two_processes() -> None:
     assert all(BY_NAME[name].ranks == 2 for name in ACROSS_PROCESSES)
     ranks = pt.launch(_across, 2, timeout=300)

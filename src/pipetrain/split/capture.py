@@ -216,8 +216,9 @@ def _no_cache(model: nn.Module) -> Iterator[None]:
     """Hugging Face configs with ``use_cache`` off while ``model`` is captured (a pipeline
     passes no KV cache from one step to the next; a returned cache is no tensor to send),
     as they were after."""
-    configs = {id(c): c for m in model.modules() for c in [getattr(m, "config", None)]
-               if getattr(c, "use_cache", None) is True}
+    configs: dict[int, Any] = {id(c): c for m in model.modules()
+                               for c in [getattr(m, "config", None)]
+                               if getattr(c, "use_cache", None) is True}
     for c in configs.values():
         c.use_cache = False
     try:
@@ -292,7 +293,7 @@ def _auto_dims(model: nn.Module, bound: inspect.BoundArguments) -> Any:
     return shapes.dynamic_shapes(model, bound.args, bound.kwargs)  # type: ignore[no-untyped-call]
 
 
-def move_graph(module: fx.GraphModule, device: torch.device) -> None:
+def move_graph(module: nn.Module, device: torch.device) -> None:
     """Point the device constants of a stage's graph at ``device``, in place.
 
     Capture records the device of tensors that ``forward`` creates (``torch.arange(n,

@@ -44,11 +44,10 @@ def check_capture(model: nn.Module, split: TracedSplit, example: Any) -> None:
     try:
         with torch.no_grad():
             want = model(**example) if isinstance(example, dict) else model(*example)
+            _put_back(model, saved)  # a forward that updates a buffer runs on the same one
             got = split.run(split.payload(example))
     finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(saved[name])
+        _put_back(model, saved)
     problems = _differences(want, got, visual=split.prefix is not None)
     if problems and split.prefix is not None and split.prefix.dropped:
         raise PartitionError(
@@ -64,6 +63,12 @@ def check_capture(model: nn.Module, split: TracedSplit, example: Any) -> None:
             "of its Python than the one it runs eagerly (code that checks whether it is being "
             "traced, or reads a value torch.export cannot know); training these stages would "
             "train another function. Split it as a layer list, or report the model")
+
+
+def _put_back(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(saved[name])
 
 
 def _differences(want: Any, got: Any, visual: bool) -> list[str]:

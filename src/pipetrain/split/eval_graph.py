@@ -24,8 +24,9 @@ from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.torch_private import BATCH_NORM_LEGIT, buffers_dict
 from pipetrain.split.capture import capture, move_graph
 from pipetrain.split.partition import stage_bounds
+from pipetrain.split.prefix import Prefixed
 from pipetrain.split.shared_capture import capture_shared
-from pipetrain.split.trace import TracedSplit, split_model
+from pipetrain.split.trace import TracedSplit, split_model, with_prefix
 
 __all__: list[str] = []
 
@@ -74,10 +75,14 @@ def eval_split(model: nn.Module, traced: TracedSplit, example_inputs: Any,
     Raises:
         PartitionError: when the eval graph cuts into another number of units.
     """
+    prefix = traced.prefix  # an image-text model: captured from its language model on
     with eval_mode(model), torch.no_grad():
-        captured = capture(model, example_inputs, dynamic) if share is None else \
-            capture_shared(model, example_inputs, share, dynamic)
-        split = split_model(model, list(traced.points), example_inputs, captured=captured)
+        example = example_inputs if prefix is None else prefix.example(example_inputs)
+        captured = capture(model, example, dynamic) if share is None else \
+            capture_shared(model, example, share, dynamic)
+        split = split_model(model, list(traced.points), example, captured=captured)
+        if prefix is not None:
+            split = with_prefix(split, prefix, model)
     if len(split.stages) != len(traced.stages):
         raise PartitionError(f"the model captured in eval mode cuts into {len(split.stages)} "
                              f"units at {list(traced.points)}, in training mode into "
@@ -95,7 +100,7 @@ def eval_stages(split: TracedSplit, balance: Sequence[int], trained: Mapping[int
     for s, (lo, hi) in enumerate(stage_bounds(balance)):
         if s not in trained:
             continue
-        units = [share(split.stages[i], m).to(device)  # type: ignore[arg-type]
+        units = [share(split.stages[i], m).to(device)
                  for i, (_, m) in zip(range(lo, hi), layers[s])]
         for unit in units:
             move_graph(unit, device)
@@ -104,13 +109,19 @@ def eval_stages(split: TracedSplit, balance: Sequence[int], trained: Mapping[int
     return stages
 
 
-def share(unit: fx.GraphModule, trained: nn.Module) -> fx.GraphModule:
+def share(unit: nn.Module, trained: nn.Module) -> nn.Module:
     """``unit`` (an eval unit) reading the tensors of ``trained`` (the same unit built for
-    training) wherever it has them, by name; in place.
+    training) wherever it has them, by name; in place. An image-text model's first unit runs
+    the trained unit's vision prefix, in eval mode.
 
     Raises:
         PartitionError: for a tensor the eval graph makes that is still on ``meta``.
     """
+    if isinstance(unit, Prefixed) and isinstance(trained, Prefixed):
+        return Prefixed(trained.prefix, share(unit.stage, trained.stage), unit.pack,
+                        evaluating=True)
+    if not isinstance(unit, fx.GraphModule):
+        raise TypeError(f"an eval unit is a GraphModule of split_model, got {type(unit)}")
     for node in unit.graph.nodes:
         if node.op != "get_attr":
             continue

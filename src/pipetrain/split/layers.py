@@ -78,7 +78,7 @@ class Layers:
         else:
             built = build_layer(layer, index, self.seed, device).to(device)
         if self.traced:  # tensors the graph creates are created on the stage's device
-            move_graph(built, device)  # type: ignore[arg-type]
+            move_graph(built, device)
         return built
 
     def names(self, layers: Sequence[Layer]) -> dict[int, str]:
@@ -150,10 +150,10 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
         PartitionError: for split points that do not make ``n_stages`` stages.
     """
     from pipetrain.split.autosplit import cut_points
-    from pipetrain.split.check import check_capture
     from pipetrain.split.capture import capture
-    from pipetrain.split.shared_capture import capture_shared
+    from pipetrain.split.check import check_capture
     from pipetrain.split.prefix import vision_prefix
+    from pipetrain.split.shared_capture import capture_shared
     from pipetrain.split.trace import split_model, with_prefix
 
     if not isinstance(model, nn.Module):  # example_inputs= given: PipelineConfig

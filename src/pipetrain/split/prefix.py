@@ -105,7 +105,8 @@ class VisionPrefix(nn.Module):
     @property
     def whole(self) -> nn.Module:
         """The model (kept outside the module tree)."""
-        return self._model  # type: ignore[no-any-return]
+        model: nn.Module = self.__dict__["_model"]
+        return model
 
     def payload(self, inputs: Any) -> Packed:
         """Stage 0's payload for a step's ``inputs``: keyword arguments (a dict), positional
@@ -332,12 +333,23 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
 
 
 class Prefixed(nn.Module):
-    """Stage 0 of an image-text model: the prefix, then the captured graph's first stage."""
+    """Stage 0 of an image-text model: the prefix, then the captured graph's first stage
+    (``pack``: the capture's, binding the prefix's outputs as at capture); ``evaluating``:
+    the eval graph's, which runs the prefix's modules in eval mode."""
 
-    def __init__(self, prefix: VisionPrefix, stage: nn.Module, pack: Any) -> None:
+    def __init__(self, prefix: VisionPrefix, stage: nn.Module, pack: Any,
+                 evaluating: bool = False) -> None:
         super().__init__()
         self.prefix, self.stage = prefix, stage
-        self._pack = pack
+        self.pack, self.evaluating = pack, evaluating
 
     def forward(self, payload: dict[str, Any]) -> Any:
-        return self.stage(self._pack(**self.prefix(payload)))
+        if not self.evaluating:
+            return self.stage(self.pack(**self.prefix(payload)))
+        flags = [(m, m.training) for m in self.prefix.modules()]
+        self.prefix.eval()
+        try:
+            return self.stage(self.pack(**self.prefix(payload)))
+        finally:
+            for m, flag in flags:
+                m.training = flag
