@@ -37,6 +37,7 @@ start_context(("pytest", "transformers", "transformers.models.llama.modeling_lla
 SLOWEST_FIRST = [  # each file's total on 2 cores under the full suite, the longest first (measured
     # at 2026-11-28's stop, 184 s down to 8 s; files under 8 s keep their order after these)
     "test_train_launch.py", "test_replicas_dist.py", "test_zoo.py", "test_readme.py",
+    "test_vision_language.py",
     "test_train_dist.py", "test_expert_parallel_dist.py", "test_failures_exit_dist.py",
     "test_failures_job_dist.py", "test_hf_train_dist.py", "test_hf_train_all.py",
     "test_compiled.py", "test_hf_dist.py", "test_shared_dist.py", "test_hf.py",
