@@ -1,0 +1,53 @@
+"""Image-text models across processes: 2 gloo ranks, one stage each under 1F1B and two each
+under ZB-V, the vision prefix on rank 0 and what it hands the graph (``inputs_embeds``, 3-D
+position ids, Gemma 3's own masks, Mllama's cross-attention states) sent to the stages that
+use them; loss and every gradient within 1e-9 of the same micro-batches built apart and run
+one after another through the unsplit model (:mod:`test_vision_language`'s families)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import pipetrain as pt
+from test_vision_language import BY_NAME, TOL, batch, differences, lm_loss, rows_of
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
+CASES = [("qwen2_vl", "1f1b"), ("gemma3", "zbv"), ("mllama", "1f1b")]
+
+
+def _ranks(ctx: pt.RankContext) -> list[list[str]]:
+    torch.set_num_threads(1)
+    problems = []
+    for name, schedule in CASES:
+        family = BY_NAME[name]
+        model = family.build()
+        ref = copy.deepcopy(model)
+        rows = rows_of(family)
+        full = batch(rows)
+        pipe = pt.Pipeline(model, schedule, 2, lm_loss, split_points="auto",
+                           example_inputs=full)
+        got = pipe.step(full if ctx.rank == 0 else None, full["input_ids"]).loss
+        want = 0.0
+        for part in (rows[:2], rows[2:]):
+            b = batch(part)
+            loss = lm_loss(ref(**b), b["input_ids"]) * 0.5
+            loss.backward()  # type: ignore[no-untyped-call]
+            want += loss.item()
+        wrong = differences(pipe, ref)
+        if got is not None and abs(got.item() - want) > TOL * abs(want):
+            wrong.append(f"loss {got.item()} != {want}")
+        held = [n for n, _ in pipe.named_parameters()]
+        if ctx.rank == 0 and not any(".visual." in n or "vision" in n for n in held):
+            wrong.append("rank 0 holds no vision parameter")
+        problems.append([f"{name} {schedule} rank {ctx.rank}: {w}" for w in wrong])
+        pipe.close()
+    return problems
+
+
+def test_image_text_models_on_two_processes() -> None:
+    ranks = pt.launch(_ranks, 2, timeout=400)
+    assert [p for rank in ranks for case in rank for p in case] == []
