@@ -177,7 +177,7 @@ def differences(pipe: pt.Pipeline, ref: nn.Module) -> list[str]:
             bad.append(f"{name}: a gradient on one side only")
         elif p.grad is not None and want is not None:
             diff = (p.grad - want).abs().max().item()
-            if diff > TOL * max(want.abs().max().item(), 1e-30):
+            if not diff <= TOL * max(want.abs().max().item(), 1e-30):  # NaN too
                 bad.append(f"{name}: max |diff| {diff:.3g}")
     return bad
 
