@@ -140,7 +140,7 @@ class Pipeline:
             example_inputs = on_model_device(model, example_inputs)  # captured, profiled there
         self._share = None if self.local else c.group or dist.group.WORLD  # one export for all
         source = self._capture(model, c.split_points, example_inputs, c.balance, c.dynamic,
-                               c.parallelize, c.init_seed, c.rng)
+                               c.parallelize, c.init_seed, c.rng, c.example_inputs)
         balance = "params" if c.split_points == "auto" and c.balance is None else c.balance
         self._lay_out(source.items, balance, example_inputs, c.group, n_ranks)
         untied, gathering = self._place(source, c.recompute, c.parallelize, c.compile)
@@ -150,12 +150,13 @@ class Pipeline:
     def _capture(self, model: nn.Module | Sequence[nn.Module | LayerSpec],
                  split_points: Sequence[str] | str | None, example_inputs: Any,
                  balance: Any, dynamic: bool, parallelize: Any, init_seed: int,
-                 rng: bool | None) -> Layers:
+                 rng: bool | None, given: Any) -> Layers:
         """The model as layers: a layer list as given, or any module cut by tracing (one
-        export for the group; ``parallelize=`` works on the stages, after the capture)."""
+        export for the group; ``parallelize=`` works on the stages, after the capture;
+        ``given``: ``example_inputs`` as the user gave them)."""
         self.traced: TracedSplit | None = None if split_points is None else trace_stages(
             model, split_points, example_inputs, balance, self.schedule.n_stages, self._share,
-            dynamic)
+            dynamic, init_seed, given)
         self._modal: tuple[nn.Module, Any, TracedSplit] | None = None  # eval graph: when used
         if isinstance(model, nn.Module) and self.traced is not None and parallelize is None \
                 and depends_on_mode(model, self.traced):

@@ -22,7 +22,7 @@ from torch import fx, nn
 from pipetrain.errors import PartitionError
 from pipetrain.runtime.stage import Stage
 from pipetrain.runtime.torch_private import BATCH_NORM_LEGIT, buffers_dict
-from pipetrain.split.capture import capture, move_graph
+from pipetrain.split.capture import capture, move_graph, on_model_device
 from pipetrain.split.partition import stage_bounds
 from pipetrain.split.prefix import Prefixed
 from pipetrain.split.shared_capture import capture_shared
@@ -77,7 +77,8 @@ def eval_split(model: nn.Module, traced: TracedSplit, example_inputs: Any,
     """
     prefix = traced.prefix  # an image-text model: captured from its language model on
     with eval_mode(model), torch.no_grad():
-        example = example_inputs if prefix is None else prefix.example(example_inputs)
+        example = example_inputs if prefix is None else on_model_device(model,
+                                                                        prefix.captured_with)
         captured = capture(model, example, dynamic) if share is None else \
             capture_shared(model, example, share, dynamic)
         split = split_model(model, list(traced.points), example, captured=captured)

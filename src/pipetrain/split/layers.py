@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from pipetrain.errors import PartitionError
-from pipetrain.split.capture import move_graph
+from pipetrain.split.capture import move_graph, on_model_device
 from pipetrain.split.lazy import LayerSpec, NamedInit, build_layer, is_meta
 from pipetrain.split.partition import named_layers
+from pipetrain.split.prefix import Prefixed
 from pipetrain.split.trace import TracedSplit
 
 __all__: list[str] = []
@@ -73,7 +74,12 @@ class Layers:
 
     def build(self, layer: nn.Module | LayerSpec, index: int, device: torch.device) -> nn.Module:
         """``layer`` (at ``index``) as a real module on ``device``."""
-        if self.by_name is not None and isinstance(layer, nn.Module) and is_meta(layer):
+        built: nn.Module
+        if self.by_name is not None and isinstance(layer, Prefixed) and is_meta(layer):
+            for part in (layer.prefix, layer.stage):  # each holds modules at the model's paths
+                self.by_name.materialize(part, device)
+            built = layer.to(device)
+        elif self.by_name is not None and isinstance(layer, nn.Module) and is_meta(layer):
             built = self.by_name.materialize(layer, device).to(device)  # real buffers too
         else:
             built = build_layer(layer, index, self.seed, device).to(device)
@@ -138,12 +144,14 @@ def profiling_sample(modules: Sequence[nn.Module], mode: Any, sample: Any) -> An
 
 
 def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: Any,
-                 balance: Any, n_stages: int, share: Any = None, dynamic: bool = True
-                 ) -> TracedSplit:
+                 balance: Any, n_stages: int, share: Any = None, dynamic: bool = True,
+                 seed: int = 0, given: Any = None) -> TracedSplit:
     """The traced stages for ``Pipeline(model, split_points=..., example_inputs=...)``;
     ``share``: the pipeline's process group, whose rank 0 exports the model for all
     (:mod:`pipetrain.split.shared_capture`; None: this process captures); ``dynamic``: as
-    :func:`~pipetrain.split.capture.capture`.
+    :func:`~pipetrain.split.capture.capture`; ``seed`` (``init_seed``) and ``given`` (the
+    example as the user gave it, before it was put on the model's device): what an
+    image-text model on ``meta`` needs to run its vision prefix for real.
 
     Raises:
         TypeError: without one ``nn.Module`` and ``example_inputs``.
@@ -171,8 +179,9 @@ def trace_stages(model: Any, split_points: Sequence[str] | str, example_inputs: 
         raise PartitionError(f"{split_points!r} makes {len(split_points) + 1} units, fewer "
                              f"than the schedule's {n_stages} stages; give at least "
                              f"{n_stages - 1} split points")
-    prefix = vision_prefix(model, example_inputs)  # an image-text model: from its text on
-    example = example_inputs if prefix is None else prefix.example(example_inputs)
+    real = example_inputs if given is None or not is_meta(model) else given
+    prefix = vision_prefix(model, real, seed)  # an image-text model: from its text on
+    example = example_inputs if prefix is None else on_model_device(model, prefix.captured_with)
     captured = capture(model, example, dynamic) if share is None else \
         capture_shared(model, example, share, dynamic)
     if split_points == "auto":  # one small stage per unit; the balancer groups them

@@ -143,6 +143,12 @@ class NamedInit:
         """A Hugging Face model initialises each module through the model's own
         ``_init_weights(module)`` (parameters and buffers such as rotary tables); others run
         each module's ``reset_parameters()``."""
+        self._init_of: dict[int, Callable[[nn.Module], None]] = {}
+        """Per module of a Hugging Face model: the ``_init_weights`` of the nearest model that
+        holds it (itself included), as transformers initialises a composite model (an
+        image-text model's CLIP tower by CLIP's own, which sets its position ids)."""
+        if self._hf_init is not None:
+            self._owners(model, self._hf_init)
 
     def materialize(self, part: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
         """Give ``part``'s meta parameters real, deterministic values on ``device``; in place.
@@ -188,9 +194,17 @@ class NamedInit:
             return list(module.parameters())
         return [*module.parameters(), *module.buffers()]
 
+    def _owners(self, module: nn.Module, init: Callable[[nn.Module], None]) -> None:
+        own = getattr(module, "_init_weights", None)
+        if callable(own) and hasattr(module, "config"):
+            init = own
+        self._init_of[id(module)] = init
+        for child in module.children():
+            self._owners(child, init)
+
     def _reset(self, module: nn.Module) -> None:
         if self._hf_init is not None:
-            self._hf_init(module)
+            self._init_of.get(id(module), self._hf_init)(module)
         else:
             module.reset_parameters()  # type: ignore[operator]
 
