@@ -326,3 +326,28 @@ def test_an_eval_step_with_dropout_in_the_config_is_the_models_eval_forward() ->
         want = sum(lm_loss(model(**batch(p)), batch(p)["input_ids"]).item() * 0.5
                    for p in (rows[:2], rows[2:]))
     assert got is not None and abs(got.item() - want) <= TOL * abs(want)
+
+
+def test_a_peft_lora_model_trains_its_adapters_exactly() -> None:
+    """peft's adapters in the model (as ``pipetrain train --lora-r`` puts them: the base
+    model changed in place), on the language model's attention only."""
+    peft = pytest.importorskip("peft")
+    family = BY_NAME["qwen2_vl"]
+    config = peft.LoraConfig(r=4, lora_alpha=8,
+                             target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    model = peft.get_peft_model(family.build(), config).get_base_model()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: a gradient of A would be zero
+            torch.nn.init.normal_(p, std=0.02)
+    ref = copy.deepcopy(model)
+    rows = rows_of(family)
+    full = batch(rows)
+    pipe = pt.Pipeline(model, "zbv", 2, lm_loss, split_points="auto", example_inputs=full,
+                       local_ranks=2)
+    pipe.step(full, full["input_ids"])
+    for part in (rows[:2], rows[2:]):
+        b = batch(part)
+        (lm_loss(ref(**b), b["input_ids"]) * 0.5).backward()  # type: ignore[no-untyped-call]
+    assert differences(pipe, ref) == []
+    trained = [n for n, p in pipe.named_parameters() if p.grad is not None]
+    assert trained and all("lora_" in n for n in trained)
