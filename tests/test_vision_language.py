@@ -21,6 +21,7 @@ import pipetrain as pt
 from pipetrain.errors import PartitionError
 from pipetrain.split.lazy import NamedInit
 from pipetrain.split.prefix import vision_prefix
+from test_zoo import differences as zoo_differences
 
 pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
@@ -169,37 +170,43 @@ def rows_of(family: Family, seed: int = 1) -> list[Row]:
     return [family.row(n, g) for n in family.images]
 
 
+def reference(ref: nn.Module, rows: list[Row]) -> float:
+    """The batch loss of ``ref`` on the two micro-batches of ``rows``, each built apart (as a
+    processor would) and run one after another; gradients accumulate into ``ref``."""
+    want = 0.0
+    for part in (rows[:2], rows[2:]):
+        b = batch(part)
+        loss = lm_loss(ref(**b), b["input_ids"]) * 0.5
+        loss.backward()  # type: ignore[no-untyped-call]
+        want += loss.item()
+    return want
+
+
+def stepped(model: nn.Module, family: Family, schedule: str, ref: nn.Module | None = None,
+            **where: Any) -> tuple[pt.Pipeline, nn.Module, float, float]:
+    """``model`` stepped once through a pipeline on ``family``'s rows, and ``ref`` (a copy of
+    it unless given) on the same micro-batches built apart: the pipeline, ``ref``, the
+    pipeline's loss and the reference loss."""
+    ref = copy.deepcopy(model) if ref is None else ref
+    rows = rows_of(family)
+    full = batch(rows)
+    pipe = pt.Pipeline(model, schedule, 2, lm_loss, split_points="auto", example_inputs=full,
+                       local_ranks=2, **where)
+    got = pipe.step(full, full["input_ids"]).loss
+    assert got is not None
+    return pipe, ref, got.item(), reference(ref, rows)
+
+
 def differences(pipe: pt.Pipeline, ref: nn.Module) -> list[str]:
-    refs = dict(ref.named_parameters())
-    bad = []
-    for name, p in pipe.named_parameters():
-        want = refs[name].grad
-        if (p.grad is None) != (want is None):
-            bad.append(f"{name}: a gradient on one side only")
-        elif p.grad is not None and want is not None:
-            diff = (p.grad - want).abs().max().item()
-            if not diff <= TOL * max(want.abs().max().item(), 1e-30):  # NaN too
-                bad.append(f"{name}: max |diff| {diff:.3g}")
-    return bad
+    """Gradients farther than ``TOL`` of the largest reference gradient; differing buffers."""
+    return zoo_differences(pipe, ref, TOL)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_image_text_models_train_exactly(family: Family, schedule: str) -> None:
-    model = family.build()
-    ref = copy.deepcopy(model)
-    rows = rows_of(family)
-    full = batch(rows)
-    pipe = pt.Pipeline(model, schedule, 2, lm_loss, split_points="auto", example_inputs=full,
-                       local_ranks=2)
-    got = pipe.step(full, full["input_ids"]).loss
-    want = 0.0
-    for part in (rows[:2], rows[2:]):  # the micro-batches, built apart
-        b = batch(part)
-        loss = lm_loss(ref(**b), b["input_ids"]) * 0.5
-        loss.backward()  # type: ignore[no-untyped-call]
-        want += loss.item()
-    assert got is not None and abs(got.item() - want) <= TOL * abs(want)
+    pipe, ref, got, want = stepped(family.build(), family, schedule)
+    assert abs(got - want) <= TOL * abs(want)
     assert differences(pipe, ref) == []
     assert {n for n, _ in pipe.named_parameters()} == {n for n, _ in ref.named_parameters()}
     vision = [n for n, _ in pipe.named_parameters(stage=0) if "vision" in n or "visual" in n]
@@ -257,19 +264,9 @@ def test_image_text_models_built_on_meta_train_like_the_whole_model_materialised
     the vision tower for the capture too, then back on ``meta`` where its stage is not."""
     with torch.device("meta"):
         model, ref = family.build(), family.build()
-    ref = NamedInit(ref, 0).materialize(ref, "cpu")
-    rows = rows_of(family)
-    full = batch(rows)
-    pipe = pt.Pipeline(model, "1f1b", 2, lm_loss, split_points="auto", example_inputs=full,
-                       local_ranks=2, init_seed=0)
-    got = pipe.step(full, full["input_ids"]).loss
-    want = 0.0
-    for part in (rows[:2], rows[2:]):
-        b = batch(part)
-        loss = lm_loss(ref(**b), b["input_ids"]) * 0.5
-        loss.backward()  # type: ignore[no-untyped-call]
-        want += loss.item()
-    assert got is not None and abs(got.item() - want) <= TOL * abs(want)
+    pipe, ref, got, want = stepped(model, family, "1f1b", NamedInit(ref, 0).materialize(ref),
+                                   init_seed=0)
+    assert abs(got - want) <= TOL * abs(want)
     assert differences(pipe, ref) == []
 
 
@@ -290,15 +287,7 @@ def test_a_frozen_vision_tower_trains_the_rest_exactly() -> None:
     model = family.build()
     for p in model.model.visual.blocks.parameters():  # the merger (projector) still trains
         p.requires_grad_(False)
-    ref = copy.deepcopy(model)
-    rows = rows_of(family)
-    full = batch(rows)
-    pipe = pt.Pipeline(model, "zbv", 2, lm_loss, split_points="auto", example_inputs=full,
-                       local_ranks=2)
-    pipe.step(full, full["input_ids"])
-    for part in (rows[:2], rows[2:]):
-        b = batch(part)
-        (lm_loss(ref(**b), b["input_ids"]) * 0.5).backward()  # type: ignore[no-untyped-call]
+    pipe, ref, _, _ = stepped(model, family, "zbv")
     assert differences(pipe, ref) == []
     grads = {n: p.grad for n, p in pipe.named_parameters()}
     assert all(g is None for n, g in grads.items() if ".visual.blocks." in n)
@@ -339,15 +328,7 @@ def test_a_peft_lora_model_trains_its_adapters_exactly() -> None:
     for name, p in model.named_parameters():
         if "lora_B" in name:  # peft starts B at zero: a gradient of A would be zero
             torch.nn.init.normal_(p, std=0.02)
-    ref = copy.deepcopy(model)
-    rows = rows_of(family)
-    full = batch(rows)
-    pipe = pt.Pipeline(model, "zbv", 2, lm_loss, split_points="auto", example_inputs=full,
-                       local_ranks=2)
-    pipe.step(full, full["input_ids"])
-    for part in (rows[:2], rows[2:]):
-        b = batch(part)
-        (lm_loss(ref(**b), b["input_ids"]) * 0.5).backward()  # type: ignore[no-untyped-call]
+    pipe, ref, _, _ = stepped(model, family, "zbv")
     assert differences(pipe, ref) == []
     trained = [n for n, p in pipe.named_parameters() if p.grad is not None]
     assert trained and all("lora_" in n for n in trained)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipetrain as pt
-from test_vision_language import BY_NAME, TOL, batch, differences, lm_loss, rows_of
+from test_vision_language import BY_NAME, TOL, batch, differences, lm_loss, reference, rows_of
 
 pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
 
@@ -31,12 +31,7 @@ def _ranks(ctx: pt.RankContext) -> list[list[str]]:
         pipe = pt.Pipeline(model, schedule, 2, lm_loss, split_points="auto",
                            example_inputs=full)
         got = pipe.step(full if ctx.rank == 0 else None, full["input_ids"]).loss
-        want = 0.0
-        for part in (rows[:2], rows[2:]):
-            b = batch(part)
-            loss = lm_loss(ref(**b), b["input_ids"]) * 0.5
-            loss.backward()  # type: ignore[no-untyped-call]
-            want += loss.item()
+        want = reference(ref, rows)
         wrong = differences(pipe, ref)
         if got is not None and abs(got.item() - want) > TOL * abs(want):
             wrong.append(f"loss {got.item()} != {want}")

@@ -356,7 +356,7 @@ def differences(pipe: pt.Pipeline, ref: nn.Module, tol: float) -> list[str]:
             bad.append(f"{name}: a gradient on one side only")
         elif p.grad is not None and want is not None:
             diff = (p.grad - want).abs().max().item()
-            if diff > tol * want.abs().max().item():
+            if not diff <= tol * want.abs().max().item():  # a NaN too
                 bad.append(f"{name}: max |diff| {diff:.3g} of {want.abs().max().item():.3g}")
     return bad + [f"buffer {n} differs" for n, b in pipe.named_buffers()
                   if not torch.equal(b, refs[n])]
