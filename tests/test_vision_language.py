@@ -332,3 +332,14 @@ def test_a_peft_lora_model_trains_its_adapters_exactly() -> None:
     assert differences(pipe, ref) == []
     trained = [n for n, p in pipe.named_parameters() if p.grad is not None]
     assert trained and all("lora_" in n for n in trained)
+
+
+def test_the_command_line_points_an_image_text_directory_to_the_python_path() -> None:
+    from pipetrain.hf.model import meta_model
+
+    config = tf.LlavaConfig(text_config=dict(model_type="llama", **LLAMA),
+                            vision_config=dict(model_type="clip_vision_model"))
+    with pytest.raises(ValueError, match=r"LlavaConfig is an image-text model .*--hf \(train, "
+                       r"generate, verify\) takes causal language models only: pipeline an "
+                       r"image-text model from Python.*docs/multimodal.md"):
+        meta_model(config)

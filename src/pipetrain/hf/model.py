@@ -114,13 +114,18 @@ def meta_model(config: Any) -> nn.Module:
         with torch.device("meta"):
             model: nn.Module = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except ValueError:  # its message lists every causal LM config transformers has
+        image_text = hasattr(config, "vision_config")
         kind = ("an encoder-decoder" if getattr(config, "is_encoder_decoder", False)
+                else "an image-text model" if image_text
                 else "not a causal language model transformers can build")
+        other = ("pipeline an image-text model from Python: pt.Pipeline(model, schedule, m, "
+                 "loss_fn, split_points='auto', example_inputs=dict(processor(...))) "
+                 "(docs/multimodal.md)" if image_text else
+                 "split any other model with pt.Pipeline and check it with pt.verify(model, "
+                 "inputs) (docs/models.md, docs/verify.md)")
         raise ValueError(f"{type(config).__name__} is {kind} (AutoModelForCausalLM does not "
-                         "take it); --hf (train, "
-                         "generate, verify) takes causal language models only: split any "
-                         "other model with pt.Pipeline and check it with pt.verify(model, "
-                         "inputs) (docs/models.md, docs/verify.md)") from None
+                         "take it); --hf (train, generate, verify) takes causal language "
+                         f"models only: {other}") from None
     return model.train()
 
 
