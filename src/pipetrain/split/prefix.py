@@ -36,6 +36,7 @@ from pipetrain.errors import PartitionError
 from pipetrain.runtime import microbatch
 from pipetrain.split.inputs import Packed
 from pipetrain.split.lazy import is_meta
+from pipetrain.split.prefix_meta import Holder, attach, holders, materialize_beside, to_meta
 
 __all__ = ["Prefixed", "VisionPrefix", "vision_prefix"]
 
@@ -69,10 +70,8 @@ def vision_prefix(model: nn.Module, example: dict[str, Any], seed: int = 0
     that holds a ``language_model``), else None.
 
     On ``meta``, the modules beside the language model (the vision tower, the projector) and
-    the token embedding are made real first, on the CPU, with the values
-    :class:`~pipetrain.split.lazy.NamedInit` under ``seed`` gives them (those the stage that
-    holds them gets), so that the prefix can run on ``example``; those it does not run go
-    back to ``meta``.
+    the token embedding are made real for the prefix to run on ``example``, and put back on
+    ``meta`` after (:mod:`pipetrain.split.prefix_meta`, under ``seed``).
 
     Raises:
         PartitionError: for a model on ``meta`` with an example on ``meta``.
@@ -90,61 +89,12 @@ def vision_prefix(model: nn.Module, example: dict[str, Any], seed: int = 0
         raise PartitionError(
             f"{type(model).__name__} is an image-text model on the meta device: its vision "
             "prefix runs on example_inputs, which must be real tensors")
-    shared = _holders(model)  # a tied weight is one Parameter in several modules
-    made = _materialize_beside(model, path, seed, shared)
+    shared = holders(model)  # a tied weight is one Parameter in several modules
+    made = materialize_beside(model, path, seed, shared)
     prefix = VisionPrefix(model, path, example)
     prefix.captured_with = prefix.example(example)
-    _to_meta(list(made.values()), shared)  # the stage holding them makes them real again
+    to_meta(list(made.values()), shared)  # the stage holding them makes them real again
     return prefix
-
-
-def _materialize_beside(model: nn.Module, path: str, seed: int,
-                        shared: list[list[tuple[nn.Module, str]]]) -> dict[str, nn.Module]:
-    """The modules beside ``path`` in its parent, and the input embedding, made real (each
-    of ``shared`` one Parameter still); by path."""
-    from pipetrain.split.lazy import NamedInit
-
-    parent, _, name = path.rpartition(".")
-    inner = model.get_submodule(parent) if parent else model
-    made = {f"{parent}.{child}" if parent else child: module
-            for child, module in inner.named_children() if child != name}
-    embed = getattr(model, "get_input_embeddings", lambda: None)()
-    names = {id(m): n for n, m in model.named_modules()}
-    if isinstance(embed, nn.Module) and id(embed) in names:
-        made[names[id(embed)]] = embed
-    holder = _Holder()
-    for at, module in made.items():
-        _attach(holder, at, module, _Holder)
-    NamedInit(model, seed).materialize(holder, "cpu")
-    for places in shared:  # a head tied to the token embedding: the real one in both
-        real = [getattr(m, n) for m, n in places if not getattr(m, n).is_meta]
-        for m, n in places:
-            if real:
-                setattr(m, n, real[0])
-    return made
-
-
-def _to_meta(modules: list[nn.Module], shared: list[list[tuple[nn.Module, str]]]) -> None:
-    """``modules``' tensors back on ``meta`` (each of ``shared`` one Parameter still)."""
-    places = {id(getattr(m, n)): ps for ps in shared for m, n in ps[:1]}
-    for module in modules:
-        for sub in module.modules():
-            for name, p in list(sub.named_parameters(recurse=False)):
-                if not p.is_meta:
-                    meta = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-                    for m, n in places.get(id(p), [(sub, name)]):
-                        setattr(m, n, meta)
-            for name, b in list(sub.named_buffers(recurse=False)):
-                setattr(sub, name, b.to("meta"))
-
-
-def _holders(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """Per Parameter held by several modules: (module, name) of each."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        for name, p in module.named_parameters(recurse=False):
-            places.setdefault(id(p), []).append((module, name))
-    return [ps for ps in places.values() if len(ps) > 1]
 
 
 class VisionPrefix(nn.Module):
@@ -171,7 +121,7 @@ class VisionPrefix(nn.Module):
         capture goes without them, and computes the same only if the model makes them again
         from what it is given (Mllama's row mask, from its ``cross_attention_mask``)."""
         for name in self.ran:
-            _attach(self, name, model.get_submodule(name), _Holder)
+            attach(self, name, model.get_submodule(name), Holder)
 
     @property
     def whole(self) -> nn.Module:
@@ -389,25 +339,6 @@ def _modules_run(model: nn.Module, path: str, example: dict[str, Any]
         for h in handles:
             h.remove()
     return [n for n in ran if not any(n.startswith(o + ".") for o in ran if o != n)], call
-
-
-class _Holder(nn.Module):
-    """A container of some of a model's modules at their paths that stands for none of the
-    model's own (:meth:`~pipetrain.split.lazy.NamedInit.materialize` initialises a plain
-    ``nn.Module`` container as the model's module at its path)."""
-
-
-def _attach(root: nn.Module, path: str, module: nn.Module,
-            container: type[nn.Module] = nn.Module) -> None:
-    """``module`` under ``root`` at the dotted ``path``, through empty ``container`` s."""
-    *parents, leaf = path.split(".")
-    at = root
-    for part in parents:
-        children = dict(at.named_children())
-        if part not in children:
-            at.add_module(part, container())
-        at = at.get_submodule(part)
-    at.add_module(leaf, module)
 
 
 class Prefixed(nn.Module):
