@@ -107,6 +107,43 @@ def mllama_row(n: int, g: torch.Generator) -> Row:
             "cross_attention_mask": mask}
 
 
+def sized_images(sizes: list[tuple[int, int, int]], crops: int | None, length: int = S
+                 ) -> Callable[[int, torch.Generator], Row]:
+    """Rows for a model that takes each image's size (``image_sizes``): image ``i`` of a row
+    is ``sizes[i % len(sizes)] = (h, w, placeholders)``, its pixels ``[crops, 3, 8, 8]`` as an
+    any-resolution processor pads them (LLaVA-NeXT), or ``[3, h, w]`` without crops (Mistral
+    3's Pixtral tower)."""
+    def row(n: int, g: torch.Generator) -> Row:
+        ids = torch.randint(1, V - 5, (1, length), generator=g)
+        at, hw = 1, []
+        for i in range(n):
+            h, w, tokens = sizes[i % len(sizes)]
+            ids[0, at:at + tokens] = IMG
+            at += tokens + 1
+            hw.append([h, w])
+        out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if n:
+            shape = (crops, 3, 8, 8) if crops else (3, sizes[0][0], sizes[0][1])
+            out.update(pixel_values=_randn(g, n, *shape), image_sizes=torch.tensor(hw))
+        return out
+    return row
+
+
+def padded_images(tokens: int, most: int = 2) -> Callable[[int, torch.Generator], Row]:
+    """Rows for a model whose ``pixel_values`` are ``[rows, most, 3, 8, 8]``, a row's images
+    padded with all-zero ones (Idefics3, SmolVLM), each filling ``tokens`` placeholders."""
+    def row(n: int, g: torch.Generator) -> Row:
+        ids = _text(g)
+        ids[0, 2:2 + tokens * n] = IMG
+        pixels = torch.zeros(1, most, 3, 8, 8, dtype=torch.float64)
+        pixels[0, :n] = _randn(g, n, 3, 8, 8)
+        mask = torch.zeros(1, most, 8, 8, dtype=torch.long)
+        mask[0, :n] = 1
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "pixel_values": pixels, "pixel_attention_mask": mask}
+    return row
+
+
 def _model(cls: str, config: Any) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         tf.logging.set_verbosity_error()
@@ -149,6 +186,42 @@ FAMILIES = [
         text_config=dict(LLAMA, num_hidden_layers=3, cross_attention_layers=[1],
                          pad_token_id=0),
         image_token_index=IMG)), mllama_row, images=(1, 2, 1, 2)),
+]
+LLAVA_NEXT = _model("LlavaNextForConditionalGeneration", lambda: tf.LlavaNextConfig(
+    text_config=dict(model_type="llama", **LLAMA),
+    vision_config=dict(model_type="clip_vision_model", image_size=8, patch_size=4,
+                       hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, projection_dim=16),
+    image_grid_pinpoints=[[8, 8], [8, 16], [16, 8], [16, 16]], image_token_index=IMG))
+FAMILIES += [
+    Family("llava_next", LLAVA_NEXT, sized_images([(8, 8, 10)], 2)),
+    Family("llava_onevision", _model("LlavaOnevisionForConditionalGeneration",
+                                     lambda: tf.LlavaOnevisionConfig(
+        text_config=dict(model_type="qwen2", **LLAMA),
+        vision_config=dict(model_type="siglip_vision_model", image_size=8, patch_size=4,
+                           hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2),
+        image_grid_pinpoints=[[8, 8], [8, 16], [16, 8], [16, 16]], image_token_index=IMG,
+        video_token_index=V - 2)), sized_images([(8, 8, 10)], 2)),
+    Family("smolvlm", _model("SmolVLMForConditionalGeneration", lambda: tf.SmolVLMConfig(
+        text_config=dict(model_type="llama", **LLAMA),
+        vision_config=dict(SIGLIP, num_hidden_layers=1), scale_factor=2, image_token_id=IMG)),
+        padded_images(4)),
+    Family("idefics3", _model("Idefics3ForConditionalGeneration", lambda: tf.Idefics3Config(
+        text_config=dict(model_type="llama", **LLAMA),
+        vision_config=dict(SIGLIP, num_hidden_layers=1), scale_factor=2, image_token_id=IMG)),
+        padded_images(4)),
+    Family("internvl", _model("InternVLForConditionalGeneration", lambda: tf.InternVLConfig(
+        text_config=dict(model_type="qwen2", **LLAMA),
+        vision_config=dict(image_size=8, patch_size=2, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2),
+        image_token_id=IMG, image_seq_length=4)), square_images(4)),
+    Family("mistral3", _model("Mistral3ForConditionalGeneration", lambda: tf.Mistral3Config(
+        text_config=dict(model_type="mistral", head_dim=8, **LLAMA),
+        vision_config=dict(model_type="pixtral", image_size=16, patch_size=2, hidden_size=16,
+                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           head_dim=8),
+        spatial_merge_size=2, image_token_index=IMG)), sized_images([(8, 16, 8)], None)),
 ]
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -257,7 +330,14 @@ def test_placeholders_that_do_not_fit_the_images_are_refused() -> None:
         prefix.split(prefix.payload(dict(full, pixel_values=full["pixel_values"][:3])), 2)
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+ON_META = [pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=NotImplementedError,
+                                                   reason="its forward writes image_newline, a "
+                                                   "parameter the model holds itself, which the "
+                                                   "capture does not make real on meta"))
+           if f.name in ("llava_next", "llava_onevision") else f for f in FAMILIES]
+
+
+@pytest.mark.parametrize("family", ON_META, ids=[f.name for f in FAMILIES])
 def test_image_text_models_built_on_meta_train_like_the_whole_model_materialised(
         family: Family) -> None:
     """A model described on ``meta`` (too big for one process): each stage made real by name,
@@ -343,3 +423,18 @@ def test_the_command_line_points_an_image_text_directory_to_the_python_path() ->
                        r"generate, verify\) takes causal language models only: pipeline an "
                        r"image-text model from Python.*docs/multimodal.md"):
         meta_model(config)
+
+
+def test_images_of_different_sizes_one_a_row_go_with_their_rows() -> None:
+    """LLaVA-NeXT's any-resolution images fill as many placeholders as their sizes say, which
+    the split cannot tell from the pixels; with one image a row, each goes with its row."""
+    family = Family("llava_next_mixed", LLAVA_NEXT,
+                    sized_images([(16, 16, 24), (8, 16, 14)], 5, length=48), images=(1, 1, 1, 1))
+    pipe, ref, got, want = stepped(family.build(), family, "1f1b")
+    assert abs(got - want) <= TOL * abs(want)
+    assert differences(pipe, ref) == []
+    mixed = Family("llava_next_mixed", LLAVA_NEXT,
+                   sized_images([(16, 16, 24), (8, 16, 14)], 5, length=48))
+    with pytest.raises(ValueError, match=r"\[rank 0\] step 0, stage 0: 86 image placeholders "
+                       r"do not share evenly.*images of different sizes"):
+        stepped(mixed.build(), mixed, "1f1b")

@@ -71,10 +71,11 @@ class Feed:
             if self.traced is not None:
                 try:
                     inputs = self.traced.payload(inputs)
+                    data.inputs = self.traced.split(inputs, m, self.split_dim)
                 except ValueError as e:
                     raise ValueError(f"{where}, stage 0: {e}") from None
-            data.inputs = (microbatch.split(inputs, m, self.split_dim) if self.traced is None
-                           else self.traced.split(inputs, m, self.split_dim))
+            else:
+                data.inputs = microbatch.split(inputs, m, self.split_dim)
             if self.rng and (data.train or draws_in_eval):
                 base = rng_streams.draw_base()
                 data.rng = [rng_streams.start(base, i, self.device) for i in range(m)]

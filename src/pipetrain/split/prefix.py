@@ -46,6 +46,8 @@ _VISUAL = ("pixel_values", "image_", "video_", "aspect_ratio_", "pixel_attention
 _FROM_CALL = ("inputs_embeds", "position_ids", "cross_attention_states",
               "cross_attention_mask", "full_text_row_masked_out_mask")
 """Arguments of the language model's call that stand in for the images in the capture."""
+_LANGUAGE = ("language_model", "text_model")
+"""What image-text models call their language model (``text_model``: Idefics3, SmolVLM)."""
 _TYPED = ("token_type_ids", "mm_token_type_ids")
 """Arguments with which a model's masks let image tokens attend both ways (Gemma 3,
 PaliGemma): transformers builds those masks with ``torch.vmap``, which a captured graph cannot
@@ -66,8 +68,9 @@ class _Reached(Exception):  # noqa: N818  (control flow, never seen by a user)
 
 def vision_prefix(model: nn.Module, example: dict[str, Any], seed: int = 0
                   ) -> VisionPrefix | None:
-    """The prefix of an image-text model (one whose ``forward`` takes ``pixel_values`` and
-    that holds a ``language_model``), else None.
+    """The prefix of an image-text model (one whose ``forward`` takes ``pixel_values``, that
+    holds a ``language_model`` or ``text_model`` and whose config names an image placeholder
+    token), else None.
 
     On ``meta``, the modules beside the language model (the vision tower, the projector) and
     the token embedding are made real for the prefix to run on ``example``, and put back on
@@ -77,9 +80,11 @@ def vision_prefix(model: nn.Module, example: dict[str, Any], seed: int = 0
         PartitionError: for a model on ``meta`` with an example on ``meta``.
     """
     params = inspect.signature(model.forward).parameters
-    lm = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "language_model"]
-    if "pixel_values" not in params or not lm or not isinstance(example, dict):
-        return None
+    lm = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in _LANGUAGE]
+    config = getattr(model, "config", None)
+    placeholder = any(getattr(config, t, None) is not None for group in _GROUPS for t in group[2:])
+    if "pixel_values" not in params or not lm or not placeholder or not isinstance(example, dict):
+        return None  # (two towers side by side, as CLIP's, have no image placeholder)
     path = min(lm, key=len)
     if not is_meta(model):
         prefix = VisionPrefix(model, path, example)
@@ -122,6 +127,11 @@ class VisionPrefix(nn.Module):
         from what it is given (Mllama's row mask, from its ``cross_attention_mask``)."""
         for name in self.ran:
             attach(self, name, model.get_submodule(name), Holder)
+        for name, p in _enclosing_parameters(model, path):  # LLaVA-NeXT's image_newline
+            owner, _, leaf = name.rpartition(".")
+            if owner and not _has(self, owner):
+                attach(self, owner, Holder(), Holder)
+            (self.get_submodule(owner) if owner else self).register_parameter(leaf, p)
 
     @property
     def whole(self) -> nn.Module:
@@ -223,11 +233,14 @@ class VisionPrefix(nn.Module):
         if token is None:
             return None
         counts = [int(c) for c in (ids == token).sum(dim=1)]
-        n_rows = ids.shape[0]
+        n_rows, images = ids.shape[0], payload[pixels]
         by_rows = all(torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n_rows
                       for k, v in payload.items() if _visual(k) and k.startswith(pixels[:5]))
-        if by_rows and grid not in payload and len(set(counts)) == 1:
-            return None
+        per_image = grid in payload or "image_sizes" in payload  # a row per image
+        if by_rows and not per_image and (len(set(counts)) == 1 or images.dim() >= 5):
+            return None  # a row's images on an axis of their own (Idefics3, Mllama)
+        if grid not in payload and images.shape[0] == n_rows and min(counts) > 0:
+            return [1] * n_rows  # as many images as rows, each showing one: of any size
         need = _tokens_per_image(self.whole, payload, pixels, grid, sum(counts))
         per_row, i = [], 0
         for r, count in enumerate(counts):
@@ -257,8 +270,9 @@ def _tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, gr
     n = int(payload[pixels].shape[0])
     if n == 0 or total % n:
         raise ValueError(f"{total} image placeholders do not share evenly among the {n} "
-                         f"images of {pixels}; give each image the same count of "
-                         "placeholders (the model's processor writes them)")
+                         f"images of {pixels}: without a grid, images of different sizes "
+                         "(image_sizes) cannot be told apart; give each image the same size, "
+                         "or every row one image")
     return [total // n] * n
 
 
@@ -339,6 +353,26 @@ def _modules_run(model: nn.Module, path: str, example: dict[str, Any]
         for h in handles:
             h.remove()
     return [n for n in ran if not any(n.startswith(o + ".") for o in ran if o != n)], call
+
+
+def _enclosing_parameters(model: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
+    """Parameters held directly by the modules whose forward encloses the call of ``path``
+    (LLaVA-NeXT's ``image_newline``, which its forward writes between image rows)."""
+    parts = path.split(".")
+    found = []
+    for i in range(len(parts)):
+        at = ".".join(parts[:i])
+        module = model.get_submodule(at) if at else model
+        found += [(f"{at}.{n}" if at else n, p) for n, p in module.named_parameters(recurse=False)]
+    return found
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 class Prefixed(nn.Module):
