@@ -272,3 +272,13 @@ def test_gpu_kernels_quick_on_cpu_writes_every_section(tmp_path: Path) -> None:
     assert {"schema", "header", "gemm", "gemm_fp8", "attention", "memory", "notes"} <= set(data)
     assert {r["layout"] for r in data["gemm"]} == {"nt", "nn", "tn"}
     assert data["attention"] and data["memory"] and all(r["gbps"] > 0 for r in data["memory"])
+
+
+def test_vlm_tiny_prints_each_layout_and_writes_json(tmp_path: Path) -> None:
+    out = _run("vlm", "--procs", "2", "--steps", "2", "--rows", "4", "--microbatches", "2",
+               "--seq-len", "32", "--hidden", "32", "--layers", "2", "--json",
+               str(tmp_path / "vlm.json"))
+    assert "units per stage" in out and "tokens/s" in out
+    results = json.loads((tmp_path / "vlm.json").read_text())["results"]
+    assert [(r["procs"], r["balance_mode"]) for r in results] == [(2, "params"), (2, "time")]
+    assert all(len(r["balance"]) == 2 and r["tokens_per_s"] > 0 for r in results)
