@@ -69,3 +69,24 @@ def test_a_config_that_keeps_its_cache_on_is_captured_and_keeps_it_on() -> None:
                        split_points="auto", example_inputs={"input_ids": ids}, local_ranks=2)
     assert pipe.step({"input_ids": ids}, ids).loss is not None
     assert model.config.use_cache is True
+
+
+class Counted(nn.Module):
+    """Reshapes by the example's row count while torch.export traces it, by the input's own
+    otherwise: a count the capture fixed from the example, as a ``.tolist()`` of a value the
+    example decides does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = 8 if torch.compiler.is_exporting() else x.shape[0]
+        return self.b(self.a(x).reshape(rows, -1))
+
+
+def test_a_count_fixed_from_the_example_is_refused_on_its_first_half_of_rows() -> None:
+    with pytest.raises(PartitionError, match=r"the capture of Counted fails on the first half "
+                       r"of example_inputs' rows, where the model runs: RuntimeError"):
+        pt.Pipeline(Counted(), "gpipe", 2, nn.MSELoss(), split_points=["b"],
+                    example_inputs=(torch.randn(8, 4),), local_ranks=2)

@@ -6,7 +6,9 @@ another one under tracing than when it runs (a check of ``torch.compiler.is_expo
 value read from a fake tensor): the stages would then train a different function, silently.
 :func:`check_capture` runs the model and its stages on the example inputs, without gradients,
 and raises when an output differs by more than its dtype's rounding; the model's buffers are
-put back afterwards. It cannot compare a model on the meta device (no values) or one whose
+put back afterwards. Where the capture kept sizes symbolic and the example has 4 rows or more,
+it checks a second input too, the example's first half of rows: a capture that fixed a count
+from the example's values (a split by ``.tolist()``) fails there, before any step. It cannot compare a model on the meta device (no values) or one whose
 stages draw random numbers (dropout: the two runs draw differently), and leaves those out;
 of an image-text model's outputs, it leaves out the vision tower's own (``image_outputs``),
 which its vision prefix (:mod:`pipetrain.split.prefix`) does not pass on.
@@ -14,13 +16,16 @@ which its vision prefix (:mod:`pipetrain.split.prefix`) does not pass on.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipetrain.errors import PartitionError
+from pipetrain.runtime import microbatch
 from pipetrain.runtime.torch_private import pytree
+from pipetrain.split.inputs import Packed
 from pipetrain.split.lazy import is_meta
 from pipetrain.split.trace import TracedSplit
 
@@ -40,12 +45,47 @@ def check_capture(model: nn.Module, split: TracedSplit, example: Any) -> None:
     """
     if is_meta(model) or any(split.draws):
         return
+    payload = split.payload(example)
+    _check_on(model, split, payload, "example_inputs")
+    half = _first_half(split, payload)
+    if half is not None:
+        _check_on(model, split, half, "the first half of example_inputs' rows")
+
+
+def _first_half(split: TracedSplit, payload: Packed) -> Packed | None:
+    """A second input, where one can be made: the example's first half of rows, as a first
+    of two micro-batches gets them, when the capture kept sizes symbolic and the example has
+    4 rows or more (a capture that fixed a size from the example's values fails on it)."""
+    ids = payload.get("input_ids")
+    try:
+        rows = ids.shape[0] if torch.is_tensor(ids) else microbatch.batch_size(payload, 0)
+        if not split.captured.dynamic or rows < 4:
+            return None
+        half: Packed = split.split(payload, 2, 0)[0]
+    except ValueError:
+        return None
+    return half
+
+
+def _check_on(model: nn.Module, split: TracedSplit, payload: Packed, what: str) -> None:
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with torch.no_grad():
-            want = model(**example) if isinstance(example, dict) else model(*example)
+            bound = inspect.BoundArguments(split.captured.signature, payload)
+            want = model(*bound.args, **bound.kwargs)
             _put_back(model, saved)  # a forward that updates a buffer runs on the same one
-            got = split.run(split.payload(example))
+            try:
+                got = split.run(payload)
+            except ValueError:  # sizes the capture fixed (its error names them at a step)
+                if what == "example_inputs":
+                    raise
+                return
+            except Exception as e:  # noqa: BLE001  (what the captured graph raised)
+                raise PartitionError(
+                    f"the capture of {type(model).__name__} fails on {what}, where the model "
+                    f"runs: {type(e).__name__}: {e}. The capture fixed what example_inputs "
+                    "decided (a count read with .tolist(), say); capture with an example of "
+                    "the micro-batches' size, or report the model") from e
     finally:
         _put_back(model, saved)
     problems = _differences(want, got, visual=split.prefix is not None)
@@ -53,13 +93,13 @@ def check_capture(model: nn.Module, split: TracedSplit, example: Any) -> None:
         raise PartitionError(
             f"{type(model).__name__} passes its {split.prefix.path} "
             f"{', '.join(split.prefix.dropped)}, which its own forward does not take; captured "
-            "from its language model on without them, it computes another function on "
-            f"example_inputs ({'; '.join(problems)}), so it cannot be split from its language "
+            f"from its language model on without them, it computes another function on {what} "
+            f"({'; '.join(problems)}), so it cannot be split from its language "
             "model on yet (docs/multimodal.md)")
     if problems:
         raise PartitionError(
             f"the capture of {type(model).__name__} does not compute what its forward computes "
-            f"on example_inputs: {'; '.join(problems)}. torch.export recorded another branch "
+            f"on {what}: {'; '.join(problems)}. torch.export recorded another branch "
             "of its Python than the one it runs eagerly (code that checks whether it is being "
             "traced, or reads a value torch.export cannot know); training these stages would "
             "train another function. Split it as a layer list, or report the model")
