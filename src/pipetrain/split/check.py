@@ -5,13 +5,14 @@ torch.export records the branch a model's Python takes while it traces, and a mo
 another one under tracing than when it runs (a check of ``torch.compiler.is_exporting()``, a
 value read from a fake tensor): the stages would then train a different function, silently.
 :func:`check_capture` runs the model and its stages on the example inputs, without gradients,
-and raises when an output differs by more than its dtype's rounding; the model's buffers are
-put back afterwards. Where the capture kept sizes symbolic and the example has 4 rows or more,
-it checks a second input too, the example's first half of rows: a capture that fixed a count
-from the example's values (a split by ``.tolist()``) fails there, before any step. It cannot compare a model on the meta device (no values) or one whose
-stages draw random numbers (dropout: the two runs draw differently), and leaves those out;
-of an image-text model's outputs, it leaves out the vision tower's own (``image_outputs``),
-which its vision prefix (:mod:`pipetrain.split.prefix`) does not pass on.
+and raises when an output differs by more than its dtype's rounding; the model's buffers are put
+back afterwards. Where the capture kept sizes symbolic and the example has 4 rows or more, it
+checks a second input too, the example's first half of rows: a capture that fixed a count from
+the example's values (a split by ``.tolist()``) fails there, before any step. It cannot compare
+a model on the meta device (no values) or one whose stages draw random numbers (dropout: the two
+runs draw differently), and leaves those out; of an image-text model's outputs, it leaves out
+the vision tower's own (``image_outputs``), which its vision prefix
+(:mod:`pipetrain.split.prefix`) does not pass on.
 """
 
 from __future__ import annotations
@@ -72,7 +73,12 @@ def _check_on(model: nn.Module, split: TracedSplit, payload: Packed, what: str) 
     try:
         with torch.no_grad():
             bound = inspect.BoundArguments(split.captured.signature, payload)
-            want = model(*bound.args, **bound.kwargs)
+            try:
+                want = model(*bound.args, **bound.kwargs)
+            except Exception:  # noqa: BLE001  (the model itself cannot take the second input:
+                if what == "example_inputs":  # a KV cache sized for the example, say)
+                    raise
+                return
             _put_back(model, saved)  # a forward that updates a buffer runs on the same one
             try:
                 got = split.run(payload)
