@@ -128,10 +128,7 @@ class VisionPrefix(nn.Module):
         for name in self.ran:
             attach(self, name, model.get_submodule(name), Holder)
         for name, p in _enclosing_parameters(model, path):  # LLaVA-NeXT's image_newline
-            owner, _, leaf = name.rpartition(".")
-            if owner and not _has(self, owner):
-                attach(self, owner, Holder(), Holder)
-            (self.get_submodule(owner) if owner else self).register_parameter(leaf, p)
+            attach(self, name, p, Holder)
 
     @property
     def whole(self) -> nn.Module:
@@ -193,13 +190,15 @@ class VisionPrefix(nn.Module):
     def split(self, payload: dict[str, Any], m: int, dim: int = 0) -> list[dict[str, Any]]:
         """``payload`` in ``m`` micro-batches of rows, each with the images its rows show.
 
-        Rows are split as :func:`~pipetrain.runtime.microbatch.split` splits them. A visual
-        tensor (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ...) whose first size is
-        not the batch's, or any when the rows hold different numbers of image placeholders,
-        is split by image instead: images belong to rows in the order of their placeholder
-        tokens, an image filling as many placeholders as its grid says (Qwen2-VL's
-        ``t * h * w / merge**2``; its patches are ``t * h * w`` rows of ``pixel_values``) or,
-        without a grid, an equal share of the batch's placeholders.
+        Rows are split as :func:`~pipetrain.runtime.microbatch.split` splits them. The visual
+        tensors (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ...) go by rows when
+        each has one entry per row and nothing describes single images (no grid, no
+        ``image_sizes``), and every row shows as many placeholders or its images have an axis
+        of their own (Idefics3, Mllama). Else, as many images as rows, each row showing
+        placeholders, is one image a row, of any size. Else images belong to rows in the order
+        of their placeholder tokens, an image filling as many placeholders as its grid says
+        (Qwen2-VL's ``t * h * w / merge**2``; its patches are ``t * h * w`` rows of
+        ``pixel_values``) or, without a grid, an equal share of the batch's placeholders.
 
         Raises:
             ValueError: when the placeholders do not match the images.
@@ -216,12 +215,8 @@ class VisionPrefix(nn.Module):
             if pixels in payload:
                 per_row = self._images_per_row(payload, pixels, grid, tokens)
                 _split_images(payload, pixels, grid, per_row, rows, parts)
-        for part in parts:  # the order of forward's arguments, as the capture bound them
-            order = list(payload)
-            part_items = sorted(part.items(), key=lambda kv: order.index(kv[0]))
-            part.clear()
-            part.update(part_items)
-        return [Packed(p) for p in parts]
+        # in the order of forward's arguments, as the capture bound them
+        return [Packed({k: part[k] for k in payload if k in part}) for part in parts]
 
     def _images_per_row(self, payload: dict[str, Any], pixels: str, grid: str,
                         tokens: list[str]) -> list[int] | None:
@@ -365,14 +360,6 @@ def _enclosing_parameters(model: nn.Module, path: str) -> list[tuple[str, nn.Par
         module = model.get_submodule(at) if at else model
         found += [(f"{at}.{n}" if at else n, p) for n, p in module.named_parameters(recurse=False)]
     return found
-
-
-def _has(root: nn.Module, path: str) -> bool:
-    try:
-        root.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 class Prefixed(nn.Module):

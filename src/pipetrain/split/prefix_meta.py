@@ -27,17 +27,20 @@ class Holder(nn.Module):
     ``nn.Module`` container as the model's module at its path)."""
 
 
-def attach(root: nn.Module, path: str, module: nn.Module,
+def attach(root: nn.Module, path: str, value: nn.Module | nn.Parameter,
            container: type[nn.Module] = nn.Module) -> None:
-    """``module`` under ``root`` at the dotted ``path``, through empty ``container`` s."""
+    """``value`` (a module or a parameter) under ``root`` at the dotted ``path``, through
+    empty ``container`` s made where there is none."""
     *parents, leaf = path.split(".")
     at = root
     for part in parents:
-        children = dict(at.named_children())
-        if part not in children:
+        if part not in dict(at.named_children()):
             at.add_module(part, container())
         at = at.get_submodule(part)
-    at.add_module(leaf, module)
+    if isinstance(value, nn.Parameter):
+        at.register_parameter(leaf, value)
+    else:
+        at.add_module(leaf, value)
 
 
 def materialize_beside(model: nn.Module, path: str, seed: int,
