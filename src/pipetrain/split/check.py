@@ -47,10 +47,10 @@ def check_capture(model: nn.Module, split: TracedSplit, example: Any) -> None:
     if is_meta(model) or any(split.draws):
         return
     payload = split.payload(example)
-    _check_on(model, split, payload, "example_inputs")
+    _check_on(model, split, payload, "example_inputs", second=False)
     half = _first_half(split, payload)
     if half is not None:
-        _check_on(model, split, half, "the first half of example_inputs' rows")
+        _check_on(model, split, half, "the first half of example_inputs' rows", second=True)
 
 
 def _first_half(split: TracedSplit, payload: Packed) -> Packed | None:
@@ -68,7 +68,10 @@ def _first_half(split: TracedSplit, payload: Packed) -> Packed | None:
     return half
 
 
-def _check_on(model: nn.Module, split: TracedSplit, payload: Packed, what: str) -> None:
+def _check_on(model: nn.Module, split: TracedSplit, payload: Packed, what: str,
+              second: bool) -> None:
+    """Compare the model and its stages on ``payload`` (``what`` it is); a ``second`` input
+    that the model or the capture's fixed sizes refuse is left out."""
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with torch.no_grad():
@@ -76,14 +79,14 @@ def _check_on(model: nn.Module, split: TracedSplit, payload: Packed, what: str) 
             try:
                 want = model(*bound.args, **bound.kwargs)
             except Exception:  # noqa: BLE001  (the model itself cannot take the second input:
-                if what == "example_inputs":  # a KV cache sized for the example, say)
+                if not second:  # a KV cache sized for the example, say)
                     raise
                 return
             _put_back(model, saved)  # a forward that updates a buffer runs on the same one
             try:
                 got = split.run(payload)
             except ValueError:  # sizes the capture fixed (its error names them at a step)
-                if what == "example_inputs":
+                if not second:
                     raise
                 return
             except Exception as e:  # noqa: BLE001  (what the captured graph raised)
