@@ -19,6 +19,7 @@ base (``lora_A`` is initialised by the model's own initialiser, from ``--seed``)
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["add_adapters", "is_adapter", "lora_config", "merge", "save_adapter", "stored_name"]
+__all__ = ["add_adapters", "is_adapter", "language_targets", "lora_config", "merge",
+           "save_adapter", "stored_name"]
 
 ADAPTER = "default"
 """peft's name of the one adapter."""
@@ -41,13 +43,35 @@ def require_peft() -> Any:
     return peft
 
 
-def lora_config(r: int, alpha: float, dropout: float, targets: str) -> Any:
+def lora_config(r: int, alpha: float, dropout: float, targets: str,
+                text_of: Any = None) -> Any:
     """peft's ``LoraConfig``: rank ``r``, ``alpha`` (0: 2 r), ``dropout``, the modules
-    ``targets`` names (commas; empty: peft's default for the architecture)."""
+    ``targets`` names (commas; empty: peft's default for the architecture).
+
+    ``text_of``: the config of an image-text model, whose adapters go on its language model
+    only: the projections ``targets`` names (empty: peft's default for its text model, or
+    ``q_proj,v_proj``) under its ``language_model`` or ``text_model``, not the vision
+    tower's of the same names.
+    """
     peft = require_peft()
-    names = [t.strip() for t in targets.split(",") if t.strip()] or None
+    names: Any = [t.strip() for t in targets.split(",") if t.strip()] or None
+    if text_of is not None:
+        names = language_targets(text_of, names)
     return peft.LoraConfig(r=r, lora_alpha=alpha or 2 * r, lora_dropout=dropout,
                            target_modules=names, task_type="CAUSAL_LM")
+
+
+def language_targets(config: Any, names: list[str] | None) -> str:
+    """A peft ``target_modules`` pattern: the modules ``names`` names under the language
+    model of the image-text model of ``config`` (None: peft's default for its text model)."""
+    if names is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+        text = str(getattr(config.get_text_config(), "model_type", ""))
+        names = list(TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(
+            text, ["q_proj", "v_proj"]))
+    alternatives = "|".join(sorted(re.escape(n) for n in names))
+    return rf"^(.*\.)?(language_model|text_model)\..*\.({alternatives})$"
 
 
 def add_adapters(model: nn.Module, config: Any) -> nn.Module:
@@ -90,7 +114,7 @@ def save_adapter(out: Path, adapters: Mapping[str, torch.Tensor], config: Any,
 
     from pipetrain.hf.model import meta_model
 
-    wrapped = peft.get_peft_model(meta_model(model_config), config)
+    wrapped = peft.get_peft_model(meta_model(model_config, images=True), config)
     prefixed = {f"base_model.model.{n}": t.detach().cpu().contiguous()
                 for n, t in adapters.items()}
     state = peft.get_peft_model_state_dict(wrapped, state_dict=prefixed,
@@ -119,7 +143,12 @@ def merge(out: Path, base: Path, adapter: Path, tokenizer: Any) -> Path:
     bars = tf.utils.logging.is_progress_bar_enabled()
     tf.utils.logging.disable_progress_bar()  # the run's console is pipetrain's
     try:
-        model = tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        from pipetrain.hf.image_text import is_image_text
+
+        config = tf.AutoConfig.from_pretrained(base, local_files_only=True)
+        auto = (tf.AutoModelForImageTextToText if is_image_text(config)
+                else tf.AutoModelForCausalLM)
+        model = auto.from_pretrained(base, dtype=torch.float32)
         merged = peft.PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
         merged.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))

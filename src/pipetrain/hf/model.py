@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipetrain.hf.image_text import is_image_text, meta_image_text
 from pipetrain.runtime.dtensors import copy_whole_
 from pipetrain.split.autosplit import cut_points, units
 
@@ -83,6 +84,8 @@ class HFModel:
     fused: dict[str, Fused] = field(default_factory=dict)
     """Model tensor name -> the stored tensors transformers fuses into it at load (a mixture
     of experts' per-expert weights), for the tensors not stored whole."""
+    image_text: bool = False
+    """Built through ``AutoModelForImageTextToText`` (:mod:`pipetrain.hf.image_text`)."""
 
     @property
     def n_params(self) -> int:
@@ -92,7 +95,7 @@ class HFModel:
     @property
     def max_positions(self) -> int | None:
         """The longest sequence the model's position table covers (None: no limit stated)."""
-        value = getattr(self.config, "max_position_embeddings", None)
+        value = getattr(self.config.get_text_config(), "max_position_embeddings", None)
         return int(value) if isinstance(value, int) else None
 
     def describe(self) -> dict[str, Any]:
@@ -103,12 +106,15 @@ class HFModel:
         return {"hf": {"architecture": type(self.model).__name__, "config": config}}
 
 
-def meta_model(config: Any) -> nn.Module:
-    """``AutoModelForCausalLM.from_config(config)`` on ``meta``, float32, in train mode.
+def meta_model(config: Any, *, images: bool = False) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config)`` on ``meta``, float32, in train mode
+    (``images``: an image-text-to-text config through ``AutoModelForImageTextToText``).
 
     Raises:
         ValueError: when ``config`` is not of a causal LM transformers can build.
     """
+    if images and is_image_text(config):
+        return meta_image_text(config)
     tf = transformers()
     try:
         with torch.device("meta"):
@@ -129,8 +135,11 @@ def meta_model(config: Any) -> nn.Module:
     return model.train()
 
 
-def open_model(root: str | Path) -> HFModel:
+def open_model(root: str | Path, *, images: bool = False) -> HFModel:
     """The model of directory ``root`` (``config.json``, optional safetensors weights).
+
+    ``images``: an image-text-to-text config (:func:`pipetrain.hf.image_text.is_image_text`)
+    is built through ``AutoModelForImageTextToText``; without it, such a config is refused.
 
     Raises:
         FileNotFoundError: when ``root`` or its ``config.json`` is missing.
@@ -145,12 +154,13 @@ def open_model(root: str | Path) -> HFModel:
                                 "tokenizer files) or a Hub id, ORG/NAME[@REVISION]")
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     config.use_cache = False
+    image_text = images and is_image_text(config)
     try:
-        model = meta_model(config)
+        model = meta_model(config, images=images)
     except ValueError as e:
         raise ValueError(f"--hf {str(path)!r}: {e}") from None
     weights, fused = _index(_stored_files(path), _renamer(model))
-    return HFModel(path, config, model, weights, _names_by_tensor(model), fused)
+    return HFModel(path, config, model, weights, _names_by_tensor(model), fused, image_text)
 
 
 Renamer = Callable[[str], tuple[str, str | None, Any]]
@@ -274,13 +284,17 @@ def split_points(model: nn.Module, n_stages: int, example: dict[str, Any] | None
 
 def decoder_layers(model: nn.Module, found: list[str] | None = None) -> list[str]:
     """The names of the model's decoder layers: its largest stack of numbered units, such as
-    ``model.layers.0`` .. ``model.layers.31`` (``found``: its units, when known already)."""
+    ``model.layers.0`` .. ``model.layers.31`` (``found``: its units, when known already); in
+    an image-text model, the largest under its language model (a vision tower may be
+    deeper)."""
     stacks: dict[str, list[str]] = {}
     for name in units(model) if found is None else found:
         parent, _, index = name.rpartition(".")
         if index.isdigit():
             stacks.setdefault(parent, []).append(name)
-    return max(stacks.values(), key=len, default=[])
+    text = {k: v for k, v in stacks.items()
+            if {"language_model", "text_model"} & set(k.split("."))}
+    return max((text or stacks).values(), key=len, default=[])
 
 
 def check_generation_stages(model: nn.Module, n_stages: int, how: str = "--nproc {}"

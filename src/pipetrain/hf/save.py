@@ -126,7 +126,7 @@ def save_pretrained(final: Path, state: Mapping[str, torch.Tensor], config: Any,
     """
     from pipetrain.hf.model import meta_model
 
-    model = meta_model(config)  # for transformers' conversions of its names
+    model = meta_model(config, images=True)  # for transformers' conversions of its names
     distributed = dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     size = dist.get_world_size(group) if distributed else 1
@@ -176,7 +176,7 @@ def export_checkpoint(checkpoint: Path, out: Path, *, shard_bytes: int = 2 << 30
         raise CheckpointError(f"{checkpoint} is a checkpoint of a built-in GPT run, not of a "
                               "pipetrain train --hf run; only those convert to Hugging Face")
     config = transformers().AutoConfig.for_model(described.pop("model_type"), **described)
-    model = meta_model(config)
+    model = meta_model(config, images=True)
     entries = {k[len("model/"):]: v for k, v in opened.metadata.state_dict_metadata.items()
                if k.startswith("model/") and isinstance(v, TensorStorageMetadata)}
     groups = _shard_groups(entries, conversion_units(model, list(entries)), shard_bytes)

@@ -289,6 +289,8 @@ def _split_images(payload: dict[str, Any], pixels: str, grid: str,
     for k in group:
         value = payload[k]
         for part, (lo, hi) in zip(parts, bounds):
+            if lo == hi:
+                continue  # rows without images of this kind: the model's forward without them
             if k == pixels and patches is not None:
                 lo, hi = sum(patches[:lo]), sum(patches[:hi])
             part[k] = value[lo:hi] if torch.is_tensor(value) and value.dim() > 0 else value

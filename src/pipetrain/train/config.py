@@ -41,6 +41,15 @@ class TrainConfig:
     itself only (positions restarting), instead of one right-padded example a row."""
     chat_field: str = "messages"
     """With ``chat``: the column of messages (ShareGPT data names it ``conversations``)."""
+    images_field: str = "images"
+    """With ``chat`` and an image-text ``hf``: the column of each row's images, in the order
+    of its ``{"type": "image"}`` placeholders (TRL's convention)."""
+    freeze_vision: bool = False
+    """With an image-text ``hf``: train without the vision tower's weights (its projector
+    still trains)."""
+    freeze_projector: bool = False
+    """With an image-text ``hf``: train without the projector's weights (the layers between
+    the vision tower and the language model)."""
     lora_r: int = 0
     """With ``hf``: train peft's LoRA adapters of this rank on the frozen model (0: every
     weight); written to ``out/adapter`` in peft's format."""

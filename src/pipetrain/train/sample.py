@@ -79,7 +79,8 @@ def cache_length(trainer: Trainer, prompt: list[int]) -> int | None:
     cfg, source = trainer.cfg, trainer.source
     length = len(prompt) + cfg.sample_tokens - 1
     limit = source.max_positions
-    if not cfg.out or not source.exports or (limit is not None and length > limit):
+    exported = cfg.out and source.exports and source.kv_samples
+    if not exported or (limit is not None and length > limit):
         return None
     return length
 

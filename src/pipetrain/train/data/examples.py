@@ -41,8 +41,8 @@ from pipetrain.train.data.records import Encoder, is_dataset, read_rows
 from pipetrain.train.data.text import Positioned
 from pipetrain.train.data.tokens import _Bar, cache_key, fill_once
 
-__all__ = ["ExampleBatches", "ExampleCorpus", "data_problems", "describe", "example_batches",
-           "example_corpus", "masked_lm_loss"]
+__all__ = ["ExampleBatches", "ExampleCorpus", "cached_examples", "data_problems", "data_root",
+           "describe", "example_batches", "example_corpus", "masked_lm_loss"]
 
 IGNORE = -100
 """The label of a token the loss does not train on (transformers' ``ignore_index``)."""
@@ -74,19 +74,35 @@ class ExampleCorpus:
     def __len__(self) -> int:
         return int(self.offsets.numel()) - 1
 
+    @property
+    def batches(self) -> type[ExampleBatches]:
+        """The class of this corpus's padded batches."""
+        return ExampleBatches
+
     def usable(self, first: int, end: int, seq_len: int) -> tuple[torch.Tensor, dict[str, int]]:
         """The examples in ``[first, end)`` that train on at least one token of their first
         ``seq_len + 1``, and counts: examples, dropped (none trained), truncated, targets
         (positions with a real next token) and trained targets."""
-        starts = self.offsets[first:end]
-        lengths = self.offsets[first + 1:end + 1] - starts
-        kept = lengths.clamp(max=seq_len + 1)
-        counts = _trained_counts(self.trained, starts, kept)
+        every = torch.arange(first, end)
+        counts = self.trained_counts(every, seq_len)
         keep = counts > 0
-        return torch.arange(first, end)[keep], {
-            "examples": int(keep.sum()), "dropped": int((~keep).sum()),
-            "truncated": int((lengths[keep] > seq_len + 1).sum()),
-            "targets": int((kept[keep] - 1).sum()), "trained": int(counts[keep].sum())}
+        return every[keep], {"dropped": int((~keep).sum()),
+                             **self.counts(every[keep], seq_len)}
+
+    def trained_counts(self, examples: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Per example, its trained targets among its first ``seq_len + 1`` tokens."""
+        starts = self.offsets[examples]
+        kept = (self.offsets[examples + 1] - starts).clamp(max=seq_len + 1)
+        return _trained_counts(self.trained, starts, kept)
+
+    def counts(self, examples: torch.Tensor, seq_len: int) -> dict[str, int]:
+        """Of ``examples``: how many, truncated, their targets and trained targets."""
+        lengths = self.offsets[examples + 1] - self.offsets[examples]
+        kept = lengths.clamp(max=seq_len + 1)
+        return {"examples": int(examples.numel()),
+                "truncated": int((lengths > seq_len + 1).sum()),
+                "targets": int((kept - 1).sum()),
+                "trained": int(self.trained_counts(examples, seq_len).sum())}
 
 
 def _trained_counts(trained: torch.Tensor, starts: torch.Tensor, kept: torch.Tensor
@@ -115,15 +131,37 @@ def example_corpus(tokenizer: Any, tokenizer_dir: str | Path, data: str, cache: 
         ValueError: for a missing column, a tokenizer without a chat template under ``chat``,
             rows that are not text or messages, or a data set without rows.
     """
+    root = data_root(data)
+    encoder = Encoder(tokenizer, chat_field if chat else text_field, chat, f"--data {root}")
+    settings = f"examples:{_FORMAT}:{encoder.column}:{chat}:{tokenizer.eos_token_id}\n"
+    template = str(getattr(tokenizer, "chat_template", None) or "") if chat else ""
+    base, described = cached_examples(encoder, tokenizer_dir, root, cache, settings + template,
+                                      progress)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+        tokenizer.eos_token_id or 0)
+    return _mapped(base, described, eval_fraction, int(pad))
+
+
+def data_root(data: str) -> Path:
+    """``--data`` as a path.
+
+    Raises:
+        FileNotFoundError: when it does not exist.
+    """
     root = Path(data)
     if not root.exists():
         raise FileNotFoundError(f"--data: no such file or directory: {str(root)!r}")
-    encoder = Encoder(tokenizer, chat_field if chat else text_field, chat, f"--data {root}")
+    return root
+
+
+def cached_examples(encoder: Any, tokenizer_dir: str | Path, root: Path, cache: str | Path,
+                    settings: str, progress: bool) -> tuple[Path, dict[str, Any]]:
+    """The cache's files of ``root`` under ``encoder`` (tokenized by one process, the first
+    time): their base path and what they hold. The key hashes the tokenizer's and the data's
+    files (:func:`pipetrain.train.data.tokens.cache_key`) and ``settings``."""
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    settings = f"examples:{_FORMAT}:{encoder.column}:{chat}:{tokenizer.eos_token_id}\n"
-    template = str(getattr(tokenizer, "chat_template", None) or "") if chat else ""
-    key = hashlib.blake2b((cache_key(tokenizer_dir, root, files, None) + settings + template
-                           ).encode(), digest_size=12).hexdigest()
+    key = hashlib.blake2b((cache_key(tokenizer_dir, root, files, None) + settings).encode(),
+                          digest_size=12).hexdigest()
     directory = Path(cache).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
     base, info = directory / key, directory / f"{key}.json"
@@ -131,34 +169,35 @@ def example_corpus(tokenizer: Any, tokenizer_dir: str | Path, data: str, cache: 
     fill_once(lock, info, lambda: _tokenize(encoder, root, files, base, info, lock,
                                             directory / "datasets", progress),
               what=f"--data {root}")
-    described = json.loads(info.read_text())
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-        tokenizer.eos_token_id or 0)
-    return _mapped(base, described, eval_fraction, int(pad))
+    return base, json.loads(info.read_text())
 
 
-def _tokenize(encoder: Encoder, root: Path, files: list[Path], base: Path, info: Path,
+def _tokenize(encoder: Any, root: Path, files: list[Path], base: Path, info: Path,
               lock: Path, converted: Path, progress: bool) -> None:
     rows = read_rows(root, converted)
     encoder.check(rows.column_names)
     suffix = f".partial{os.getpid()}"
-    parts = {name: Path(f"{base}.{name}{suffix}") for name in ("tokens", "trained", "lengths")}
+    names = ("tokens", "trained", "lengths", *(("media.jsonl",) if encoder.media else ()))
+    parts = {name: Path(f"{base}.{name}{suffix}") for name in names}
     n_tokens = n_trained = 0
     with (open(parts["tokens"], "wb") as ids_out, open(parts["trained"], "wb") as flags_out,
-          open(parts["lengths"], "wb") as lengths_out, _Rows(progress, len(rows)) as advance):
+          open(parts["lengths"], "wb") as lengths_out,
+          open(parts.get("media.jsonl", os.devnull), "w", encoding="utf-8") as media_out,
+          _Rows(progress, len(rows)) as advance):
         for first in range(0, len(rows), _ROWS_AT_ONCE):
-            values = rows[first:first + _ROWS_AT_ONCE][encoder.column]
-            encoded = encoder.encode(values, first)
-            for ids, trained in encoded:
+            encoded = encoder.encode_rows(rows[first:first + _ROWS_AT_ONCE], first)
+            for ids, trained, *media in encoded:
                 array.array("i", ids).tofile(ids_out)
                 array.array("B", trained).tofile(flags_out)
                 n_tokens, n_trained = n_tokens + len(ids), n_trained + sum(trained)
-            array.array("q", [len(ids) for ids, _ in encoded]).tofile(lengths_out)
-            advance(len(values))
+                media_out.writelines(json.dumps(m) + "\n" for m in media)
+            array.array("q", [len(e[0]) for e in encoded]).tofile(lengths_out)
+            advance(len(encoded))
             lock.touch()
-        for out in (ids_out, flags_out, lengths_out):
+        for out in (ids_out, flags_out, lengths_out, media_out):
             out.flush()
-            os.fsync(out.fileno())
+            if out is not media_out or encoder.media:
+                os.fsync(out.fileno())
     for name, path in parts.items():
         os.replace(path, f"{base}.{name}")
     described = {"format": _FORMAT, "examples": len(rows), "tokens": n_tokens,
@@ -169,7 +208,7 @@ def _tokenize(encoder: Encoder, root: Path, files: list[Path], base: Path, info:
     os.replace(info.with_suffix(".json.partial"), info)
 
 
-def _kind(encoder: Encoder) -> str:
+def _kind(encoder: Any) -> str:
     return "chat" if encoder.chat else f"text column {encoder.column!r}"
 
 
@@ -181,17 +220,18 @@ class _Rows(_Bar):
         self.total = n_rows
 
 
-def _mapped(base: Path, info: dict[str, Any], eval_fraction: float, pad: int) -> ExampleCorpus:
+def _mapped(base: Path, info: dict[str, Any], eval_fraction: float, pad: int,
+            kind: type[ExampleCorpus] | None = None, **extra: Any) -> ExampleCorpus:
     n, n_tokens = int(info["examples"]), int(info["tokens"])
     if n_tokens < 2:
         raise ValueError(f"{info['source']}: tokenized to {n_tokens} tokens, too few to train on")
     lengths = torch.from_file(f"{base}.lengths", shared=False, size=n, dtype=torch.int64)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     n_eval = max(1, round(n * eval_fraction)) if eval_fraction > 0 and n > 1 else 0
-    return ExampleCorpus(
+    return (kind or ExampleCorpus)(
         torch.from_file(f"{base}.tokens", shared=False, size=n_tokens, dtype=torch.int32),
         torch.from_file(f"{base}.trained", shared=False, size=n_tokens, dtype=torch.uint8),
-        offsets, n - n_eval, info["source"], tuple(info["files"]), info["kind"], pad)
+        offsets, n - n_eval, info["source"], tuple(info["files"]), info["kind"], pad, **extra)
 
 
 class ExampleBatches(Positioned[Batch]):
@@ -290,10 +330,12 @@ def example_batches(corpus: ExampleCorpus, batch_size: int, seq_len: int, seed: 
     train, counts = corpus.usable(0, corpus.n_train, seq_len)
     held, eval_counts = corpus.usable(corpus.n_train, len(corpus), seq_len)
     if held.numel() == 0:
+        cut = (f", {eval_counts['image_cut']} with images beyond --seq-len {seq_len}"
+               if eval_counts.get("image_cut") else "")
         raise ValueError(f"{corpus.source}: no held-out example to evaluate on ({len(corpus)} "
                          f"rows, the last {len(corpus) - corpus.n_train} held out and none of "
-                         "them trained on); use more rows")
-    kind = kind or ExampleBatches
+                         f"them trained on{cut}); use more rows")
+    kind = kind or corpus.batches
     batches = kind(corpus, train, batch_size, seq_len, seed=seed, replicas=replicas)
     evals = kind(corpus, held, batch_size, seq_len, seed=seed, replicas=replicas)
     record = {"source": corpus.source, "reads": corpus.kind, "layout": "padded",

@@ -170,6 +170,14 @@ class Encoder:
                          f"columns: {', '.join(columns)}); pass --text-field with one of "
                          "them, or --chat for a 'messages' column")
 
+    media = False  # (ids, trained) only
+
+    def encode_rows(self, rows: dict[str, list[Any]], first: int
+                    ) -> list[tuple[list[int], list[int]]]:
+        """Rows ``first``, ``first + 1``, ... (a slice of the data set's columns) as (ids,
+        trained)."""
+        return self.encode(rows[self.column], first)
+
     def encode(self, values: list[Any], first: int) -> list[tuple[list[int], list[int]]]:
         """Each value of the column (rows ``first``, ``first + 1``, ...) as (ids, trained)."""
         if self.chat:
@@ -225,6 +233,16 @@ class Encoder:
                              f"got {str(given)[:80]!r} (a CSV holds text only: use JSONL or "
                              "Parquet for --chat)")
         if all(isinstance(m.get("role"), str) for m in given):
+            for turn, m in enumerate(given):
+                content = m.get("content")
+                if isinstance(content, list) and any(
+                        isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                        for p in content):
+                    raise ValueError(
+                        f"{self.where} row {row}, turn {turn}: an image, but the model is a "
+                        "text model (its config has no vision_config); give --hf an "
+                        "image-text checkpoint (LLaVA, Gemma 3, Qwen2-VL, ...), or data "
+                        "without images")
             return given
         out = []
         for turn, m in enumerate(given):

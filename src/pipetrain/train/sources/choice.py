@@ -82,7 +82,7 @@ class GPTKind(Kind):
             problems.append(f"--data {cfg.data} is a data set: it needs --hf DIR, whose "
                             "tokenizer reads it (the built-in GPT trains on the bytes of text "
                             "files)")
-        return problems
+        return problems + _image_problems(cfg, False)
 
     def source(self, cfg: TrainConfig) -> Source:
         from pipetrain.train.sources.source import GPTSource
@@ -113,7 +113,7 @@ class HFKind(Kind):
                 require_weights(bool(opened.weights), cfg.hf)
             except ValueError as e:
                 return [str(e)]
-        return []
+        return _image_problems(cfg, False)
 
     def source(self, cfg: TrainConfig) -> Source:
         from pipetrain.train.sources.hf_source import HFSource
@@ -141,9 +141,47 @@ class HFKind(Kind):
         return cfg.hf
 
 
+class ImageTextKind(HFKind):
+    """An image-text-to-text checkpoint (``--hf`` of LLaVA, Gemma 3, Qwen2-VL, ...), through
+    its own processor (:mod:`.image_text_source`)."""
+
+    def problems(self, cfg: TrainConfig) -> list[str]:
+        return _image_problems(cfg, True)
+
+    def source(self, cfg: TrainConfig) -> Source:
+        from pipetrain.train.sources.image_text_source import ImageTextSource
+
+        return ImageTextSource(cfg)
+
+    def meta_model(self, cfg: TrainConfig) -> nn.Module | None:
+        from pipetrain.hf.model import open_model
+
+        return open_model(Path(cfg.hf), images=True).model
+
+
+def _image_problems(cfg: TrainConfig, image_text: bool) -> list[str]:
+    from pipetrain.train.sources.image_text_source import image_text_problems
+
+    return image_text_problems(cfg, image_text)
+
+
+def _image_text(directory: str) -> bool:
+    """Whether ``directory``'s config is of an image-text-to-text model."""
+    if not Path(directory, "config.json").is_file():
+        return False
+    from pipetrain.hf.image_text import is_image_text
+    from pipetrain.hf.model import transformers
+
+    config = transformers().AutoConfig.from_pretrained(directory, local_files_only=True)
+    return is_image_text(config)
+
+
 def kind_of(cfg: TrainConfig) -> Kind:
-    """The kind of the run's model source: ``--hf``'s when given, else the GPT preset's."""
-    return HFKind() if cfg.hf else GPTKind()
+    """The kind of the run's model source: ``--hf``'s when given (an image-text one's when
+    its config is), else the GPT preset's."""
+    if not cfg.hf:
+        return GPTKind()
+    return ImageTextKind() if _image_text(cfg.hf) else HFKind()
 
 
 def source_for(cfg: TrainConfig) -> Source:

@@ -84,7 +84,8 @@ def peak_rss_bytes() -> int:
 
 
 def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: int,
-                wrap: LossWrap, *, examples: bool = False, **where: Any) -> Pipeline:
+                wrap: LossWrap, *, examples: bool = False,
+                example: dict[str, Any] | None = None, **where: Any) -> Pipeline:
     """``model`` (on ``meta`` or real) cut as ``pipetrain train --hf`` cuts it: at its decoder
     layers, which ``cfg.balance`` groups into the schedule's stages (``even``: equal counts),
     ``rows`` sequences of ``cfg.seq_len`` tokens per micro-batch, captured at those shapes
@@ -95,13 +96,15 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
 
     ``examples``: the input is padded examples (:mod:`pipetrain.train.data.examples`): captured
     with an ``attention_mask``, the loss :func:`~pipetrain.train.data.examples.masked_lm_loss`
-    summed over the micro-batches.
+    summed over the micro-batches. ``example``: what to capture with instead of zeros (an
+    image-text model's processor outputs).
     """
-    example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
-    if examples and cfg.pack:  # packed rows: positions restart at each example, no mask
-        example["position_ids"] = torch.arange(cfg.seq_len).repeat(rows, 1)
-    elif examples:
-        example["attention_mask"] = torch.ones(rows, cfg.seq_len, dtype=torch.long)
+    if example is None:
+        example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
+        if examples and cfg.pack:  # packed rows: positions restart at each example, no mask
+            example["position_ids"] = torch.arange(cfg.seq_len).repeat(rows, 1)
+        elif examples:
+            example["attention_mask"] = torch.ones(rows, cfg.seq_len, dtype=torch.long)
     points = split_points(model, schedule.n_stages, example)
     balance = parse_balance(cfg.balance)
     if balance is None:
@@ -125,23 +128,29 @@ class HFSource(Source):
     """
 
     exports = True  # <out>/hf, with save_pretrained's files
+    images = False
+    """Whether an image-text config is built as such (:mod:`.image_text_source`)."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.root = Path(cfg.hf)
-        self.hf = open_model(self.root)
+        self.hf = open_model(self.root, images=self.images)
         self.cfg = cfg
         self.lora = (lora.lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout,
-                                      cfg.lora_targets) if cfg.lora_r else None)
+                                      cfg.lora_targets,
+                                      self.hf.config if self.hf.image_text else None)
+                     if cfg.lora_r else None)
         if self.lora is not None:  # before the cut: the stages hold the adapters
             lora.add_adapters(self.hf.model, self.lora)
         self.rss_before = peak_rss_bytes()
         self.model = self.hf
         self.n_params = self.hf.n_params
-        self.tokenizer = load_tokenizer(self.root)
+        self.tokenizer = self.load_tokenizer()
+        self.preprocessor: Any = self.tokenizer
+        """What ``<out>/hf`` is written with beside the weights (tokenizer or processor)."""
         self.examples = is_dataset(cfg.data)
         """``--data`` is a data set of examples (padded rows, masked loss), not text."""
         self.no_decay = no_decay_names(self.hf.model)
-        vocab = int(self.hf.config.vocab_size)
+        vocab = int(self.hf.config.get_text_config().vocab_size)
         if len(self.tokenizer) > vocab:
             raise ValueError(f"--hf {cfg.hf}: the tokenizer has {len(self.tokenizer)} tokens but "
                              f"the model's vocab_size is {vocab}; save the matching tokenizer")
@@ -150,6 +159,10 @@ class HFSource(Source):
             raise ValueError(f"--seq-len {cfg.seq_len} is longer than {limit}, the positions "
                              f"of {type(self.hf.model).__name__} (max_position_embeddings); "
                              f"use --seq-len {limit} or less")
+
+    def load_tokenizer(self) -> Any:
+        """The directory's tokenizer."""
+        return load_tokenizer(self.root)
 
     def describe(self) -> dict[str, Any]:
         described = self.hf.describe()
@@ -257,8 +270,8 @@ class HFSource(Source):
         (collective over one pipeline); with LoRA, ``out``'s sibling ``adapter`` in peft's
         format instead, and ``out`` with the adapter merged in under ``--merge``."""
         if self.lora is None:
-            return save_pretrained(out, state, self.saved_config(), self.tokenizer, self.root,
-                                   group=group)
+            return save_pretrained(out, state, self.saved_config(), self.preprocessor,
+                                   self.root, group=group)
         mine = {n: t.detach().cpu() for n, t in state.items() if lora.is_adapter(n)}
         held: list[Any] = [mine]
         if dist.is_initialized():
@@ -270,7 +283,7 @@ class HFSource(Source):
         where = lora.save_adapter(out.with_name("adapter"), adapters, self.lora,
                                   self.saved_config(), str(self.root))
         if self.cfg.merge:
-            lora.merge(out, self.root, where, self.tokenizer)
+            lora.merge(out, self.root, where, self.preprocessor)
         return where
 
     def saved_config(self) -> Any:

@@ -48,6 +48,9 @@ class Source(ABC):
     checkpoints only."""
     max_positions: int | None = None
     """The most positions the model attends over (None: no limit known)."""
+    kv_samples = True
+    """Whether the end-of-run sample may be generated with a KV cache from the ``<out>/hf``
+    just written (else through the training pipeline)."""
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:

@@ -1,0 +1,378 @@
+"""Image chats: conversations with images, tokenized once by the checkpoint's processor, and the
+images of a batch's rows read when the batch is fed.
+
+A row holds a ``messages`` column (``--chat-field``) of ``{role, content}`` turns whose
+content is text or a list of parts. Two conventions name the images, and both are read:
+
+* TRL's: ``{"type": "image"}`` placeholders in the content, the images in order in an
+  ``images`` column (``--images-field``): paths, or a ``datasets`` Image feature;
+* transformers' content parts: ``{"type": "image", "path": ...}`` (or ``"url"`` to a local
+  file, ``file://`` or a path, or ``"image"``) where the image goes.
+
+A relative path is read against the data file's directory, then the working directory. Each
+row is rendered by the processor's chat template and tokenized by the processor with its
+images (:class:`ImageChatEncoder`), which writes each image's placeholder tokens as its size
+asks. The trained tokens are the assistant's turns, found as :mod:`.records` finds them: the
+conversation rendered up to each turn, tokenized with the images shown so far; every token
+standing for an image (:func:`pipetrain.hf.image_text.image_token_ids`) is never trained.
+The ids and flags go to the example cache (:mod:`.examples`), and beside them, per example,
+its rendered text and where its images are (``<key>.media.jsonl``).
+
+A batch (:class:`ImageChatBatches`) carries each row's example number; the feed
+(:class:`ImageFeed`) reads those rows' images and runs the processor on their texts and
+images once more, so the model gets the processor's own tensors (``pixel_values``, grids,
+token types, ...), cut or padded to ``--seq-len`` like the ids. An example whose images do not
+end within ``--seq-len`` tokens is dropped (a cut image would not match its placeholders).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipetrain.train.data.examples import Batch, ExampleBatches, ExampleCorpus
+
+__all__ = ["ImageChatBatches", "ImageChatEncoder", "ImageFeed", "open_image"]
+
+Ref = str | list[Any]
+"""Where an image is: an absolute path, or ``["row", r, k]``, the ``k``-th image of row
+``r`` of the data set (an image stored in it)."""
+
+
+def _line(where: str, row: int) -> str:
+    """How an error names a row: its line in a JSONL file, else its number."""
+    return f"{where} line {row + 1}" if where.endswith(".jsonl") else f"{where} row {row}"
+
+
+def open_image(source: Any, label: str) -> Any:
+    """``source`` (a path, a PIL image, or a ``datasets`` Image value) as an RGB PIL image.
+
+    Raises:
+        ValueError: naming ``label`` when the file does not exist or does not decode.
+    """
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    if isinstance(source, dict) and source.get("bytes") is not None:
+        source = io.BytesIO(source["bytes"])
+    elif isinstance(source, dict):
+        source = source.get("path")
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise ValueError(f"{label}: image {str(source)!r} does not exist; give paths that "
+                         "exist (relative ones are read against the data file's directory)"
+                         ) from None
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{label}: image {str(source)!r} does not decode as an image "
+                         f"({e}); give a PNG, JPEG or another format PIL reads") from None
+
+
+class ImageChatEncoder:
+    """Rows of a data set of image chats to (ids, trained flags, media) by ``processor``.
+
+    Args:
+        processor: the checkpoint's processor (:func:`pipetrain.hf.image_text.load_processor`).
+        image_ids: the token ids that stand for images (never trained).
+        column: the messages column; ``images``: the images column (TRL's).
+        where: the data set, for errors; ``base``: the directory relative paths start from.
+    """
+
+    media = True  # the cache keeps each example's text and images beside its ids
+
+    def __init__(self, processor: Any, image_ids: set[int], column: str, images: str,
+                 where: str, base: Path) -> None:
+        self.processor, self.image_ids = processor, image_ids
+        self.column, self.images, self.where, self.base = column, images, where, base
+        self.chat = True
+        if not getattr(processor, "chat_template", None):
+            raise ValueError(f"--chat: the processor ({type(processor).__name__}) has no chat "
+                             "template, so conversations with images cannot be rendered; save "
+                             "the checkpoint's chat_template.jinja with its processor")
+
+    def check(self, columns: list[str]) -> None:
+        """Raise ValueError, naming the columns there are, when the messages are missing."""
+        if self.column not in columns:
+            raise ValueError(f"--chat: {self.where} has no {self.column!r} column (its columns: "
+                             f"{', '.join(columns)}); name the column of messages with "
+                             "--chat-field")
+
+    def encode_rows(self, rows: dict[str, list[Any]], first: int
+               ) -> list[tuple[list[int], list[int], dict[str, Any]]]:
+        """Rows ``first``, ``first + 1``, ... (a slice of the data set's columns) as (ids,
+        trained, media)."""
+        given = rows.get(self.images) or [None] * len(rows[self.column])
+        return [self._row(m, pool, first + i)
+                for i, (m, pool) in enumerate(zip(rows[self.column], given, strict=True))]
+
+    def sources(self, messages: Any, pool: Any, row: int) -> tuple[list[Any], list[Any]]:
+        """The messages as the template takes them (each image a bare ``{"type": "image"}``
+        part) and the images' sources in order."""
+        label = _line(self.where, row)
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise ValueError(f"{label}: {self.column!r} must be a non-empty list of {{role, "
+                             f"content}} objects, got {str(messages)[:80]!r}")
+        pool = list(pool or [])
+        found: list[Any] = []
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            content = m.get("content")
+            if not isinstance(content, list):
+                out.append({"role": m["role"], "content": content or ""})
+                continue
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image":
+                    source = next((part[k] for k in ("path", "url", "image")
+                                   if part.get(k) is not None), None)
+                    if source is None and not pool:
+                        raise ValueError(
+                            f"{label}: more {{\"type\": \"image\"}} placeholders than images "
+                            f"(the {self.images!r} column holds {len(found) - len(pool)}); "
+                            "give one image per placeholder")
+                    found.append(pool.pop(0) if source is None else source)
+                    parts.append({"type": "image"})
+                elif kind == "text":
+                    parts.append({"type": "text", "text": part.get("text") or ""})
+                else:
+                    raise ValueError(f"{label}: a content part of type {kind!r}; pipetrain "
+                                     "reads 'text' and 'image' parts")
+            out.append({"role": m["role"], "content": parts})
+        if pool:
+            raise ValueError(f"{label}: {len(pool)} image(s) in {self.images!r} beyond the "
+                             f"{len(found)} {{\"type\": \"image\"}} placeholders of its "
+                             "messages; give one placeholder per image")
+        return out, found
+
+    def ref(self, source: Any, row: int, k: int) -> Ref:
+        """Where image ``k`` of row ``row`` is, checked to exist."""
+        if not isinstance(source, str):
+            return ["row", row, k]
+        if source.startswith(("http://", "https://")):
+            raise ValueError(f"{_line(self.where, row)}: image {source!r} is on the web; "
+                             "pipetrain reads local files only: download it and give its path")
+        path = Path(source.removeprefix("file://")).expanduser()
+        if not path.is_absolute():
+            path = self.base / path if (self.base / path).exists() else path.resolve()
+        if not path.is_file():
+            raise ValueError(f"{_line(self.where, row)}: image {source!r} does not exist "
+                             f"(looked for {str(path)!r}); give paths that exist, relative "
+                             "ones to the data file's directory")
+        return str(path)
+
+    def _row(self, messages: Any, pool: Any, row: int
+             ) -> tuple[list[int], list[int], dict[str, Any]]:
+        template, found = self.sources(messages, pool, row)
+        label = _line(self.where, row)
+        refs = [self.ref(s, row, k) for k, s in enumerate(found)]
+        images = [open_image(s if isinstance(r, list) else r, label)
+                  for s, r in zip(found, refs, strict=True)]
+        whole = self._render(template, False, label)
+        ids = self.ids(whole, images, label)
+        trained = [0] * len(ids)
+        shown = 0
+        for i, m in enumerate(template):
+            if m["role"] != "assistant":
+                shown += _count(m)
+                continue
+            before = self._render(template[:i], True, label) if i else ""
+            upto = self._render(template[:i + 1], False, label)
+            if not (upto.startswith(before) and whole.startswith(upto)):
+                raise ValueError(f"{label}: the chat template renders the conversation up to "
+                                 f"message {i} differently from the start of the whole; use a "
+                                 "template that renders each turn the same whatever follows")
+            a = _common(ids, self.ids(before, images[:shown], label)) if before else 0
+            shown += _count(m)
+            b = _common(ids, self.ids(upto, images[:shown], label))
+            trained[a:b] = [int(t not in self.image_ids) for t in ids[a:b]]
+        last = max((p for p, t in enumerate(ids) if t in self.image_ids), default=-1)
+        return ids, trained, {"text": whole, "images": refs, "last_image": last}
+
+    def _render(self, messages: list[Any], prompt: bool, label: str) -> str:
+        try:
+            return str(self.processor.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=prompt))
+        except Exception as e:  # noqa: BLE001  (a Jinja error, or any the template raises)
+            raise ValueError(f"{label}: the chat template failed on {len(messages)} messages "
+                             f"({type(e).__name__}: {e})") from None
+
+    def ids(self, text: str, images: list[Any], label: str) -> list[int]:
+        """The processor's ids of ``text`` with ``images`` (no added special tokens: the
+        template wrote them)."""
+        try:
+            out = self.processor(text=[text], images=[images] if images else None,
+                                 add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001  (the processor's own errors share no base)
+            raise ValueError(f"{label}: the processor refused the conversation and its "
+                             f"{len(images)} image(s) ({type(e).__name__}: {e})") from None
+        return [int(t) for t in out["input_ids"][0]]
+
+
+def _count(message: dict[str, Any]) -> int:
+    content = message.get("content")
+    return sum(1 for p in content if p.get("type") == "image") if isinstance(content, list) \
+        else 0
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the common start of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def read_media(base: Path) -> list[dict[str, Any]]:
+    """Each example's text, images and last image position (``<base>.media.jsonl``)."""
+    with open(f"{base}.media.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@dataclass(frozen=True, eq=False)
+class ImageChatCorpus(ExampleCorpus):
+    """Examples of image chats: their tokens (:class:`ExampleCorpus`) and their media."""
+
+    media: tuple[dict[str, Any], ...] = ()
+    """Per example: its rendered ``text``, its ``images`` (:data:`Ref`) and ``last_image``,
+    the position of its last image token (-1: none)."""
+
+    @property
+    def batches(self) -> type[ExampleBatches]:
+        return ImageChatBatches
+
+    def usable(self, first: int, end: int, seq_len: int) -> tuple[torch.Tensor, dict[str, int]]:
+        """As :meth:`ExampleCorpus.usable`, less the examples whose images do not end within
+        ``seq_len`` tokens (``image_cut``)."""
+        kept, counts = super().usable(first, end, seq_len)
+        fits = torch.tensor([self.media[int(e)]["last_image"] < seq_len for e in kept],
+                            dtype=torch.bool)
+        return kept[fits], {**counts, **self.counts(kept[fits], seq_len),
+                            "image_cut": int((~fits).sum())}
+
+
+class ImageChatBatches(ExampleBatches):
+    """Padded batches of image chats: :class:`ExampleBatches`' with each row's example number
+    (``example``), whose images :class:`ImageFeed` reads."""
+
+    def batch(self, step: int) -> Batch:
+        inputs, targets = super().batch(step)
+        inputs["example"] = torch.tensor(self.examples(step), dtype=torch.long)
+        return inputs, targets
+
+
+class ImageFeed:
+    """A batch's rows as the model's keyword arguments: the processor's tensors for their texts
+    and images, fit to ``seq_len`` tokens.
+
+    Args:
+        processor: the checkpoint's processor.
+        media: each example's text and images (:attr:`ImageChatCorpus.media`).
+        encoder: re-reads an image stored in the data set (:data:`Ref` ``["row", r, k]``).
+        rows: opens the data set's rows (for such images), when first asked.
+    """
+
+    def __init__(self, processor: Any, media: tuple[dict[str, Any], ...],
+                 encoder: ImageChatEncoder | None = None, rows: Any = None) -> None:
+        self.processor, self.media, self.encoder, self._rows = processor, media, encoder, rows
+        self._opened: Any = None
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        examples = [int(e) for e in inputs["example"]]
+        texts = [self.media[e]["text"] for e in examples]
+        images = [[self._image(r, e) for r in self.media[e]["images"]] for e in examples]
+        out = self.tensors(texts, images, inputs["input_ids"].shape[1])
+        ids, mask = out["input_ids"], inputs["attention_mask"].bool()
+        if not torch.equal(ids[mask], inputs["input_ids"][mask].to(ids.dtype)):
+            raise ValueError("the processor's tokens for examples "
+                             f"{examples} differ from the token cache's; the processor or its "
+                             "files changed after tokenizing: delete the cache "
+                             "(--token-cache) and run again")
+        return out
+
+    def tensors(self, texts: list[str], images: list[list[Any]], seq_len: int
+                ) -> dict[str, Any]:
+        """The processor's outputs for ``texts`` and their ``images``: every tensor of one entry
+        per token cut or right-padded to ``seq_len``, the others as given."""
+        shown = images if any(images) else None
+        out = self.processor(text=texts, images=shown, add_special_tokens=False,
+                             padding=True, return_tensors="pt")
+        ids = out["input_ids"]
+        pad = int(self.processor.tokenizer.pad_token_id)
+        fitted: dict[str, Any] = {}
+        for key, value in out.items():
+            if torch.is_tensor(value) and value.shape[:2] == ids.shape[:2]:
+                value = _fit(value, seq_len, pad if key == "input_ids" else 0)
+            fitted[key] = value
+        return fitted
+
+    def _image(self, ref: Ref, example: int) -> Any:
+        if isinstance(ref, str):
+            return open_image(ref, f"example {example}")
+        if self.encoder is None or self._rows is None:
+            raise ValueError(f"example {example}: its image is stored in the data set, which "
+                             "this feed cannot open")
+        if self._opened is None:
+            self._opened = self._rows()
+        _, row, k = ref
+        encoder = self.encoder
+        record = self._opened[int(row)]
+        _, found = encoder.sources(record[encoder.column], record.get(encoder.images), int(row))
+        return open_image(found[int(k)], _line(encoder.where, int(row)))
+
+
+def _fit(value: torch.Tensor, length: int, pad: int) -> torch.Tensor:
+    """``value`` cut or right-padded with ``pad`` to ``length`` along dim 1."""
+    if value.shape[1] >= length:
+        return value[:, :length].contiguous()
+    shape = (value.shape[0], length - value.shape[1], *value.shape[2:])
+    return torch.cat([value, value.new_full(shape, pad)], dim=1)
+
+
+def image_chat_corpus(processor: Any, image_ids: set[int], model_dir: str | Path, data: str,
+                      cache: str | Path, *, chat_field: str = "messages",
+                      images_field: str = "images", eval_fraction: float = 0.05,
+                      progress: bool = False) -> tuple[ImageChatCorpus, ImageFeed]:
+    """The image chats of the data set ``data`` under ``processor`` (saved in ``model_dir``),
+    cached in ``cache``, and the feed that reads their images.
+
+    Raises:
+        FileNotFoundError: when ``data`` does not exist.
+        ValueError: for a missing column, a processor without a chat template, or a row whose
+            images are missing, do not decode, or do not match its placeholders (naming it).
+    """
+    from pipetrain.train.data.examples import _mapped, cached_examples, data_root
+    from pipetrain.train.data.records import read_rows
+
+    root = data_root(data)
+    where = f"--data {root}"
+    encoder = ImageChatEncoder(processor, image_ids, chat_field, images_field, where,
+                               root.parent if root.is_file() else root)
+    files = "".join(p.read_text(errors="replace") for p in sorted(Path(model_dir).iterdir())
+                    if p.name in _PROCESSOR_FILES)
+    settings = (f"image-chats:{_FORMAT}:{chat_field}:{images_field}:{sorted(image_ids)}\n"
+                f"{processor.chat_template}\n{files}")
+    base, described = cached_examples(encoder, model_dir, root, cache, settings, progress)
+    media = tuple(read_media(base))
+    corpus = _mapped(base, described, eval_fraction, int(processor.tokenizer.pad_token_id),
+                     ImageChatCorpus, media=media)
+    converted = Path(cache).expanduser() / "datasets"
+    feed = ImageFeed(processor, media, encoder, lambda: read_rows(root, converted))
+    return corpus, feed  # type: ignore[return-value]
+
+
+_FORMAT = 1
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja",
+                    "chat_template.json", "video_preprocessor_config.json")
+"""The processor's own files (beside the tokenizer's), part of the cache key."""

@@ -1,0 +1,145 @@
+"""Tiny image-text checkpoints saved with their processors (nothing is downloaded), and chats
+with images written as users have them: TRL's ``images`` column beside ``{"type": "image"}``
+placeholders, and transformers' content parts naming a path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from helpers import chat
+
+PARTS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+         "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+         "{% for p in m['content'] %}{% if p['type'] == 'image' %}{IMAGE}"
+         "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML with content parts, an image written as the model's placeholder text."""
+TEXT = dict(vocab_size=None, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _tokenizer(extra: list[str], template: str, named: dict[str, str] | None = None) -> Any:
+    """:func:`helpers.chat.tokenizer` with ``extra`` special tokens, ``named`` ones among
+    them as attributes (Gemma 3's ``boi_token``)."""
+    import transformers as tf
+
+    tok = chat.tokenizer(template)
+    tok.add_special_tokens({"additional_special_tokens": chat.SPECIAL[1:] + extra})
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer,
+                                     eos_token=chat.SPECIAL[0], pad_token=chat.SPECIAL[0],
+                                     extra_special_tokens=named or {})
+    tok.chat_template = template
+    return tok
+
+
+def _save(root: Path, model: Any, processor: Any) -> Path:
+    model.save_pretrained(root)
+    processor.save_pretrained(root)
+    return root
+
+
+def save_llava(root: Path) -> Path:
+    """LLaVA (CLIP tower, 8x8 images of 16 placeholders, a 4-layer Llama) with its
+    processor."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<image>")
+    tok = _tokenizer(["<image>"], template)
+    images = tf.CLIPImageProcessor(size={"shortest_edge": 8},
+                                   crop_size={"height": 8, "width": 8})
+    processor = tf.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=2,
+                                  chat_template=template, num_additional_image_tokens=1,
+                                  vision_feature_select_strategy="default")
+    config = tf.LlavaConfig(
+        text_config=dict(TEXT, model_type="llama", vocab_size=len(tok),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
+        vision_config=dict(model_type="clip_vision_model", image_size=8, patch_size=2,
+                           hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, projection_dim=16),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default", vision_feature_layer=-1)
+    torch.manual_seed(0)
+    return _save(root, tf.LlavaForConditionalGeneration(config), processor)
+
+
+def save_gemma3(root: Path) -> Path:
+    """Gemma 3 (SigLIP tower, 8x8 images pooled to 4 soft tokens between a begin and an end
+    marker, token types) with its processor."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<start_of_image>")
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+             "image_token": "<image_soft_token>"}
+    tok = _tokenizer(list(named.values()), template, named)
+    images = tf.Gemma3ImageProcessor(size={"height": 8, "width": 8})
+    processor = tf.Gemma3Processor(image_processor=images, tokenizer=tok,
+                                   chat_template=template, image_seq_length=4)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<start_of_image>", "<end_of_image>",
+                                                     "<image_soft_token>")}
+    config = tf.Gemma3Config(
+        text_config=dict(TEXT, model_type="gemma3_text", vocab_size=len(tok), head_dim=8,
+                         sliding_window=16, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.eos_token_id),
+        vision_config=dict(model_type="siglip_vision_model", image_size=8, patch_size=2,
+                           hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2),
+        mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"])
+    torch.manual_seed(0)
+    return _save(root, tf.Gemma3ForConditionalGeneration(config), processor)
+
+
+SAVERS: dict[str, Callable[[Path], Path]] = {"llava": save_llava, "gemma3": save_gemma3}
+
+
+def write_images(directory: Path, n: int, seed: int = 0) -> list[Path]:
+    """``n`` PNG files of random pixels and several sizes (the processor resizes them)."""
+    import numpy as np
+    from PIL import Image
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i in range(n):
+        h, w = (12, 20) if i % 2 else (16, 16)
+        path = directory / f"image{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
+def conversations(n: int, images: list[Path], seed: int = 0, *, parts: bool = False
+                  ) -> list[dict[str, Any]]:
+    """``n`` rows of 0, 1 or 2 images each (text-only rows among them), one or two exchanges:
+    in TRL's convention (an ``images`` column of paths relative to the data file), or with
+    ``parts`` in transformers' (each image part naming its ``path``)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        k = (1, 0, 2)[i % 3]
+        shown = [images[(i + j) % len(images)].name for j in range(k)]
+        ask = " ".join(rng.choices(chat.WORDS, k=rng.randint(2, 6)))
+        user = [{"type": "image", "path": name} if parts else {"type": "image"}
+                for name in shown] + [{"type": "text", "text": ask}]
+        turns = [{"role": "user", "content": user},
+                 {"role": "assistant", "content": [{"type": "text", "text": " ".join(
+                     rng.choices(chat.WORDS, k=rng.randint(1, 4)))}]}]
+        if i % 4 == 3:
+            turns += [{"role": "user", "content": [{"type": "text", "text": "again"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "nine"}]}]
+        rows.append({"messages": turns} if parts else {"messages": turns, "images": shown})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
