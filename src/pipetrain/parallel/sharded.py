@@ -244,12 +244,18 @@ def _big_parts(layer: nn.Module) -> list[nn.Module]:
 
 
 def _called(layer: nn.Module) -> set[nn.Module] | None:
-    """The submodules a traced (fx) layer's graphs call, all the way down; None for any
-    other module (its parts are taken to run as modules)."""
-    if not isinstance(layer, fx.GraphModule):
+    """The submodules of ``layer`` that run as modules: in a traced (fx) graph, those it
+    calls, all the way down (it may read a weight of another submodule directly); outside any
+    graph (an image-text model's eager prefix beside its graph), every one. None for a layer
+    without graphs (its parts are taken to run as modules)."""
+    graphs = [m for m in layer.modules() if isinstance(m, fx.GraphModule)]
+    if not graphs:
         return None
-    found: set[nn.Module] = set()
-    todo = [layer]
+    inside = {m for g in graphs for m in g.modules()}
+    found = {m for m in layer.modules() if m not in inside}
+    todo = [g for g in graphs if g is layer or g not in {
+        c for h in graphs if h is not g for c in h.modules()}]  # the outermost graphs
+    found.update(todo)
     while todo:
         graph_module = todo.pop()
         for node in graph_module.graph.nodes:

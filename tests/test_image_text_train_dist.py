@@ -1,0 +1,174 @@
+"""`pipetrain train --hf DIR --chat --data chats.jsonl` on image-text checkpoints, against
+transformers.
+
+Tiny LLaVA and Gemma 3 saved with their processors; rows of 0, 1 or 2 images of two sizes,
+text-only rows among them. The step-0 loss is transformers' ``model(**processor(texts,
+images), labels=...)`` on the run's rows with -100 on all but the assistant's tokens; a
+checkpoint resumes at another layout with the same losses; ``<out>/hf`` loads with
+``AutoModelForImageTextToText`` and ``AutoProcessor``; FSDP, ZB-V and ``--freeze-vision``
+compose; ``--lora-r`` adapts the language model only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers.image_chat import SAVERS, conversations, write_images, write_jsonl
+from pipetrain.cli import main
+
+pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
+
+tf = pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+SEQ, ROWS = 64, 8
+ARGS = ["--chat", "--seq-len", str(SEQ), "--batch-size", str(ROWS), "--microbatches", "4",
+        "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--grad-clip", "0",
+        "--lr", "1e-3", "--warmup", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("image-text-train")
+    for name, save in SAVERS.items():
+        save(root / name)
+    images = write_images(root / "data", 3)
+    write_jsonl(root / "data" / "trl.jsonl", conversations(40, images))
+    write_jsonl(root / "data" / "parts.jsonl", conversations(40, images, parts=True))
+    return root
+
+
+def _train(place: Path, model: str, data: str, out: str, *args: str) -> dict[str, Any]:
+    argv = ["train", "--hf", str(place / model), "--data", str(place / "data" / data),
+            "--token-cache", str(place / "tokens"), "--out", str(place / out), *ARGS, *args]
+    with pytest.MonkeyPatch.context() as env:
+        for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
+            env.delenv(key)
+        assert main(argv) == 0
+    return json.loads((place / out / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def _records(out: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (out / "log.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def _template_messages(row: dict[str, Any]) -> tuple[list[Any], list[str]]:
+    """A row's messages with bare image parts, and its image files in order (either
+    convention), written here apart from pipetrain's reader."""
+    names = list(row.get("images") or [])
+    out, files = [], []
+    for m in row["messages"]:
+        parts = []
+        for p in m["content"]:
+            if p["type"] == "image":
+                files.append(p.get("path") or names.pop(0))
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": p["text"]})
+        out.append({"role": m["role"], "content": parts})
+    return out, files
+
+
+def _reference(place: Path, model: str, data: str, step: int, directory: Path | None = None
+               ) -> float:
+    """transformers' loss on the run's batch ``step``: the processor's tensors for the rows'
+    texts and images, cut to ``SEQ + 1`` tokens, labels -100 but on the cache's trained
+    tokens (the model in ``directory``, default the source)."""
+    from PIL import Image
+
+    from pipetrain.hf.image_text import image_token_ids, load_processor
+    from pipetrain.train.data.examples import example_batches
+    from pipetrain.train.data.image_chats import image_chat_corpus
+
+    root = place / model
+    processor = tf.AutoProcessor.from_pretrained(root)
+    processor.tokenizer.padding_side = "right"
+    corpus, _ = image_chat_corpus(load_processor(root), image_token_ids(
+        tf.AutoConfig.from_pretrained(root), processor), root, str(place / "data" / data),
+        place / "tokens")
+    examples = example_batches(corpus, ROWS, SEQ, 0, 1, 1)[0].examples(step)
+    rows = [json.loads(line) for line in (place / "data" / data).read_text().splitlines()]
+    texts, images = [], []
+    for e in examples:
+        messages, files = _template_messages(rows[e])
+        texts.append(processor.apply_chat_template(messages, tokenize=False))
+        images.append([Image.open(place / "data" / f).convert("RGB") for f in files])
+    batch = processor(text=texts, images=images if any(images) else None, padding="longest",
+                      add_special_tokens=False, return_tensors="pt")
+    width = SEQ + 1
+    ids = batch["input_ids"]
+    labels = torch.full_like(ids, -100)
+    for r, e in enumerate(examples):
+        a, n = int(corpus.offsets[e]), int(corpus.offsets[e + 1] - corpus.offsets[e])
+        flags = corpus.trained[a:a + n].bool()
+        assert torch.equal(ids[r, :n], corpus.ids[a:a + n].long())  # the processor's own ids
+        labels[r, :n] = torch.where(flags, ids[r, :n], -100)
+    inputs = {k: v[:, :width] if v.shape[:2] == ids.shape[:2] else v for k, v in batch.items()}
+    whole = tf.AutoModelForImageTextToText.from_pretrained(directory or root)
+    with torch.no_grad():
+        return float(whole(**inputs, labels=labels[:, :width]).loss)
+
+
+def test_llava_step0_loss_is_transformers_a_resume_continues_and_out_hf_loads(
+        place: Path) -> None:
+    first = _train(place, "llava", "trl.jsonl", "a", "--nproc", "2", "--schedule", "1f1b",
+                   "--steps", "3", "--checkpoint-every", "2")
+    assert first["layout"]["pp"] == 2
+    (data,) = _records(place / "a", "data")
+    assert data["reads"] == "chat" and data["examples"] > 30
+    logged = _records(place / "a", "step")[0]["loss"]
+    assert logged == pytest.approx(_reference(place, "llava", "trl.jsonl", 0), rel=1e-5)
+    # the checkpoint of step 2 resumed at another layout (dp 2): the same examples and losses
+    shutil.copytree(place / "a" / "checkpoints" / "step_000002",
+                    place / "b" / "checkpoints" / "step_000002")
+    second = _train(place, "llava", "trl.jsonl", "b", "--nproc", "2", "--dp", "2",
+                    "--steps", "3")
+    assert second["layout"]["dp"] == 2
+    (done,), (again,) = _records(place / "a", "step")[2:], _records(place / "b", "step")
+    assert again["step"] == 2 and again["loss"] == pytest.approx(done["loss"], rel=1e-5)
+    # <out>/hf: the trained model and its processor, as transformers loads them
+    out = place / "a" / "hf"
+    processor = tf.AutoProcessor.from_pretrained(out)
+    assert type(processor).__name__ == "LlavaProcessor" and processor.chat_template
+    trained = tf.AutoModelForImageTextToText.from_pretrained(out)
+    source = tf.AutoModelForImageTextToText.from_pretrained(place / "llava")
+    assert set(trained.state_dict()) == set(source.state_dict())
+    moved = [k for k, v in trained.state_dict().items()
+             if not torch.equal(v, source.state_dict()[k])]
+    assert any("vision_tower" in k for k in moved) and any("language_model" in k for k in moved)
+    assert _reference(place, "llava", "trl.jsonl", 0, out) < logged  # it learned
+
+
+def test_gemma3_parts_under_fsdp_and_zbv_with_the_vision_tower_frozen(place: Path) -> None:
+    summary = _train(place, "gemma3", "parts.jsonl", "g", "--nproc", "4", "--fsdp", "2",
+                     "--schedule", "zbv", "--steps", "2", "--freeze-vision")
+    assert (summary["layout"]["pp"], summary["layout"]["fsdp"]) == (2, 2)
+    logged = _records(place / "g", "step")[0]["loss"]
+    assert logged == pytest.approx(_reference(place, "gemma3", "parts.jsonl", 0), rel=1e-5)
+    trained = tf.AutoModelForImageTextToText.from_pretrained(place / "g" / "hf").state_dict()
+    source = tf.AutoModelForImageTextToText.from_pretrained(place / "gemma3").state_dict()
+    moved = {k for k, v in trained.items() if not torch.equal(v, source[k])}
+    assert not any("vision_tower" in k for k in moved)
+    assert any("multi_modal_projector" in k for k in moved)
+    assert any("language_model" in k for k in moved)
+
+
+def test_lora_adapts_the_language_model_only(place: Path) -> None:
+    peft = pytest.importorskip("peft")
+    _train(place, "llava", "trl.jsonl", "l", "--nproc", "2", "--steps", "2", "--lora-r", "4")
+    adapter = place / "l" / "adapter"
+    from safetensors.torch import load_file
+
+    names = list(load_file(adapter / "adapter_model.safetensors"))
+    assert names and all("language_model" in n for n in names), names
+    assert {n.split(".lora_")[0].rsplit(".", 1)[1] for n in names} == {"q_proj", "v_proj"}
+    base = tf.AutoModelForImageTextToText.from_pretrained(place / "llava")
+    adapted = peft.PeftModel.from_pretrained(base, str(adapter))
+    assert sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n) > 0
