@@ -414,15 +414,17 @@ def test_a_peft_lora_model_trains_its_adapters_exactly() -> None:
     assert trained and all("lora_" in n for n in trained)
 
 
-def test_the_command_line_points_an_image_text_directory_to_the_python_path() -> None:
+def test_a_command_for_text_models_points_an_image_text_directory_to_those_that_take_it(
+        ) -> None:
     from pipetrain.hf.model import meta_model
 
     config = tf.LlavaConfig(text_config=dict(model_type="llama", **LLAMA),
                             vision_config=dict(model_type="clip_vision_model"))
-    with pytest.raises(ValueError, match=r"LlavaConfig is an image-text model .*--hf \(train, "
-                       r"generate, verify\) takes causal language models only: pipeline an "
-                       r"image-text model from Python.*docs/multimodal.md"):
+    with pytest.raises(ValueError, match=r"LlavaConfig is an image-text model .*this command "
+                       r"takes causal language models only: pipetrain train --chat, verify and "
+                       r"generate --image take an image-text model.*docs/multimodal.md"):
         meta_model(config)
+    assert type(meta_model(config, images=True)).__name__ == "LlavaForConditionalGeneration"
 
 
 def test_images_of_different_sizes_one_a_row_go_with_their_rows() -> None:

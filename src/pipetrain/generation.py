@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from pipetrain.pipeline_config import PipelineConfig
 from pipetrain.runtime.torch_private import EXPORT_NON_STRICT_LOGGER
 from pipetrain.schedules.generators.decode import decode_schedule
 from pipetrain.split.partition import even_balance
+
+if TYPE_CHECKING:
+    from pipetrain.hf.cache import CachedLM
 
 __all__ = ["Generator", "Sampling"]
 
@@ -98,6 +101,10 @@ class Generator:
         window: decode steps between two synchronisations (streaming, early stop).
         group, local_ranks, device, timeout, balance: as for :class:`Pipeline`; the cuts
             are at the decoder layers, ``balance`` (default: even) groups them.
+        images: for an image-text model, one prompt's ids with its images as its processor
+            gives them (``input_ids``, ``pixel_values``, ...), to capture with: the vision
+            tower runs eagerly in the first stage (:class:`~pipetrain.hf.cache.
+            CachedImageTextLM`), and :meth:`generate` takes each prompt's images.
 
     Raises:
         ValueError: for an encoder-decoder or counts below 1.
@@ -107,8 +114,8 @@ class Generator:
                  prefill: int = 256, window: int = 16, group: dist.ProcessGroup | None = None,
                  local_ranks: int | None = None, device: torch.device | str | None = None,
                  timeout: float = 60.0, balance: Sequence[int] | str | None = None,
-                 init_seed: int = 0) -> None:
-        from pipetrain.hf.cache import CachedLM
+                 init_seed: int = 0, images: dict[str, torch.Tensor] | None = None) -> None:
+        from pipetrain.hf.cache import CachedImageTextLM, CachedLM
         from pipetrain.hf.model import check_generation_stages, split_points
 
         if min(rows, length, prefill, window) < 1:
@@ -119,10 +126,12 @@ class Generator:
         n_ranks = local_ranks or (dist.get_world_size(group) if dist.is_initialized() else 1)
         check_generation_stages(model, n_ranks, "{} ranks")
         model.eval()
-        wrapped = CachedLM(model, rows, length)
+        wrapped = (CachedLM if images is None else CachedImageTextLM)(model, rows, length)
         example = {"input_ids": torch.zeros(rows, 2, dtype=torch.long),
                    "attention_mask": torch.ones(rows, length, dtype=torch.long),
                    "position_ids": torch.zeros(rows, 2, dtype=torch.long)}
+        if images is not None:
+            example = _image_example(images, rows, length)
         points = ["model." + p for p in split_points(model, n_ranks, example)]
         if balance is None:
             balance = even_balance(len(points) + 1, n_ranks)
@@ -140,6 +149,9 @@ class Generator:
         export_log.setLevel(level)
         self.caches = {s: [b for n, b in self.pipe.named_buffers(s) if n in cache_names]
                        for s in self.pipe.stages}
+        if images is not None:  # the eager prefix builds masks from the cache: the stages'
+            _point_cache(wrapped, {n: b for st in self.pipe.stages
+                                   for n, b in self.pipe.named_buffers(st) if n in cache_names})
         """Per hosted stage, the cache tensors its graph reads and writes."""
         self._groups: list[dict[int, list[torch.Tensor]]] = []
         self._run: _Run | None = None
@@ -160,7 +172,7 @@ class Generator:
 
         from pipetrain.hf.model import load_weights, open_model
 
-        hf = open_model(Path(path))
+        hf = open_model(Path(path), images=kwargs.get("images") is not None)
         limit, length = hf.max_positions, kwargs.get("length", 256)
         if limit is not None and length > limit:
             raise ValueError(f"{path}: {length} positions asked for (length=, the longest prompt "
@@ -204,11 +216,14 @@ class Generator:
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                  sampling: Sampling | None = None, eos_token_id: int | Sequence[int] | None = None,
-                 pad_token_id: int = 0, on_tokens: OnTokens | None = None) -> list[list[int]]:
+                 pad_token_id: int = 0, on_tokens: OnTokens | None = None,
+                 images: Sequence[dict[str, torch.Tensor]] | None = None) -> list[list[int]]:
         """Up to ``max_new_tokens`` new tokens after each prompt (the same on every rank).
 
         A sequence ends after an end token (included); ``on_tokens`` gets each window's new
-        tokens per prompt, on every rank, as soon as they are decided.
+        tokens per prompt, on every rank, as soon as they are decided. ``images``: per prompt,
+        its visual tensors as the processor gives them (an image-text model's; each prompt
+        is then prefilled in one step, its images with it).
 
         Raises:
             ValueError: for an empty prompt, or a prompt plus its new tokens longer than
@@ -223,14 +238,55 @@ class Generator:
             raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new ones needs "
                              f"{longest + max_new_tokens - 1} cached positions; the generator "
                              f"holds {self.length} (length=)")
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} sets of images for {len(prompts)} prompts: give "
+                             "one per prompt (an empty dict for none)")
         run = _Run(self, prompts, max_new_tokens, sampling or Sampling(), eos_token_id,
-                   pad_token_id)
+                   pad_token_id, images)
         self._caches(run.groups)
         self._run, self.windows = run, []
         try:
             return run.go(on_tokens)
         finally:
             self._run = None
+
+
+def _image_example(images: dict[str, torch.Tensor], rows: int, length: int
+                   ) -> dict[str, Any]:
+    """The capture's input of an image-text model: ``rows`` copies of one prompt and its
+    images (``images``: ``input_ids`` of shape (1, n) and the visual tensors)."""
+    ids = images["input_ids"].repeat(rows, 1)
+    n = ids.shape[1]
+    mask = torch.zeros(rows, length, dtype=torch.long)
+    mask[:, :n] = 1
+    visual = {k: torch.cat([v] * rows) for k, v in images.items()
+              if k not in ("input_ids", "attention_mask")}
+    return {"input_ids": ids, "attention_mask": mask,
+            "position_ids": torch.arange(n).repeat(rows, 1), **visual}
+
+
+def _point_cache(wrapped: CachedLM, buffers: dict[str, torch.Tensor]) -> None:
+    """Point the wrapper's own cache at the stages' tensors of it (``key_cache_3``: layer 3's
+    keys), those this rank holds: an image-text model's forward, run eagerly up to its
+    language model (a Gemma 3 builds its masks there), reads the positions they hold."""
+    fields = {"key_cache": "keys", "value_cache": "values",
+              "cumulative_length": "cumulative_length"}
+    layers: list[Any] = list(wrapped.cache.layers)
+    for name, tensor in buffers.items():
+        kind, _, index = name.rpartition("_")
+        setattr(layers[int(index)], fields[kind], tensor)
+    held = next((layer.cumulative_length for layer in layers
+                 if not layer.cumulative_length.is_meta), None)
+    for layer in layers:  # another rank's layers: every layer's count of positions is the same
+        if held is not None and layer.cumulative_length.is_meta:
+            layer.cumulative_length = held
+
+
+def _visual(images: list[dict[str, torch.Tensor]], device: torch.device
+            ) -> dict[str, torch.Tensor]:
+    """The visual tensors of a group's prompts, one after another (none: no image)."""
+    keys = [k for k in images[0] if k not in ("input_ids", "attention_mask")]
+    return {k: torch.cat([i[k] for i in images if k in i]).to(device) for k in keys}
 
 
 def _on_cpu(device: torch.device | str | None, group: dist.ProcessGroup | None) -> bool:
@@ -264,7 +320,8 @@ class _Run:
     """One ``generate`` call: the padded prompts, the windows, the tokens so far."""
 
     def __init__(self, gen: Generator, prompts: Sequence[Sequence[int]], new: int,
-                 sampling: Sampling, eos: int | Sequence[int] | None, pad: int) -> None:
+                 sampling: Sampling, eos: int | Sequence[int] | None, pad: int,
+                 images: Sequence[dict[str, torch.Tensor]] | None = None) -> None:
         self.gen, self.new, self.sampling, self.pad = gen, new, sampling, pad
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         self.n = len(prompts)
@@ -280,7 +337,10 @@ class _Run:
             mask[i, self.width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         self.ids, self.mask, self.positions = ids.to(device), mask.to(device), positions.to(device)
-        self.prefill_steps = -(-self.width // gen.prefill)
+        self.prefill = gen.prefill if images is None else self.width  # images whole
+        self.prefill_steps = -(-self.width // self.prefill)
+        self.images = [] if images is None else list(images) + [images[0]] * (
+            len(padded) - self.n)
         self.tokens: list[list[int]] = [[] for _ in padded]
         self.done = [False] * len(padded)
         self.start = 0  # the first step (of a group's steps) of the current window
@@ -289,13 +349,20 @@ class _Run:
     def _rows(self, g: int) -> slice:
         return slice(g * self.gen.rows, (g + 1) * self.gen.rows)
 
-    def _payload(self, g: int, ids: torch.Tensor, lo: int, hi: int) -> Any:
-        """Stage 0's input for group ``g``: ``ids`` at cache positions ``lo .. hi-1``."""
+    def _payload(self, g: int, ids: torch.Tensor, lo: int, hi: int, shown: bool = False
+                 ) -> Any:
+        """Stage 0's input for group ``g``: ``ids`` at cache positions ``lo .. hi-1``
+        (``shown``: with the group's images, at its prefill)."""
         rows = self._rows(g)
         traced = self.gen.pipe.traced
         assert traced is not None  # built with split_points
-        return traced.payload({"input_ids": ids, "attention_mask": self.mask[rows],
-                               "position_ids": self.positions[rows, lo:hi]})
+        given = {"input_ids": ids, "attention_mask": self.mask[rows],
+                 "position_ids": self.positions[rows, lo:hi]}
+        if shown and self.images:
+            given.update(_visual(self.images[rows], self.gen.pipe.device))
+        if self.images and "token_type_ids" in self.images[0] and "token_type_ids" not in given:
+            given["token_type_ids"] = torch.zeros_like(ids)  # text: types as the capture's
+        return traced.payload(given)
 
     def _slot(self, step: int) -> int:
         """The cache position of a decode step's input token."""
@@ -331,8 +398,8 @@ class _Run:
             steps = self.prefill_steps + min(gen.window, self.new - 1)
             inputs = []
             for k in range(self.prefill_steps):
-                lo, hi = k * gen.prefill, min((k + 1) * gen.prefill, self.width)
-                inputs += [self._payload(g, self.ids[self._rows(g), lo:hi], lo, hi)
+                lo, hi = k * self.prefill, min((k + 1) * self.prefill, self.width)
+                inputs += [self._payload(g, self.ids[self._rows(g), lo:hi], lo, hi, k == 0)
                            for g in range(self.groups)]
             return steps, inputs
         left = self.new - len(self.tokens[0])

@@ -33,6 +33,7 @@ def reference_step(
     model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
     microbatches: int, *, split_dim: int = 0, loss_reduction: str = "mean",
     rng: bool = False, device: torch.device | str = "cpu",
+    split: Callable[[Any, int, int], list[Any]] | None = None,
 ) -> torch.Tensor:
     """Accumulate ``model``'s gradients over the micro-batches in order; return the batch loss.
 
@@ -40,9 +41,11 @@ def reference_step(
     ``Pipeline.pack`` makes, or a dict a captured model is stepped with). With ``rng`` (a
     pipeline whose ``rng`` is True), each micro-batch runs on its own random stream, started
     as the pipeline starts it on stage 0's rank (:mod:`pipetrain.runtime.rng`), and ``device``'s
-    generator is put back after it.
+    generator is put back after it. ``split``: how the inputs go into micro-batches (default
+    by rows, :func:`pipetrain.runtime.microbatch.split`; a pipeline of an image-text model
+    gives each micro-batch the images its rows show).
     """
-    xs = microbatch.split(inputs, microbatches, split_dim)
+    xs = (split or microbatch.split)(inputs, microbatches, split_dim)
     ys = microbatch.split(targets, microbatches, split_dim)
     total_size = microbatch.batch_size(targets, split_dim)
     sizes = microbatch.sizes(total_size, microbatches)

@@ -253,10 +253,23 @@ def _one_process(reference: nn.Module, pipe: Pipeline, loss_fn: Callable[[Any, A
             torch.manual_seed(seed)
             return reference_step(reference, inputs, targets, loss_fn,
                                   pipe.schedule.n_microbatches, split_dim=pipe.split_dim,
-                                  loss_reduction=pipe.loss_reduction, rng=pipe.rng)
+                                  loss_reduction=pipe.loss_reduction, rng=pipe.rng,
+                                  split=_splitter(pipe))
     except Exception as e:  # the model's own error, said to be so
         raise ValueError(f"{type(reference).__name__} fails on one process, before any "
                          f"pipelining: {type(e).__name__}: {e}") from e
+
+
+def _splitter(pipe: Pipeline) -> Callable[[Any, int, int], list[Any]] | None:
+    """How ``pipe`` puts a batch into micro-batches, where not by rows alone (an image-text
+    model's images go with the rows that show them)."""
+    traced = pipe.traced
+    if traced is None or traced.prefix is None:
+        return None
+
+    def split(inputs: Any, m: int, dim: int) -> list[Any]:
+        return [dict(x) for x in traced.split(traced.payload(inputs), m, dim)]
+    return split
 
 
 def default_loss(outputs: Any, targets: Any) -> torch.Tensor:

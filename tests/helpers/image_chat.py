@@ -85,7 +85,7 @@ def save_gemma3(root: Path) -> Path:
                                                      "<image_soft_token>")}
     config = tf.Gemma3Config(
         text_config=dict(TEXT, model_type="gemma3_text", vocab_size=len(tok), head_dim=8,
-                         sliding_window=16, eos_token_id=tok.eos_token_id,
+                         sliding_window=128, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.eos_token_id),
         vision_config=dict(model_type="siglip_vision_model", image_size=8, patch_size=2,
                            hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["CachedLM"]
+__all__ = ["CachedImageTextLM", "CachedLM"]
 
 
 class CachedLM(nn.Module):
@@ -81,4 +81,28 @@ class CachedLM(nn.Module):
                 position_ids: torch.Tensor) -> Any:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, cache=self.cache, use_cache=True)
+        return out.logits
+
+
+class CachedImageTextLM(CachedLM):
+    """An image-text-to-text model called with a static KV cache: as :class:`CachedLM`, and
+    with the images of a prompt (``pixel_values``, and ``image_sizes`` where the model takes
+    each image's size, and ``token_type_ids`` where its image tokens attend both ways: Gemma
+    3) at its prefill. Captured from its language model on, the vision tower running eagerly
+    in the first stage (:mod:`pipetrain.split.prefix`); a decode step gives no images (token
+    types of 0), and the model embeds its token alone."""
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                pixel_values: torch.Tensor | None = None,
+                image_sizes: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> Any:
+        given = {"pixel_values": pixel_values, "image_sizes": image_sizes,
+                 "token_type_ids": token_type_ids}
+        visual = {k: v for k, v in given.items() if v is not None}
+        out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds,
+                         attention_mask=attention_mask, position_ids=position_ids,
+                         cache=self.cache, use_cache=True, **visual)
         return out.logits

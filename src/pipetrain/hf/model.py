@@ -124,14 +124,15 @@ def meta_model(config: Any, *, images: bool = False) -> nn.Module:
         kind = ("an encoder-decoder" if getattr(config, "is_encoder_decoder", False)
                 else "an image-text model" if image_text
                 else "not a causal language model transformers can build")
-        other = ("pipeline an image-text model from Python: pt.Pipeline(model, schedule, m, "
-                 "loss_fn, split_points='auto', example_inputs=dict(processor(...))) "
+        other = ("pipetrain train --chat, verify and generate --image take an image-text "
+                 "model, and so does pt.Pipeline(model, schedule, m, loss_fn, "
+                 "split_points='auto', example_inputs=dict(processor(...))) "
                  "(docs/multimodal.md)" if image_text else
                  "split any other model with pt.Pipeline and check it with pt.verify(model, "
                  "inputs) (docs/models.md, docs/verify.md)")
         raise ValueError(f"{type(config).__name__} is {kind} (AutoModelForCausalLM does not "
-                         "take it); --hf (train, generate, verify) takes causal language "
-                         f"models only: {other}") from None
+                         "take it); this command takes causal language models only: "
+                         f"{other}") from None
     return model.train()
 
 

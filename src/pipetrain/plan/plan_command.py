@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                       token_cache=args.token_cache, seq_len=args.seq_len,
                       batch_size=args.batch_size, nproc=args.nproc, device=args.device, out="",
                       progress=False, sample_tokens=0, eval_batches=1)
-    check(cfg)
+    check(cfg, training=False)
     layouts = candidate_layouts(cfg, args.pp, args.dp, args.fsdp, args.tp, args.fsdp_reshard,
                                 args.ep)
     schedules = _schedules(args.schedules, SCHEDULES, ASYNCHRONOUS if args.allow_async else ())

@@ -10,6 +10,7 @@ train`` does); under torchrun it is one of them.
     $ pipetrain generate --hf tiny-llama --nproc 4 --prompts prompts.txt --batch 2 --json
     $ pipetrain generate --hf tiny-llama --prompt "def " --temperature 0.8 --top-p 0.9 --out a.jsonl
     $ torchrun --nproc-per-node 2 -m pipetrain generate --hf tiny-llama --prompt "def "
+    $ pipetrain generate --hf tiny-llava --image cat.png --prompt "What is in the picture?"
 
 Exit codes: 0 done, 1 a rank failed, 2 bad arguments.
 """
@@ -39,6 +40,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a prompt (repeat for several)")
     parser.add_argument("--prompts", metavar="FILE",
                         help="a file of prompts, one per line")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image shown with each prompt (repeat for several), for an "
+                             "image-text model: the prompt is the user's turn of its chat "
+                             "template, the images before the text")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="K",
                         help="new tokens per prompt at most (default: 64)")
     parser.add_argument("--batch", type=int, default=1, metavar="B",
@@ -88,6 +93,7 @@ class Request:
     timeout: float
     json: bool
     out: str | None
+    images: tuple[str, ...] = ()
     reports = False  # the worker prints no training config or progress (elastic._work)
     command = "generate"  # the name its failures are printed under
 
@@ -133,14 +139,35 @@ def _request(args: argparse.Namespace) -> Request:
                         ("--prefill", args.prefill), ("--window", args.window)):
         if value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
+    images = _check_images(args.hf, args.image)
     _check_positions(args.hf, prompts, args.max_new_tokens)
-    _check_stages(args.hf, args.nproc)
+    _check_stages(args.hf, args.nproc, bool(images))
     return Request(args.hf, tuple(prompts), args.max_new_tokens, args.batch, args.temperature,
                    args.top_k, args.top_p, args.seed, args.prefill, args.window, args.timeout,
-                   args.json, args.out)
+                   args.json, args.out, images)
 
 
-def _check_stages(hf: str, nproc: int) -> None:
+def _check_images(hf: str, given: list[str]) -> tuple[str, ...]:
+    """The ``--image`` paths, absolute; refused where they do not exist or do not decode, or
+    do not fit the model (images for a text model, none for an image-text one)."""
+    from pipetrain.hf.image_text import is_image_text
+    from pipetrain.hf.model import transformers
+    from pipetrain.train.data.image_chats import open_image
+
+    image_text = is_image_text(transformers().AutoConfig.from_pretrained(
+        hf, local_files_only=True))
+    if given and not image_text:
+        raise ValueError(f"--image: {hf} is a text model (its config has no vision_config); "
+                         "drop --image, or give an image-text checkpoint")
+    if image_text and not given:
+        raise ValueError(f"{hf} is an image-text model: give --image PATH (generation "
+                         "without an image is not supported yet)")
+    for path in given:
+        open_image(path, "--image")
+    return tuple(str(Path(p).resolve()) for p in given)
+
+
+def _check_stages(hf: str, nproc: int, images: bool = False) -> None:
     """Refuse, before any process starts, more ranks than the model has decoder layers (the
     model opened on ``meta``: its config only)."""
     import os
@@ -150,7 +177,7 @@ def _check_stages(hf: str, nproc: int) -> None:
 
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else nproc
-    check_generation_stages(open_model(Path(hf)).model, world,
+    check_generation_stages(open_model(Path(hf), images=images).model, world,
                             "{} torchrun processes" if torchrun else "--nproc {}")
 
 
@@ -159,7 +186,7 @@ def _check_positions(hf: str, prompts: list[str], new: int) -> None:
     from pipetrain.hf.model import load_tokenizer, transformers
 
     config = transformers().AutoConfig.from_pretrained(hf, local_files_only=True)
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if not isinstance(limit, int):
         return
     tok = load_tokenizer(hf)
@@ -180,12 +207,16 @@ def generate(request: Request) -> dict[str, Any]:
     tok = load_tokenizer(request.hf)
     ids = [tok(p, add_special_tokens=False)["input_ids"] or [tok.bos_token_id or 0]
            for p in request.prompts]
+    visual = None
+    if request.images:
+        tok, ids, visual = _image_prompts(request)
     longest = max(len(i) for i in ids)
     start = time.perf_counter()
     gen = Generator.from_pretrained(request.hf, rows=request.batch,
                                     length=longest + request.max_new_tokens - 1,
                                     prefill=request.prefill, window=request.window,
-                                    timeout=request.timeout)
+                                    timeout=request.timeout,
+                                    images=None if visual is None else visual[0])
     built = time.perf_counter() - start
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = _Printer(tok, request, ids, rank == 0)
@@ -194,7 +225,7 @@ def generate(request: Request) -> dict[str, Any]:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
     start = time.perf_counter()
     tokens = gen.generate(ids, request.max_new_tokens, sampling=sampling, eos_token_id=eos,
-                          pad_token_id=pad, on_tokens=out.window)
+                          pad_token_id=pad, on_tokens=out.window, images=visual)
     seconds = time.perf_counter() - start
     out.finish(tokens)
     made = sum(len(t) for t in tokens)
@@ -205,6 +236,27 @@ def generate(request: Request) -> dict[str, Any]:
               f"after {out.first:.2f} s; stages built and read in {built:.1f} s]",
               file=sys.stderr, flush=True)
     return summary
+
+
+def _image_prompts(request: Request) -> tuple[Any, list[list[int]], list[dict[str, Any]]]:
+    """The processor's tokenizer, and per prompt its ids and visual tensors: the user's turn
+    of the chat template (``--image`` images, then the prompt's text) with the generation
+    prompt, as the checkpoint's processor writes it."""
+    from pipetrain.hf.image_text import load_processor
+    from pipetrain.train.data.image_chats import open_image
+
+    processor = load_processor(request.hf)
+    images = [open_image(p, "--image") for p in request.images]
+    ids, visual = [], []
+    for prompt in request.prompts:
+        chat = [{"role": "user", "content": [{"type": "image"} for _ in images]
+                 + [{"type": "text", "text": prompt}]}]
+        text = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        out = processor(text=[text], images=[images], add_special_tokens=False,
+                        return_tensors="pt")
+        ids.append(out["input_ids"][0].tolist())
+        visual.append({k: v for k, v in out.items() if k != "attention_mask"})
+    return processor.tokenizer, ids, visual
 
 
 class _Printer:

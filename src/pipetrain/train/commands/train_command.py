@@ -236,8 +236,9 @@ def _checked(path: Path, key: str, name: str, value: Any) -> Any:
     return value
 
 
-def check(cfg: TrainConfig) -> None:
-    """Reject settings that cannot start a run, before any process is started.
+def check(cfg: TrainConfig, *, training: bool = True) -> None:
+    """Reject settings that cannot start a run, before any process is started (``training``:
+    also what a training run needs of its data; ``verify`` and ``plan`` lay a run out only).
 
     Raises:
         ValueError: naming the setting, its value and what to use instead.
@@ -245,8 +246,9 @@ def check(cfg: TrainConfig) -> None:
     from pipetrain.schedules.generators import REGISTRY, _load_builtin
 
     _load_builtin()
-    for problem in kind_of(cfg).problems(cfg):  # the first one, before any other flag
-        raise ValueError(problem)
+    kind = kind_of(cfg)
+    for problem in kind.problems(cfg) + (kind.data_problems(cfg) if training else []):
+        raise ValueError(problem)  # the first one, before any other flag
     if cfg.schedule not in REGISTRY and not Path(cfg.schedule).is_file():
         raise ValueError(f"unknown schedule {cfg.schedule!r}; choose one of "
                          f"{sorted(REGISTRY)}, or give a schedule file")

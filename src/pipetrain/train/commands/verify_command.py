@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(hf=args.hf, seq_len=args.seq_len,
                       **{name: getattr(args, name) for name in _SHARED})
-    check(cfg)
+    check(cfg, training=False)
     if args.pp < 1:
         raise ValueError(f"--pp must be at least 1, got {args.pp}")
     try:

@@ -45,7 +45,9 @@ def verify_hf(cfg: TrainConfig, pp: int, *, layers: int | None = None,
     from pipetrain.hf.model import open_model, transformers
     from pipetrain.train.checks import run_schedule
 
-    opened = open_model(Path(cfg.hf))
+    opened = open_model(Path(cfg.hf), images=True)
+    if opened.image_text:
+        return _verify_image_text(opened, cfg, pp, layers, width, tolerance, dtype, announce)
     config = shrink(opened.config, layers, width)
     _check_positions(config, cfg.seq_len)
     with torch.device("meta"):
@@ -68,6 +70,42 @@ def verify_hf(cfg: TrainConfig, pp: int, *, layers: int | None = None,
                        tolerance=tolerance, dtype=dtype, seed=cfg.seed)
 
 
+def _verify_image_text(opened: Any, cfg: TrainConfig, pp: int, layers: int | None,
+                       width: int | None, tolerance: float | None, dtype: torch.dtype,
+                       announce: Callable[[str], None] | None) -> Verification:
+    """:func:`verify_hf` of an image-text model: its language model shrunk (its vocabulary
+    kept: the processor writes every id), its vision tower as saved, on chats with random
+    images of two sizes made by its own processor
+    (:func:`~pipetrain.train.sources.image_text_source.random_chats`)."""
+    from pipetrain.hf.image_text import image_token_ids, load_processor, meta_image_text
+    from pipetrain.train.checks import run_schedule
+    from pipetrain.train.sources.hf_source import hf_pipeline
+    from pipetrain.train.sources.image_text_source import random_chats
+
+    config = copy.deepcopy(opened.config)
+    text = config.get_text_config()
+    shrunk = shrink(text, layers, width)
+    shrunk.vocab_size = text.vocab_size
+    for key, value in vars(shrunk).items():
+        setattr(text, key, value)
+    _check_positions(text, cfg.seq_len)
+    model = meta_image_text(config).to(dtype)
+    processor = load_processor(cfg.hf)
+    inputs, targets = random_chats(processor, image_token_ids(config, processor),
+                                   ROWS * cfg.microbatches, cfg.seq_len, cfg.seed)
+    if announce is not None:
+        announce(_describe(cfg, text, opened.config.get_text_config(), model,
+                           f"{ROWS * cfg.microbatches} chats of up to {cfg.seq_len} tokens "
+                           "with 0 to 2 random images of two sizes"))
+    schedule = run_schedule(cfg, pp)
+    example = random_chats(processor, image_token_ids(config, processor), ROWS, cfg.seq_len,
+                           cfg.seed)[0]  # what the capture is taken with (a row shows one)
+    return verify_with(lambda m: hf_pipeline(m, cfg, schedule, ROWS, lambda f: f,
+                                             examples=True, example=example,
+                                             local_ranks=pp),
+                       model, inputs, targets, tolerance=tolerance, dtype=dtype, seed=cfg.seed)
+
+
 def _float64_experts(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """A mixture of experts checked in float64 runs its experts as transformers'
     ``batched_mm`` (the default ``grouped_mm`` kernel has no float64; ``eager`` loops over the
@@ -77,7 +115,8 @@ def _float64_experts(model: torch.nn.Module, dtype: torch.dtype) -> None:
         model.set_experts_implementation("batched_mm")  # type: ignore[operator]
 
 
-def _describe(cfg: TrainConfig, config: Any, saved: Any, model: torch.nn.Module) -> str:
+def _describe(cfg: TrainConfig, config: Any, saved: Any, model: torch.nn.Module,
+              fed: str | None = None) -> str:
     """One line: the model, its sizes (and the saved ones where shrunk), what it is fed."""
     sizes = []
     for key, label in (("num_hidden_layers", "{} layers"), ("hidden_size", "hidden {}"),
@@ -85,9 +124,9 @@ def _describe(cfg: TrainConfig, config: Any, saved: Any, model: torch.nn.Module)
         now, was = getattr(config, key), getattr(saved, key)
         sizes.append(label.format(now) + ("" if now == was else f" (saved: {was})"))
     n = sum(p.numel() for p in model.parameters())
+    fed = fed or f"{ROWS * cfg.microbatches} random sequences of {cfg.seq_len} tokens"
     return (f"pipetrain verify: {type(model).__name__} of {cfg.hf}: {', '.join(sizes)}; "
-            f"{n:,} parameters; {ROWS * cfg.microbatches} random sequences of {cfg.seq_len} "
-            "tokens\n")
+            f"{n:,} parameters; {fed}\n")
 
 
 def _full_size_balance(model: torch.nn.Module, cfg: TrainConfig, schedule: Any) -> str:

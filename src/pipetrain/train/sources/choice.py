@@ -34,6 +34,10 @@ class Kind(ABC):
     def problems(self, cfg: TrainConfig) -> list[str]:
         """What keeps this source from ``cfg``'s run, each saying how to fix it."""
 
+    def data_problems(self, cfg: TrainConfig) -> list[str]:
+        """What keeps this source from training on ``cfg``'s data (none by default)."""
+        return []
+
     @abstractmethod
     def source(self, cfg: TrainConfig) -> Source:
         """The source itself, built on a rank of the run."""
@@ -147,6 +151,11 @@ class ImageTextKind(HFKind):
 
     def problems(self, cfg: TrainConfig) -> list[str]:
         return _image_problems(cfg, True)
+
+    def data_problems(self, cfg: TrainConfig) -> list[str]:
+        from pipetrain.train.sources.image_text_source import image_data_problems
+
+        return image_data_problems(cfg)
 
     def source(self, cfg: TrainConfig) -> Source:
         from pipetrain.train.sources.image_text_source import ImageTextSource

@@ -32,7 +32,8 @@ from pipetrain.train.data.text import Corpus
 from pipetrain.train.sources.hf_source import HFSource, hf_pipeline
 from pipetrain.train.sources.source import LossWrap
 
-__all__ = ["ImageTextSource", "freeze", "image_text_problems"]
+__all__ = ["ImageTextSource", "freeze", "image_data_problems", "image_text_problems",
+           "random_chats"]
 
 VISION = ("vision_tower", "visual", "vision_model", "vision_encoder")
 """What image-text models call their vision tower."""
@@ -83,16 +84,20 @@ def image_text_problems(cfg: TrainConfig, image_text: bool) -> list[str]:
                     ("--freeze-vision", cfg.freeze_vision),
                     ("--freeze-projector", cfg.freeze_projector)) if on]
     problems = []
-    if not (cfg.chat and is_dataset(cfg.data)):
-        problems.append(f"--hf {cfg.hf} is an image-text model: train it on chats with "
-                        "images, --chat --data FILE.jsonl (or .parquet, or a save_to_disk "
-                        "directory; docs/multimodal.md)")
     for flag, on in (("--pack", cfg.pack), ("--tp", cfg.tp > 1), ("--ep", cfg.ep > 1),
                      ("--compile", cfg.compile)):
         if on:
             problems.append(f"{flag} is not supported for image-text models yet: drop it "
                             "(--fsdp and --dp compose)")
     return problems
+
+
+def image_data_problems(cfg: TrainConfig) -> list[str]:
+    """What keeps an image-text model from training on ``cfg``'s data."""
+    if cfg.chat and is_dataset(cfg.data):
+        return []
+    return [f"--hf {cfg.hf} is an image-text model: train it on chats with images, --chat "
+            "--data FILE.jsonl (or .parquet, or a save_to_disk directory; docs/multimodal.md)"]
 
 
 class ImageTextSource(HFSource):
@@ -176,3 +181,43 @@ class ImageTextSource(HFSource):
             if key not in out and not key.startswith(("pixel_", "image_")):
                 out[key] = torch.zeros_like(ids)
         return out
+
+
+def random_chats(processor: Any, image_ids: set[int], rows: int, seq_len: int, seed: int
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A batch of ``rows`` short chats showing 1, 0 or 2 random images of two sizes (row by
+    row), as the processor gives them, and its targets for
+    :func:`~pipetrain.train.data.examples.masked_lm_loss`: every next token but an image's,
+    weighted to a mean (``pipetrain verify`` on an image-text model).
+
+    Raises:
+        ValueError: when the longest chat does not fit ``seq_len`` tokens.
+    """
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    texts, images = [], []
+    for r in range(rows):
+        sizes = [(16, 16) if k % 2 == 0 else (12, 20) for k in range((1, 0, 2)[r % 3])]
+        shown = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+                 for h, w in sizes]
+        chat = [{"role": "user", "content": [{"type": "image"} for _ in shown]
+                 + [{"type": "text", "text": "a b"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "c"}]}]
+        texts.append(str(processor.apply_chat_template(chat, tokenize=False)))
+        images.append(shown)
+    feed = ImageFeed(processor, ())
+    longest = int(feed.tensors(texts, images, 1 << 20)["attention_mask"].sum(1).max())
+    if longest + 1 > seq_len:
+        raise ValueError(f"--seq-len {seq_len} is shorter than the check's chats of up to two "
+                         f"images ({longest} tokens, most of them the images' placeholders); "
+                         f"use --seq-len {longest + 1} or more")
+    inputs = feed.tensors(texts, images, seq_len + 1)
+    ids = inputs["input_ids"]
+    keep = inputs["attention_mask"][:, 1:].bool() & ~torch.isin(
+        ids[:, 1:], torch.tensor(sorted(image_ids), dtype=ids.dtype))
+    labels = torch.where(keep, ids[:, 1:], -100)
+    cut = {k: v[:, :seq_len] if torch.is_tensor(v) and v.shape[:2] == ids.shape[:2] else v
+           for k, v in inputs.items()}
+    weight = torch.full((rows,), 1.0 / int(keep.sum()), dtype=torch.float64)
+    return cut, {"labels": labels, "weight": weight}
