@@ -231,3 +231,39 @@ def test_verify_checks_an_image_text_model_on_its_processors_chats(
     assert "vision_tower" in out and "multi_modal_projector" in out
     assert main(["verify", "--hf", str(place / model), "--seq-len", "20", "--pp", "2"]) == 2
     assert "is shorter than the check's chats" in capsys.readouterr().err
+
+
+def test_the_page_recipe_runs_at_a_tiny_size(place: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/multimodal.md's two commands, as written but for the steps: a tiny LLaVA
+    directory in, a fine-tuned one out, and text from it with an image."""
+    from test_docs import ROOT, console_line
+
+    page = ROOT / "docs" / "multimodal.md"
+    shutil.copytree(place / "llava", tmp_path / "tiny-llava")
+    images = write_images(tmp_path, 3)
+    write_jsonl(tmp_path / "chats.jsonl", conversations(40, images))
+    shutil.copyfile(images[1], tmp_path / "cat.png")
+    monkeypatch.chdir(tmp_path)
+    for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
+        monkeypatch.delenv(key)
+    train = console_line(page, "train --hf tiny-llava").split()
+    assert train[:4] == ["python3", "-m", "pipetrain", "train"], train
+    assert main([*train[3:], "--steps", "2", "--eval-batches", "1", "--no-progress",
+                 "--sample-tokens", "0", "--token-cache", str(tmp_path / "tokens")]) == 0
+    out = Path(train[train.index("--out") + 1])
+    assert len(_records(out, "step")) == 2 and (out / "hf" / "processor_config.json").is_file()
+    generate = console_line(page, "generate --hf").split()
+    quoted = generate.index("--prompt")
+    assert main([*generate[3:quoted], "--prompt", "What is in the picture?",
+                 "--max-new-tokens", "4"]) == 0
+
+
+def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
+        place: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--hf", str(place / "llava"), "--steps", "1"]) == 2
+    assert "is an image-text model: train it on chats with images, --chat --data" in \
+        capsys.readouterr().err
+    assert main(["train", "--hf", str(place / "llava"), "--chat", "--data",
+                 str(place / "data" / "trl.jsonl"), "--pack"]) == 2
+    assert "--pack is not supported for image-text models yet" in capsys.readouterr().err
