@@ -170,3 +170,15 @@ def test_freezing_names_the_parts_and_refuses_a_model_without_them(place: Path) 
                                                   intermediate_size=8, num_attention_heads=2,
                                                   vocab_size=16)), vision=True,
                projector=False)
+
+
+def test_the_command_line_refuses_what_it_cannot_train_yet(tmp_path: Path) -> None:
+    from pipetrain.train.config import TrainConfig
+    from pipetrain.train.sources.image_text_source import image_text_problems
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mllama"}))
+    (problem,) = image_text_problems(TrainConfig(hf=str(tmp_path)), True)
+    assert "Mllama's cross-attention states" in problem and "pt.Pipeline" in problem
+    flags = image_text_problems(TrainConfig(hf=str(tmp_path), freeze_vision=True), False)
+    assert flags == ["--freeze-vision belongs to an image-text model (--hf DIR of LLaVA, "
+                     "Gemma 3, Qwen2-VL, ...); drop it"]

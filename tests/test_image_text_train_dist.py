@@ -267,3 +267,9 @@ def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
     assert main(["train", "--hf", str(place / "llava"), "--chat", "--data",
                  str(place / "data" / "trl.jsonl"), "--pack"]) == 2
     assert "--pack is not supported for image-text models yet" in capsys.readouterr().err
+    bare = place / "no-processor"
+    shutil.copytree(place / "llava", bare)
+    (bare / "processor_config.json").unlink()
+    assert main(["train", "--hf", str(bare), "--chat", "--data",
+                 str(place / "data" / "trl.jsonl")]) == 2
+    assert "no processor could be loaded" in capsys.readouterr().err

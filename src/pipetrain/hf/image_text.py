@@ -65,6 +65,7 @@ def load_processor(root: str | Path) -> Any:
     Raises:
         FileNotFoundError: when ``root`` has no processor with an image processor, saying how
             to add one.
+        ImportError: when the processor needs a library not installed (torchvision).
     """
     tf = _transformers()
     fix = ("save the checkpoint's processor there: AutoProcessor.from_pretrained(<its Hub id "
@@ -72,7 +73,12 @@ def load_processor(root: str | Path) -> Any:
            "and the image processor's preprocessor_config.json")
     try:
         processor = tf.AutoProcessor.from_pretrained(Path(root), local_files_only=True)
-    except (OSError, ValueError, TypeError, ImportError, AttributeError) as e:
+    except ImportError as e:  # Qwen2-VL's video processor needs torchvision
+        said = " ".join(str(e).split(". ")[0].split())
+        raise ImportError(f"--hf {str(root)!r}: its processor needs a library that is not "
+                          f"installed ({said}); install it, matching your torch (torchvision: "
+                          "the release made for your torch)") from None
+    except (OSError, ValueError, TypeError, AttributeError) as e:
         raise FileNotFoundError(f"--hf {str(root)!r}: no processor could be loaded from it "
                                 f"({str(e).strip().splitlines()[0]}); {fix}") from None
     if getattr(processor, "image_processor", None) is None:

@@ -150,6 +150,14 @@ class ImageTextKind(HFKind):
     its own processor (:mod:`.image_text_source`)."""
 
     def problems(self, cfg: TrainConfig) -> list[str]:
+        """The image-text model's (:func:`.image_text_source.image_text_problems`), and a
+        directory whose processor does not load."""
+        from pipetrain.hf.image_text import load_processor
+
+        try:
+            load_processor(cfg.hf)
+        except (FileNotFoundError, ImportError) as e:
+            return [str(e)]
         return _image_problems(cfg, True)
 
     def data_problems(self, cfg: TrainConfig) -> list[str]:

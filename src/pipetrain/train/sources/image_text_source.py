@@ -84,12 +84,28 @@ def image_text_problems(cfg: TrainConfig, image_text: bool) -> list[str]:
                     ("--freeze-vision", cfg.freeze_vision),
                     ("--freeze-projector", cfg.freeze_projector)) if on]
     problems = []
+    if _model_type(cfg.hf) in _PYTHON_ONLY:
+        problems.append(f"--hf {cfg.hf}: {_PYTHON_ONLY[_model_type(cfg.hf)]}; train it from "
+                        "Python with pt.Pipeline (docs/multimodal.md)")
     for flag, on in (("--pack", cfg.pack), ("--tp", cfg.tp > 1), ("--ep", cfg.ep > 1),
                      ("--compile", cfg.compile)):
         if on:
             problems.append(f"{flag} is not supported for image-text models yet: drop it "
                             "(--fsdp and --dp compose)")
     return problems
+
+
+_PYTHON_ONLY = {
+    "mllama": "Mllama's cross-attention states change shape with each batch's images, which "
+              "the command's capture at fixed shapes does not take yet"}
+"""Image-text models the command line refuses, and why."""
+
+
+def _model_type(directory: str) -> str:
+    import json
+    from pathlib import Path
+
+    return str(json.loads(Path(directory, "config.json").read_text()).get("model_type"))
 
 
 def image_data_problems(cfg: TrainConfig) -> list[str]:
