@@ -223,6 +223,12 @@ FAMILIES += [
                            head_dim=8),
         spatial_merge_size=2, image_token_index=IMG)), sized_images([(8, 16, 8)], None)),
 ]
+QWEN3_VL = _model("Qwen3VLForConditionalGeneration", lambda: tf.Qwen3VLConfig(
+    text_config=dict(LLAMA, head_dim=8, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+    vision_config=dict(QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32,
+                       num_position_embeddings=16, deepstack_visual_indexes=[0]),
+    **QWEN_IDS))
+FAMILIES.append(Family("qwen3_vl", QWEN3_VL, lambda n, g: qwen_images(g, n)))
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -286,19 +292,18 @@ def test_image_text_models_train_exactly(family: Family, schedule: str) -> None:
     assert vision, "the vision tower belongs to stage 0"
 
 
-def test_qwen3_vl_is_refused_naming_what_its_language_model_takes() -> None:
-    """Qwen3-VL hands its language model deepstack features its forward does not take: the
-    capture from the language model on would train without them, and the check says so."""
-    model = _model("Qwen3VLForConditionalGeneration", lambda: tf.Qwen3VLConfig(
-        text_config=dict(LLAMA, head_dim=8, rope_parameters=dict(MROPE, mrope_interleaved=True)),
-        vision_config=dict(QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32,
-                           num_position_embeddings=16, deepstack_visual_indexes=[0]),
-        **QWEN_IDS))()
-    full = batch([qwen_images(torch.Generator().manual_seed(1), n) for n in (1, 0)])
-    with pytest.raises(PartitionError, match=r"deepstack_visual_embeds, visual_pos_masks, "
-                       r"which its own forward does not take.*max \|difference\|"):
-        pt.Pipeline(model, "1f1b", 2, lm_loss, split_points="auto", example_inputs=full,
-                    local_ranks=2)
+def test_qwen3_vl_makes_its_deepstack_features_in_the_graph() -> None:
+    """Qwen3-VL hands its language model deepstack features that its forward does not take;
+    the graph takes the vision tower's outputs as the forward's ``mm_encoder_outputs`` and
+    makes them itself, with empty ones for a micro-batch that shows no image."""
+    family = Family("qwen3_vl", QWEN3_VL, lambda n, g: qwen_images(g, n), images=(1, 2, 0, 0))
+    pipe, ref, got, want = stepped(family.build(), family, "1f1b")
+    assert abs(got - want) <= TOL * abs(want)
+    assert differences(pipe, ref) == []
+    assert pipe.traced is not None and pipe.traced.prefix is not None
+    assert pipe.traced.prefix.encoded and not pipe.traced.prefix.dropped
+    merger = [p for n, p in pipe.named_parameters(stage=0) if "deepstack_merger" in n]
+    assert merger and all(p.grad is not None and p.grad.abs().sum() > 0 for p in merger)
 
 
 def test_micro_batches_take_the_images_their_rows_show() -> None:

@@ -131,8 +131,9 @@ def _differences(want: Any, got: Any, visual: bool) -> list[str]:
         if not torch.is_tensor(a) or not a.is_floating_point() or a.numel() == 0:
             continue
         where = pytree.keystr(path) or "the output"
-        if visual and b is None and ("image" in where or "video" in where):
-            continue
+        if visual and (b is None or "_outputs'" in where) and ("image" in where
+                                                              or "video" in where):
+            continue  # the tower's outputs: the prefix's own (the graph may echo its stand-in)
         if not torch.is_tensor(b) or b.shape != a.shape:
             problems.append(f"{where}: {tuple(a.shape)} eagerly, "
                             f"{tuple(b.shape) if torch.is_tensor(b) else type(b).__name__} "

@@ -53,6 +53,10 @@ _TYPED = ("token_type_ids", "mm_token_type_ids")
 PaliGemma): transformers builds those masks with ``torch.vmap``, which a captured graph cannot
 run, so the capture takes the masks the prefix's run built (``attention_mask`` as a dict of
 4-D masks, which these models' forward accepts) instead of building them itself."""
+_DEEPSTACK = ("deepstack_visual_embeds", "visual_pos_masks")
+"""What Qwen3-VL's forward hands its language model beside the embedded ids (the vision
+tower's features of its earlier layers, added to the first decoder layers' outputs at the
+image tokens), which that forward does not take."""
 _GROUPS = (("pixel_values", "image_grid_thw", "image_token_id", "image_token_index"),
            ("pixel_values_videos", "video_grid_thw", "video_token_id", "video_token_index"))
 """Per kind of visual input: its pixels, its grid, the config's placeholder token names."""
@@ -125,6 +129,12 @@ class VisionPrefix(nn.Module):
         """Tensors the language model's call takes that the model's forward does not: the
         capture goes without them, and computes the same only if the model makes them again
         from what it is given (Mllama's row mask, from its ``cross_attention_mask``)."""
+        self.encoded = set(self.dropped) == set(_DEEPSTACK) and "mm_encoder_outputs" in params
+        """Qwen3-VL: the graph takes the token ids and the vision tower's outputs as the
+        forward's ``mm_encoder_outputs`` (:func:`encoder_outputs`), and makes the deepstack
+        features its language model takes itself."""
+        if self.encoded:
+            self.dropped = []
         for name in self.ran:
             attach(self, name, model.get_submodule(name), Holder)
         for name, p in _enclosing_parameters(model, path):  # LLaVA-NeXT's image_newline
@@ -163,6 +173,16 @@ class VisionPrefix(nn.Module):
     def forward(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The arguments for the captured model in place of ``payload``'s images and ids."""
         call = self.reach(payload)
+        if self.encoded:
+            kept = {k: v for k, v in payload.items() if not _visual(k)}
+            kept["position_ids"] = call["position_ids"]
+            if kept["position_ids"] is None:  # no image: the positions count along each axis
+                ids = payload["input_ids"]
+                axes = self.captured_with["position_ids"].shape[0] if self.captured_with else 3
+                kept["position_ids"] = torch.arange(ids.shape[1], device=ids.device).expand(
+                    axes, *ids.shape)
+            kept["mm_encoder_outputs"] = encoder_outputs(self.whole, payload, call)
+            return kept
         embedded = torch.is_tensor(call.get("inputs_embeds"))  # else the ids (Mllama)
         kept = {k: v for k, v in payload.items()
                 if not _visual(k) and not (embedded and k == "input_ids")}
@@ -253,6 +273,34 @@ class VisionPrefix(nn.Module):
             raise ValueError(f"{len(need)} images in {pixels} but the rows' placeholders "
                              f"fill only {i}; give as many images as placeholders")
         return per_row
+
+
+def encoder_outputs(model: nn.Module, payload: dict[str, Any], call: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """A deepstack model's ``mm_encoder_outputs`` for the images its language model's ``call``
+    shows: the image rows of ``inputs_embeds`` as the pooled features, and the call's
+    deepstack features, each one tensor (an empty one where no row shows an image), so that
+    every micro-batch gives the graph the same structure.
+
+    Raises:
+        PartitionError: for videos (their rows are not told apart from the images' yet).
+    """
+    import sys
+
+    if "pixel_values_videos" in payload:
+        raise PartitionError(f"{type(model).__name__} with videos: its deepstack features of "
+                             "images and videos are not told apart yet; give images only")
+    embeds = call["inputs_embeds"]
+    mask = call.get("visual_pos_masks")
+    deep = call.get("deepstack_visual_embeds")
+    if mask is None or deep is None:
+        config: Any = getattr(model, "config", None)
+        layers = len(config.vision_config.deepstack_visual_indexes)
+        mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        deep = [embeds.new_zeros(0, embeds.shape[-1]) for _ in range(layers)]
+    output = sys.modules[type(model).__module__].BaseModelOutputWithDeepstackFeatures
+    return {"image": output(pooler_output=(embeds[mask],),
+                            deepstack_features=[(d,) for d in deep])}
 
 
 def _tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, grid: str,
