@@ -1,5 +1,5 @@
 """Image-text checkpoints: which configs are image-text-to-text models, their processor, and
-the tokens that stand for images.
+the tokens that stand for images (and ``transformers`` itself, imported quietly).
 
 A directory whose ``config.json`` has a ``vision_config`` and a class transformers' auto
 mapping ``AutoModelForImageTextToText`` knows (LLaVA, Qwen2-VL, Gemma 3, PaliGemma, ...) is
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["image_token_ids", "is_image_text", "load_processor", "meta_image_text"]
+__all__ = ["image_token_ids", "is_image_text", "load_processor", "meta_image_text",
+           "transformers"]
 
 _TOKEN_ATTRS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
                 "vision_start_token_id", "vision_end_token_id", "boi_token_id",
@@ -31,10 +32,15 @@ _PROCESSOR_TOKENS = ("image_token", "video_token", "boi_token", "eoi_token",
 """Processor attributes that hold such a token as text."""
 
 
-def _transformers() -> Any:
-    from pipetrain.hf.model import transformers
-
-    return transformers()
+def transformers() -> Any:
+    """The ``transformers`` module, quiet, or an ImportError that says how to install it."""
+    try:
+        import transformers as tf
+    except ImportError as e:  # pragma: no cover - the hf extra is a test dependency
+        raise ImportError("--hf needs transformers and safetensors: pip install "
+                          "'pipetrain[hf]' (with torch pinned)") from e
+    tf.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    return tf
 
 
 def is_image_text(config: Any) -> bool:
@@ -51,7 +57,7 @@ def is_image_text(config: Any) -> bool:
 def meta_image_text(config: Any) -> nn.Module:
     """``AutoModelForImageTextToText.from_config(config)`` on ``meta``, float32, in train
     mode."""
-    tf = _transformers()
+    tf = transformers()
     with torch.device("meta"):
         model: nn.Module = tf.AutoModelForImageTextToText.from_config(config,
                                                                       dtype=torch.float32)
@@ -67,7 +73,7 @@ def load_processor(root: str | Path) -> Any:
             to add one.
         ImportError: when the processor needs a library not installed (torchvision).
     """
-    tf = _transformers()
+    tf = transformers()
     fix = ("save the checkpoint's processor there: AutoProcessor.from_pretrained(<its Hub id "
            "or directory>).save_pretrained(DIR), which writes the tokenizer, the chat template "
            "and the image processor's preprocessor_config.json")

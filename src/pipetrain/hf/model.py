@@ -31,25 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipetrain.hf.image_text import is_image_text, meta_image_text
+from pipetrain.hf.image_text import is_image_text, meta_image_text, transformers
 from pipetrain.runtime.dtensors import copy_whole_
 from pipetrain.split.autosplit import cut_points, units
 
 __all__ = ["Fused", "HFModel", "LoadReport", "has_weights", "load_weights", "meta_model",
-           "open_model", "split_points", "decoder_layers", "check_generation_stages"]
+           "open_model", "split_points", "decoder_layers", "check_generation_stages",
+           "transformers"]
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
-
-
-def transformers() -> Any:
-    """The ``transformers`` module, quiet, or an ImportError that says how to install it."""
-    try:
-        import transformers as tf
-    except ImportError as e:  # pragma: no cover - the hf extra is a test dependency
-        raise ImportError("--hf needs transformers and safetensors: pip install "
-                          "'pipetrain[hf]' (with torch pinned)") from e
-    tf.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    return tf
 
 
 @dataclass(frozen=True, eq=False)
