@@ -21,7 +21,8 @@ TEXT = dict(vocab_size=None, hidden_size=32, intermediate_size=64, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-def _tokenizer(extra: list[str], template: str, named: dict[str, str] | None = None) -> Any:
+def _tokenizer(extra: list[str], template: str, named: dict[str, str] | None = None,
+               bos: str | None = None) -> Any:
     """:func:`helpers.chat.tokenizer` with ``extra`` special tokens, ``named`` ones among
     them as attributes (Gemma 3's ``boi_token``)."""
     import transformers as tf
@@ -30,7 +31,7 @@ def _tokenizer(extra: list[str], template: str, named: dict[str, str] | None = N
     tok.add_special_tokens({"additional_special_tokens": chat.SPECIAL[1:] + extra})
     tok = tf.PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer,
                                      eos_token=chat.SPECIAL[0], pad_token=chat.SPECIAL[0],
-                                     extra_special_tokens=named or {})
+                                     bos_token=bos, extra_special_tokens=named or {})
     tok.chat_template = template
     return tok
 
@@ -96,7 +97,6 @@ def save_gemma3(root: Path) -> Path:
     return _save(root, tf.Gemma3ForConditionalGeneration(config), processor)
 
 
-SAVERS: dict[str, Callable[[Path], Path]] = {"llava": save_llava, "gemma3": save_gemma3}
 
 
 def write_images(directory: Path, n: int, seed: int = 0) -> list[Path]:
@@ -143,3 +143,31 @@ def conversations(n: int, images: list[Path], seed: int = 0, *, parts: bool = Fa
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def save_mllama(root: Path) -> Path:
+    """Mllama (a tiled vision tower, cross-attention layers between self-attention layers,
+    one <|image|> token an image) with its processor."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<|image|>")
+    tok = _tokenizer(["<|image|>", "<|begin_of_text|>"], template, bos="<|begin_of_text|>")
+    images = tf.MllamaImageProcessor(size={"height": 8, "width": 8}, max_image_tiles=2)
+    processor = tf.MllamaProcessor(image_processor=images, tokenizer=tok,
+                                   chat_template=template)
+    config = tf.MllamaConfig(
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                           num_global_layers=1, attention_heads=2, image_size=8, patch_size=4,
+                           max_num_tiles=2, vision_output_dim=32, intermediate_layers_indices=[0],
+                           supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]]),
+        text_config=dict(TEXT, vocab_size=len(tok) + 8, cross_attention_layers=[1],
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
+        image_token_index=tok.convert_tokens_to_ids("<|image|>"))
+    torch.manual_seed(0)
+    return _save(root, tf.MllamaForConditionalGeneration(config), processor)
+
+
+SAVERS: dict[str, Callable[[Path], Path]] = {"llava": save_llava, "gemma3": save_gemma3,
+                                             "mllama": save_mllama}

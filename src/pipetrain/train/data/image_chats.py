@@ -287,6 +287,13 @@ class ImageFeed:
                  encoder: ImageChatEncoder | None = None, rows: Any = None) -> None:
         self.processor, self.media, self.encoder, self._rows = processor, media, encoder, rows
         self._opened: Any = None
+        self.slots = max((len(m["images"]) for m in media), default=1) or 1
+        """Image slots per row, where a processor gives each row an axis of images (Mllama):
+        the most any example shows, so that every batch has the same shapes."""
+        self.blank: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        """Per visual tensor of a model that cross-attends to its images (Mllama), its shape
+        past the rows and its dtype: a batch without an image gets these as zeros (every
+        slot empty), so that every micro-batch gives the graph the same inputs."""
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
         examples = [int(e) for e in inputs["example"]]
@@ -315,6 +322,16 @@ class ImageFeed:
             if torch.is_tensor(value) and value.shape[:2] == ids.shape[:2]:
                 value = _fit(value, seq_len, pad if key == "input_ids" else 0)
             fitted[key] = value
+        pixels = fitted.get("pixel_values")
+        if torch.is_tensor(pixels) and pixels.dim() >= 5:  # a row's images on an axis
+            _pad_slots(fitted, int(pixels.shape[1]), self.slots)
+            if "cross_attention_mask" in fitted:
+                self.blank = {k: (tuple(v.shape[1:]), v.dtype) for k, v in fitted.items()
+                              if k in _SLOTTED}
+        elif self.blank:
+            rows = ids.shape[0]
+            fitted.update({k: torch.zeros(rows, *shape, dtype=dtype)
+                           for k, (shape, dtype) in self.blank.items()})
         return fitted
 
     def _image(self, ref: Ref, example: int) -> Any:
@@ -330,6 +347,24 @@ class ImageFeed:
         record = self._opened[int(row)]
         _, found = encoder.sources(record[encoder.column], record.get(encoder.images), int(row))
         return open_image(found[int(k)], _line(encoder.where, int(row)))
+
+
+_SLOTTED = {"pixel_values": 1, "aspect_ratio_ids": 1, "aspect_ratio_mask": 1,
+            "pixel_attention_mask": 1, "cross_attention_mask": 2}
+"""The tensors with an axis of a row's images, and which axis (Mllama, Idefics3)."""
+
+
+def _pad_slots(fitted: dict[str, Any], shown: int, slots: int) -> None:
+    """Pad each tensor's axis of images from ``shown`` to ``slots`` with zeros (empty slots,
+    as the processor pads a row with fewer images)."""
+    for key, axis in _SLOTTED.items():
+        value = fitted.get(key)
+        if not torch.is_tensor(value) or value.dim() <= axis or value.shape[axis] != shown \
+                or shown >= slots:
+            continue
+        shape = list(value.shape)
+        shape[axis] = slots - shown
+        fitted[key] = torch.cat([value, value.new_zeros(shape)], dim=axis)
 
 
 def _fit(value: torch.Tensor, length: int, pad: int) -> torch.Tensor:

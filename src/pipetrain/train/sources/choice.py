@@ -10,6 +10,7 @@ what differs on each rank is the :class:`~.source.Source` it builds. A new sourc
 
 from __future__ import annotations
 
+import json
 import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -184,7 +185,8 @@ def _image_problems(cfg: TrainConfig, image_text: bool) -> list[str]:
 
 def _image_text(directory: str) -> bool:
     """Whether ``directory``'s config is of an image-text-to-text model."""
-    if not Path(directory, "config.json").is_file():
+    path = Path(directory, "config.json")
+    if not path.is_file() or "vision_config" not in json.loads(path.read_text()):
         return False
     from pipetrain.hf.image_text import is_image_text
     from pipetrain.hf.model import transformers

@@ -84,28 +84,12 @@ def image_text_problems(cfg: TrainConfig, image_text: bool) -> list[str]:
                     ("--freeze-vision", cfg.freeze_vision),
                     ("--freeze-projector", cfg.freeze_projector)) if on]
     problems = []
-    if _model_type(cfg.hf) in _PYTHON_ONLY:
-        problems.append(f"--hf {cfg.hf}: {_PYTHON_ONLY[_model_type(cfg.hf)]}; train it from "
-                        "Python with pt.Pipeline (docs/multimodal.md)")
     for flag, on in (("--pack", cfg.pack), ("--tp", cfg.tp > 1), ("--ep", cfg.ep > 1),
                      ("--compile", cfg.compile)):
         if on:
             problems.append(f"{flag} is not supported for image-text models yet: drop it "
                             "(--fsdp and --dp compose)")
     return problems
-
-
-_PYTHON_ONLY = {
-    "mllama": "Mllama's cross-attention states change shape with each batch's images, which "
-              "the command's capture at fixed shapes does not take yet"}
-"""Image-text models the command line refuses, and why."""
-
-
-def _model_type(directory: str) -> str:
-    import json
-    from pathlib import Path
-
-    return str(json.loads(Path(directory, "config.json").read_text()).get("model_type"))
 
 
 def image_data_problems(cfg: TrainConfig) -> list[str]:
@@ -134,6 +118,7 @@ class ImageTextSource(HFSource):
         self.frozen = freeze(self.hf.model, vision=cfg.freeze_vision,
                              projector=cfg.freeze_projector)
         self.image_feed = ImageFeed(self.processor, ())
+        self._corpus: ExampleCorpus | None = None
         self.fed: tuple[str, ...] = ()
         """The keys of the captured input (a sample's text-only rows take the same)."""
         self.kv_samples = False  # <out>/hf is an image-text model: the sample is pipelined
@@ -175,17 +160,20 @@ class ImageTextSource(HFSource):
 
     def pipeline(self, cfg: TrainConfig, schedule: Schedule, rows: int, pp_rank: int,
                  wrap: LossWrap, **where: Any) -> Pipeline:
-        """Captured from the language model on, with a one-image chat per row."""
+        """Captured from the language model on, with a one-image chat per row (as many image
+        slots a row as the data's examples need, for a model that gives them an axis)."""
+        self.corpus(cfg)
         return hf_pipeline(self.hf.model, cfg, schedule, rows, wrap, examples=True,
                            example=self.example(rows, cfg.seq_len), **where)
 
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus | ExampleCorpus:
         if not cfg.data:
             raise ValueError(f"--hf {cfg.hf} is an image-text model: give --chat --data")
-        corpus, self.image_feed = image_chat_corpus(
-            self.processor, self.image_ids, self.root, cfg.data, cfg.token_cache,
-            chat_field=cfg.chat_field, images_field=cfg.images_field, progress=progress)
-        return corpus
+        if self._corpus is None:
+            self._corpus, self.image_feed = image_chat_corpus(
+                self.processor, self.image_ids, self.root, cfg.data, cfg.token_cache,
+                chat_field=cfg.chat_field, images_field=cfg.images_field, progress=progress)
+        return self._corpus
 
     def feed(self, ids: Any) -> Any:
         """A batch's rows with their images, as the processor gives them; token ids alone (a
@@ -223,6 +211,7 @@ def random_chats(processor: Any, image_ids: set[int], rows: int, seq_len: int, s
         texts.append(str(processor.apply_chat_template(chat, tokenize=False)))
         images.append(shown)
     feed = ImageFeed(processor, ())
+    feed.slots = 2  # a row shows up to two (where a row's images have an axis)
     longest = int(feed.tensors(texts, images, 1 << 20)["attention_mask"].sum(1).max())
     if longest + 1 > seq_len:
         raise ValueError(f"--seq-len {seq_len} is shorter than the check's chats of up to two "
