@@ -160,6 +160,21 @@ def test_gemma3_parts_under_fsdp_and_zbv_with_the_vision_tower_frozen(place: Pat
     assert any("language_model" in k for k in moved)
 
 
+def test_mllama_cross_attends_to_padded_image_slots_and_its_loss_is_transformers(
+        place: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Mllama gives each row an axis of images: every batch gets as many slots as the data's
+    most (empty ones padded, a batch without an image all empty), so one capture serves all;
+    the step-0 loss is transformers' on the processor's own batch. Its generation is refused
+    with the reason."""
+    _train(place, "mllama", "trl.jsonl", "mllama", "--nproc", "2", "--steps", "2")
+    logged = _records(place / "mllama", "step")[0]["loss"]
+    assert logged == pytest.approx(_reference(place, "mllama", "trl.jsonl", 0), rel=1e-5)
+    image = str(place / "data" / "image0.png")
+    assert main(["generate", "--hf", str(place / "mllama"), "--image", image,
+                 "--prompt", "a"]) == 2
+    assert "Mllama caches its cross-attention keys" in capsys.readouterr().err
+
+
 def test_lora_adapts_the_language_model_only(place: Path) -> None:
     peft = pytest.importorskip("peft")
     _train(place, "llava", "trl.jsonl", "l", "--nproc", "2", "--steps", "2", "--lora-r", "4")
@@ -218,7 +233,8 @@ def test_generate_refuses_an_image_for_a_text_model_and_none_for_an_image_text_o
 
 
 @pytest.mark.parametrize(("model", "flags"), [("llava", ["--schedule", "zbv"]),
-                                              ("gemma3", ["--layers", "2", "--width", "16"])])
+                                              ("gemma3", ["--layers", "2", "--width", "16"]),
+                                              ("mllama", [])])
 def test_verify_checks_an_image_text_model_on_its_processors_chats(
         place: Path, model: str, flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """``pipetrain verify --hf DIR``: one float64 step on chats with random images made by the
@@ -228,7 +244,8 @@ def test_verify_checks_an_image_text_model_on_its_processors_chats(
                  *flags]) == 0
     out = capsys.readouterr().out
     assert "with 0 to 2 random images of two sizes" in out and "PASS" in out
-    assert "vision_tower" in out and "multi_modal_projector" in out
+    assert ("vision_model" if model == "mllama" else "vision_tower") in out
+    assert "multi_modal_projector" in out
     assert main(["verify", "--hf", str(place / model), "--seq-len", "20", "--pp", "2"]) == 2
     assert "is shorter than the check's chats" in capsys.readouterr().err
 
