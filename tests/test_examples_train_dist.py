@@ -7,7 +7,6 @@ chat example runs."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +16,8 @@ import pytest
 import torch
 
 from helpers.chat import conversations, save_model, write_jsonl
+from helpers.runs import records as _records
+from helpers.runs import train
 from pipetrain.cli import main
 
 pytestmark = pytest.mark.slow  # the full suite's tier (CONTRIBUTING.md: tests)
@@ -38,18 +39,9 @@ def place(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _train(place: Path, out: str, *args: str) -> dict[str, Any]:
-    argv = ["train", "--hf", str(place / "m"), "--data", str(place / "chat.jsonl"),
-            "--token-cache", str(place / "tokens"), "--out", str(place / out), *ARGS, *args]
-    with pytest.MonkeyPatch.context() as env:
-        for key in [k for k in os.environ if k.startswith("PIPETRAIN_")]:
-            env.delenv(key)
-        assert main(argv) == 0
-    return json.loads((place / out / "summary.json").read_text())  # type: ignore[no-any-return]
-
-
-def _records(out: Path, kind: str) -> list[dict[str, Any]]:
-    lines = (out / "log.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+    return train(["train", "--hf", str(place / "m"), "--data", str(place / "chat.jsonl"),
+                  "--token-cache", str(place / "tokens"), "--out", str(place / out), *ARGS,
+                  *args], place / out)
 
 
 def _reference(place: Path, step: int) -> tuple[float, float, list[int]]:
