@@ -183,3 +183,17 @@ def test_the_command_line_refuses_what_it_cannot_train_yet(tmp_path: Path) -> No
     flags = image_text_problems(TrainConfig(hf=str(tmp_path), freeze_vision=True), False)
     assert flags == ["--freeze-vision belongs to an image-text model (--hf DIR of LLaVA, "
                      "Gemma 3, Qwen2-VL, ...); drop it"]
+
+
+def test_lora_by_default_adapts_the_language_models_projections_only(place: Path) -> None:
+    """``--lora-r`` on an image-text model: peft's default targets for its text model, under
+    its language model only (the CLIP tower has ``q_proj`` and ``v_proj`` too)."""
+    pytest.importorskip("peft")
+    from pipetrain.hf import lora
+
+    model = tf.AutoModelForImageTextToText.from_pretrained(place / "llava")
+    lora.add_adapters(model, lora.lora_config(4, 0.0, 0.0, "", model.config))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    assert adapted and all(".language_model." in n for n in adapted)
+    assert {n.rsplit(".", 1)[1] for n in adapted} == {"q_proj", "v_proj"}
+    assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())

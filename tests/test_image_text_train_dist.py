@@ -168,6 +168,8 @@ def test_mllama_cross_attends_to_padded_image_slots_and_its_loss_is_transformers
     assert "Mllama caches its cross-attention keys" in capsys.readouterr().err
 
 
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests); in CI: tests/test_image_chats.py::
+# test_lora_by_default_adapts_the_language_models_projections_only
 def test_lora_adapts_the_language_model_only(place: Path) -> None:
     peft = pytest.importorskip("peft")
     _train(place, "llava", "trl.jsonl", "l", "--nproc", "2", "--steps", "2", "--lora-r", "4")
@@ -243,6 +245,8 @@ def test_verify_checks_an_image_text_model_on_its_processors_chats(
     assert "is shorter than the check's chats" in capsys.readouterr().err
 
 
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests); in CI: the LLaVA train and generate
+# tests above run the same two commands with other flags
 def test_the_page_recipe_runs_at_a_tiny_size(place: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/multimodal.md's two commands, as written but for the steps: a tiny LLaVA
