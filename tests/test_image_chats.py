@@ -197,3 +197,28 @@ def test_lora_by_default_adapts_the_language_models_projections_only(place: Path
     assert adapted and all(".language_model." in n for n in adapted)
     assert {n.rsplit(".", 1)[1] for n in adapted} == {"q_proj", "v_proj"}
     assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+
+
+def test_a_processor_that_needs_a_missing_library_says_to_install_it(place: Path,
+                                                                      tmp_path: Path) -> None:
+    """A Qwen2-VL processor where torchvision does not import (its video processor needs it):
+    refused with what to install, not as a missing processor."""
+    import importlib
+
+    try:
+        importlib.import_module("torchvision")
+        pytest.skip("torchvision imports here: the processor loads")
+    except (ImportError, RuntimeError):
+        pass
+    from pipetrain.hf.image_text import load_processor
+
+    for f in (place / "llava").iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "processor_config.json").write_text('{"processor_class": "Qwen2VLProcessor"}')
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 2, "merge_size": 2,
+         "temporal_patch_size": 2}))
+    with pytest.raises(ImportError, match=r"its processor needs a library that is not "
+                                          r"installed \(.*[Tt]orchvision.*\); install it"):
+        load_processor(tmp_path)

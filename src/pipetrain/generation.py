@@ -29,20 +29,18 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.hf.cache import CachedImageTextLM, CachedLM, visual_inputs
 from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.pipeline_config import PipelineConfig
 from pipetrain.runtime.torch_private import EXPORT_NON_STRICT_LOGGER
 from pipetrain.schedules.generators.decode import decode_schedule
 from pipetrain.split.partition import even_balance
-
-if TYPE_CHECKING:
-    from pipetrain.hf.cache import CachedLM
 
 __all__ = ["Generator", "Sampling"]
 
@@ -115,7 +113,6 @@ class Generator:
                  local_ranks: int | None = None, device: torch.device | str | None = None,
                  timeout: float = 60.0, balance: Sequence[int] | str | None = None,
                  init_seed: int = 0, images: dict[str, torch.Tensor] | None = None) -> None:
-        from pipetrain.hf.cache import CachedImageTextLM, CachedLM
         from pipetrain.hf.model import check_generation_stages, split_points
 
         if min(rows, length, prefill, window) < 1:
@@ -131,7 +128,7 @@ class Generator:
                    "attention_mask": torch.ones(rows, length, dtype=torch.long),
                    "position_ids": torch.zeros(rows, 2, dtype=torch.long)}
         if images is not None:
-            example = _image_example(images, rows, length)
+            example = CachedImageTextLM.example(images, rows, length)
         points = ["model." + p for p in split_points(model, n_ranks, example)]
         if balance is None:
             balance = even_balance(len(points) + 1, n_ranks)
@@ -149,10 +146,10 @@ class Generator:
         export_log.setLevel(level)
         self.caches = {s: [b for n, b in self.pipe.named_buffers(s) if n in cache_names]
                        for s in self.pipe.stages}
-        if images is not None:  # the eager prefix builds masks from the cache: the stages'
-            _point_cache(wrapped, {n: b for st in self.pipe.stages
-                                   for n, b in self.pipe.named_buffers(st) if n in cache_names})
         """Per hosted stage, the cache tensors its graph reads and writes."""
+        if isinstance(wrapped, CachedImageTextLM):  # its eager prefix reads the stages' cache
+            wrapped.share_cache({n: b for st in self.pipe.stages
+                                 for n, b in self.pipe.named_buffers(st) if n in cache_names})
         self._groups: list[dict[int, list[torch.Tensor]]] = []
         self._run: _Run | None = None
         self.windows: list[StepResult] = []
@@ -251,44 +248,6 @@ class Generator:
             self._run = None
 
 
-def _image_example(images: dict[str, torch.Tensor], rows: int, length: int
-                   ) -> dict[str, Any]:
-    """The capture's input of an image-text model: ``rows`` copies of one prompt and its
-    images (``images``: ``input_ids`` of shape (1, n) and the visual tensors)."""
-    ids = images["input_ids"].repeat(rows, 1)
-    n = ids.shape[1]
-    mask = torch.zeros(rows, length, dtype=torch.long)
-    mask[:, :n] = 1
-    visual = {k: torch.cat([v] * rows) for k, v in images.items()
-              if k not in ("input_ids", "attention_mask")}
-    return {"input_ids": ids, "attention_mask": mask,
-            "position_ids": torch.arange(n).repeat(rows, 1), **visual}
-
-
-def _point_cache(wrapped: CachedLM, buffers: dict[str, torch.Tensor]) -> None:
-    """Point the wrapper's own cache at the stages' tensors of it (``key_cache_3``: layer 3's
-    keys), those this rank holds: an image-text model's forward, run eagerly up to its
-    language model (a Gemma 3 builds its masks there), reads the positions they hold."""
-    fields = {"key_cache": "keys", "value_cache": "values",
-              "cumulative_length": "cumulative_length"}
-    layers: list[Any] = list(wrapped.cache.layers)
-    for name, tensor in buffers.items():
-        kind, _, index = name.rpartition("_")
-        setattr(layers[int(index)], fields[kind], tensor)
-    held = next((layer.cumulative_length for layer in layers
-                 if not layer.cumulative_length.is_meta), None)
-    for layer in layers:  # another rank's layers: every layer's count of positions is the same
-        if held is not None and layer.cumulative_length.is_meta:
-            layer.cumulative_length = held
-
-
-def _visual(images: list[dict[str, torch.Tensor]], device: torch.device
-            ) -> dict[str, torch.Tensor]:
-    """The visual tensors of a group's prompts, one after another (none: no image)."""
-    keys = [k for k in images[0] if k not in ("input_ids", "attention_mask")]
-    return {k: torch.cat([i[k] for i in images if k in i]).to(device) for k in keys}
-
-
 def _on_cpu(device: torch.device | str | None, group: dist.ProcessGroup | None) -> bool:
     """Whether the stages will live on the CPU (as :class:`Pipeline` places them)."""
     if device is not None:
@@ -359,7 +318,7 @@ class _Run:
         given = {"input_ids": ids, "attention_mask": self.mask[rows],
                  "position_ids": self.positions[rows, lo:hi]}
         if shown and self.images:
-            given.update(_visual(self.images[rows], self.gen.pipe.device))
+            given.update(visual_inputs(self.images[rows], self.gen.pipe.device))
         if self.images and "token_type_ids" in self.images[0] and "token_type_ids" not in given:
             given["token_type_ids"] = torch.zeros_like(ids)  # text: types as the capture's
         return traced.payload(given)

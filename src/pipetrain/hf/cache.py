@@ -20,7 +20,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["CachedImageTextLM", "CachedLM"]
+__all__ = ["CachedImageTextLM", "CachedLM", "visual_inputs"]
+
+_TEXT = ("input_ids", "attention_mask")
+"""A processor's outputs that are not visual."""
 
 
 class CachedLM(nn.Module):
@@ -106,3 +109,38 @@ class CachedImageTextLM(CachedLM):
                          attention_mask=attention_mask, position_ids=position_ids,
                          cache=self.cache, use_cache=True, **visual)
         return out.logits
+
+    @staticmethod
+    def example(images: dict[str, torch.Tensor], rows: int, length: int) -> dict[str, Any]:
+        """The capture's input: ``rows`` copies of one prompt and its images (``images``:
+        ``input_ids`` of shape (1, n) and the visual tensors, as the processor gives them)."""
+        ids = images["input_ids"].repeat(rows, 1)
+        n = ids.shape[1]
+        mask = torch.zeros(rows, length, dtype=torch.long)
+        mask[:, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask,
+                "position_ids": torch.arange(n).repeat(rows, 1),
+                **visual_inputs([images] * rows, ids.device)}
+
+    def share_cache(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Point this wrapper's own cache at the stages' tensors of it (``key_cache_3``:
+        layer 3's keys), those this rank holds: the model's forward, run eagerly up to its
+        language model (a Gemma 3 builds its masks there), reads the positions they hold."""
+        fields = {"key_cache": "keys", "value_cache": "values",
+                  "cumulative_length": "cumulative_length"}
+        layers = self._layers()
+        for name, tensor in buffers.items():
+            kind, _, index = name.rpartition("_")
+            setattr(layers[int(index)], fields[kind], tensor)
+        held = next((layer.cumulative_length for layer in layers
+                     if not layer.cumulative_length.is_meta), None)
+        for layer in layers:  # another rank's layers: every layer counts the same positions
+            if held is not None and layer.cumulative_length.is_meta:
+                layer.cumulative_length = held
+
+
+def visual_inputs(prompts: list[dict[str, torch.Tensor]], device: torch.device
+                  ) -> dict[str, torch.Tensor]:
+    """The visual tensors of several prompts' processor outputs, one after another."""
+    keys = [k for k in prompts[0] if k not in _TEXT]
+    return {k: torch.cat([p[k] for p in prompts if k in p]).to(device) for k in keys}

@@ -253,8 +253,8 @@ def _called(layer: nn.Module) -> set[nn.Module] | None:
         return None
     inside = {m for g in graphs for m in g.modules()}
     found = {m for m in layer.modules() if m not in inside}
-    todo = [g for g in graphs if g is layer or g not in {
-        c for h in graphs if h is not g for c in h.modules()}]  # the outermost graphs
+    nested = {c for g in graphs for c in g.modules() if c is not g}
+    todo = [g for g in graphs if g not in nested]  # the outermost graphs
     found.update(todo)
     while todo:
         graph_module = todo.pop()

@@ -109,6 +109,7 @@ class ImageTextSource(HFSource):
     """
 
     images = True
+    kv_samples = False  # <out>/hf is an image-text model: the sample goes through the pipeline
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.processor = load_processor(cfg.hf)
@@ -121,7 +122,6 @@ class ImageTextSource(HFSource):
         self._corpus: ExampleCorpus | None = None
         self.fed: tuple[str, ...] = ()
         """The keys of the captured input (a sample's text-only rows take the same)."""
-        self.kv_samples = False  # <out>/hf is an image-text model: the sample is pipelined
 
     def load_tokenizer(self) -> Any:
         return self.processor.tokenizer
