@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.image_chat import conversations, save_llava, write_images, write_jsonl
+from helpers.image_chat import (
+    conversations,
+    exchanges,
+    save_llava,
+    save_paligemma,
+    write_images,
+    write_jsonl,
+)
 
 tf = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -22,19 +29,22 @@ pytest.importorskip("datasets")
 def place(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("image-chats")
     save_llava(root / "llava")
+    save_paligemma(root / "paligemma")
     images = write_images(root / "data", 3)
+    write_jsonl(root / "data" / "pairs.jsonl", exchanges(6, images))
     write_jsonl(root / "data" / "trl.jsonl", conversations(12, images))
     write_jsonl(root / "data" / "parts.jsonl", conversations(12, images, parts=True))
     return root
 
 
-def _corpus(place: Path, data: Path | str, cache: str = "cache") -> Any:
+def _corpus(place: Path, data: Path | str, cache: str = "cache", model: str = "llava"
+            ) -> Any:
     from pipetrain.hf.image_text import image_token_ids, load_processor
     from pipetrain.train.data.image_chats import image_chat_corpus
 
-    processor = load_processor(place / "llava")
-    config = tf.AutoConfig.from_pretrained(place / "llava")
-    return image_chat_corpus(processor, image_token_ids(config, processor), place / "llava",
+    processor = load_processor(place / model)
+    config = tf.AutoConfig.from_pretrained(place / model)
+    return image_chat_corpus(processor, image_token_ids(config, processor), place / model,
                              str(data), place / cache)
 
 
@@ -91,10 +101,10 @@ def test_an_example_whose_image_does_not_fit_is_dropped(place: Path) -> None:
     assert counts["image_cut"] == 0 and kept.tolist() == [0, 1, 2, 3]
 
 
-def _bad(place: Path, name: str, rows: list[dict[str, Any]]) -> str:
+def _bad(place: Path, name: str, rows: list[dict[str, Any]], model: str = "llava") -> str:
     path = write_jsonl(place / "data" / name, rows)
     with pytest.raises(ValueError) as e:
-        _corpus(place, path, cache=f"cache-{name}")
+        _corpus(place, path, cache=f"cache-{name}", model=model)
     return str(e.value)
 
 
@@ -233,3 +243,37 @@ def test_generate_refuses_the_qwen_vl_models_naming_their_positions(
     assert main(["generate", "--hf", str(tmp_path), "--image", image, "--prompt", "a"]) == 2
     assert "Qwen2-VL's 3-D positions continue from the images at each decode step" in \
         capsys.readouterr().err
+
+
+def test_paligemma_trains_the_answer_of_each_prompt(place: Path) -> None:
+    """PaliGemma's processor has no chat template: a row's user turn is its prompt (prefix),
+    the assistant's its answer (suffix), and only the answer's tokens train; the feed gives the
+    processor's token types (1 on the answer) and not its labels."""
+    from pipetrain.train.data.examples import example_batches
+
+    corpus, feed = _corpus(place, place / "data" / "pairs.jsonl", "cache-pg", "paligemma")
+    rows = [json.loads(line) for line in (place / "data" / "pairs.jsonl").read_text()
+            .splitlines()]
+    tok = tf.AutoTokenizer.from_pretrained(place / "paligemma")
+    for e in range(len(corpus)):
+        a, b = int(corpus.offsets[e]), int(corpus.offsets[e + 1])
+        ids, flags = corpus.ids[a:b], corpus.trained[a:b].bool()
+        answer = rows[e]["messages"][1]["content"][0]["text"]
+        assert tok.decode(ids[flags].tolist()) == answer + tok.eos_token
+        prompt = rows[e]["messages"][0]["content"][1]["text"]
+        assert tok.decode(ids[~flags].tolist()) == "<image>" * 16 + "<bos>" + prompt + "\n"
+    batches = example_batches(corpus, 3, 64, 0, 1, 1)[0]
+    fed = feed(batches.batch(0)[0])
+    assert "labels" not in fed and fed["pixel_values"].shape[0] == 3
+    for r, e in enumerate(batches.examples(0)):
+        a, b = int(corpus.offsets[e]), int(corpus.offsets[e + 1])
+        assert fed["token_type_ids"][r, :b - a].tolist() == corpus.trained[a:b].tolist()
+
+
+def test_paligemma_rows_that_are_not_one_prompt_and_its_answer_are_refused(place: Path) -> None:
+    two = conversations(4, [Path("image0.png")])[3]  # two exchanges
+    assert "a row is one user turn then one assistant turn, not the roles ['user', " \
+        "'assistant', 'user', 'assistant']" in _bad(place, "pg-two.jsonl", [two], "paligemma")
+    text = _chat([TEXT])
+    said = _bad(place, "pg-text.jsonl", [text], "paligemma")
+    assert "line 1: no image; PaliGemmaProcessor takes images with every prompt" in said

@@ -169,5 +169,42 @@ def save_mllama(root: Path) -> Path:
     return _save(root, tf.MllamaForConditionalGeneration(config), processor)
 
 
+def save_paligemma(root: Path) -> Path:
+    """PaliGemma (SigLIP tower, 16 placeholders an image, a Gemma) with its processor, which
+    has no chat template: it takes a prompt and its answer (``suffix``)."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    tok = _tokenizer(["<image>", "<bos>"], "", {"image_token": "<image>"}, bos="<bos>")
+    tok.chat_template = None
+    images = tf.SiglipImageProcessor(size={"height": 8, "width": 8})
+    images.image_seq_length = 16
+    processor = tf.PaliGemmaProcessor(image_processor=images, tokenizer=tok)
+    config = tf.PaliGemmaConfig(
+        text_config=dict(TEXT, model_type="gemma", head_dim=8, vocab_size=len(tok),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id, initializer_range=0.5),
+        vision_config=dict(model_type="siglip_vision_model", image_size=8, patch_size=2,
+                           hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), projection_dim=32)
+    torch.manual_seed(0)
+    return _save(root, tf.PaliGemmaForConditionalGeneration(config), processor)
+
+
+def exchanges(n: int, images: list[Path], seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` rows of one image and one exchange (TRL's convention), as PaliGemma trains."""
+    import random
+
+    rng = random.Random(seed)
+    return [{"messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " ".join(
+            rng.choices(chat.WORDS, k=rng.randint(2, 6)))}]},
+        {"role": "assistant", "content": [{"type": "text", "text": " ".join(
+            rng.choices(chat.WORDS, k=rng.randint(1, 4)))}]}],
+        "images": [images[i % len(images)].name]} for i in range(n)]
+
+
 SAVERS: dict[str, Callable[[Path], Path]] = {"llava": save_llava, "gemma3": save_gemma3,
-                                             "mllama": save_mllama}
+                                             "mllama": save_mllama, "paligemma": save_paligemma}

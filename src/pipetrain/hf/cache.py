@@ -87,6 +87,11 @@ class CachedLM(nn.Module):
         return out.logits
 
 
+_FIRST_POSITION = {"paligemma": 1}
+"""The models whose forward numbers positions from 1, not 0 (PaliGemma's, and its
+``generate`` adds 1 to the positions it is given): the positions a prompt's tokens get."""
+
+
 class CachedImageTextLM(CachedLM):
     """An image-text-to-text model called with a static KV cache: as :class:`CachedLM`, and
     with the images of a prompt (``pixel_values``, and ``image_sizes`` where the model takes
@@ -105,6 +110,9 @@ class CachedImageTextLM(CachedLM):
         given = {"pixel_values": pixel_values, "image_sizes": image_sizes,
                  "token_type_ids": token_type_ids}
         visual = {k: v for k, v in given.items() if v is not None}
+        first = _FIRST_POSITION.get(self.config.model_type, 0)
+        if position_ids is not None and first:
+            position_ids = position_ids + first
         out = self.model(input_ids=input_ids, inputs_embeds=inputs_embeds,
                          attention_mask=attention_mask, position_ids=position_ids,
                          cache=self.cache, use_cache=True, **visual)

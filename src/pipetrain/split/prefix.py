@@ -51,8 +51,10 @@ _LANGUAGE = ("language_model", "text_model")
 _TYPED = ("token_type_ids", "mm_token_type_ids")
 """Arguments with which a model's masks let image tokens attend both ways (Gemma 3,
 PaliGemma): transformers builds those masks with ``torch.vmap``, which a captured graph cannot
-run, so the capture takes the masks the prefix's run built (``attention_mask`` as a dict of
-4-D masks, which these models' forward accepts) instead of building them itself."""
+run, and PaliGemma lets them so only on a call that shows its images (``pixel_values``, which
+the capture is not given), so the capture takes the masks the prefix's run built
+(``attention_mask``: a 4-D mask, or a dict of them, which these models' forward accepts)
+instead of building them itself."""
 _DEEPSTACK = ("deepstack_visual_embeds", "visual_pos_masks")
 """What Qwen3-VL's forward hands its language model beside the embedded ids (the vision
 tower's features of its earlier layers, added to the first decoder layers' outputs at the
@@ -191,7 +193,8 @@ class VisionPrefix(nn.Module):
             if name in params and name not in kept and torch.is_tensor(call.get(name)):
                 kept[name] = call[name]
         mask = call.get("attention_mask")
-        if isinstance(mask, dict) and any(k in payload for k in _TYPED):
+        built = isinstance(mask, dict) or torch.is_tensor(mask) and mask.dim() == 4
+        if built and any(k in payload for k in _TYPED):
             kept["attention_mask"] = mask  # the model's own masks, images seen both ways
         if "use_cache" in params and "use_cache" not in kept:
             kept["use_cache"] = False  # a pipeline passes no KV cache between steps

@@ -253,9 +253,11 @@ def generate(request: Request) -> dict[str, Any]:
 def _image_prompts(request: Request) -> tuple[Any, list[list[int]], list[dict[str, Any]]]:
     """The processor's tokenizer, and per prompt its ids and visual tensors: the user's turn
     of the chat template (``--image`` images, then the prompt's text) with the generation
-    prompt, as the checkpoint's processor writes it."""
+    prompt, as the checkpoint's processor writes it; for a processor without a template that
+    takes prompts and answers (PaliGemma), the images' placeholders and the prompt."""
     from pipetrain.hf.image_text import load_processor
     from pipetrain.train.data.image_chats import open_image
+    from pipetrain.train.data.prompt_answer import takes_answers
 
     processor = load_processor(request.hf)
     images = [open_image(p, "--image") for p in request.images]
@@ -263,11 +265,12 @@ def _image_prompts(request: Request) -> tuple[Any, list[list[int]], list[dict[st
     for prompt in request.prompts:
         chat = [{"role": "user", "content": [{"type": "image"} for _ in images]
                  + [{"type": "text", "text": prompt}]}]
-        text = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        text = str(processor.image_token) * len(images) + prompt if takes_answers(processor) \
+            else processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         out = processor(text=[text], images=[images], add_special_tokens=False,
                         return_tensors="pt")
         ids.append(out["input_ids"][0].tolist())
-        visual.append({k: v for k, v in out.items() if k != "attention_mask"})
+        visual.append({k: v for k, v in out.items() if k not in ("attention_mask", "labels")})
     return processor.tokenizer, ids, visual
 
 

@@ -79,6 +79,7 @@ def _verify_image_text(opened: Any, cfg: TrainConfig, pp: int, layers: int | Non
     (:func:`~pipetrain.train.sources.image_text_source.random_chats`)."""
     from pipetrain.hf.image_text import image_token_ids, load_processor, meta_image_text
     from pipetrain.train.checks import run_schedule
+    from pipetrain.train.data.prompt_answer import takes_answers
     from pipetrain.train.sources.hf_source import hf_pipeline
     from pipetrain.train.sources.image_text_source import random_chats
 
@@ -96,7 +97,9 @@ def _verify_image_text(opened: Any, cfg: TrainConfig, pp: int, layers: int | Non
     if announce is not None:
         announce(_describe(cfg, text, opened.config.get_text_config(), model,
                            f"{ROWS * cfg.microbatches} chats of up to {cfg.seq_len} tokens "
-                           "with 0 to 2 random images of two sizes"))
+                           + ("with a random image each, of two sizes"
+                              if takes_answers(processor) else
+                              "with 0 to 2 random images of two sizes")))
     schedule = run_schedule(cfg, pp)
     example = random_chats(processor, image_token_ids(config, processor), ROWS, cfg.seq_len,
                            cfg.seed)[0]  # what the capture is taken with (a row shows one)

@@ -23,6 +23,8 @@ A batch (:class:`ImageChatBatches`) carries each row's example number; the feed
 images once more, so the model gets the processor's own tensors (``pixel_values``, grids,
 token types, ...), cut or padded to ``--seq-len`` like the ids. An example whose images do not
 end within ``--seq-len`` tokens is dropped (a cut image would not match its placeholders).
+A processor without a chat template that takes answers (PaliGemma) reads each row as a prompt
+and its answer instead (:mod:`.prompt_answer`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from pipetrain.train.data.examples import Batch, ExampleBatches, ExampleCorpus
+from pipetrain.train.data.prompt_answer import answer_ids, prompt_answer, takes_answers
 
 __all__ = ["ImageChatBatches", "ImageChatEncoder", "ImageFeed", "open_image"]
 
@@ -93,7 +96,10 @@ class ImageChatEncoder:
         self.processor, self.image_ids = processor, image_ids
         self.column, self.images, self.where, self.base = column, images, where, base
         self.chat = True
-        if not getattr(processor, "chat_template", None):
+        self.answers = takes_answers(processor)
+        """Rows are a prompt and its answer (:mod:`.prompt_answer`: PaliGemma), not rendered
+        by a chat template."""
+        if not self.answers and not getattr(processor, "chat_template", None):
             raise ValueError(f"--chat: the processor ({type(processor).__name__}) has no chat "
                              "template, so conversations with images cannot be rendered; save "
                              "the checkpoint's chat_template.jinja with its processor")
@@ -177,6 +183,8 @@ class ImageChatEncoder:
         refs = [self.ref(s, row, k) for k, s in enumerate(found)]
         images = [open_image(s if isinstance(r, list) else r, label)
                   for s, r in zip(found, refs, strict=True)]
+        if self.answers:
+            return self._answer_row(template, images, refs, label)
         whole = self._render(template, False, label)
         ids = self.ids(whole, images, label)
         trained = [0] * len(ids)
@@ -197,6 +205,15 @@ class ImageChatEncoder:
             trained[a:b] = [int(t not in self.image_ids) for t in ids[a:b]]
         last = max((p for p, t in enumerate(ids) if t in self.image_ids), default=-1)
         return ids, trained, {"text": whole, "images": refs, "last_image": last}
+
+    def _answer_row(self, template: list[Any], images: list[Any], refs: list[Ref], label: str
+                    ) -> tuple[list[int], list[int], dict[str, Any]]:
+        prompt, answer = prompt_answer(self.processor, template, len(images), label)
+        ids, trained = answer_ids(self.processor, prompt, answer, images, label)
+        trained = [int(f and t not in self.image_ids) for t, f in zip(ids, trained, strict=True)]
+        last = max((p for p, t in enumerate(ids) if t in self.image_ids), default=-1)
+        return ids, trained, {"text": prompt, "answer": answer, "images": refs,
+                              "last_image": last}
 
     def _render(self, messages: list[Any], prompt: bool, label: str) -> str:
         try:
@@ -299,7 +316,9 @@ class ImageFeed:
         examples = [int(e) for e in inputs["example"]]
         texts = [self.media[e]["text"] for e in examples]
         images = [[self._image(r, e) for r in self.media[e]["images"]] for e in examples]
-        out = self.tensors(texts, images, inputs["input_ids"].shape[1])
+        answers = [self.media[e]["answer"] for e in examples] \
+            if examples and "answer" in self.media[examples[0]] else None
+        out = self.tensors(texts, images, inputs["input_ids"].shape[1], answers)
         ids, mask = out["input_ids"], inputs["attention_mask"].bool()
         if not torch.equal(ids[mask], inputs["input_ids"][mask].to(ids.dtype)):
             raise ValueError("the processor's tokens for examples "
@@ -308,13 +327,17 @@ class ImageFeed:
                              "(--token-cache) and run again")
         return out
 
-    def tensors(self, texts: list[str], images: list[list[Any]], seq_len: int
-                ) -> dict[str, Any]:
-        """The processor's outputs for ``texts`` and their ``images``: every tensor of one entry
-        per token cut or right-padded to ``seq_len``, the others as given."""
+    def tensors(self, texts: list[str], images: list[list[Any]], seq_len: int,
+                answers: list[str] | None = None) -> dict[str, Any]:
+        """The processor's outputs for ``texts`` and their ``images`` (and ``answers``, the
+        suffixes of prompt-answer rows): every tensor of one entry per token cut or
+        right-padded to ``seq_len``, the others as given; the processor's own labels left out
+        (the targets are the cache's)."""
         shown = images if any(images) else None
+        given = {} if answers is None else {"suffix": answers}
         out = self.processor(text=texts, images=shown, add_special_tokens=False,
-                             padding=True, return_tensors="pt")
+                             padding=True, return_tensors="pt", **given)
+        out.pop("labels", None)
         ids = out["input_ids"]
         pad = int(self.processor.tokenizer.pad_token_id)
         fitted: dict[str, Any] = {}

@@ -27,6 +27,7 @@ from pipetrain.schedules.schedule import Schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data.examples import ExampleCorpus
 from pipetrain.train.data.image_chats import ImageFeed, image_chat_corpus
+from pipetrain.train.data.prompt_answer import rendered, takes_answers
 from pipetrain.train.data.records import is_dataset
 from pipetrain.train.data.text import Corpus
 from pipetrain.train.sources.hf_source import HFSource, hf_pipeline
@@ -142,19 +143,20 @@ class ImageTextSource(HFSource):
         """
         chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "b"}]}]
-        text = str(self.processor.apply_chat_template(chat, tokenize=False))
+        text, answer = rendered(self.processor, chat, 1)
+        answers = None if answer is None else [answer] * rows
         pixels = np.random.default_rng(self.cfg.seed).integers(0, 256, (32, 32, 3),
                                                               dtype=np.uint8)
         from PIL import Image
 
         image = Image.fromarray(pixels)
-        whole = self.image_feed.tensors([text], [[image]], 1 << 20)
+        whole = self.image_feed.tensors([text], [[image]], 1 << 20, answers and answers[:1])
         length = int(whole["attention_mask"].sum())
         if length > seq_len:
             raise ValueError(f"--seq-len {seq_len} is shorter than a one-image chat of "
                              f"{type(self.hf.model).__name__} ({length} tokens, most of them "
                              f"the image's placeholders); use --seq-len {length * 2} or more")
-        out = self.image_feed.tensors([text] * rows, [[image]] * rows, seq_len)
+        out = self.image_feed.tensors([text] * rows, [[image]] * rows, seq_len, answers)
         self.fed = tuple(out)
         return out
 
@@ -190,7 +192,8 @@ class ImageTextSource(HFSource):
 def random_chats(processor: Any, image_ids: set[int], rows: int, seq_len: int, seed: int
                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A batch of ``rows`` short chats showing 1, 0 or 2 random images of two sizes (row by
-    row), as the processor gives them, and its targets for
+    row; one each where the processor takes a prompt and its answer: PaliGemma), as the
+    processor gives them, and its targets for
     :func:`~pipetrain.train.data.examples.masked_lm_loss`: every next token but an image's,
     weighted to a mean (``pipetrain verify`` on an image-text model).
 
@@ -200,24 +203,26 @@ def random_chats(processor: Any, image_ids: set[int], rows: int, seq_len: int, s
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    texts, images = [], []
+    texts, images, answers = [], [], []
     for r in range(rows):
-        sizes = [(16, 16) if k % 2 == 0 else (12, 20) for k in range((1, 0, 2)[r % 3])]
         shown = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-                 for h, w in sizes]
+                 for h, w in _sizes(r, takes_answers(processor))]
         chat = [{"role": "user", "content": [{"type": "image"} for _ in shown]
                  + [{"type": "text", "text": "a b"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "c"}]}]
-        texts.append(str(processor.apply_chat_template(chat, tokenize=False)))
+        text, answer = rendered(processor, chat, len(shown))
+        texts.append(text)
+        answers.append(answer)
         images.append(shown)
     feed = ImageFeed(processor, ())
     feed.slots = 2  # a row shows up to two (where a row's images have an axis)
-    longest = int(feed.tensors(texts, images, 1 << 20)["attention_mask"].sum(1).max())
+    suffixes = None if answers[0] is None else [str(a) for a in answers]
+    longest = int(feed.tensors(texts, images, 1 << 20, suffixes)["attention_mask"].sum(1).max())
     if longest + 1 > seq_len:
         raise ValueError(f"--seq-len {seq_len} is shorter than the check's chats of up to two "
                          f"images ({longest} tokens, most of them the images' placeholders); "
                          f"use --seq-len {longest + 1} or more")
-    inputs = feed.tensors(texts, images, seq_len + 1)
+    inputs = feed.tensors(texts, images, seq_len + 1, suffixes)
     ids = inputs["input_ids"]
     keep = inputs["attention_mask"][:, 1:].bool() & ~torch.isin(
         ids[:, 1:], torch.tensor(sorted(image_ids), dtype=ids.dtype))
@@ -226,3 +231,11 @@ def random_chats(processor: Any, image_ids: set[int], rows: int, seq_len: int, s
            for k, v in inputs.items()}
     weight = torch.full((rows,), 1.0 / int(keep.sum()), dtype=torch.float64)
     return cut, {"labels": labels, "weight": weight}
+
+
+def _sizes(row: int, answers: bool) -> list[tuple[int, int]]:
+    """The (height, width) of the images of :func:`random_chats`' row ``row``: 1, 0 or 2 of
+    them (one each for a prompt-answer processor, which takes an image with every prompt)."""
+    if answers:
+        return [(16, 16) if row % 2 == 0 else (12, 20)]
+    return [(16, 16) if k % 2 == 0 else (12, 20) for k in range((1, 0, 2)[row % 3])]
