@@ -308,3 +308,35 @@ def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
     assert main(["train", "--hf", str(bare), "--chat", "--data",
                  str(place / "data" / "trl.jsonl")]) == 2
     assert "no processor could be loaded" in capsys.readouterr().err
+
+
+def _torchvision() -> bool:
+    """Whether torchvision imports (the Qwen-VL processors' video processor needs it; beside
+    the CPU torch CI runs on, it does not)."""
+    import importlib
+
+    try:
+        importlib.import_module("torchvision")
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _torchvision(), reason="the Qwen-VL processors need torchvision")
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_qwen_vl_trains_through_the_command_and_verifies(
+        place: Path, family: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The Qwen-VL family through ``train`` (rows of 0-2 images of two grids, M-RoPE positions
+    from the image grids; the step-0 loss is transformers') and ``verify``. Runs where
+    torchvision imports beside torch (docs/multimodal.md says how it was run)."""
+    from helpers.image_chat import save_qwen_vl
+
+    save_qwen_vl(place / family, family)
+    _train(place, family, "trl.jsonl", f"out-{family}", "--nproc", "2", "--steps", "2",
+           "--schedule", "zbv")
+    logged = _records(place / f"out-{family}", "step")[0]["loss"]
+    assert logged == pytest.approx(_reference(place, family, "trl.jsonl", 0), rel=1e-5)
+    assert type(tf.AutoProcessor.from_pretrained(place / f"out-{family}" / "hf")).__name__ \
+        == type(tf.AutoProcessor.from_pretrained(place / family)).__name__
+    assert main(["verify", "--hf", str(place / family), "--seq-len", "64", "--pp", "2"]) == 0
+    assert "PASS" in capsys.readouterr().out

@@ -193,6 +193,61 @@ def save_paligemma(root: Path) -> Path:
     return _save(root, tf.PaliGemmaForConditionalGeneration(config), processor)
 
 
+QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+QWEN_VISION = dict(depth=1, num_heads=2, patch_size=2, spatial_merge_size=2,
+                   temporal_patch_size=2, in_channels=3)
+QWEN_CONFIGS: dict[str, Callable[[dict[str, Any], dict[str, int]], Any]] = {
+    "qwen2_vl": lambda text, ids: __import__("transformers").Qwen2VLConfig(
+        text_config=dict(text, model_type="qwen2_vl_text",
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                              mrope_section=[2, 1, 1])),
+        vision_config=dict(QWEN_VISION, embed_dim=16, hidden_size=32), **ids),
+    "qwen2_5_vl": lambda text, ids: __import__("transformers").Qwen2_5_VLConfig(
+        text_config=dict(text, model_type="qwen2_5_vl_text",
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                              mrope_section=[2, 1, 1])),
+        vision_config=dict(QWEN_VISION, hidden_size=16, intermediate_size=32,
+                           out_hidden_size=32, window_size=8, fullatt_block_indexes=[0]),
+        **ids),
+    "qwen3_vl": lambda text, ids: __import__("transformers").Qwen3VLConfig(
+        text_config=dict(text, model_type="qwen3_vl_text", head_dim=8,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                              mrope_section=[2, 1, 1], mrope_interleaved=True)),
+        vision_config=dict(depth=2, num_heads=2, patch_size=2, spatial_merge_size=2,
+                           temporal_patch_size=2, in_channels=3, hidden_size=16,
+                           intermediate_size=32, out_hidden_size=32, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0]), **ids),
+}
+"""Tiny configs of the Qwen-VL family, from a text config and the placeholder token ids."""
+
+
+def save_qwen_vl(root: Path, family: str = "qwen2_vl") -> Path:
+    """A Qwen-VL model (``family``: qwen2_vl, qwen2_5_vl or qwen3_vl; patches of 2 pixels, 2x2
+    merged, so a 16x16 image is 16 placeholders) with its processor, whose video processor needs
+    torchvision."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<|vision_start|><|image_pad|><|vision_end|>")
+    tok = _tokenizer(QWEN_TOKENS, template)
+    sizes = dict(patch_size=2, merge_size=2, temporal_patch_size=2,
+                 size={"shortest_edge": 64, "longest_edge": 1024})
+    cls = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[family]
+    images = tf.Qwen2VLImageProcessor(**sizes)  # Qwen3-VL's too
+    videos = getattr(tf, "Qwen3VLVideoProcessor" if family == "qwen3_vl" else
+                     "Qwen2VLVideoProcessor")(**sizes)
+    processor = getattr(tf, f"{cls}Processor")(image_processor=images, tokenizer=tok,
+                                              video_processor=videos, chat_template=template)
+    ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id",
+                    "video_token_id"), tok.convert_tokens_to_ids(QWEN_TOKENS), strict=True))
+    text = dict(TEXT, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = tf.AutoModelForImageTextToText.from_config(QWEN_CONFIGS[family](text, ids))
+    return _save(root, model, processor)
+
+
 def exchanges(n: int, images: list[Path], seed: int = 0) -> list[dict[str, Any]]:
     """``n`` rows of one image and one exchange (TRL's convention), as PaliGemma trains."""
     import random

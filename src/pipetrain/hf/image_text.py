@@ -114,3 +114,12 @@ def image_token_ids(config: Any, processor: Any) -> set[int]:
             if isinstance(found, int) and found != tokenizer.unk_token_id:
                 ids.add(found)
     return ids
+
+
+def varying_inputs(model: Any) -> bool:
+    """Whether the capture of image-text ``model`` takes inputs whose sizes change from
+    micro-batch to micro-batch, so that it is captured with symbolic shapes: Qwen3-VL's graph
+    takes its vision tower's outputs (``mm_encoder_outputs``, a row per image token of the
+    micro-batch) to make its deepstack features (:mod:`pipetrain.split.prefix`)."""
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    return bool(getattr(vision, "deepstack_visual_indexes", None))

@@ -77,7 +77,12 @@ def _verify_image_text(opened: Any, cfg: TrainConfig, pp: int, layers: int | Non
     kept: the processor writes every id), its vision tower as saved, on chats with random
     images of two sizes made by its own processor
     (:func:`~pipetrain.train.sources.image_text_source.random_chats`)."""
-    from pipetrain.hf.image_text import image_token_ids, load_processor, meta_image_text
+    from pipetrain.hf.image_text import (
+        image_token_ids,
+        load_processor,
+        meta_image_text,
+        varying_inputs,
+    )
     from pipetrain.train.checks import run_schedule
     from pipetrain.train.data.prompt_answer import takes_answers
     from pipetrain.train.sources.hf_source import hf_pipeline
@@ -105,7 +110,7 @@ def _verify_image_text(opened: Any, cfg: TrainConfig, pp: int, layers: int | Non
                            cfg.seed)[0]  # what the capture is taken with (a row shows one)
     return verify_with(lambda m: hf_pipeline(m, cfg, schedule, ROWS, lambda f: f,
                                              examples=True, example=example,
-                                             local_ranks=pp),
+                                             dynamic=varying_inputs(m), local_ranks=pp),
                        model, inputs, targets, tolerance=tolerance, dtype=dtype, seed=cfg.seed)
 
 

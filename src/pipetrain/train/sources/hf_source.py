@@ -85,7 +85,8 @@ def peak_rss_bytes() -> int:
 
 def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: int,
                 wrap: LossWrap, *, examples: bool = False,
-                example: dict[str, Any] | None = None, **where: Any) -> Pipeline:
+                example: dict[str, Any] | None = None, dynamic: bool = False,
+                **where: Any) -> Pipeline:
     """``model`` (on ``meta`` or real) cut as ``pipetrain train --hf`` cuts it: at its decoder
     layers, which ``cfg.balance`` groups into the schedule's stages (``even``: equal counts),
     ``rows`` sequences of ``cfg.seq_len`` tokens per micro-batch, captured at those shapes
@@ -97,7 +98,8 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
     ``examples``: the input is padded examples (:mod:`pipetrain.train.data.examples`): captured
     with an ``attention_mask``, the loss :func:`~pipetrain.train.data.examples.masked_lm_loss`
     summed over the micro-batches. ``example``: what to capture with instead of zeros (an
-    image-text model's processor outputs).
+    image-text model's processor outputs); ``dynamic``: captured with symbolic shapes instead,
+    for inputs whose sizes change (:func:`pipetrain.hf.image_text.varying_inputs`).
     """
     if example is None:
         example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
@@ -114,7 +116,7 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
     return Pipeline(model, schedule, cfg.microbatches,
                     wrap(masked_lm_loss if examples else causal_lm_loss_of(model)),
                     split_points=points, balance=balance, recompute=cfg.recompute,
-                    init_seed=cfg.seed, example_inputs=example, dynamic=False,
+                    init_seed=cfg.seed, example_inputs=example, dynamic=dynamic,
                     loss_reduction="sum" if examples else "mean", **where)
 
 

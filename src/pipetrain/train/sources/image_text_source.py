@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipetrain.hf.image_text import image_token_ids, load_processor
+from pipetrain.hf.image_text import image_token_ids, load_processor, varying_inputs
 from pipetrain.pipeline import Pipeline
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.train.config import TrainConfig
@@ -145,7 +145,7 @@ class ImageTextSource(HFSource):
                 {"role": "assistant", "content": [{"type": "text", "text": "b"}]}]
         text, answer = rendered(self.processor, chat, 1)
         answers = None if answer is None else [answer] * rows
-        pixels = np.random.default_rng(self.cfg.seed).integers(0, 256, (32, 32, 3),
+        pixels = np.random.default_rng(self.cfg.seed).integers(0, 256, (16, 16, 3),
                                                               dtype=np.uint8)
         from PIL import Image
 
@@ -166,7 +166,8 @@ class ImageTextSource(HFSource):
         slots a row as the data's examples need, for a model that gives them an axis)."""
         self.corpus(cfg)
         return hf_pipeline(self.hf.model, cfg, schedule, rows, wrap, examples=True,
-                           example=self.example(rows, cfg.seq_len), **where)
+                           example=self.example(rows, cfg.seq_len),
+                           dynamic=varying_inputs(self.hf.model), **where)
 
     def corpus(self, cfg: TrainConfig, *, progress: bool = False) -> Corpus | ExampleCorpus:
         if not cfg.data:
