@@ -109,18 +109,37 @@ def test_every_schedule_runs_the_split_graphs_exactly(name: str) -> None:
             assert torch.equal(grads[n].grad, p.grad), (name, n)
 
 
+INDUCTOR_CI = ["gpipe", "zb-h1", "zbv", "dualpipev"]
+"""The schedules CI compiles with inductor: one stage a rank, split backward (I and W), a V of
+two stages a rank, and two directions at once; every schedule runs over stages compiled by
+the ``eager`` backend in CI (the test above) and by inductor in the long tier."""
+
+
+def test_inductor_under_four_kinds_of_schedule() -> None:
+    """:func:`_inductor_under` for :data:`INDUCTOR_CI`."""
+    _inductor_under(INDUCTOR_CI)
+
+
+# in CI: test_inductor_under_four_kinds_of_schedule, and every schedule over stages compiled by
+# the eager backend (test_every_schedule_runs_the_split_graphs_exactly above)
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_inductor_under_every_schedule() -> None:
-    """Inductor-compiled stages: every schedule's gradients are bit for bit those of GPipe
+    """:func:`_inductor_under` for every schedule."""
+    _inductor_under(SCHEDULES)
+
+
+def _inductor_under(schedules: list[str]) -> None:
+    """Inductor-compiled stages: each schedule's gradients are bit for bit those of the first
     over the same compiled stages, and within 1e-5 (of the largest) of ``torch.compile`` of
     the whole model run micro-batch by micro-batch; a second step compiles nothing, a new
-    micro-batch size compiles once more."""
+    micro-batch size compiles once more (under GPipe)."""
     x, y = batch(16)
     ref = mlp()
     reference_step(torch.compile(ref), x, y, LOSS, 4)
     want = {n: p.grad for n, p in ref.named_parameters()}
     scale = max(float(g.abs().max()) for g in want.values())
     first: dict[int, dict[str, torch.Tensor]] = {}
-    for name in SCHEDULES:
+    for name in schedules:
         v = 2 if name in MULTI else 1
         pipe = pt.Pipeline(mlp(), name, 4, LOSS, local_ranks=2, stages_per_rank=v,
                            compile=True)
@@ -139,7 +158,7 @@ def test_inductor_under_every_schedule() -> None:
             assert [s.compiled.compiles for s in pipe.stages.values()] == [2, 2]
 
 
-# in CI: inductor under every schedule: test_inductor_under_every_schedule
+# in CI: inductor under four kinds of schedule: test_inductor_under_four_kinds_of_schedule
 @pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_a_captured_hf_llama_compiled_under_zb_h1() -> None:
     """A model we did not write, captured, split into 2 stages and compiled by inductor, under
