@@ -277,3 +277,15 @@ def test_paligemma_rows_that_are_not_one_prompt_and_its_answer_are_refused(place
     text = _chat([TEXT])
     said = _bad(place, "pg-text.jsonl", [text], "paligemma")
     assert "line 1: no image; PaliGemmaProcessor takes images with every prompt" in said
+
+
+def test_rows_a_processor_leaves_out_for_want_of_an_image_get_empty_slots_back() -> None:
+    """Mllama's torchvision backend gives aspect ratios for the rows with an image only (its
+    PIL backend for every row): the feed puts zeros (empty slots) in the other rows' places."""
+    from pipetrain.train.data.image_chats import _rows_of_images
+
+    fitted = {"aspect_ratio_ids": torch.tensor([[1, 0], [1, 1]]),
+              "pixel_values": torch.ones(3, 2, 1), "input_ids": torch.ones(3, 4)}
+    _rows_of_images(fitted, [True, False, True])
+    assert fitted["aspect_ratio_ids"].tolist() == [[1, 0], [0, 0], [1, 1]]
+    assert fitted["pixel_values"].shape == (3, 2, 1)  # a row each already: as given

@@ -82,7 +82,11 @@ def _reference(place: Path, model: str, data: str, step: int, directory: Path | 
     from pipetrain.train.data.image_chats import image_chat_corpus
 
     root = place / model
-    processor = tf.AutoProcessor.from_pretrained(root)
+    # Mllama's torchvision backend leaves out the aspect ratios of rows without an image, which
+    # transformers' Mllama then cannot take; its PIL backend gives every row (pipetrain's feed
+    # puts the missing rows back: tests/test_image_chats.py)
+    processor = tf.AutoProcessor.from_pretrained(root, **(
+        {"backend": "pil"} if model == "mllama" else {}))
     processor.tokenizer.padding_side = "right"
     corpus, _ = image_chat_corpus(load_processor(root), image_token_ids(
         tf.AutoConfig.from_pretrained(root), processor), root, str(place / "data" / data),

@@ -345,6 +345,7 @@ class ImageFeed:
             if torch.is_tensor(value) and value.shape[:2] == ids.shape[:2]:
                 value = _fit(value, seq_len, pad if key == "input_ids" else 0)
             fitted[key] = value
+        _rows_of_images(fitted, [bool(shown) for shown in images])
         pixels = fitted.get("pixel_values")
         if torch.is_tensor(pixels) and pixels.dim() >= 5:  # a row's images on an axis
             _pad_slots(fitted, int(pixels.shape[1]), self.slots)
@@ -375,6 +376,21 @@ class ImageFeed:
 _SLOTTED = {"pixel_values": 1, "aspect_ratio_ids": 1, "aspect_ratio_mask": 1,
             "pixel_attention_mask": 1, "cross_attention_mask": 2}
 """The tensors with an axis of a row's images, and which axis (Mllama, Idefics3)."""
+
+
+def _rows_of_images(fitted: dict[str, Any], showing: list[bool]) -> None:
+    """Give each tensor with an axis of a row's images a row per row of the batch: a processor
+    may leave out the rows without an image (Mllama's torchvision backend does for its aspect
+    ratios, its PIL one does not), which get empty slots (zeros) back in their places."""
+    rows = len(showing)
+    for key in _SLOTTED:
+        value = fitted.get(key)
+        if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] == rows \
+                or value.shape[0] != sum(showing):
+            continue
+        full = value.new_zeros(rows, *value.shape[1:])
+        full[torch.tensor(showing)] = value
+        fitted[key] = full
 
 
 def _pad_slots(fitted: dict[str, Any], shown: int, slots: int) -> None:
