@@ -282,7 +282,7 @@ def test_paligemma_rows_that_are_not_one_prompt_and_its_answer_are_refused(place
 def test_rows_a_processor_leaves_out_for_want_of_an_image_get_empty_slots_back() -> None:
     """Mllama's torchvision backend gives aspect ratios for the rows with an image only (its
     PIL backend for every row): the feed puts zeros (empty slots) in the other rows' places."""
-    from pipetrain.train.data.image_chats import _rows_of_images
+    from pipetrain.train.data.image_feed import _rows_of_images
 
     fitted = {"aspect_ratio_ids": torch.tensor([[1, 0], [1, 1]]),
               "pixel_values": torch.ones(3, 2, 1), "input_ids": torch.ones(3, 4)}

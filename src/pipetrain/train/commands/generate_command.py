@@ -160,7 +160,7 @@ def _check_images(hf: str, given: list[str]) -> tuple[str, ...]:
     do not fit the model (images for a text model, none for an image-text one)."""
     from pipetrain.hf.image_text import is_image_text
     from pipetrain.hf.model import transformers
-    from pipetrain.train.data.image_chats import open_image
+    from pipetrain.train.data.image_feed import open_image
 
     config = transformers().AutoConfig.from_pretrained(hf, local_files_only=True)
     image_text = is_image_text(config)
@@ -256,7 +256,7 @@ def _image_prompts(request: Request) -> tuple[Any, list[list[int]], list[dict[st
     prompt, as the checkpoint's processor writes it; for a processor without a template that
     takes prompts and answers (PaliGemma), the images' placeholders and the prompt."""
     from pipetrain.hf.image_text import load_processor
-    from pipetrain.train.data.image_chats import open_image
+    from pipetrain.train.data.image_feed import open_image
     from pipetrain.train.data.prompt_answer import takes_answers
 
     processor = load_processor(request.hf)

@@ -19,10 +19,11 @@ The ids and flags go to the example cache (:mod:`.examples`), and beside them, p
 its rendered text and where its images are (``<key>.media.jsonl``).
 
 A batch (:class:`ImageChatBatches`) carries each row's example number; the feed
-(:class:`ImageFeed`) reads those rows' images and runs the processor on their texts and
-images once more, so the model gets the processor's own tensors (``pixel_values``, grids,
-token types, ...), cut or padded to ``--seq-len`` like the ids. An example whose images do not
-end within ``--seq-len`` tokens is dropped (a cut image would not match its placeholders).
+(:class:`~pipetrain.train.data.image_feed.ImageFeed`) reads those rows' images and runs the
+processor on their texts and images once more, so the model gets the processor's own tensors
+(``pixel_values``, grids, token types, ...), cut or padded to ``--seq-len`` like the ids. An
+example whose images do not end within ``--seq-len`` tokens is dropped (a cut image would not
+match its placeholders).
 A processor without a chat template that takes answers (PaliGemma) reads each row as a prompt
 and its answer instead (:mod:`.prompt_answer`).
 """
@@ -37,47 +38,10 @@ from typing import Any
 import torch
 
 from pipetrain.train.data.examples import Batch, ExampleBatches, ExampleCorpus
+from pipetrain.train.data.image_feed import ImageFeed, Ref, line_of, open_image
 from pipetrain.train.data.prompt_answer import answer_ids, prompt_answer, takes_answers
 
-__all__ = ["ImageChatBatches", "ImageChatEncoder", "ImageFeed", "open_image"]
-
-Ref = str | list[Any]
-"""Where an image is: an absolute path, or ``["row", r, k]``, the ``k``-th image of row
-``r`` of the data set (an image stored in it)."""
-
-
-def _line(where: str, row: int) -> str:
-    """How an error names a row: its line in a JSONL file, else its number."""
-    return f"{where} line {row + 1}" if where.endswith(".jsonl") else f"{where} row {row}"
-
-
-def open_image(source: Any, label: str) -> Any:
-    """``source`` (a path, a PIL image, or a ``datasets`` Image value) as an RGB PIL image.
-
-    Raises:
-        ValueError: naming ``label`` when the file does not exist or does not decode.
-    """
-    import io
-
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(source, Image.Image):
-        return source.convert("RGB")
-    if isinstance(source, dict) and source.get("bytes") is not None:
-        source = io.BytesIO(source["bytes"])
-    elif isinstance(source, dict):
-        source = source.get("path")
-    try:
-        with Image.open(source) as image:
-            return image.convert("RGB")
-    except FileNotFoundError:
-        raise ValueError(f"{label}: image {str(source)!r} does not exist; give paths that "
-                         "exist (relative ones are read against the data file's directory)"
-                         ) from None
-    except (UnidentifiedImageError, OSError) as e:
-        raise ValueError(f"{label}: image {str(source)!r} does not decode as an image "
-                         f"({e}); give a PNG, JPEG or another format PIL reads") from None
-
+__all__ = ["ImageChatBatches", "ImageChatCorpus", "ImageChatEncoder", "image_chat_corpus"]
 
 class ImageChatEncoder:
     """Rows of a data set of image chats to (ids, trained flags, media) by ``processor``.
@@ -122,7 +86,7 @@ class ImageChatEncoder:
     def sources(self, messages: Any, pool: Any, row: int) -> tuple[list[Any], list[Any]]:
         """The messages as the template takes them (each image a bare ``{"type": "image"}``
         part) and the images' sources in order."""
-        label = _line(self.where, row)
+        label = line_of(self.where, row)
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise ValueError(f"{label}: {self.column!r} must be a non-empty list of {{role, "
@@ -165,13 +129,13 @@ class ImageChatEncoder:
         if not isinstance(source, str):
             return ["row", row, k]
         if source.startswith(("http://", "https://")):
-            raise ValueError(f"{_line(self.where, row)}: image {source!r} is on the web; "
+            raise ValueError(f"{line_of(self.where, row)}: image {source!r} is on the web; "
                              "pipetrain reads local files only: download it and give its path")
         path = Path(source.removeprefix("file://")).expanduser()
         if not path.is_absolute():
             path = self.base / path if (self.base / path).exists() else path.resolve()
         if not path.is_file():
-            raise ValueError(f"{_line(self.where, row)}: image {source!r} does not exist "
+            raise ValueError(f"{line_of(self.where, row)}: image {source!r} does not exist "
                              f"(looked for {str(path)!r}); give paths that exist, relative "
                              "ones to the data file's directory")
         return str(path)
@@ -179,7 +143,7 @@ class ImageChatEncoder:
     def _row(self, messages: Any, pool: Any, row: int
              ) -> tuple[list[int], list[int], dict[str, Any]]:
         template, found = self.sources(messages, pool, row)
-        label = _line(self.where, row)
+        label = line_of(self.where, row)
         refs = [self.ref(s, row, k) for k, s in enumerate(found)]
         images = [open_image(s if isinstance(r, list) else r, label)
                   for s, r in zip(found, refs, strict=True)]
@@ -287,131 +251,6 @@ class ImageChatBatches(ExampleBatches):
         inputs, targets = super().batch(step)
         inputs["example"] = torch.tensor(self.examples(step), dtype=torch.long)
         return inputs, targets
-
-
-class ImageFeed:
-    """A batch's rows as the model's keyword arguments: the processor's tensors for their texts
-    and images, fit to ``seq_len`` tokens.
-
-    Args:
-        processor: the checkpoint's processor.
-        media: each example's text and images (:attr:`ImageChatCorpus.media`).
-        encoder: re-reads an image stored in the data set (:data:`Ref` ``["row", r, k]``).
-        rows: opens the data set's rows (for such images), when first asked.
-    """
-
-    def __init__(self, processor: Any, media: tuple[dict[str, Any], ...],
-                 encoder: ImageChatEncoder | None = None, rows: Any = None) -> None:
-        self.processor, self.media, self.encoder, self._rows = processor, media, encoder, rows
-        self._opened: Any = None
-        self.slots = max((len(m["images"]) for m in media), default=1) or 1
-        """Image slots per row, where a processor gives each row an axis of images (Mllama):
-        the most any example shows, so that every batch has the same shapes."""
-        self.blank: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        """Per visual tensor of a model that cross-attends to its images (Mllama), its shape
-        past the rows and its dtype: a batch without an image gets these as zeros (every
-        slot empty), so that every micro-batch gives the graph the same inputs."""
-
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-        examples = [int(e) for e in inputs["example"]]
-        texts = [self.media[e]["text"] for e in examples]
-        images = [[self._image(r, e) for r in self.media[e]["images"]] for e in examples]
-        answers = [self.media[e]["answer"] for e in examples] \
-            if examples and "answer" in self.media[examples[0]] else None
-        out = self.tensors(texts, images, inputs["input_ids"].shape[1], answers)
-        ids, mask = out["input_ids"], inputs["attention_mask"].bool()
-        if not torch.equal(ids[mask], inputs["input_ids"][mask].to(ids.dtype)):
-            raise ValueError("the processor's tokens for examples "
-                             f"{examples} differ from the token cache's; the processor or its "
-                             "files changed after tokenizing: delete the cache "
-                             "(--token-cache) and run again")
-        return out
-
-    def tensors(self, texts: list[str], images: list[list[Any]], seq_len: int,
-                answers: list[str] | None = None) -> dict[str, Any]:
-        """The processor's outputs for ``texts`` and their ``images`` (and ``answers``, the
-        suffixes of prompt-answer rows): every tensor of one entry per token cut or
-        right-padded to ``seq_len``, the others as given; the processor's own labels left out
-        (the targets are the cache's)."""
-        shown = images if any(images) else None
-        given = {} if answers is None else {"suffix": answers}
-        out = self.processor(text=texts, images=shown, add_special_tokens=False,
-                             padding=True, return_tensors="pt", **given)
-        out.pop("labels", None)
-        ids = out["input_ids"]
-        pad = int(self.processor.tokenizer.pad_token_id)
-        fitted: dict[str, Any] = {}
-        for key, value in out.items():
-            if torch.is_tensor(value) and value.shape[:2] == ids.shape[:2]:
-                value = _fit(value, seq_len, pad if key == "input_ids" else 0)
-            fitted[key] = value
-        _rows_of_images(fitted, [bool(shown) for shown in images])
-        pixels = fitted.get("pixel_values")
-        if torch.is_tensor(pixels) and pixels.dim() >= 5:  # a row's images on an axis
-            _pad_slots(fitted, int(pixels.shape[1]), self.slots)
-            if "cross_attention_mask" in fitted:
-                self.blank = {k: (tuple(v.shape[1:]), v.dtype) for k, v in fitted.items()
-                              if k in _SLOTTED}
-        elif self.blank:
-            rows = ids.shape[0]
-            fitted.update({k: torch.zeros(rows, *shape, dtype=dtype)
-                           for k, (shape, dtype) in self.blank.items()})
-        return fitted
-
-    def _image(self, ref: Ref, example: int) -> Any:
-        if isinstance(ref, str):
-            return open_image(ref, f"example {example}")
-        if self.encoder is None or self._rows is None:
-            raise ValueError(f"example {example}: its image is stored in the data set, which "
-                             "this feed cannot open")
-        if self._opened is None:
-            self._opened = self._rows()
-        _, row, k = ref
-        encoder = self.encoder
-        record = self._opened[int(row)]
-        _, found = encoder.sources(record[encoder.column], record.get(encoder.images), int(row))
-        return open_image(found[int(k)], _line(encoder.where, int(row)))
-
-
-_SLOTTED = {"pixel_values": 1, "aspect_ratio_ids": 1, "aspect_ratio_mask": 1,
-            "pixel_attention_mask": 1, "cross_attention_mask": 2}
-"""The tensors with an axis of a row's images, and which axis (Mllama, Idefics3)."""
-
-
-def _rows_of_images(fitted: dict[str, Any], showing: list[bool]) -> None:
-    """Give each tensor with an axis of a row's images a row per row of the batch: a processor
-    may leave out the rows without an image (Mllama's torchvision backend does for its aspect
-    ratios, its PIL one does not), which get empty slots (zeros) back in their places."""
-    rows = len(showing)
-    for key in _SLOTTED:
-        value = fitted.get(key)
-        if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] == rows \
-                or value.shape[0] != sum(showing):
-            continue
-        full = value.new_zeros(rows, *value.shape[1:])
-        full[torch.tensor(showing)] = value
-        fitted[key] = full
-
-
-def _pad_slots(fitted: dict[str, Any], shown: int, slots: int) -> None:
-    """Pad each tensor's axis of images from ``shown`` to ``slots`` with zeros (empty slots,
-    as the processor pads a row with fewer images)."""
-    for key, axis in _SLOTTED.items():
-        value = fitted.get(key)
-        if not torch.is_tensor(value) or value.dim() <= axis or value.shape[axis] != shown \
-                or shown >= slots:
-            continue
-        shape = list(value.shape)
-        shape[axis] = slots - shown
-        fitted[key] = torch.cat([value, value.new_zeros(shape)], dim=axis)
-
-
-def _fit(value: torch.Tensor, length: int, pad: int) -> torch.Tensor:
-    """``value`` cut or right-padded with ``pad`` to ``length`` along dim 1."""
-    if value.shape[1] >= length:
-        return value[:, :length].contiguous()
-    shape = (value.shape[0], length - value.shape[1], *value.shape[2:])
-    return torch.cat([value, value.new_full(shape, pad)], dim=1)
 
 
 def image_chat_corpus(processor: Any, image_ids: set[int], model_dir: str | Path, data: str,

@@ -26,7 +26,8 @@ from pipetrain.pipeline import Pipeline
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.train.config import TrainConfig
 from pipetrain.train.data.examples import ExampleCorpus
-from pipetrain.train.data.image_chats import ImageFeed, image_chat_corpus
+from pipetrain.train.data.image_chats import image_chat_corpus
+from pipetrain.train.data.image_feed import ImageFeed
 from pipetrain.train.data.prompt_answer import rendered, takes_answers
 from pipetrain.train.data.records import is_dataset
 from pipetrain.train.data.text import Corpus
