@@ -289,3 +289,14 @@ def test_rows_a_processor_leaves_out_for_want_of_an_image_get_empty_slots_back()
     _rows_of_images(fitted, [True, False, True])
     assert fitted["aspect_ratio_ids"].tolist() == [[1, 0], [0, 0], [1, 1]]
     assert fitted["pixel_values"].shape == (3, 2, 1)  # a row each already: as given
+
+
+def test_images_one_after_another_are_not_taken_for_rows(place: Path) -> None:
+    """LLaVA's pixels are its batch's images one after another: with one image in each of two
+    of three rows they are two, not three rows' slots."""
+    corpus, feed = _corpus(place, place / "data" / "trl.jsonl")
+    by_count = {len(m["images"]): e for e, m in enumerate(corpus.media)}
+    rows = [by_count[1], by_count[0], by_count[1]]
+    images = [[feed._image(r, e) for r in corpus.media[e]["images"]] for e in rows]
+    out = feed.tensors([corpus.media[e]["text"] for e in rows], images, 64)
+    assert out["pixel_values"].shape[0] == 2

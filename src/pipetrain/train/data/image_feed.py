@@ -123,9 +123,9 @@ class ImageFeed:
             if torch.is_tensor(value) and value.shape[:2] == ids.shape[:2]:
                 value = _fit(value, seq_len, pad if key == "input_ids" else 0)
             fitted[key] = value
-        _rows_of_images(fitted, [bool(shown) for shown in images])
         pixels = fitted.get("pixel_values")
         if torch.is_tensor(pixels) and pixels.dim() >= 5:  # a row's images on an axis
+            _rows_of_images(fitted, [bool(shown) for shown in images])
             _pad_slots(fitted, int(pixels.shape[1]), self.slots)
             if "cross_attention_mask" in fitted:
                 self.blank = {k: (tuple(v.shape[1:]), v.dtype) for k, v in fitted.items()
@@ -157,9 +157,11 @@ _SLOTTED = {"pixel_values": 1, "aspect_ratio_ids": 1, "aspect_ratio_mask": 1,
 
 
 def _rows_of_images(fitted: dict[str, Any], showing: list[bool]) -> None:
-    """Give each tensor with an axis of a row's images a row per row of the batch: a processor
-    may leave out the rows without an image (Mllama's torchvision backend does for its aspect
-    ratios, its PIL one does not), which get empty slots (zeros) back in their places."""
+    """Give each tensor with an axis of a row's images a row per row of the batch, where the
+    batch's pixels have that axis (Mllama's, Idefics3's; never a batch of images one after
+    another, as LLaVA's): a processor may leave out the rows without an image (Mllama's
+    torchvision backend does for its aspect ratios, its PIL one does not), which get empty
+    slots (zeros) back in their places."""
     rows = len(showing)
     for key in _SLOTTED:
         value = fitted.get(key)
