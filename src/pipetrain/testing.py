@@ -356,5 +356,5 @@ def train_tokenizer(text: str, vocab: int = 300) -> Any:
     bpe.train_from_iterator([text], trainers.BpeTrainer(
         vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return tf.PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    return tf.PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token="<|endoftext|>")

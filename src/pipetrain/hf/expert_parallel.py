@@ -145,7 +145,7 @@ class TracedExpertParallel:
             self.params.append(params[name])  # type: ignore[arg-type]
         set_parameters_dict(experts, params)
         experts.num_experts, experts._is_expert_parallel = local, True
-        EpDispatchExpertsParallel().install_forward(  # type: ignore[no-untyped-call]
+        EpDispatchExpertsParallel().install_forward(
             experts, self.ep_mesh, tp_mesh=self.tp_mesh, ep_implementation="all_to_all")
         if self.count is not None:
             experts.forward = _counting(experts.forward, path, self.count)

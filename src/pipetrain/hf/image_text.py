@@ -39,7 +39,7 @@ def transformers() -> Any:
     except ImportError as e:  # pragma: no cover - the hf extra is a test dependency
         raise ImportError("--hf needs transformers and safetensors: pip install "
                           "'pipetrain[hf]' (with torch pinned)") from e
-    tf.logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    tf.logging.set_verbosity_error()
     return tf
 
 

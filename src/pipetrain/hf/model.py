@@ -167,7 +167,7 @@ def _renamer(model: nn.Module) -> Renamer:
         from transformers.conversion_mapping import get_model_conversion_mapping
     except ImportError:  # pragma: no cover - transformers before 5
         return lambda name: (name, None, None)
-    rules = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    rules = get_model_conversion_mapping(model)
     renamings = [r for r in rules if isinstance(r, loading.WeightRenaming)]
     converters = [r for r in rules if isinstance(r, loading.WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}

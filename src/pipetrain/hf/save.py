@@ -73,7 +73,7 @@ def stored_layout(model: nn.Module, state: Mapping[str, torch.Tensor]
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # pragma: no cover - transformers before 5
         return dict(state)
-    return dict(revert_weight_conversion(model, dict(state)))  # type: ignore[arg-type]
+    return dict(revert_weight_conversion(model, dict(state)))
 
 
 def conversion_units(model: nn.Module, names: list[str]) -> list[list[str]]:
@@ -83,7 +83,7 @@ def conversion_units(model: nn.Module, names: list[str]) -> list[list[str]]:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, apply_converters
 
-        rules = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+        rules = get_model_conversion_mapping(model, add_legacy=False)
         reverse = [r for r in (c.reverse_transform() for c in rules[::-1])
                    if isinstance(r, WeightConverter)]
     except ImportError:  # pragma: no cover - transformers before 5
