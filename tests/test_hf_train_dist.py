@@ -164,6 +164,10 @@ def test_fsdp_trains_a_stored_llama_like_dp_and_writes_it_whole(place: Path) -> 
         assert (a[n] - b[n]).abs().max() <= 1e-3 * moved + 1e-7, n
 
 
+# in CI: tp by a model's own plan, tests/test_tensor_parallel_dist.py::
+# test_hugging_face_models_split_by_their_own_plan_give_one_devices_gradients; train --tp and its
+# resume across layouts, tests/test_train_dist.py::test_tp_trains_like_fsdp_and_resumes_across_them
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_tp_splits_a_stored_llama_by_its_own_plan_and_resumes_across_layouts(
         place: Path) -> None:
     """pp=2 x tp=2 (Llama's base_model_tp_plan: q, k, v, gate and up column-wise, o and down
