@@ -256,7 +256,8 @@ def test_generate_refuses_an_image_for_a_text_model_and_none_for_an_image_text_o
 
 @pytest.mark.parametrize(("model", "flags"), [("llava", ["--schedule", "zbv"]),
                                               ("gemma3", ["--layers", "2", "--width", "16"]),
-                                              ("mllama", []), ("paligemma", [])])
+                                              ("mllama", []), ("paligemma", []),
+                                              ("idefics3", [])])
 def test_verify_checks_an_image_text_model_on_its_processors_chats(
         place: Path, model: str, flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """``pipetrain verify --hf DIR``: one float64 step on chats with random images made by the
@@ -267,8 +268,8 @@ def test_verify_checks_an_image_text_model_on_its_processors_chats(
     out = capsys.readouterr().out
     assert ("with a random image each" if model == "paligemma" else
             "with 0 to 2 random images of two sizes") in out and "PASS" in out
-    assert ("vision_model" if model == "mllama" else "vision_tower") in out
-    assert "multi_modal_projector" in out
+    assert ("vision_model" if model in ("mllama", "idefics3") else "vision_tower") in out
+    assert ("connector" if model == "idefics3" else "multi_modal_projector") in out
     assert main(["verify", "--hf", str(place / model), "--seq-len", "20", "--pp", "2"]) == 2
     assert "is shorter than the check's chats" in capsys.readouterr().err
 

@@ -317,6 +317,21 @@ def test_micro_batches_take_the_images_their_rows_show() -> None:
         assert all(torch.equal(part[k], want[k]) for k in want)
 
 
+def test_a_micro_batch_without_an_image_gets_no_padding_images() -> None:
+    """Idefics3 gives every row an axis of images, padded with all-zero ones: a micro-batch of
+    rows without an image gets no visual tensors (its forward drops the padding images and
+    fails on none left), and the micro-batch with images gets its rows' share."""
+    family = BY_NAME["idefics3"]
+    g = torch.Generator().manual_seed(1)
+    rows = [family.row(n, g) for n in (1, 2, 0, 0)]
+    prefix = vision_prefix(family.build(), batch(rows))
+    assert prefix is not None
+    shown, empty = prefix.split(prefix.payload(batch(rows)), 2)
+    assert torch.equal(shown["pixel_values"], batch(rows[:2])["pixel_values"])
+    assert not any(k.startswith("pixel_") for k in empty)
+    prefix(empty)  # the model's forward as Python up to its language model: it runs
+
+
 def test_placeholders_that_do_not_fit_the_images_are_refused() -> None:
     family = BY_NAME["qwen2_vl"]
     rows = rows_of(family)

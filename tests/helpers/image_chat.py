@@ -193,6 +193,32 @@ def save_paligemma(root: Path) -> Path:
     return _save(root, tf.PaliGemmaForConditionalGeneration(config), processor)
 
 
+def save_idefics3(root: Path) -> Path:
+    """Idefics3 (SigLIP tower, pixel shuffle to 4 placeholders an image between markers, a
+    row's images padded on an axis of their own, no image splitting) with its processor."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<image>")
+    named = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+             "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+    tok = _tokenizer(list(named.values()), template, named)
+    images = tf.Idefics3ImageProcessorPil(size={"longest_edge": 8},
+                                          max_image_size={"longest_edge": 8},
+                                          do_image_splitting=False)
+    processor = tf.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
+                                     chat_template=template)
+    config = tf.Idefics3Config(
+        text_config=dict(TEXT, model_type="llama", vocab_size=len(tok),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
+        vision_config=dict(image_size=8, patch_size=2, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    return _save(root, tf.Idefics3ForConditionalGeneration(config), processor)
+
+
 QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 QWEN_VISION = dict(depth=1, num_heads=2, patch_size=2, spatial_merge_size=2,
                    temporal_patch_size=2, in_channels=3)
@@ -262,4 +288,5 @@ def exchanges(n: int, images: list[Path], seed: int = 0) -> list[dict[str, Any]]
 
 
 SAVERS: dict[str, Callable[[Path], Path]] = {"llava": save_llava, "gemma3": save_gemma3,
-                                             "mllama": save_mllama, "paligemma": save_paligemma}
+                                             "mllama": save_mllama, "paligemma": save_paligemma,
+                                             "idefics3": save_idefics3}

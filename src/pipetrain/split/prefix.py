@@ -237,9 +237,24 @@ class VisionPrefix(nn.Module):
         for pixels, grid, *tokens in _GROUPS:
             if pixels in payload:
                 per_row = self._images_per_row(payload, pixels, grid, tokens)
-                _split_images(payload, pixels, grid, per_row, rows, parts)
+                _split_images(payload, pixels, grid, per_row, rows, parts,
+                              self._shown(payload, tokens, rows))
         # in the order of forward's arguments, as the capture bound them
         return [Packed({k: part[k] for k in payload if k in part}) for part in parts]
+
+    def _shown(self, payload: dict[str, Any], tokens: list[str], rows: list[int]
+               ) -> list[bool]:
+        """Per micro-batch, whether its rows show a placeholder of ``tokens``' kind, or
+        cross-attend to their images whatever their tokens (Mllama: every micro-batch takes
+        its image slots)."""
+        config = getattr(self.whole, "config", None)
+        token = next((getattr(config, t) for t in tokens if getattr(config, t, None)
+                      is not None), None)
+        if token is None or "cross_attention_mask" in payload:
+            return [True] * len(rows)
+        counts = (payload["input_ids"] == token).sum(dim=1)
+        bounds = [sum(rows[:i]) for i in range(len(rows) + 1)]
+        return [bool(counts[a:b].any()) for a, b in zip(bounds, bounds[1:])]
 
     def _images_per_row(self, payload: dict[str, Any], pixels: str, grid: str,
                         tokens: list[str]) -> list[int] | None:
@@ -324,13 +339,16 @@ def _tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, gr
 
 def _split_images(payload: dict[str, Any], pixels: str, grid: str,
                   per_row: list[int] | None, rows: list[int],
-                  parts: list[dict[str, Any]]) -> None:
-    """Put each micro-batch's share of the visual tensors of one kind into ``parts``."""
+                  parts: list[dict[str, Any]], shown: list[bool]) -> None:
+    """Put each micro-batch's share of the visual tensors of one kind into ``parts``; one
+    whose rows show none of its placeholders (``shown``) gets none (Idefics3's forward drops
+    a row's padding images and fails on none left)."""
     group = [k for k in payload if _visual(k) and _kind(k) == _kind(pixels)]
     if per_row is None:
         split = microbatch.split(Packed({k: payload[k] for k in group}), len(rows))
-        for part, share in zip(parts, split):
-            part.update(share)
+        for part, share, any_shown in zip(parts, split, shown):
+            if any_shown:
+                part.update(share)
         return
     bounds, at = [], 0
     for n in rows:
