@@ -36,13 +36,11 @@ from pipetrain.errors import PartitionError
 from pipetrain.runtime import microbatch
 from pipetrain.split.inputs import Packed
 from pipetrain.split.lazy import is_meta
+from pipetrain.split.prefix_images import is_visual, split_images, tokens_per_image
 from pipetrain.split.prefix_meta import Holder, attach, holders, materialize_beside, to_meta
 
 __all__ = ["Prefixed", "VisionPrefix", "vision_prefix"]
 
-_VISUAL = ("pixel_values", "image_", "video_", "aspect_ratio_", "pixel_attention_mask",
-           "spatial_shapes")
-"""Arguments the prefix consumes (the images and what describes them), by name or prefix."""
 _FROM_CALL = ("inputs_embeds", "position_ids", "cross_attention_states",
               "cross_attention_mask", "full_text_row_masked_out_mask")
 """Arguments of the language model's call that stand in for the images in the capture."""
@@ -176,7 +174,7 @@ class VisionPrefix(nn.Module):
         """The arguments for the captured model in place of ``payload``'s images and ids."""
         call = self.reach(payload)
         if self.encoded:
-            kept = {k: v for k, v in payload.items() if not _visual(k)}
+            kept = {k: v for k, v in payload.items() if not is_visual(k)}
             kept["position_ids"] = call["position_ids"]
             if kept["position_ids"] is None:  # no image: the positions count along each axis
                 ids = payload["input_ids"]
@@ -187,7 +185,7 @@ class VisionPrefix(nn.Module):
             return kept
         embedded = torch.is_tensor(call.get("inputs_embeds"))  # else the ids (Mllama)
         kept = {k: v for k, v in payload.items()
-                if not _visual(k) and not (embedded and k == "input_ids")}
+                if not is_visual(k) and not (embedded and k == "input_ids")}
         params = self._signature.parameters
         for name in _FROM_CALL:
             if name in params and name not in kept and torch.is_tensor(call.get(name)):
@@ -232,12 +230,12 @@ class VisionPrefix(nn.Module):
         rows = microbatch.sizes(ids.shape[0], m)
         if rows and min(rows) < 1:
             return microbatch.split(payload, m, dim)  # its error names the sizes
-        plain = {k: v for k, v in payload.items() if not _visual(k)}
+        plain = {k: v for k, v in payload.items() if not is_visual(k)}
         parts = microbatch.split(Packed(plain), m, dim) if plain else [{} for _ in rows]
         for pixels, grid, *tokens in _GROUPS:
             if pixels in payload:
                 per_row = self._images_per_row(payload, pixels, grid, tokens)
-                _split_images(payload, pixels, grid, per_row, rows, parts,
+                split_images(payload, pixels, grid, per_row, rows, parts,
                               self._shown(payload, tokens, rows))
         # in the order of forward's arguments, as the capture bound them
         return [Packed({k: part[k] for k in payload if k in part}) for part in parts]
@@ -268,13 +266,13 @@ class VisionPrefix(nn.Module):
         counts = [int(c) for c in (ids == token).sum(dim=1)]
         n_rows, images = ids.shape[0], payload[pixels]
         by_rows = all(torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n_rows
-                      for k, v in payload.items() if _visual(k) and k.startswith(pixels[:5]))
+                      for k, v in payload.items() if is_visual(k) and k.startswith(pixels[:5]))
         per_image = grid in payload or "image_sizes" in payload  # a row per image
         if by_rows and not per_image and (len(set(counts)) == 1 or images.dim() >= 5):
             return None  # a row's images on an axis of their own (Idefics3, Mllama)
         if grid not in payload and images.shape[0] == n_rows and min(counts) > 0:
             return [1] * n_rows  # as many images as rows, each showing one: of any size
-        need = _tokens_per_image(self.whole, payload, pixels, grid, sum(counts))
+        need = tokens_per_image(self.whole, payload, pixels, grid, sum(counts))
         per_row, i = [], 0
         for r, count in enumerate(counts):
             n = 0
@@ -319,58 +317,6 @@ def encoder_outputs(model: nn.Module, payload: dict[str, Any], call: dict[str, A
     output = sys.modules[type(model).__module__].BaseModelOutputWithDeepstackFeatures
     return {"image": output(pooler_output=(embeds[mask],),
                             deepstack_features=[(d,) for d in deep])}
-
-
-def _tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, grid: str,
-                      total: int) -> list[int]:
-    """Each image's count of placeholder tokens, in order."""
-    if grid in payload:
-        vision = getattr(model.config, "vision_config", None)
-        merge = getattr(vision, "spatial_merge_size", 1) or 1
-        return [int(g.prod()) // merge ** 2 for g in payload[grid]]
-    n = int(payload[pixels].shape[0])
-    if n == 0 or total % n:
-        raise ValueError(f"{total} image placeholders do not share evenly among the {n} "
-                         f"images of {pixels}: without a grid, images of different sizes "
-                         "(image_sizes) cannot be told apart; give each image the same size, "
-                         "or every row one image")
-    return [total // n] * n
-
-
-def _split_images(payload: dict[str, Any], pixels: str, grid: str,
-                  per_row: list[int] | None, rows: list[int],
-                  parts: list[dict[str, Any]], shown: list[bool]) -> None:
-    """Put each micro-batch's share of the visual tensors of one kind into ``parts``; one
-    whose rows show none of its placeholders (``shown``) gets none (Idefics3's forward drops
-    a row's padding images and fails on none left)."""
-    group = [k for k in payload if _visual(k) and _kind(k) == _kind(pixels)]
-    if per_row is None:
-        split = microbatch.split(Packed({k: payload[k] for k in group}), len(rows))
-        for part, share, any_shown in zip(parts, split, shown):
-            if any_shown:
-                part.update(share)
-        return
-    bounds, at = [], 0
-    for n in rows:
-        bounds.append((sum(per_row[:at]), sum(per_row[:at + n])))
-        at += n
-    patches = ([int(g.prod()) for g in payload[grid]] if grid in payload else None)
-    for k in group:
-        value = payload[k]
-        for part, (lo, hi) in zip(parts, bounds):
-            if lo == hi:
-                continue  # rows without images of this kind: the model's forward without them
-            if k == pixels and patches is not None:
-                lo, hi = sum(patches[:lo]), sum(patches[:hi])
-            part[k] = value[lo:hi] if torch.is_tensor(value) and value.dim() > 0 else value
-
-
-def _kind(name: str) -> str:
-    return "video" if "video" in name else "image"
-
-
-def _visual(name: str) -> bool:
-    return name.startswith(_VISUAL)
 
 
 def _run_to(model: nn.Module, path: str, kwargs: dict[str, Any]) -> dict[str, Any]:
