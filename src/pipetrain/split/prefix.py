@@ -240,14 +240,18 @@ class VisionPrefix(nn.Module):
         # in the order of forward's arguments, as the capture bound them
         return [Packed({k: part[k] for k in payload if k in part}) for part in parts]
 
+    def _placeholder(self, tokens: list[str]) -> Any:
+        """The placeholder token id the config names under one of ``tokens``, else None."""
+        config = getattr(self.whole, "config", None)
+        return next((getattr(config, t) for t in tokens if getattr(config, t, None)
+                     is not None), None)
+
     def _shown(self, payload: dict[str, Any], tokens: list[str], rows: list[int]
                ) -> list[bool]:
         """Per micro-batch, whether its rows show a placeholder of ``tokens``' kind, or
         cross-attend to their images whatever their tokens (Mllama: every micro-batch takes
         its image slots)."""
-        config = getattr(self.whole, "config", None)
-        token = next((getattr(config, t) for t in tokens if getattr(config, t, None)
-                      is not None), None)
+        token = self._placeholder(tokens)
         if token is None or "cross_attention_mask" in payload:
             return [True] * len(rows)
         counts = (payload["input_ids"] == token).sum(dim=1)
@@ -257,9 +261,7 @@ class VisionPrefix(nn.Module):
     def _images_per_row(self, payload: dict[str, Any], pixels: str, grid: str,
                         tokens: list[str]) -> list[int] | None:
         """How many images each row shows (None: the visual tensors go by rows)."""
-        config = getattr(self.whole, "config", None)
-        token = next((getattr(config, t) for t in tokens if getattr(config, t, None)
-                      is not None), None)
+        token = self._placeholder(tokens)
         ids = payload["input_ids"]
         if token is None:
             return None

@@ -20,8 +20,9 @@ _VISUAL = ("pixel_values", "image_", "video_", "aspect_ratio_", "pixel_attention
            "spatial_shapes")
 """Arguments the prefix consumes (the images and what describes them), by name or prefix."""
 
+
 def tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, grid: str,
-                      total: int) -> list[int]:
+                     total: int) -> list[int]:
     """Each image's count of placeholder tokens, in order."""
     if grid in payload:
         vision = getattr(model.config, "vision_config", None)
@@ -37,8 +38,8 @@ def tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, gri
 
 
 def split_images(payload: dict[str, Any], pixels: str, grid: str,
-                  per_row: list[int] | None, rows: list[int],
-                  parts: list[dict[str, Any]], shown: list[bool]) -> None:
+                 per_row: list[int] | None, rows: list[int],
+                 parts: list[dict[str, Any]], shown: list[bool]) -> None:
     """Put each micro-batch's share of the visual tensors of one kind into ``parts``; one
     whose rows show none of its placeholders (``shown``) gets none (Idefics3's forward drops
     a row's padding images and fails on none left)."""

@@ -257,7 +257,7 @@ def _image_prompts(request: Request) -> tuple[Any, list[list[int]], list[dict[st
     takes prompts and answers (PaliGemma), the images' placeholders and the prompt."""
     from pipetrain.hf.image_text import load_processor
     from pipetrain.train.data.image_feed import open_image
-    from pipetrain.train.data.prompt_answer import takes_answers
+    from pipetrain.train.data.prompt_answer import prefix, takes_answers
 
     processor = load_processor(request.hf)
     images = [open_image(p, "--image") for p in request.images]
@@ -265,7 +265,7 @@ def _image_prompts(request: Request) -> tuple[Any, list[list[int]], list[dict[st
     for prompt in request.prompts:
         chat = [{"role": "user", "content": [{"type": "image"} for _ in images]
                  + [{"type": "text", "text": prompt}]}]
-        text = str(processor.image_token) * len(images) + prompt if takes_answers(processor) \
+        text = prefix(processor, prompt, len(images)) if takes_answers(processor) \
             else processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         out = processor(text=[text], images=[images], add_special_tokens=False,
                         return_tensors="pt")

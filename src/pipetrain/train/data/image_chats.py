@@ -167,17 +167,19 @@ class ImageChatEncoder:
             shown += _count(m)
             b = _common(ids, self.ids(upto, images[:shown], label))
             trained[a:b] = [int(t not in self.image_ids) for t in ids[a:b]]
-        last = max((p for p, t in enumerate(ids) if t in self.image_ids), default=-1)
-        return ids, trained, {"text": whole, "images": refs, "last_image": last}
+        return ids, trained, {"text": whole, "images": refs, "last_image": self._last_image(ids)}
 
     def _answer_row(self, template: list[Any], images: list[Any], refs: list[Ref], label: str
                     ) -> tuple[list[int], list[int], dict[str, Any]]:
         prompt, answer = prompt_answer(self.processor, template, len(images), label)
         ids, trained = answer_ids(self.processor, prompt, answer, images, label)
         trained = [int(f and t not in self.image_ids) for t, f in zip(ids, trained, strict=True)]
-        last = max((p for p, t in enumerate(ids) if t in self.image_ids), default=-1)
         return ids, trained, {"text": prompt, "answer": answer, "images": refs,
-                              "last_image": last}
+                              "last_image": self._last_image(ids)}
+
+    def _last_image(self, ids: list[int]) -> int:
+        """The position of the last token standing for an image (-1: none)."""
+        return max((p for p, t in enumerate(ids) if t in self.image_ids), default=-1)
 
     def _render(self, messages: list[Any], prompt: bool, label: str) -> str:
         try:

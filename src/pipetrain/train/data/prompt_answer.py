@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["answer_ids", "prompt_answer", "rendered", "takes_answers"]
+__all__ = ["answer_ids", "prefix", "prompt_answer", "rendered", "takes_answers"]
 
 
 def takes_answers(processor: Any) -> bool:
@@ -56,7 +56,13 @@ def prompt_answer(processor: Any, messages: list[dict[str, Any]], images: int, l
     if images == 0:
         raise ValueError(f"{label}: no image; {name} takes images with every prompt: give "
                          "the row an image, or leave text-only rows out")
-    return str(processor.image_token) * images + _text(messages[0]["content"]), _text(answer)
+    return prefix(processor, _text(messages[0]["content"]), images), _text(answer)
+
+
+def prefix(processor: Any, prompt: str, images: int) -> str:
+    """The text a prompt showing ``images`` images is given to the processor as: one
+    placeholder per image, then the prompt (the processor adds ``<bos>`` and the newline)."""
+    return str(processor.image_token) * images + prompt
 
 
 def answer_ids(processor: Any, prompt: str, answer: str, images: list[Any], label: str
