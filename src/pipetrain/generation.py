@@ -123,7 +123,8 @@ class Generator:
         n_ranks = local_ranks or (dist.get_world_size(group) if dist.is_initialized() else 1)
         check_generation_stages(model, n_ranks, "{} ranks")
         model.eval()
-        wrapped = (CachedLM if images is None else CachedImageTextLM)(model, rows, length)
+        wrapped = CachedLM(model, rows, length) if images is None else \
+            CachedImageTextLM(model, rows, length, images)
         example = {"input_ids": torch.zeros(rows, 2, dtype=torch.long),
                    "attention_mask": torch.ones(rows, length, dtype=torch.long),
                    "position_ids": torch.zeros(rows, 2, dtype=torch.long)}
@@ -147,6 +148,10 @@ class Generator:
         self.caches = {s: [b for n, b in self.pipe.named_buffers(s) if n in cache_names]
                        for s in self.pipe.stages}
         """Per hosted stage, the cache tensors its graph reads and writes."""
+        self.rewritten = {s: [b for n, b in self.pipe.named_buffers(s) if n in wrapped.rewritten]
+                          for s in self.pipe.stages}
+        """Per hosted stage, the counters of its cross-attention layers' caches, which every
+        step writes whole (:attr:`pipetrain.hf.cache.CachedLM.rewritten`)."""
         if isinstance(wrapped, CachedImageTextLM):  # its eager prefix reads the stages' cache
             wrapped.share_cache({n: b for st in self.pipe.stages
                                  for n, b in self.pipe.named_buffers(st) if n in cache_names})
@@ -192,12 +197,15 @@ class Generator:
                     t.zero_()
 
     def enter(self, stage: int, mb: int) -> None:
-        """Point ``stage``'s cache tensors at the cache of ``mb``'s group (no copy)."""
+        """Point ``stage``'s cache tensors at the cache of ``mb``'s group (no copy), its
+        cross-attention layers' counters at 0."""
         if self._run is None:
             raise RuntimeError("enter() runs inside generate()")
         own = self._groups[mb % self._run.groups][stage]
         for t, store in zip(self.caches[stage], own):
             t.set_(store.untyped_storage(), store.storage_offset(), store.size(), store.stride())
+        for t in self.rewritten[stage]:
+            t.zero_()
 
     def close(self) -> None:
         """End what the generator's pipeline started (:meth:`Pipeline.close`); also at the end
@@ -304,6 +312,8 @@ class _Run:
         self.done = [False] * len(padded)
         self.start = 0  # the first step (of a group's steps) of the current window
         self.picked: dict[int, torch.Tensor] = {}
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+        """Per group, what its decode steps give beside the token (Mllama's image states)."""
 
     def _rows(self, g: int) -> slice:
         return slice(g * self.gen.rows, (g + 1) * self.gen.rows)
@@ -319,9 +329,28 @@ class _Run:
                  "position_ids": self.positions[rows, lo:hi]}
         if shown and self.images:
             given.update(visual_inputs(self.images[rows], self.gen.pipe.device))
+            self._keep_states(g, given)
+        elif g in self.states:
+            given.update(self.states[g])
         if self.images and "token_type_ids" in self.images[0] and "token_type_ids" not in given:
             given["token_type_ids"] = torch.zeros_like(ids)  # text: types as the capture's
         return traced.payload(given)
+
+    def _keep_states(self, g: int, given: dict[str, Any]) -> None:
+        """Mllama: replace group ``g``'s images in ``given`` by the image states the model
+        makes of them, kept with the last row of its ``cross_attention_mask`` for the decode
+        steps (on the rank of stage 0, the only one that reads them)."""
+        traced = self.gen.pipe.traced
+        if "cross_attention_mask" not in given or traced is None or traced.prefix is None \
+                or 0 not in self.gen.pipe.stages:
+            return
+        with torch.no_grad():
+            states = traced.prefix.reach(traced.payload(given))["cross_attention_states"]
+        for name in [k for k in given if k.startswith(("pixel_values", "aspect_ratio_"))]:
+            del given[name]
+        given["cross_attention_states"] = states
+        self.states[g] = {"cross_attention_states": states,
+                          "cross_attention_mask": given["cross_attention_mask"][:, -1:]}
 
     def _slot(self, step: int) -> int:
         """The cache position of a decode step's input token."""

@@ -33,12 +33,17 @@ class CachedLM(nn.Module):
     written in place. ``attention_mask`` covers all ``length`` positions (0 where a prompt is
     padded); ``position_ids`` are each token's position in its own sequence.
 
+    A cross-attention layer (Mllama's, attending to the images) caches ``cross`` positions,
+    its keys and values of the images, as transformers' own static cache for Mllama does;
+    they are written whole at every step, from the image states each step gives again
+    (:attr:`rewritten`: the counters to zero before each step).
+
     Raises:
         ValueError: for a model whose cache transformers cannot make static (a sliding window
             that the model also relies on, an encoder-decoder).
     """
 
-    def __init__(self, model: nn.Module, rows: int, length: int) -> None:
+    def __init__(self, model: nn.Module, rows: int, length: int, cross: int = 0) -> None:
         super().__init__()
         from transformers.cache_utils import StaticCache, StaticLayer
         from transformers.configuration_utils import get_head_shapes
@@ -58,6 +63,11 @@ class CachedLM(nn.Module):
                                      f"{window} positions, shorter than {length}: generate at "
                                      "most that many positions")
                 self.cache.layers[i] = StaticLayer(length)
+        crossing = set(getattr(config, "cross_attention_layers", None) or ()) if cross else set()
+        for i in crossing:
+            self.cache.layers[i] = StaticLayer(cross)
+        self.rewritten = {f"cumulative_length_{i}" for i in crossing}
+        """The buffers of the cross-attention layers' counters (zeroed before each step)."""
         heads, head_dim = get_head_shapes(config)
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
@@ -94,11 +104,18 @@ _FIRST_POSITION = {"paligemma": 1}
 
 class CachedImageTextLM(CachedLM):
     """An image-text-to-text model called with a static KV cache: as :class:`CachedLM`, and
-    with the images of a prompt (``pixel_values``, and ``image_sizes`` where the model takes
-    each image's size, and ``token_type_ids`` where its image tokens attend both ways: Gemma
-    3) at its prefill. Captured from its language model on, the vision tower running eagerly
-    in the first stage (:mod:`pipetrain.split.prefix`); a decode step gives no images (token
-    types of 0), and the model embeds its token alone."""
+    with the images of a prompt (``pixel_values`` and what the processor gives beside them:
+    ``image_sizes``, Gemma 3's ``token_type_ids``, Mllama's tiles and ``cross_attention_mask``)
+    at its prefill. Captured from its language model on, the vision tower running eagerly in
+    the first stage (:mod:`pipetrain.split.prefix`); a decode step gives no images (token types
+    of 0), and the model embeds its token alone. Mllama's decode steps give the image states
+    its prefill made (``cross_attention_states``) and the last row of its
+    ``cross_attention_mask``, as its ``generate`` does (``images``: the capture's prompt, which
+    sizes the cross-attention cache)."""
+
+    def __init__(self, model: nn.Module, rows: int, length: int,
+                 images: dict[str, torch.Tensor]) -> None:
+        super().__init__(model, rows, length, cross=_image_states(model, images))
 
     def forward(self, input_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -106,9 +123,16 @@ class CachedImageTextLM(CachedLM):
                 pixel_values: torch.Tensor | None = None,
                 image_sizes: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> Any:
+                inputs_embeds: torch.Tensor | None = None,
+                aspect_ratio_ids: torch.Tensor | None = None,
+                aspect_ratio_mask: torch.Tensor | None = None,
+                cross_attention_mask: torch.Tensor | None = None,
+                cross_attention_states: torch.Tensor | None = None) -> Any:
         given = {"pixel_values": pixel_values, "image_sizes": image_sizes,
-                 "token_type_ids": token_type_ids}
+                 "token_type_ids": token_type_ids, "aspect_ratio_ids": aspect_ratio_ids,
+                 "aspect_ratio_mask": aspect_ratio_mask,
+                 "cross_attention_mask": cross_attention_mask,
+                 "cross_attention_states": cross_attention_states}
         visual = {k: v for k, v in given.items() if v is not None}
         first = _FIRST_POSITION.get(self.config.model_type, 0)
         if position_ids is not None and first:
@@ -145,6 +169,18 @@ class CachedImageTextLM(CachedLM):
         for layer in layers:  # another rank's layers: every layer counts the same positions
             if held is not None and layer.cumulative_length.is_meta:
                 layer.cumulative_length = held
+
+
+def _image_states(model: nn.Module, images: dict[str, torch.Tensor]) -> int:
+    """How many image states a cross-attention layer attends to for ``images`` (Mllama's: per
+    image, its tiles' patches and class token), as transformers sizes its static cache; 0 for
+    a model without cross-attention layers."""
+    config = cast(Any, model).config
+    if not getattr(config.get_text_config(), "cross_attention_layers", None):
+        return 0
+    vision = config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2 + 1
+    return int(images["pixel_values"].shape[1]) * vision.max_num_tiles * patches
 
 
 def visual_inputs(prompts: list[dict[str, torch.Tensor]], device: torch.device

@@ -148,7 +148,6 @@ def _request(args: argparse.Namespace) -> Request:
 
 
 _NOT_GENERATED = {
-    "mllama": "Mllama caches its cross-attention keys and values of the images at the prefill",
     "qwen2_vl": "Qwen2-VL's 3-D positions continue from the images at each decode step",
     "qwen2_5_vl": "Qwen2.5-VL's 3-D positions continue from the images at each decode step",
     "qwen3_vl": "Qwen3-VL's 3-D positions continue from the images at each decode step"}
