@@ -180,7 +180,7 @@ def _image_states(model: nn.Module, images: dict[str, torch.Tensor]) -> int:
         return 0
     vision = config.vision_config
     patches = (vision.image_size // vision.patch_size) ** 2 + 1
-    return int(images["pixel_values"].shape[1]) * vision.max_num_tiles * patches
+    return int(images["pixel_values"].shape[1]) * int(vision.max_num_tiles) * int(patches)
 
 
 def visual_inputs(prompts: list[dict[str, torch.Tensor]], device: torch.device
