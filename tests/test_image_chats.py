@@ -234,17 +234,6 @@ def test_a_processor_that_needs_a_missing_library_says_to_install_it(place: Path
         load_processor(tmp_path)
 
 
-def test_generate_refuses_the_qwen_vl_models_naming_their_positions(
-        place: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipetrain.cli import main
-
-    tf.Qwen2VLConfig().save_pretrained(tmp_path)
-    image = str(place / "data" / "image0.png")
-    assert main(["generate", "--hf", str(tmp_path), "--image", image, "--prompt", "a"]) == 2
-    assert "Qwen2-VL's 3-D positions continue from the images at each decode step" in \
-        capsys.readouterr().err
-
-
 def test_paligemma_trains_the_answer_of_each_prompt(place: Path) -> None:
     """PaliGemma's processor has no chat template: a row's user turn is its prompt (prefix),
     the assistant's its answer (suffix), and only the answer's tokens train; the feed gives the

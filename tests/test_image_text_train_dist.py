@@ -201,18 +201,40 @@ def test_lora_adapts_the_language_model_only(place: Path) -> None:
     assert sum(p.numel() for n, p in adapted.named_parameters() if "lora_" in n) > 0
 
 
-@pytest.mark.parametrize("model", ["llava", pytest.param("gemma3", marks=pytest.mark.long),
-                                   "paligemma", "mllama"])
+def _torchvision() -> bool:
+    """Whether torchvision imports (the Qwen-VL processors' video processor needs it; beside
+    the CPU torch CI runs on, it does not)."""
+    import importlib
+
+    try:
+        importlib.import_module("torchvision")
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+_QWEN = pytest.mark.skipif(not _torchvision(), reason="the Qwen-VL processors need torchvision")
+
+
+@pytest.mark.parametrize("model", [
+    "llava", pytest.param("gemma3", marks=pytest.mark.long), "paligemma", "mllama",
+    *(pytest.param(f, marks=_QWEN) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"))])
 # gemma3 in the long tier for CI's time (CONTRIBUTING.md: tests); in CI: LLaVA and PaliGemma
 # here, whose token types go through generation as Gemma 3's do
 def test_generate_with_an_image_gives_transformers_greedy_tokens(place: Path, model: str,
                                                                  tmp_path: Path) -> None:
     """``pipetrain generate --hf DIR --image PATH --prompt TEXT --prompt TEXT --batch 2`` on 2
     processes (a KV cache per stage, the vision tower in the first, the shorter prompt padded
-    on the left; Mllama's cross-attention to the image states at every step) against
-    ``model.generate(do_sample=False)`` on each prompt's chat of the same image alone."""
+    on the left; Mllama's cross-attention to the image states at every step; the Qwen-VL
+    family's positions on three axes from the image grid, continued by each row's delta)
+    against ``model.generate(do_sample=False)`` on each prompt's chat of the same image
+    alone. The Qwen-VL models run where torchvision imports (docs/multimodal.md)."""
     from PIL import Image
 
+    if model.startswith("qwen") and not (place / model).is_dir():
+        from helpers.image_chat import save_qwen_vl
+
+        save_qwen_vl(place / model, model)
     image, prompts, new = place / "data" / "image1.png", ["what is three", "one two"], 10
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--hf", str(place / model), "--image", str(image), "--batch", "2",
@@ -316,19 +338,7 @@ def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
     assert "no processor could be loaded" in capsys.readouterr().err
 
 
-def _torchvision() -> bool:
-    """Whether torchvision imports (the Qwen-VL processors' video processor needs it; beside
-    the CPU torch CI runs on, it does not)."""
-    import importlib
-
-    try:
-        importlib.import_module("torchvision")
-    except (ImportError, RuntimeError):
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _torchvision(), reason="the Qwen-VL processors need torchvision")
+@_QWEN
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_qwen_vl_trains_through_the_command_and_verifies(
         place: Path, family: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -337,7 +347,8 @@ def test_qwen_vl_trains_through_the_command_and_verifies(
     torchvision imports beside torch (docs/multimodal.md says how it was run)."""
     from helpers.image_chat import save_qwen_vl
 
-    save_qwen_vl(place / family, family)
+    if not (place / family).is_dir():
+        save_qwen_vl(place / family, family)
     _train(place, family, "trl.jsonl", f"out-{family}", "--nproc", "2", "--steps", "2",
            "--schedule", "zbv")
     logged = _records(place / f"out-{family}", "step")[0]["loss"]

@@ -35,7 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipetrain.hf.cache import CachedImageTextLM, CachedLM, visual_inputs
+from pipetrain.hf.cache import (
+    CachedImageTextLM,
+    CachedLM,
+    pad_left,
+    positions,
+    rope_index,
+    visual_inputs,
+)
 from pipetrain.pipeline import Pipeline, StepResult
 from pipetrain.pipeline_config import PipelineConfig
 from pipetrain.runtime.torch_private import EXPORT_NON_STRICT_LOGGER
@@ -119,6 +126,7 @@ class Generator:
             raise ValueError(f"rows, length, prefill and window must be >= 1, got {rows}, "
                              f"{length}, {prefill}, {window}")
         self.rows, self.length, self.prefill, self.window = rows, length, prefill, window
+        self.model = model
         self.group = group
         n_ranks = local_ranks or (dist.get_world_size(group) if dist.is_initialized() else 1)
         check_generation_stages(model, n_ranks, "{} ranks")
@@ -128,8 +136,8 @@ class Generator:
         example = {"input_ids": torch.zeros(rows, 2, dtype=torch.long),
                    "attention_mask": torch.ones(rows, length, dtype=torch.long),
                    "position_ids": torch.zeros(rows, 2, dtype=torch.long)}
-        if images is not None:
-            example = CachedImageTextLM.example(images, rows, length)
+        if isinstance(wrapped, CachedImageTextLM) and images is not None:
+            example = wrapped.example(images, rows, length)
         points = ["model." + p for p in split_points(model, n_ranks, example)]
         if balance is None:
             balance = even_balance(len(points) + 1, n_ranks)
@@ -302,16 +310,23 @@ class _Run:
         for i, p in enumerate(padded):
             ids[i, self.width - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[i, self.width - len(p):] = 1
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        self.ids, self.mask, self.positions = ids.to(device), mask.to(device), positions.to(device)
+        places = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        self.ids, self.mask, self.positions = ids.to(device), mask.to(device), places.to(device)
         self.prefill = gen.prefill if images is None else self.width  # images whole
         self.prefill_steps = -(-self.width // self.prefill)
-        self.images = [] if images is None else list(images) + [images[0]] * (
-            len(padded) - self.n)
+        self.images = [] if images is None else [
+            pad_left(i, len(p), self.width) for i, p in zip(
+                list(images) + [images[0]] * (len(padded) - self.n), padded, strict=True)]
         self.tokens: list[list[int]] = [[] for _ in padded]
         self.done = [False] * len(padded)
         self.start = 0  # the first step (of a group's steps) of the current window
         self.picked: dict[int, torch.Tensor] = {}
+        self.rope = None if images is None else rope_index(
+            gen.model, self.ids, self.mask[:, :self.width], self.images)
+        """M-RoPE's positions of the prompts on three axes and each row's delta (Qwen-VL)."""
+        if self.rope is not None:  # read there only
+            self.images = [{k: v for k, v in p.items() if k != "mm_token_type_ids"}
+                           for p in self.images]
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         """Per group, what its decode steps give beside the token (Mllama's image states)."""
 
@@ -325,8 +340,9 @@ class _Run:
         rows = self._rows(g)
         traced = self.gen.pipe.traced
         assert traced is not None  # built with split_points
+        rope = None if self.rope is None else (self.rope[0][:, rows], self.rope[1][rows])
         given = {"input_ids": ids, "attention_mask": self.mask[rows],
-                 "position_ids": self.positions[rows, lo:hi]}
+                 "position_ids": positions(self.positions[rows, lo:hi], rope, slice(lo, hi))}
         if shown and self.images:
             given.update(visual_inputs(self.images[rows], self.gen.pipe.device))
             self._keep_states(g, given)

@@ -20,10 +20,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["CachedImageTextLM", "CachedLM", "visual_inputs"]
+__all__ = ["CachedImageTextLM", "CachedLM", "pad_left", "positions", "rope_index",
+           "visual_inputs"]
 
 _TEXT = ("input_ids", "attention_mask")
 """A processor's outputs that are not visual."""
+_PER_TOKEN = ("token_type_ids", "mm_token_type_ids", "cross_attention_mask")
+"""A processor's outputs with a value per token (their second dimension), besides the ids."""
 
 
 class CachedLM(nn.Module):
@@ -111,7 +114,9 @@ class CachedImageTextLM(CachedLM):
     of 0), and the model embeds its token alone. Mllama's decode steps give the image states
     its prefill made (``cross_attention_states``) and the last row of its
     ``cross_attention_mask``, as its ``generate`` does (``images``: the capture's prompt, which
-    sizes the cross-attention cache)."""
+    sizes the cross-attention cache). A model with multimodal rotary positions (Qwen-VL) is
+    given them on every axis (:func:`positions`); Qwen3-VL's graph takes its vision tower's
+    outputs (``mm_encoder_outputs``, :mod:`pipetrain.split.prefix`), empty at a decode step."""
 
     def __init__(self, model: nn.Module, rows: int, length: int,
                  images: dict[str, torch.Tensor]) -> None:
@@ -127,8 +132,13 @@ class CachedImageTextLM(CachedLM):
                 aspect_ratio_ids: torch.Tensor | None = None,
                 aspect_ratio_mask: torch.Tensor | None = None,
                 cross_attention_mask: torch.Tensor | None = None,
-                cross_attention_states: torch.Tensor | None = None) -> Any:
+                cross_attention_states: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None,
+                pixel_attention_mask: torch.Tensor | None = None,
+                mm_encoder_outputs: dict[str, Any] | None = None) -> Any:
         given = {"pixel_values": pixel_values, "image_sizes": image_sizes,
+                 "image_grid_thw": image_grid_thw, "mm_encoder_outputs": mm_encoder_outputs,
+                 "pixel_attention_mask": pixel_attention_mask,
                  "token_type_ids": token_type_ids, "aspect_ratio_ids": aspect_ratio_ids,
                  "aspect_ratio_mask": aspect_ratio_mask,
                  "cross_attention_mask": cross_attention_mask,
@@ -142,17 +152,20 @@ class CachedImageTextLM(CachedLM):
                          cache=self.cache, use_cache=True, **visual)
         return out.logits
 
-    @staticmethod
-    def example(images: dict[str, torch.Tensor], rows: int, length: int) -> dict[str, Any]:
+    def example(self, images: dict[str, torch.Tensor], rows: int, length: int
+                ) -> dict[str, Any]:
         """The capture's input: ``rows`` copies of one prompt and its images (``images``:
-        ``input_ids`` of shape (1, n) and the visual tensors, as the processor gives them)."""
+        ``input_ids`` of shape (1, n) and the visual tensors, as the processor gives them),
+        with the positions :func:`positions` gives."""
         ids = images["input_ids"].repeat(rows, 1)
         n = ids.shape[1]
         mask = torch.zeros(rows, length, dtype=torch.long)
         mask[:, :n] = 1
+        prompts = [images] * rows
+        rope = rope_index(self.model, ids, mask[:, :n], prompts)
         return {"input_ids": ids, "attention_mask": mask,
-                "position_ids": torch.arange(n).repeat(rows, 1),
-                **visual_inputs([images] * rows, ids.device)}
+                "position_ids": positions(torch.arange(n).repeat(rows, 1), rope),
+                **visual_inputs(prompts, ids.device, rope is not None)}
 
     def share_cache(self, buffers: dict[str, torch.Tensor]) -> None:
         """Point this wrapper's own cache at the stages' tensors of it (``key_cache_3``:
@@ -183,8 +196,61 @@ def _image_states(model: nn.Module, images: dict[str, torch.Tensor]) -> int:
     return int(images["pixel_values"].shape[1]) * int(vision.max_num_tiles) * int(patches)
 
 
-def visual_inputs(prompts: list[dict[str, torch.Tensor]], device: torch.device
-                  ) -> dict[str, torch.Tensor]:
-    """The visual tensors of several prompts' processor outputs, one after another."""
-    keys = [k for k in prompts[0] if k not in _TEXT]
+def rope_index(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+               prompts: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a model with multimodal rotary positions (M-RoPE: the Qwen-VL family, GLM-4V, ...:
+    its inner model's ``get_rope_index``), the prompts' positions on the three axes (time,
+    height, width; shape (3, rows, n)) as its ``generate`` computes them from the image grids,
+    and each row's delta (rows, 1) that its new tokens' positions add on every axis; None for
+    another model. ``ids`` and ``mask`` (rows, n): the prompts padded on the left, ``prompts``:
+    each row's processor output (its ``mm_token_type_ids`` and grids)."""
+    index = getattr(getattr(model, "model", None), "get_rope_index", None)
+    if index is None or not prompts or "mm_token_type_ids" not in prompts[0]:
+        return None
+    types = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        given = prompt["mm_token_type_ids"][0]
+        types[row, ids.shape[1] - given.numel():] = given.to(ids.device)
+    grids = {k: torch.cat([p[k] for p in prompts]).to(ids.device)
+             for k in ("image_grid_thw", "video_grid_thw") if k in prompts[0]}
+    axes, deltas = index(ids, types, attention_mask=mask, **grids)
+    return axes, deltas
+
+
+def positions(text: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+              at: slice | None = None) -> torch.Tensor:
+    """The ``position_ids`` of tokens whose places in their own sequences are ``text`` (rows,
+    k): those, or for an M-RoPE model (``rope``, :func:`rope_index`) the four rows its
+    ``generate`` passes, ``text`` and the three axes: the prompt's at its columns ``at`` (all
+    when None), after the prompt ``text`` plus each row's delta."""
+    if rope is None:
+        return text
+    axes, deltas = rope
+    if at is not None and at.start >= axes.shape[2]:
+        three = (text + deltas.to(text.device)).expand(3, -1, -1)
+    else:
+        three = axes[:, :, at if at is not None else slice(None)].to(text.device)
+    return torch.cat([text[None], three])
+
+
+def pad_left(prompt: dict[str, torch.Tensor], n: int, width: int) -> dict[str, torch.Tensor]:
+    """A prompt's processor output (of ``n`` tokens) with its tensors of a value per token
+    (token types, Mllama's ``cross_attention_mask``) padded with zeros on the left to
+    ``width``, as its ids are in a group of prompts (a padded token has no type and sees no
+    image)."""
+    out = dict(prompt)
+    for k in _PER_TOKEN:
+        v = prompt.get(k)
+        if v is not None and v.dim() > 1 and v.shape[1] == n < width:
+            pad = v.new_zeros(v.shape[0], width - n, *v.shape[2:])
+            out[k] = torch.cat([pad, v], dim=1)
+    return out
+
+
+def visual_inputs(prompts: list[dict[str, torch.Tensor]], device: torch.device,
+                  rope: bool = False) -> dict[str, torch.Tensor]:
+    """The visual tensors of several prompts' processor outputs, one after another (``rope``:
+    without the token types, which only :func:`rope_index` reads)."""
+    text = (*_TEXT, "mm_token_type_ids") if rope else _TEXT
+    keys = [k for k in prompts[0] if k not in text]
     return {k: torch.cat([p[k] for p in prompts if k in p]).to(device) for k in keys}

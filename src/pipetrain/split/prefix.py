@@ -57,6 +57,8 @@ _DEEPSTACK = ("deepstack_visual_embeds", "visual_pos_masks")
 """What Qwen3-VL's forward hands its language model beside the embedded ids (the vision
 tower's features of its earlier layers, added to the first decoder layers' outputs at the
 image tokens), which that forward does not take."""
+_FEATURES = "BaseModelOutputWithDeepstackFeatures"
+"""The output type a deepstack model's ``mm_encoder_outputs`` holds (in its modeling module)."""
 _GROUPS = (("pixel_values", "image_grid_thw", "image_token_id", "image_token_index"),
            ("pixel_values_videos", "video_grid_thw", "video_token_id", "video_token_index"))
 """Per kind of visual input: its pixels, its grid, the config's placeholder token names."""
@@ -311,13 +313,16 @@ def encoder_outputs(model: nn.Module, payload: dict[str, Any], call: dict[str, A
     embeds = call["inputs_embeds"]
     mask = call.get("visual_pos_masks")
     deep = call.get("deepstack_visual_embeds")
+    config: Any = getattr(model, "config", None)
     if mask is None or deep is None:
-        config: Any = getattr(model, "config", None)
         layers = len(config.vision_config.deepstack_visual_indexes)
         mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
         deep = [embeds.new_zeros(0, embeds.shape[-1]) for _ in range(layers)]
-    output = sys.modules[type(model).__module__].BaseModelOutputWithDeepstackFeatures
-    return {"image": output(pooler_output=(embeds[mask],),
+    output = next(getattr(sys.modules[type(m).__module__], _FEATURES) for m in model.modules()
+                  if hasattr(sys.modules[type(m).__module__], _FEATURES))  # the model's own
+    pooled = embeds[mask] if not embeds.is_meta else embeds.new_empty(  # on meta: its shape
+        int((payload["input_ids"] == config.image_token_id).sum()), embeds.shape[-1])
+    return {"image": output(pooler_output=(pooled,),
                             deepstack_features=[(d,) for d in deep])}
 
 

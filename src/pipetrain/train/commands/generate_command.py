@@ -147,13 +147,6 @@ def _request(args: argparse.Namespace) -> Request:
                    args.json, args.out, images)
 
 
-_NOT_GENERATED = {
-    "qwen2_vl": "Qwen2-VL's 3-D positions continue from the images at each decode step",
-    "qwen2_5_vl": "Qwen2.5-VL's 3-D positions continue from the images at each decode step",
-    "qwen3_vl": "Qwen3-VL's 3-D positions continue from the images at each decode step"}
-"""Image-text models ``generate`` refuses, and what it does not do for them."""
-
-
 def _check_images(hf: str, given: list[str]) -> tuple[str, ...]:
     """The ``--image`` paths, absolute; refused where they do not exist or do not decode, or
     do not fit the model (images for a text model, none for an image-text one)."""
@@ -163,10 +156,6 @@ def _check_images(hf: str, given: list[str]) -> tuple[str, ...]:
 
     config = transformers().AutoConfig.from_pretrained(hf, local_files_only=True)
     image_text = is_image_text(config)
-    if image_text and config.model_type in _NOT_GENERATED:
-        raise ValueError(f"--hf {hf}: {_NOT_GENERATED[config.model_type]}, which pipelined "
-                         "generation does not keep yet; generate with transformers' own "
-                         "model.generate, or train and verify it here")
     if given and not image_text:
         raise ValueError(f"--image: {hf} is a text model (its config has no vision_config); "
                          "drop --image, or give an image-text checkpoint")
