@@ -47,6 +47,7 @@ SLOWEST_FIRST = [  # each file's total on 2 cores under the full suite, the long
     "test_failures_scale_dist.py", "test_examples_train_dist.py", "test_lora.py",
     "test_rng.py", "test_soak.py", "test_hf_moe_weights.py", "test_train_torchrun.py",
     "test_runtime_dist.py", "test_lifetime.py", "test_regressions.py", "test_generation.py",
+    "test_generation_images.py",
     "test_generate_cli.py", "test_verify.py", "test_failures_dist.py", "test_plan_module.py",
     "test_routes_dist.py", "test_packing.py", "test_ladder.py", "test_train_faults.py",
     "test_lm_dist.py", "test_eval_mode.py", "test_generation_dist.py",

@@ -44,7 +44,16 @@ def _want(model: torch.nn.Module, row: Row) -> list[int]:
     return [int(t) for t in out[0, row["input_ids"].shape[1]:]]
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+IN_CI = ("qwen2_vl", "qwen3_vl", "mllama", "gemma3", "idefics3", "mistral3")
+"""The families CI generates with (CI's time, CONTRIBUTING.md: tests): M-RoPE, deepstack,
+cross-attention, bidirectional image tokens and a sliding window, a row's axis of images,
+image sizes. The others, in the long tier, share their paths (LLaVA and PaliGemma run in CI
+through the command: tests/test_image_text_train_dist.py)."""
+
+
+@pytest.mark.parametrize("family", [
+    f if f.name in IN_CI else pytest.param(f, marks=pytest.mark.long) for f in FAMILIES],
+    ids=[f.name for f in FAMILIES])
 def test_generate_with_images_gives_transformers_greedy_tokens(family: Family) -> None:
     model = (GEMMA3 if family.name == "gemma3" else family.build)().eval()
     g = torch.Generator().manual_seed(3)
