@@ -37,7 +37,14 @@ from pipetrain.runtime import microbatch
 from pipetrain.split.inputs import Packed
 from pipetrain.split.lazy import is_meta
 from pipetrain.split.prefix_images import is_visual, split_images, tokens_per_image
-from pipetrain.split.prefix_meta import Holder, attach, holders, materialize_beside, to_meta
+from pipetrain.split.prefix_meta import (
+    Holder,
+    attach,
+    enclosing_parameters,
+    holders,
+    materialize_beside,
+    to_meta,
+)
 
 __all__ = ["Prefixed", "VisionPrefix", "vision_prefix"]
 
@@ -139,7 +146,7 @@ class VisionPrefix(nn.Module):
             self.dropped = []
         for name in self.ran:
             attach(self, name, model.get_submodule(name), Holder)
-        for name, p in _enclosing_parameters(model, path):  # LLaVA-NeXT's image_newline
+        for name, p in enclosing_parameters(model, path):  # LLaVA-NeXT's image_newline
             attach(self, name, p, Holder)
 
     @property
@@ -372,18 +379,6 @@ def _modules_run(model: nn.Module, path: str, example: dict[str, Any]
         for h in handles:
             h.remove()
     return [n for n in ran if not any(n.startswith(o + ".") for o in ran if o != n)], call
-
-
-def _enclosing_parameters(model: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
-    """Parameters held directly by the modules whose forward encloses the call of ``path``
-    (LLaVA-NeXT's ``image_newline``, which its forward writes between image rows)."""
-    parts = path.split(".")
-    found = []
-    for i in range(len(parts)):
-        at = ".".join(parts[:i])
-        module = model.get_submodule(at) if at else model
-        found += [(f"{at}.{n}" if at else n, p) for n, p in module.named_parameters(recurse=False)]
-    return found
 
 
 class Prefixed(nn.Module):

@@ -15,7 +15,8 @@ from torch import nn
 
 from pipetrain.split.lazy import NamedInit
 
-__all__ = ["Holder", "attach", "holders", "materialize_beside", "to_meta"]
+__all__ = ["Holder", "attach", "enclosing_parameters", "holders", "materialize_beside",
+           "to_meta"]
 
 Places = list[list[tuple[nn.Module, str]]]
 """Per Parameter that several modules hold: (module, attribute name) of each."""
@@ -65,6 +66,18 @@ def materialize_beside(model: nn.Module, path: str, seed: int,
             if real:
                 setattr(m, n, real[0])
     return made
+
+
+def enclosing_parameters(model: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
+    """Parameters held directly by the modules whose forward encloses the call of ``path``
+    (LLaVA-NeXT's ``image_newline``, which its forward writes between image rows)."""
+    parts = path.split(".")
+    found = []
+    for i in range(len(parts)):
+        at = ".".join(parts[:i])
+        module = model.get_submodule(at) if at else model
+        found += [(f"{at}.{n}" if at else n, p) for n, p in module.named_parameters(recurse=False)]
+    return found
 
 
 def to_meta(modules: list[nn.Module], shared: Places) -> None:
