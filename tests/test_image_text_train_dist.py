@@ -213,28 +213,40 @@ def _torchvision() -> bool:
     return True
 
 
-_QWEN = pytest.mark.skipif(not _torchvision(), reason="the Qwen-VL processors need torchvision")
+_VISION = pytest.mark.skipif(not _torchvision(), reason="its processor needs torchvision")
+"""For the families whose processors need torchvision: Qwen-VL's and SmolVLM's video
+processors, Mistral 3's Pixtral processor."""
+
+
+def _saved(place: Path, model: str) -> Path:
+    """``place / model``, saved there first for a family the fixture does not save (those whose
+    processors need torchvision)."""
+    from helpers.image_chat import save_mistral3, save_qwen_vl
+
+    if not (place / model).is_dir():
+        save_mistral3(place / model) if model == "mistral3" else save_qwen_vl(place / model, model)
+    return place / model
 
 
 @pytest.mark.parametrize("model", [
-    "llava", pytest.param("gemma3", marks=pytest.mark.long), "paligemma", "mllama",
-    *(pytest.param(f, marks=_QWEN) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"))])
-# gemma3 in the long tier for CI's time (CONTRIBUTING.md: tests); in CI: LLaVA and PaliGemma
-# here, whose token types go through generation as Gemma 3's do
+    "llava", pytest.param("gemma3", marks=pytest.mark.long), "paligemma",
+    pytest.param("mllama", marks=pytest.mark.long), "llava_next",
+    *(pytest.param(f, marks=_VISION) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3"))])
+# gemma3 and mllama in the long tier for CI's time (CONTRIBUTING.md: tests); in CI: LLaVA and
+# PaliGemma here, whose token types go through generation as Gemma 3's do, and both in
+# tests/test_generation_images.py
 def test_generate_with_an_image_gives_transformers_greedy_tokens(place: Path, model: str,
                                                                  tmp_path: Path) -> None:
     """``pipetrain generate --hf DIR --image PATH --prompt TEXT --prompt TEXT --batch 2`` on 2
     processes (a KV cache per stage, the vision tower in the first, the shorter prompt padded
     on the left; Mllama's cross-attention to the image states at every step; the Qwen-VL
-    family's positions on three axes from the image grid, continued by each row's delta)
-    against ``model.generate(do_sample=False)`` on each prompt's chat of the same image
-    alone. The Qwen-VL models run where torchvision imports (docs/multimodal.md)."""
+    family's positions on three axes from the image grid, continued by each row's delta;
+    LLaVA-NeXT's crops by image size) against ``model.generate(do_sample=False)`` on each
+    prompt's chat of the same image alone. The Qwen-VL models and Mistral 3 run where
+    torchvision imports (docs/multimodal.md)."""
     from PIL import Image
 
-    if model.startswith("qwen") and not (place / model).is_dir():
-        from helpers.image_chat import save_qwen_vl
-
-        save_qwen_vl(place / model, model)
+    _saved(place, model)
     image, prompts, new = place / "data" / "image1.png", ["what is three", "one two"], 10
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--hf", str(place / model), "--image", str(image), "--batch", "2",
@@ -338,17 +350,19 @@ def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
     assert "no processor could be loaded" in capsys.readouterr().err
 
 
-@_QWEN
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def test_qwen_vl_trains_through_the_command_and_verifies(
+@pytest.mark.parametrize("family", [
+    "llava_next", pytest.param("idefics3", marks=pytest.mark.long),  # CI's time: Mllama's
+    # train test above has a row's axis of images too, and verify[idefics3] runs in CI
+    *(pytest.param(f, marks=_VISION) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3"))])
+def test_more_families_train_through_the_command_and_verify(
         place: Path, family: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """The Qwen-VL family through ``train`` (rows of 0-2 images of two grids, M-RoPE positions
-    from the image grids; the step-0 loss is transformers') and ``verify``. Runs where
-    torchvision imports beside torch (docs/multimodal.md says how it was run)."""
-    from helpers.image_chat import save_qwen_vl
-
-    if not (place / family).is_dir():
-        save_qwen_vl(place / family, family)
+    """More families through ``train`` (rows of 0-2 images of two sizes; the step-0 loss is
+    transformers') and ``verify``: LLaVA-NeXT (crops chosen by each image's size, built on
+    ``meta`` as every command builds it), Idefics3 (a row's images on an axis of their own),
+    the Qwen-VL family (M-RoPE positions from the image grids) and Mistral 3 (images at their
+    own size). The last four run where torchvision imports beside torch (docs/multimodal.md
+    says how they were run)."""
+    _saved(place, family)
     _train(place, family, "trl.jsonl", f"out-{family}", "--nproc", "2", "--steps", "2",
            "--schedule", "zbv")
     logged = _records(place / f"out-{family}", "step")[0]["loss"]

@@ -350,16 +350,12 @@ def test_placeholders_that_do_not_fit_the_images_are_refused() -> None:
         prefix.split(prefix.payload(dict(full, pixel_values=full["pixel_values"][:3])), 2)
 
 
-META_CI = ("llava", "qwen2_vl", "gemma3", "mllama")
-ON_META = [pytest.param(f, marks=pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                                                   reason="its forward writes image_newline, a "
-                                                   "parameter the model holds itself, which the "
-                                                   "capture does not make real on meta"))
-           if f.name in ("llava_next", "llava_onevision") else
-           f if f.name in META_CI else pytest.param(f, marks=pytest.mark.long) for f in FAMILIES]
+META_CI = ("llava", "qwen2_vl", "gemma3", "mllama", "llava_next")
+ON_META = [f if f.name in META_CI else pytest.param(f, marks=pytest.mark.long) for f in FAMILIES]
 """On meta, in CI: LLaVA (a tower and a projector), Qwen2-VL (grids, 3-D positions), Gemma 3
-(token types), Mllama (cross-attention) and the two that fail; the other families in the long
-tier (CI's time, CONTRIBUTING.md: tests): each is trained materialised in CI
+(token types), Mllama (cross-attention) and LLaVA-NeXT (``image_newline``, a parameter its
+model holds itself, made real alone); the other families in the long tier (CI's time,
+CONTRIBUTING.md: tests): each is trained materialised in CI
 (test_image_text_models_train_exactly), and on meta a stage makes real only the modules it
 holds, whatever their family."""
 
@@ -454,16 +450,25 @@ def test_a_command_for_text_models_points_an_image_text_directory_to_those_that_
     assert type(meta_model(config, images=True)).__name__ == "LlavaForConditionalGeneration"
 
 
-def test_images_of_different_sizes_one_a_row_go_with_their_rows() -> None:
+def test_images_of_different_sizes_go_with_their_rows() -> None:
     """LLaVA-NeXT's any-resolution images fill as many placeholders as their sizes say, which
-    the split cannot tell from the pixels; with one image a row, each goes with its row."""
-    family = Family("llava_next_mixed", LLAVA_NEXT,
-                    sized_images([(16, 16, 24), (8, 16, 14)], 5, length=48), images=(1, 1, 1, 1))
-    pipe, ref, got, want = stepped(family.build(), family, "1f1b")
-    assert abs(got - want) <= TOL * abs(want)
-    assert differences(pipe, ref) == []
-    mixed = Family("llava_next_mixed", LLAVA_NEXT,
-                   sized_images([(16, 16, 24), (8, 16, 14)], 5, length=48))
-    with pytest.raises(ValueError, match=r"\[rank 0\] step 0, stage 0: 86 image placeholders "
-                       r"do not share evenly.*images of different sizes"):
-        stepped(mixed.build(), mixed, "1f1b")
+    the split counts by the model's own packing of their crops (on ``meta``): one image a row
+    and 0-2 images a row of two sizes each go with their rows; so do Mistral 3's, counted from
+    their sizes as its own ``get_image_features`` splits them. A model whose images of
+    different sizes the split cannot count (LLaVA given ``image_sizes``) is refused, naming the
+    fix."""
+    mistral = BY_NAME["mistral3"].build
+    for family in (Family("llava_next_mixed", LLAVA_NEXT, sized_images(
+                       [(16, 16, 24), (8, 16, 14)], 5, length=48), images=(1, 1, 1, 1)),
+                   Family("llava_next_mixed", LLAVA_NEXT, sized_images(
+                       [(16, 16, 24), (8, 16, 14)], 5, length=48)),
+                   Family("mistral3_mixed", mistral, sized_images([(8, 16, 8), (8, 8, 4)], None))):
+        pipe, ref, got, want = stepped(family.build(), family, "1f1b")
+        assert abs(got - want) <= TOL * abs(want), family
+        assert differences(pipe, ref) == []
+    from pipetrain.split.prefix_images import tokens_per_image
+
+    sizes = {"pixel_values": torch.zeros(4, 3, 8, 16), "image_sizes": torch.tensor([[8, 16]] * 4)}
+    with pytest.raises(ValueError, match=r"29 image placeholders do not share evenly among the 4 "
+                       r"images.*images of different sizes"):
+        tokens_per_image(BY_NAME["llava"].build(), sizes, "pixel_values", "image_grid_thw", 29)

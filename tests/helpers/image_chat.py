@@ -219,6 +219,60 @@ def save_idefics3(root: Path) -> Path:
     return _save(root, tf.Idefics3ForConditionalGeneration(config), processor)
 
 
+def save_llava_next(root: Path) -> Path:
+    """LLaVA-NeXT (CLIP tower, any-resolution crops of 8x8 tiles chosen by each image's size,
+    an ``image_newline`` between rows, ``image_sizes``) with its processor."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<image>")
+    tok = _tokenizer(["<image>"], template)
+    grid = [[8, 8], [8, 16], [16, 8], [16, 16]]
+    images = tf.LlavaNextImageProcessorPil(size={"shortest_edge": 8},
+                                           crop_size={"height": 8, "width": 8},
+                                           image_grid_pinpoints=grid)
+    processor = tf.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=4,
+                                      chat_template=template, num_additional_image_tokens=1,
+                                      vision_feature_select_strategy="default")
+    config = tf.LlavaNextConfig(
+        text_config=dict(TEXT, model_type="llama", vocab_size=len(tok),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
+        vision_config=dict(model_type="clip_vision_model", image_size=8, patch_size=4,
+                           hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, projection_dim=16),
+        image_grid_pinpoints=grid, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default", vision_feature_layer=-1)
+    torch.manual_seed(0)
+    return _save(root, tf.LlavaNextForConditionalGeneration(config), processor)
+
+
+def save_mistral3(root: Path) -> Path:
+    """Mistral 3 (a Pixtral tower on images kept at their own size, patches of 2 merged 2x2,
+    a break token after each row of them, ``image_sizes``) with its processor."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "[IMG]")
+    tok = _tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]"], template)
+    images = tf.PixtralImageProcessorPil(size={"longest_edge": 16}, patch_size=2)
+    processor = tf.PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=2,
+                                    spatial_merge_size=2, chat_template=template,
+                                    image_token="[IMG]", image_break_token="[IMG_BREAK]",
+                                    image_end_token="[IMG_END]")
+    config = tf.Mistral3Config(
+        text_config=dict(TEXT, model_type="mistral", head_dim=8, vocab_size=len(tok),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                         initializer_range=0.5),  # drawn wide: its greedy answer varies
+        vision_config=dict(model_type="pixtral", image_size=16, patch_size=2, hidden_size=16,
+                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           head_dim=8),
+        spatial_merge_size=2, image_token_index=tok.convert_tokens_to_ids("[IMG]"))
+    torch.manual_seed(0)
+    return _save(root, tf.Mistral3ForConditionalGeneration(config), processor)
+
+
 QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 QWEN_VISION = dict(depth=1, num_heads=2, patch_size=2, spatial_merge_size=2,
                    temporal_patch_size=2, in_channels=3)
@@ -289,4 +343,7 @@ def exchanges(n: int, images: list[Path], seed: int = 0) -> list[dict[str, Any]]
 
 SAVERS: dict[str, Callable[[Path], Path]] = {"llava": save_llava, "gemma3": save_gemma3,
                                              "mllama": save_mllama, "paligemma": save_paligemma,
-                                             "idefics3": save_idefics3}
+                                             "idefics3": save_idefics3,
+                                             "llava_next": save_llava_next}
+"""The savers whose processors load without torchvision (Mistral 3's and the Qwen-VL
+family's need it: :func:`save_mistral3`, :func:`save_qwen_vl`)."""

@@ -134,6 +134,8 @@ class NamedInit:
                 holders.setdefault(id(p), []).append((path, pname))
         self._alive: list[torch.Tensor] = list(model.parameters())  # ids stay theirs
         self.owner = {pid: paths[0] for pid, paths in holders.items() if len(paths) > 1}
+        self._held = {pid: paths[0] for pid, paths in holders.items()}
+        """Meta parameters -> (the first module holding it directly, its name there)."""
         """Shared meta parameters -> (first owning module, its name there)."""
         self._real: dict[int, torch.Tensor] = {}  # meta id -> the real one in this process
         self._meta_of: dict[int, int] = {}  # real id -> meta id
@@ -177,6 +179,8 @@ class NamedInit:
                     torch.manual_seed(name_seed(self.seed, path))
                     self._reset(module)
                 covered.update(id(p) for p in module.parameters())
+        if self._hf_init is not None:
+            covered |= self._direct(part, fresh - covered)
         missing = [n for n, p in part.named_parameters() if id(p) in fresh - covered]
         if missing:
             raise ValueError(f"parameters {missing} were built on the meta device but no "
@@ -187,6 +191,29 @@ class NamedInit:
                 with torch.no_grad():
                     p.copy_(self._owner_value(self._meta_of[id(p)], p.device))
         return part
+
+    def _direct(self, part: nn.Module, left: set[int]) -> set[int]:
+        """Initialise the parameters among ``left`` (ids of ``part``'s real ones) that a model
+        module holds directly but ``part`` holds in a container standing for none of the
+        model's (:class:`~pipetrain.split.prefix_meta.Holder`: LLaVA-NeXT's ``image_newline``
+        in an image-text model's prefix). Each module's ``_init_weights`` runs, under the seed of
+        its path, on a stand-in holding only those parameters, so the whole module (its
+        children, the language model among them) is never made real; the ids initialised."""
+        done: set[int] = set()
+        by_owner: dict[str, dict[str, nn.Parameter]] = {}
+        for p in part.parameters():
+            if id(p) in left and self._meta_of.get(id(p)) in self._held:
+                path, name = self._held[self._meta_of[id(p)]]
+                by_owner.setdefault(path, {})[name] = p
+        for path, params in by_owner.items():
+            module = self.model.get_submodule(path)
+            stand = copy.copy(module)  # the same class and config, none of its tensors
+            stand.__dict__.update(_parameters=dict(params), _buffers={}, _modules={})
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(name_seed(self.seed, path))
+                self._init_of.get(id(module), self._hf_init or (lambda m: None))(stand)
+            done |= {id(p) for p in params.values()}
+        return done
 
     def _initialised(self, module: nn.Module) -> list[torch.Tensor]:
         """What initialising ``module`` writes: its parameters (and buffers, for HF models)."""

@@ -112,6 +112,8 @@ def vision_prefix(model: nn.Module, example: dict[str, Any], seed: int = 0
     prefix = VisionPrefix(model, path, example)
     prefix.captured_with = prefix.example(example)
     to_meta(list(made.values()), shared)  # the stage holding them makes them real again
+    for name, p in enclosing_parameters(model, path):  # the model's own (new) meta ones
+        attach(prefix, name, p, Holder)
     return prefix
 
 

@@ -28,6 +28,12 @@ def tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, gri
         vision = getattr(model.config, "vision_config", None)
         merge = getattr(vision, "spatial_merge_size", 1) or 1
         return [int(g.prod()) // merge ** 2 for g in payload[grid]]
+    sizes = payload.get("image_sizes") if pixels == "pixel_values" else None
+    counted = _packed_lengths(model, sizes) if sizes is not None else None
+    if counted is None and sizes is not None:
+        counted = _merged_lengths(model, sizes)
+    if counted is not None:
+        return counted
     n = int(payload[pixels].shape[0])
     if n == 0 or total % n:
         raise ValueError(f"{total} image placeholders do not share evenly among the {n} "
@@ -35,6 +41,52 @@ def tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, gri
                          "(image_sizes) cannot be told apart; give each image the same size, "
                          "or every row one image")
     return [total // n] * n
+
+
+def _packed_lengths(model: nn.Module, sizes: Any) -> list[int] | None:
+    """For a model that cuts each image into crops by its size and packs their features with a
+    newline after each row (LLaVA-NeXT, LLaVA-OneVision: ``pack_image_features``), each
+    image's count of features for its ``image_sizes``: the model's own packing, run on
+    ``meta`` features of the crops' shapes (no pixels are read); None for another model."""
+    import inspect
+    import sys
+
+    inner: Any = next((m for m in model.modules() if hasattr(m, "image_newline")
+                       and callable(getattr(m, "pack_image_features", None))), None)
+    config: Any = getattr(inner, "config", None)
+    if inner is None or sizes is None or not getattr(config, "image_grid_pinpoints", None):
+        return None
+    crops_of = getattr(sys.modules[type(inner).__module__], "image_size_to_num_patches", None)
+    if crops_of is None:
+        return None
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    newline = inner.image_newline
+    features = [torch.empty(crops_of(image_size=size, grid_pinpoints=config.image_grid_pinpoints,
+                                     patch_size=vision.image_size), side * side,
+                            newline.shape[-1], device="meta") for size in sizes]
+    pack = inner.pack_image_features
+    kwargs: dict[str, Any] = {"image_newline": newline.to("meta")}
+    params = inspect.signature(pack).parameters
+    if "vision_feature_select_strategy" in params:
+        kwargs["vision_feature_select_strategy"] = config.vision_feature_select_strategy
+    if "vision_aspect_ratio" in params:
+        kwargs["vision_aspect_ratio"] = config.vision_aspect_ratio
+    packed, _ = pack(features, sizes, **kwargs)
+    return [int(f.shape[0]) for f in packed]
+
+
+def _merged_lengths(model: nn.Module, sizes: torch.Tensor) -> list[int] | None:
+    """For a model that keeps each image at its own size and merges its patches
+    ``spatial_merge_size`` by ``spatial_merge_size`` (Mistral 3's Pixtral tower), each image's
+    count of placeholders from its ``image_sizes``, as its ``get_image_features`` splits them;
+    None for another model."""
+    config: Any = getattr(model, "config", None)
+    merge = getattr(config, "spatial_merge_size", None)
+    patch = getattr(getattr(config, "vision_config", None), "patch_size", None)
+    if not isinstance(merge, int) or not isinstance(patch, int):
+        return None
+    return [int(n) for n in (torch.as_tensor(sizes) // (patch * merge)).prod(dim=-1)]
 
 
 def split_images(payload: dict[str, Any], pixels: str, grid: str,

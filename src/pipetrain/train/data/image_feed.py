@@ -124,7 +124,8 @@ class ImageFeed:
                 value = _fit(value, seq_len, pad if key == "input_ids" else 0)
             fitted[key] = value
         pixels = fitted.get("pixel_values")
-        if torch.is_tensor(pixels) and pixels.dim() >= 5:  # a row's images on an axis
+        if torch.is_tensor(pixels) and pixels.dim() >= 5 and "image_sizes" not in fitted:
+            # a row's images on an axis (not LLaVA-NeXT's crops of each image)
             _rows_of_images(fitted, [bool(shown) for shown in images])
             _pad_slots(fitted, int(pixels.shape[1]), self.slots)
             if "cross_attention_mask" in fitted:
