@@ -289,3 +289,21 @@ def test_images_one_after_another_are_not_taken_for_rows(place: Path) -> None:
     images = [[feed._image(r, e) for r in corpus.media[e]["images"]] for e in rows]
     out = feed.tensors([corpus.media[e]["text"] for e in rows], images, 64)
     assert out["pixel_values"].shape[0] == 2
+
+
+def test_crops_of_each_image_are_not_taken_for_a_rows_images(place: Path) -> None:
+    """LLaVA-NeXT's pixels have five dimensions, (images, crops, ...), as Mllama's have a row's
+    images on an axis: with one image in each of two of three rows, they stayed two images, not
+    three rows (the feed made them three, an all-zero one in the middle, and the model read the
+    first two: the wrong pixels for the third row, a loss off by 5e-4 and no error)."""
+    from helpers.image_chat import save_llava_next
+
+    if not (place / "llava_next").is_dir():
+        save_llava_next(place / "llava_next")
+    corpus, feed = _corpus(place, place / "data" / "trl.jsonl", "cache-next", "llava_next")
+    by_count = {len(m["images"]): e for e, m in enumerate(corpus.media)}
+    rows = [by_count[1], by_count[0], by_count[1]]
+    images = [[feed._image(r, e) for r in corpus.media[e]["images"]] for e in rows]
+    out = feed.tensors([corpus.media[e]["text"] for e in rows], images, 64)
+    assert out["pixel_values"].dim() == 5
+    assert out["pixel_values"].shape[0] == out["image_sizes"].shape[0] == 2
