@@ -103,7 +103,7 @@ def _reference(place: Path, model: str, data: str, step: int, directory: Path | 
             answers.append(messages[1]["content"][0]["text"])
         images.append([Image.open(place / "data" / f).convert("RGB") for f in files])
     batch = processor(text=texts, images=images if any(images) else None, padding="longest",
-                      add_special_tokens=False, return_tensors="pt",
+                      padding_side="right", add_special_tokens=False, return_tensors="pt",
                       **({"suffix": answers} if answers else {}))
     batch.pop("labels", None)
     width = SEQ + 1
@@ -218,20 +218,28 @@ _VISION = pytest.mark.skipif(not _torchvision(), reason="its processor needs tor
 processors, Mistral 3's Pixtral processor."""
 
 
+VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3", "smolvlm", "internvl",
+          "llava_onevision")
+"""The families whose processors need torchvision (SmolVLM's also num2words)."""
+
+
 def _saved(place: Path, model: str) -> Path:
     """``place / model``, saved there first for a family the fixture does not save (those whose
     processors need torchvision)."""
-    from helpers.image_chat import save_mistral3, save_qwen_vl
+    from helpers import image_chat
 
     if not (place / model).is_dir():
-        save_mistral3(place / model) if model == "mistral3" else save_qwen_vl(place / model, model)
+        if model.startswith("qwen"):
+            image_chat.save_qwen_vl(place / model, model)
+        else:
+            getattr(image_chat, f"save_{model}")(place / model)
     return place / model
 
 
 @pytest.mark.parametrize("model", [
     "llava", pytest.param("gemma3", marks=pytest.mark.long), "paligemma",
     pytest.param("mllama", marks=pytest.mark.long), "llava_next",
-    *(pytest.param(f, marks=_VISION) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3"))])
+    *(pytest.param(f, marks=_VISION) for f in VISION)])
 # gemma3 and mllama in the long tier for CI's time (CONTRIBUTING.md: tests); in CI: LLaVA and
 # PaliGemma here, whose token types go through generation as Gemma 3's do, and both in
 # tests/test_generation_images.py
@@ -353,7 +361,11 @@ def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
 @pytest.mark.parametrize("family", [
     "llava_next", pytest.param("idefics3", marks=pytest.mark.long),  # CI's time: Mllama's
     # train test above has a row's axis of images too, and verify[idefics3] runs in CI
-    *(pytest.param(f, marks=_VISION) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3"))])
+    *(pytest.param(f, marks=_VISION) for f in VISION if f != "llava_onevision"),
+    pytest.param("llava_onevision", marks=[_VISION, pytest.mark.xfail(
+        strict=True, reason="its processor's batch_num_images (one per row that shows images, "
+        "which decides whether an image is cut into crops) is not split into micro-batches "
+        "yet")])])
 def test_more_families_train_through_the_command_and_verify(
         place: Path, family: str, capsys: pytest.CaptureFixture[str]) -> None:
     """More families through ``train`` (rows of 0-2 images of two sizes; the step-0 loss is
@@ -369,5 +381,5 @@ def test_more_families_train_through_the_command_and_verify(
     assert logged == pytest.approx(_reference(place, family, "trl.jsonl", 0), rel=1e-5)
     assert type(tf.AutoProcessor.from_pretrained(place / f"out-{family}" / "hf")).__name__ \
         == type(tf.AutoProcessor.from_pretrained(place / family)).__name__
-    assert main(["verify", "--hf", str(place / family), "--seq-len", "64", "--pp", "2"]) == 0
+    assert main(["verify", "--hf", str(place / family), "--seq-len", "96", "--pp", "2"]) == 0
     assert "PASS" in capsys.readouterr().out

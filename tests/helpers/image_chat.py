@@ -273,6 +273,89 @@ def save_mistral3(root: Path) -> Path:
     return _save(root, tf.Mistral3ForConditionalGeneration(config), processor)
 
 
+def save_smolvlm(root: Path) -> Path:
+    """SmolVLM (Idefics3's layout: pixel shuffle to 4 placeholders an image between markers, a
+    row's images on an axis of their own) with its processor, whose video processor needs
+    torchvision."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<image>")
+    named = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+             "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+    tok = _tokenizer(list(named.values()), template, named)
+    size = {"longest_edge": 8}
+    processor = tf.SmolVLMProcessor(
+        image_processor=tf.SmolVLMImageProcessor(size=size, max_image_size=size,
+                                                 do_image_splitting=False),
+        tokenizer=tok, video_processor=tf.SmolVLMVideoProcessor(size=size, max_image_size=size),
+        image_seq_len=4, chat_template=template)
+    config = tf.SmolVLMConfig(
+        text_config=dict(TEXT, model_type="llama", vocab_size=len(tok),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
+        vision_config=dict(image_size=8, patch_size=2, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    torch.manual_seed(0)
+    return _save(root, tf.SmolVLMForConditionalGeneration(config), processor)
+
+
+def save_internvl(root: Path) -> Path:
+    """InternVL (pixel shuffle to 4 placeholders an image between ``<img>`` markers, a Qwen2)
+    with its processor, whose video processor needs torchvision."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<IMG_CONTEXT>")  # the processor writes the markers
+    named = {"start_image_token": "<img>", "end_image_token": "</img>",
+             "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    tok = _tokenizer(list(named.values()), template, named)
+    size = {"height": 8, "width": 8}
+    processor = tf.InternVLProcessor(
+        image_processor=tf.GotOcr2ImageProcessor(size=size, crop_to_patches=False),
+        tokenizer=tok, video_processor=tf.InternVLVideoProcessor(size=size),
+        image_seq_length=4, chat_template=template)
+    config = tf.InternVLConfig(
+        text_config=dict(TEXT, model_type="qwen2", vocab_size=len(tok),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                         initializer_range=0.5),  # drawn wide: its greedy answer varies
+        vision_config=dict(image_size=8, patch_size=2, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2),
+        image_token_id=tok.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=4)
+    torch.manual_seed(0)
+    return _save(root, tf.InternVLForConditionalGeneration(config), processor)
+
+
+def save_llava_onevision(root: Path) -> Path:
+    """LLaVA-OneVision (SigLIP tower, any-resolution crops of 8x8 tiles, ``image_newline``, a
+    Qwen2) with its processor, whose video processor needs torchvision."""
+    import torch
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<image>")
+    tok = _tokenizer(["<image>", "<video>"], template)
+    grid = [[8, 8], [8, 16], [16, 8], [16, 16]]
+    size = {"height": 8, "width": 8}
+    processor = tf.LlavaOnevisionProcessor(
+        image_processor=tf.LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=grid),
+        tokenizer=tok, video_processor=tf.LlavaOnevisionVideoProcessor(size=size),
+        num_image_tokens=4, vision_feature_select_strategy="full", chat_template=template)
+    config = tf.LlavaOnevisionConfig(
+        text_config=dict(TEXT, model_type="qwen2", vocab_size=len(tok),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
+        vision_config=dict(model_type="siglip_vision_model", image_size=8, patch_size=4,
+                           hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2),
+        image_grid_pinpoints=grid, image_token_index=tok.convert_tokens_to_ids("<image>"),
+        video_token_index=tok.convert_tokens_to_ids("<video>"),
+        vision_feature_select_strategy="full", vision_feature_layer=-1)
+    torch.manual_seed(0)
+    return _save(root, tf.LlavaOnevisionForConditionalGeneration(config), processor)
+
+
 QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 QWEN_VISION = dict(depth=1, num_heads=2, patch_size=2, spatial_merge_size=2,
                    temporal_patch_size=2, in_channels=3)

@@ -20,8 +20,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["CachedImageTextLM", "CachedLM", "pad_left", "positions", "rope_index",
-           "visual_inputs"]
+__all__ = ["CachedImageTextLM", "CachedLM", "pad_left", "per_prompt", "positions",
+           "rope_index", "visual_inputs"]
 
 _TEXT = ("input_ids", "attention_mask")
 """A processor's outputs that are not visual."""
@@ -75,6 +75,9 @@ class CachedLM(nn.Module):
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.cache.early_initialization(rows, heads, head_dim, dtype, device)
+        for layer in self._layers():  # a meta model's counters real: an image-text model's
+            if layer.cumulative_length.is_meta:  # prefix runs eagerly at its capture, on
+                layer.cumulative_length = torch.zeros((), dtype=torch.long)  # real embeddings
         for i, layer in enumerate(self._layers()):  # buffers, so that a meta model's are
             self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)  # its own
             self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
@@ -84,6 +87,12 @@ class CachedLM(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         """The model's own initialisation (:class:`pipetrain.split.lazy.NamedInit` runs it)."""
         self.model._init_weights(module)  # type: ignore[operator]
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The model's token embedding (made real for an image-text model's prefix on
+        ``meta``, :mod:`pipetrain.split.prefix_meta`)."""
+        embed: nn.Module = self.model.get_input_embeddings()  # type: ignore[operator]
+        return embed
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache: per layer its keys, values and position counter."""
@@ -135,10 +144,12 @@ class CachedImageTextLM(CachedLM):
                 cross_attention_states: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None,
                 pixel_attention_mask: torch.Tensor | None = None,
+                batch_num_images: torch.Tensor | None = None,
                 mm_encoder_outputs: dict[str, Any] | None = None) -> Any:
         given = {"pixel_values": pixel_values, "image_sizes": image_sizes,
                  "image_grid_thw": image_grid_thw, "mm_encoder_outputs": mm_encoder_outputs,
                  "pixel_attention_mask": pixel_attention_mask,
+                 "batch_num_images": batch_num_images,
                  "token_type_ids": token_type_ids, "aspect_ratio_ids": aspect_ratio_ids,
                  "aspect_ratio_mask": aspect_ratio_mask,
                  "cross_attention_mask": cross_attention_mask,
@@ -177,10 +188,10 @@ class CachedImageTextLM(CachedLM):
         for name, tensor in buffers.items():
             kind, _, index = name.rpartition("_")
             setattr(layers[int(index)], fields[kind], tensor)
-        held = next((layer.cumulative_length for layer in layers
-                     if not layer.cumulative_length.is_meta), None)
+        held = next((layer.cumulative_length for layer in layers if not layer.keys.is_meta),
+                    None)
         for layer in layers:  # another rank's layers: every layer counts the same positions
-            if held is not None and layer.cumulative_length.is_meta:
+            if held is not None and layer.keys.is_meta:
                 layer.cumulative_length = held
 
 
@@ -245,6 +256,16 @@ def pad_left(prompt: dict[str, torch.Tensor], n: int, width: int) -> dict[str, t
             pad = v.new_zeros(v.shape[0], width - n, *v.shape[2:])
             out[k] = torch.cat([pad, v], dim=1)
     return out
+
+
+def per_prompt(prompt: dict[str, torch.Tensor]) -> list[str]:
+    """The names of a prompt's processor outputs of one value per prompt that describe no image
+    (LLaVA-OneVision's ``batch_num_images``): the captured graph takes them, so every step
+    gives them, the decode steps as the prefill."""
+    from pipetrain.split.prefix_images import is_visual
+
+    return [k for k, v in prompt.items() if k not in (*_TEXT, *_PER_TOKEN) and not is_visual(k)
+            and torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == 1]
 
 
 def visual_inputs(prompts: list[dict[str, torch.Tensor]], device: torch.device,

@@ -322,16 +322,14 @@ def encoder_outputs(model: nn.Module, payload: dict[str, Any], call: dict[str, A
     embeds = call["inputs_embeds"]
     mask = call.get("visual_pos_masks")
     deep = call.get("deepstack_visual_embeds")
-    config: Any = getattr(model, "config", None)
     if mask is None or deep is None:
+        config: Any = getattr(model, "config", None)
         layers = len(config.vision_config.deepstack_visual_indexes)
         mask = torch.zeros(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
         deep = [embeds.new_zeros(0, embeds.shape[-1]) for _ in range(layers)]
     output = next(getattr(sys.modules[type(m).__module__], _FEATURES) for m in model.modules()
                   if hasattr(sys.modules[type(m).__module__], _FEATURES))  # the model's own
-    pooled = embeds[mask] if not embeds.is_meta else embeds.new_empty(  # on meta: its shape
-        int((payload["input_ids"] == config.image_token_id).sum()), embeds.shape[-1])
-    return {"image": output(pooler_output=(pooled,),
+    return {"image": output(pooler_output=(embeds[mask],),
                             deepstack_features=[(d,) for d in deep])}
 
 

@@ -113,8 +113,9 @@ class ImageFeed:
         (the targets are the cache's)."""
         shown = images if any(images) else None
         given = {} if answers is None else {"suffix": answers}
-        out = self.processor(text=texts, images=shown, add_special_tokens=False,
-                             padding=True, return_tensors="pt", **given)
+        out = self.processor(text=texts, images=shown, add_special_tokens=False,  # right:
+                             padding=True, padding_side="right",  # some pad left (InternVL)
+                             return_tensors="pt", **given)
         out.pop("labels", None)
         ids = out["input_ids"]
         pad = int(self.processor.tokenizer.pad_token_id)
