@@ -193,30 +193,41 @@ def save_paligemma(root: Path) -> Path:
     return _save(root, tf.PaliGemmaForConditionalGeneration(config), processor)
 
 
-def save_idefics3(root: Path) -> Path:
-    """Idefics3 (SigLIP tower, pixel shuffle to 4 placeholders an image between markers, a
-    row's images padded on an axis of their own, no image splitting) with its processor."""
-    import torch
-    import transformers as tf
+IDEFICS_TOKENS = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                  "global_image_token": "<global-img>",
+                  "end_of_utterance_token": "<end_of_utterance>"}
+"""Idefics3's and SmolVLM's named special tokens."""
 
-    tf.logging.set_verbosity_error()
-    template = PARTS.replace("{IMAGE}", "<image>")
-    named = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
-             "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
-    tok = _tokenizer(list(named.values()), template, named)
-    images = tf.Idefics3ImageProcessorPil(size={"longest_edge": 8},
-                                          max_image_size={"longest_edge": 8},
-                                          do_image_splitting=False)
-    processor = tf.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
-                                     chat_template=template)
-    config = tf.Idefics3Config(
+
+def _idefics_like(config_cls: Any, model_cls: Any, tok: Any) -> Any:
+    """A tiny Idefics3 or SmolVLM (a SigLIP tower, pixel shuffle by 2, a Llama), seeded."""
+    import torch
+
+    config = config_cls(
         text_config=dict(TEXT, model_type="llama", vocab_size=len(tok),
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
         vision_config=dict(image_size=8, patch_size=2, hidden_size=16, intermediate_size=32,
                            num_hidden_layers=1, num_attention_heads=2),
         scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
     torch.manual_seed(0)
-    return _save(root, tf.Idefics3ForConditionalGeneration(config), processor)
+    return model_cls(config)
+
+
+def save_idefics3(root: Path) -> Path:
+    """Idefics3 (SigLIP tower, pixel shuffle to 4 placeholders an image between markers, a
+    row's images padded on an axis of their own, no image splitting) with its processor."""
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    template = PARTS.replace("{IMAGE}", "<image>")
+    tok = _tokenizer(list(IDEFICS_TOKENS.values()), template, IDEFICS_TOKENS)
+    images = tf.Idefics3ImageProcessorPil(size={"longest_edge": 8},
+                                          max_image_size={"longest_edge": 8},
+                                          do_image_splitting=False)
+    processor = tf.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
+                                     chat_template=template)
+    return _save(root, _idefics_like(tf.Idefics3Config, tf.Idefics3ForConditionalGeneration,
+                                     tok), processor)
 
 
 def save_llava_next(root: Path) -> Path:
@@ -277,28 +288,19 @@ def save_smolvlm(root: Path) -> Path:
     """SmolVLM (Idefics3's layout: pixel shuffle to 4 placeholders an image between markers, a
     row's images on an axis of their own) with its processor, whose video processor needs
     torchvision."""
-    import torch
     import transformers as tf
 
     tf.logging.set_verbosity_error()
     template = PARTS.replace("{IMAGE}", "<image>")
-    named = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
-             "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
-    tok = _tokenizer(list(named.values()), template, named)
+    tok = _tokenizer(list(IDEFICS_TOKENS.values()), template, IDEFICS_TOKENS)
     size = {"longest_edge": 8}
     processor = tf.SmolVLMProcessor(
         image_processor=tf.SmolVLMImageProcessor(size=size, max_image_size=size,
                                                  do_image_splitting=False),
         tokenizer=tok, video_processor=tf.SmolVLMVideoProcessor(size=size, max_image_size=size),
         image_seq_len=4, chat_template=template)
-    config = tf.SmolVLMConfig(
-        text_config=dict(TEXT, model_type="llama", vocab_size=len(tok),
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id),
-        vision_config=dict(image_size=8, patch_size=2, hidden_size=16, intermediate_size=32,
-                           num_hidden_layers=1, num_attention_heads=2),
-        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
-    torch.manual_seed(0)
-    return _save(root, tf.SmolVLMForConditionalGeneration(config), processor)
+    return _save(root, _idefics_like(tf.SmolVLMConfig, tf.SmolVLMForConditionalGeneration,
+                                     tok), processor)
 
 
 def save_internvl(root: Path) -> Path:
