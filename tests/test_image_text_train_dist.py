@@ -362,11 +362,7 @@ def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
 @pytest.mark.parametrize("family", [
     "llava_next", pytest.param("idefics3", marks=pytest.mark.long),  # CI's time: Mllama's
     # train test above has a row's axis of images too, and verify[idefics3] runs in CI
-    *(pytest.param(f, marks=_VISION) for f in VISION if f != "llava_onevision"),
-    pytest.param("llava_onevision", marks=[_VISION, pytest.mark.xfail(
-        strict=True, reason="its processor's batch_num_images (one per row that shows images, "
-        "which decides whether an image is cut into crops) is not split into micro-batches "
-        "yet")])])
+    *(pytest.param(f, marks=_VISION) for f in VISION)])
 def test_more_families_train_through_the_command_and_verify(
         place: Path, family: str, capsys: pytest.CaptureFixture[str]) -> None:
     """More families through ``train`` (rows of 0-2 images of two sizes; the step-0 loss is

@@ -472,3 +472,27 @@ def test_images_of_different_sizes_go_with_their_rows() -> None:
     with pytest.raises(ValueError, match=r"29 image placeholders do not share evenly among the 4 "
                        r"images.*images of different sizes"):
         tokens_per_image(BY_NAME["llava"].build(), sizes, "pixel_values", "image_grid_thw", 29)
+
+
+def test_llava_onevision_cuts_into_crops_only_the_image_of_a_row_that_shows_one() -> None:
+    """LLaVA-OneVision cuts an image into crops only where its row shows one image (its
+    processor's ``batch_num_images``, an entry per row that shows any): the split counts each
+    image's placeholders so and gives each micro-batch the entries of its rows."""
+    single = sized_images([(8, 8, 10)], 2)
+
+    def row(n: int, g: torch.Generator) -> Row:
+        out = single(n, g)
+        if n > 1:  # each image whole: its 4 patches and a newline
+            ids = torch.randint(1, V - 5, (1, S), generator=g)
+            for i in range(n):
+                ids[0, 1 + 6 * i:6 + 6 * i] = IMG
+            out["input_ids"] = ids
+        if n:
+            out["batch_num_images"] = torch.tensor([n])
+        return out
+
+    family = Family("llava_onevision_rows", BY_NAME["llava_onevision"].build, row,
+                    images=(1, 0, 2, 1))
+    pipe, ref, got, want = stepped(family.build(), family, "1f1b")
+    assert abs(got - want) <= TOL * abs(want)
+    assert differences(pipe, ref) == []

@@ -39,7 +39,6 @@ from pipetrain.hf.cache import (
     CachedImageTextLM,
     CachedLM,
     pad_left,
-    per_prompt,
     positions,
     rope_index,
     visual_inputs,
@@ -351,8 +350,6 @@ class _Run:
             given.update(self.states[g])
         if self.images and "token_type_ids" in self.images[0] and "token_type_ids" not in given:
             given["token_type_ids"] = torch.zeros_like(ids)  # text: types as the capture's
-        for k in per_prompt(self.images[0]) if self.images else ():  # as at the prefill
-            given.setdefault(k, torch.cat([i[k] for i in self.images[rows]]).to(ids.device))
         return traced.payload(given)
 
     def _keep_states(self, g: int, given: dict[str, Any]) -> None:

@@ -20,8 +20,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["CachedImageTextLM", "CachedLM", "pad_left", "per_prompt", "positions",
-           "rope_index", "visual_inputs"]
+__all__ = ["CachedImageTextLM", "CachedLM", "pad_left", "positions", "rope_index",
+           "visual_inputs"]
 
 _TEXT = ("input_ids", "attention_mask")
 """A processor's outputs that are not visual."""
@@ -256,16 +256,6 @@ def pad_left(prompt: dict[str, torch.Tensor], n: int, width: int) -> dict[str, t
             pad = v.new_zeros(v.shape[0], width - n, *v.shape[2:])
             out[k] = torch.cat([pad, v], dim=1)
     return out
-
-
-def per_prompt(prompt: dict[str, torch.Tensor]) -> list[str]:
-    """The names of a prompt's processor outputs of one value per prompt that describe no image
-    (LLaVA-OneVision's ``batch_num_images``): the captured graph takes them, so every step
-    gives them, the decode steps as the prefill."""
-    from pipetrain.split.prefix_images import is_visual
-
-    return [k for k, v in prompt.items() if k not in (*_TEXT, *_PER_TOKEN) and not is_visual(k)
-            and torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == 1]
 
 
 def visual_inputs(prompts: list[dict[str, torch.Tensor]], device: torch.device,

@@ -17,7 +17,7 @@ from pipetrain.split.inputs import Packed
 __all__ = ["is_visual", "kind_of", "split_images", "tokens_per_image"]
 
 _VISUAL = ("pixel_values", "image_", "video_", "aspect_ratio_", "pixel_attention_mask",
-           "spatial_shapes")
+           "spatial_shapes", "batch_num_images")
 """Arguments the prefix consumes (the images and what describes them), by name or prefix."""
 
 
@@ -29,7 +29,8 @@ def tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, gri
         merge = getattr(vision, "spatial_merge_size", 1) or 1
         return [int(g.prod()) // merge ** 2 for g in payload[grid]]
     sizes = payload.get("image_sizes") if pixels == "pixel_values" else None
-    counted = _packed_lengths(model, sizes) if sizes is not None else None
+    counted = _packed_lengths(model, sizes, payload.get("batch_num_images")) \
+        if sizes is not None else None
     if counted is None and sizes is not None:
         counted = _merged_lengths(model, sizes)
     if counted is not None:
@@ -43,11 +44,13 @@ def tokens_per_image(model: nn.Module, payload: dict[str, Any], pixels: str, gri
     return [total // n] * n
 
 
-def _packed_lengths(model: nn.Module, sizes: Any) -> list[int] | None:
+def _packed_lengths(model: nn.Module, sizes: Any, counts: Any = None) -> list[int] | None:
     """For a model that cuts each image into crops by its size and packs their features with a
     newline after each row (LLaVA-NeXT, LLaVA-OneVision: ``pack_image_features``), each
     image's count of features for its ``image_sizes``: the model's own packing, run on
-    ``meta`` features of the crops' shapes (no pixels are read); None for another model."""
+    ``meta`` features of the crops' shapes (no pixels are read); None for another model.
+    ``counts``: LLaVA-OneVision's ``batch_num_images``, the images of each row that shows any,
+    which its forward cuts into crops only when a row shows one."""
     import inspect
     import sys
 
@@ -62,9 +65,12 @@ def _packed_lengths(model: nn.Module, sizes: Any) -> list[int] | None:
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
     newline = inner.image_newline
-    features = [torch.empty(crops_of(image_size=size, grid_pinpoints=config.image_grid_pinpoints,
-                                     patch_size=vision.image_size), side * side,
-                            newline.shape[-1], device="meta") for size in sizes]
+    crops = [crops_of(image_size=size, grid_pinpoints=config.image_grid_pinpoints,
+                      patch_size=vision.image_size) for size in sizes]
+    if counts is not None:  # LLaVA-OneVision: an image among several of its row is not cut
+        crops = [c if n == 1 else 1 for c, n in zip(crops, (int(n) for n in counts
+                                                            for _ in range(int(n))))]
+    features = [torch.empty(c, side * side, newline.shape[-1], device="meta") for c in crops]
     pack = inner.pack_image_features
     kwargs: dict[str, Any] = {"image_newline": newline.to("meta")}
     params = inspect.signature(pack).parameters
@@ -107,8 +113,15 @@ def split_images(payload: dict[str, Any], pixels: str, grid: str,
         bounds.append((sum(per_row[:at]), sum(per_row[:at + n])))
         at += n
     patches = ([int(g.prod()) for g in payload[grid]] if grid in payload else None)
+    showing = [n > 0 for n in per_row]  # batch_num_images: an entry per row that shows images
+    starts = [sum(rows[:i]) for i in range(len(rows) + 1)]
     for k in group:
         value = payload[k]
+        if k == "batch_num_images":
+            for part, a, b in zip(parts, starts, starts[1:]):
+                if any(showing[a:b]):
+                    part[k] = value[sum(showing[:a]):sum(showing[:b])]
+            continue
         for part, (lo, hi) in zip(parts, bounds):
             if lo == hi:
                 continue  # rows without images of this kind: the model's forward without them
