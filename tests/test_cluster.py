@@ -167,7 +167,19 @@ def _command(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
-def test_the_command_prints_the_json_contract_and_its_exit_codes(tmp_path: Path) -> None:
+def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``pipetrain plan ARGS`` run in this process (``main``, as the console script runs it):
+    its exit code and what it wrote to stderr."""
+    from pipetrain.cli import main
+
+    code = main(["plan", *args])
+    return code, capsys.readouterr().err
+
+
+def test_the_command_prints_the_json_contract_and_its_exit_codes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The JSON contract through a process of its own; the exit codes of bad input in this
+    process (a process each costs seconds of imports)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": 2048,
                                   "num_hidden_layers": 16, "num_attention_heads": 16,
@@ -187,13 +199,13 @@ def test_the_command_prints_the_json_contract_and_its_exit_codes(tmp_path: Path)
         assert key in best
     assert best["layout"]["pp"] == 2 and report["candidates"]
     assert 0 < best["mfu"] < 1 and best["fits"] is True
-    bad = _command(*base, "--tp", "3")
-    assert bad.returncode == 2 and "must divide the model's 16 attention heads" in bad.stderr
-    unknown = _command("--cluster", "V100", "--gpus", "8", "--global-batch", "8",
-                       "--seq-len", "128")
-    assert unknown.returncode == 2 and "A100-80GB" in unknown.stderr
-    tight = _command(*base, "--memory-limit", "3GiB")
-    assert tight.returncode == 3 and "the closest needs" in tight.stderr
+    code, err = _in_process(capsys, *base, "--tp", "3")
+    assert code == 2 and "must divide the model's 16 attention heads" in err
+    code, err = _in_process(capsys, "--cluster", "V100", "--gpus", "8", "--global-batch", "8",
+                            "--seq-len", "128")
+    assert code == 2 and "A100-80GB" in err
+    code, err = _in_process(capsys, *base, "--memory-limit", "3GiB")
+    assert code == 3 and "the closest needs" in err
 
 
 def test_the_table_run_writes_a_timeline_and_a_config_train_accepts(tmp_path: Path) -> None:

@@ -360,8 +360,12 @@ def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
 
 
 @pytest.mark.parametrize("family", [
-    "llava_next", pytest.param("idefics3", marks=pytest.mark.long),  # CI's time: Mllama's
-    # train test above has a row's axis of images too, and verify[idefics3] runs in CI
+    # the long tier for CI's time (CONTRIBUTING.md: tests); in CI: LLaVA-NeXT's generate
+    # command above (on meta), its split of mixed sizes and its feed
+    # (tests/test_vision_language.py, tests/test_image_chats.py); Mllama's train test above
+    # has a row's axis of images too, and verify[idefics3] runs in CI
+    pytest.param("llava_next", marks=pytest.mark.long),
+    pytest.param("idefics3", marks=pytest.mark.long),
     *(pytest.param(f, marks=_VISION) for f in VISION)])
 def test_more_families_train_through_the_command_and_verify(
         place: Path, family: str, capsys: pytest.CaptureFixture[str]) -> None:
