@@ -26,6 +26,10 @@ CASES = {2: [(name, schedule) for name in ("gpt2", "llama")
          + [("bert", "1f1b"), ("bert", "zbv"), ("resnet", "interleaved-1f1b"),
             ("resnet", "dualpipev")],
          4: [("gpt2", "zbv"), ("llama", "1f1b")]}
+IN_CI = [("gpt2", "1f1b"), ("gpt2", "zbv"), ("llama", "interleaved-1f1b"),
+         ("llama", "dualpipev"), ("bert", "zbv"), ("resnet", "dualpipev")]
+"""Of the cases at 2 ranks, those CI runs (CI's time, CONTRIBUTING.md: tests): each model and each
+kind of schedule at least once; the others in the long tier."""
 
 
 def _case(name: str, schedule: str, ranks: int) -> list[str]:
@@ -53,9 +57,9 @@ def _case(name: str, schedule: str, ranks: int) -> list[str]:
     return [f"rank {pipe.rank} {name} {schedule}: {p}" for p in problems]
 
 
-def _all(ctx: pt.RankContext) -> list[str]:
+def _all(ctx: pt.RankContext, cases: list[tuple[str, str]] | None = None) -> list[str]:
     torch.set_num_threads(1)
-    return [p for name, schedule in CASES[ctx.world_size]
+    return [p for name, schedule in (cases or CASES[ctx.world_size])
             for p in _case(name, schedule, ctx.world_size)]
 
 
@@ -77,7 +81,13 @@ def _meta_llama(ctx: pt.RankContext) -> list[str]:
 
 
 def test_hf_models_and_a_cnn_on_two_ranks() -> None:
-    assert sum(pt.launch(_all, 2, timeout=600), []) == []
+    assert sum(pt.launch(_all, 2, IN_CI, timeout=600), []) == []
+
+
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests); in CI: the test above, a share of them
+def test_hf_models_and_a_cnn_on_two_ranks_under_every_schedule_of_the_table() -> None:
+    rest = [c for c in CASES[2] if c not in IN_CI]
+    assert sum(pt.launch(_all, 2, rest, timeout=600), []) == []
 
 
 # in CI: the same models on two ranks: test_hf_models_and_a_cnn_on_two_ranks

@@ -237,13 +237,14 @@ def _saved(place: Path, model: str) -> Path:
 
 
 @pytest.mark.parametrize("model", [
-    "llava", pytest.param("gemma3", marks=pytest.mark.long), "paligemma",
+    pytest.param("llava", marks=pytest.mark.long), pytest.param("gemma3", marks=pytest.mark.long),
+    "paligemma",
     pytest.param("mllama", marks=pytest.mark.long), "llava_next",
     pytest.param("idefics3", marks=pytest.mark.long),
     *(pytest.param(f, marks=_VISION) for f in VISION)])
-# gemma3, mllama and idefics3 in the long tier for CI's time (CONTRIBUTING.md: tests); in CI:
-# LLaVA and PaliGemma here, whose token types go through generation as Gemma 3's do, and all
-# three in tests/test_generation_images.py
+# llava, gemma3, mllama and idefics3 in the long tier for CI's time (CONTRIBUTING.md: tests); in
+# CI: LLaVA-NeXT (LLaVA's path, and image sizes) and PaliGemma here, whose token types go through
+# generation as Gemma 3's do, and the others in tests/test_generation_images.py
 def test_generate_with_an_image_gives_transformers_greedy_tokens(place: Path, model: str,
                                                                  tmp_path: Path) -> None:
     """``pipetrain generate --hf DIR --image PATH --prompt TEXT --prompt TEXT --batch 2`` on 2
