@@ -324,9 +324,6 @@ class _Run:
         self.rope = None if images is None else rope_index(
             gen.model, self.ids, self.mask[:, :self.width], self.images)
         """M-RoPE's positions of the prompts on three axes and each row's delta (Qwen-VL)."""
-        if self.rope is not None:  # read there only
-            self.images = [{k: v for k, v in p.items() if k != "mm_token_type_ids"}
-                           for p in self.images]
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         """Per group, what its decode steps give beside the token (Mllama's image states)."""
 
@@ -344,7 +341,8 @@ class _Run:
         given = {"input_ids": ids, "attention_mask": self.mask[rows],
                  "position_ids": positions(self.positions[rows, lo:hi], rope, slice(lo, hi))}
         if shown and self.images:
-            given.update(visual_inputs(self.images[rows], self.gen.pipe.device))
+            given.update(visual_inputs(self.images[rows], self.gen.pipe.device,
+                                       self.rope is not None))
             self._keep_states(g, given)
         elif g in self.states:
             given.update(self.states[g])

@@ -214,14 +214,12 @@ def rope_index(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     height, width; shape (3, rows, n)) as its ``generate`` computes them from the image grids,
     and each row's delta (rows, 1) that its new tokens' positions add on every axis; None for
     another model. ``ids`` and ``mask`` (rows, n): the prompts padded on the left, ``prompts``:
-    each row's processor output (its ``mm_token_type_ids`` and grids)."""
+    each row's processor output (its ``mm_token_type_ids`` and grids), padded as the ids
+    (:func:`pad_left`)."""
     index = getattr(getattr(model, "model", None), "get_rope_index", None)
     if index is None or not prompts or "mm_token_type_ids" not in prompts[0]:
         return None
-    types = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        given = prompt["mm_token_type_ids"][0]
-        types[row, ids.shape[1] - given.numel():] = given.to(ids.device)
+    types = torch.cat([p["mm_token_type_ids"] for p in prompts]).to(ids.device)  # padded as ids
     grids = {k: torch.cat([p[k] for p in prompts]).to(ids.device)
              for k in ("image_grid_thw", "video_grid_thw") if k in prompts[0]}
     axes, deltas = index(ids, types, attention_mask=mask, **grids)

@@ -134,9 +134,9 @@ class NamedInit:
                 holders.setdefault(id(p), []).append((path, pname))
         self._alive: list[torch.Tensor] = list(model.parameters())  # ids stay theirs
         self.owner = {pid: paths[0] for pid, paths in holders.items() if len(paths) > 1}
+        """Shared meta parameters -> (first owning module, its name there)."""
         self._held = {pid: paths[0] for pid, paths in holders.items()}
         """Meta parameters -> (the first module holding it directly, its name there)."""
-        """Shared meta parameters -> (first owning module, its name there)."""
         self._real: dict[int, torch.Tensor] = {}  # meta id -> the real one in this process
         self._meta_of: dict[int, int] = {}  # real id -> meta id
         hf_init = getattr(model, "_init_weights", None)
@@ -180,7 +180,7 @@ class NamedInit:
                     self._reset(module)
                 covered.update(id(p) for p in module.parameters())
         if self._hf_init is not None:
-            covered |= self._direct(part, fresh - covered)
+            covered |= self._direct(part, fresh - covered, self._hf_init)
         missing = [n for n, p in part.named_parameters() if id(p) in fresh - covered]
         if missing:
             raise ValueError(f"parameters {missing} were built on the meta device but no "
@@ -192,7 +192,8 @@ class NamedInit:
                     p.copy_(self._owner_value(self._meta_of[id(p)], p.device))
         return part
 
-    def _direct(self, part: nn.Module, left: set[int]) -> set[int]:
+    def _direct(self, part: nn.Module, left: set[int],
+                init: Callable[[nn.Module], None]) -> set[int]:
         """Initialise the parameters among ``left`` (ids of ``part``'s real ones) that a model
         module holds directly but ``part`` holds in a container standing for none of the
         model's (:class:`~pipetrain.split.prefix_meta.Holder`: LLaVA-NeXT's ``image_newline``
@@ -211,7 +212,7 @@ class NamedInit:
             stand.__dict__.update(_parameters=dict(params), _buffers={}, _modules={})
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(name_seed(self.seed, path))
-                self._init_of.get(id(module), self._hf_init or (lambda m: None))(stand)
+                self._init_of.get(id(module), init)(stand)
             done |= {id(p) for p in params.values()}
         return done
 

@@ -64,9 +64,10 @@ def materialize_beside(model: nn.Module, path: str, seed: int,
         attach(holder, at, p, Holder)
     NamedInit(model, seed).materialize(holder, "cpu")
     for at, _ in direct:  # the model's modules hold the real ones too (put back by to_meta)
-        owner, _, name = at.rpartition(".")
-        setattr(model.get_submodule(owner) if owner else model, name, holder.get_parameter(at))
-        made[at] = model.get_submodule(owner) if owner else model
+        path_of_owner, _, name = at.rpartition(".")
+        owner = model.get_submodule(path_of_owner)  # "" is the model itself
+        setattr(owner, name, holder.get_parameter(at))
+        made[at] = owner
     for places in shared:  # a head tied to the token embedding: the real one in both
         real = [getattr(m, n) for m, n in places if not getattr(m, n).is_meta]
         for m, n in places:
