@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812  (torch's own idiom)
 from torch import nn
 
+from pipetrain.runtime import sequence
 from pipetrain.split.lazy import LayerSpec
 
 __all__ = ["GPTConfig", "PRESETS", "Embedding", "Block", "Head", "gpt_layers", "gpt_specs",
@@ -128,6 +129,9 @@ class Embedding(nn.Module):
         self.tokens = nn.Parameter(torch.empty(config.vocab_size, config.d_model))
         self.positions = nn.Parameter(torch.empty(config.seq_len, config.d_model))
         self.dropout = config.dropout
+        self.sequence: str | None = None
+        """Under context parallelism: the tag of the ranks holding the other slices of each
+        sequence (:mod:`pipetrain.runtime.sequence`); ids are then this rank's slice."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -136,10 +140,12 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         length = ids.size(1)
-        if length > self.seq_len:
-            raise ValueError(f"sequence of {length} tokens is longer than the model's seq_len "
-                             f"{self.seq_len}; crop it or build the model with a larger seq_len")
-        x = F.embedding(ids, self.tokens) + self.positions[:length]
+        first = 0 if self.sequence is None else sequence.bound(self.sequence).offset(length)
+        if first + length > self.seq_len:
+            raise ValueError(f"sequence of {first + length} tokens is longer than the model's "
+                             f"seq_len {self.seq_len}; crop it or build the model with a "
+                             "larger seq_len")
+        x = F.embedding(ids, self.tokens) + self.positions[first:first + length]
         return F.dropout(x, self.dropout, self.training)
 
 
@@ -152,14 +158,21 @@ class Attention(nn.Module):
         self.n_heads, self.dropout = config.n_heads, config.dropout
         self.qkv = Linear(d, 3 * d)
         self.proj = Linear(d, d, std=_residual_std(config))
+        self.sequence: str | None = None
+        """Under context parallelism: the tag of the ranks holding the other slices of each
+        sequence; attention then exchanges heads for tokens with them (Ulysses)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape  # noqa: N806  (batch, time, channels: the shape's usual letters)
         head = C // self.n_heads
         # chunk, not split(C): under tensor parallelism qkv yields this rank's heads only
         q, k, v = (t.reshape(B, T, -1, head).transpose(1, 2) for t in self.qkv(x).chunk(3, 2))
+        if self.sequence is not None:  # every token of this rank's heads
+            q, k, v = (sequence.seq_to_heads(t.contiguous(), self.sequence) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
+        if self.sequence is not None:
+            y = sequence.heads_to_seq(y.contiguous(), self.sequence)
         out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return out
 

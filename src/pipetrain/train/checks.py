@@ -63,7 +63,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
     """
     problems = []
     try:
-        dp, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp, cfg.tp)
+        dp, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp, cfg.tp, cfg.cp)
         run_schedule(cfg, pp)
         dp *= cfg.fsdp  # data-parallel ranks
         problems += _ep_problems(cfg, dp)
@@ -99,6 +99,7 @@ def check_config(cfg: TrainConfig, world: int) -> None:
         problems.append("steps, seq_len and eval_batches must be >= 1 and warmup >= 0 (got "
                         f"{cfg.steps}, {cfg.seq_len}, {cfg.eval_batches}, {cfg.warmup})")
     problems += data_problems(cfg.data, cfg.text_field, cfg.chat)
+    problems += _cp_problems(cfg)
     if problems:
         raise ValueError("invalid training configuration:\n" + "\n".join(
             f"  - {p}" for p in problems))
@@ -118,4 +119,34 @@ def _ep_problems(cfg: TrainConfig, dp: int) -> list[str]:
         problems.append(f"--ep {cfg.ep} and --fsdp {cfg.fsdp}: one must divide the other")
     if cfg.tp > 1:
         problems.append("--ep with --tp is not supported yet: use --ep with --dp/--fsdp")
+    return problems
+
+
+def _cp_problems(cfg: TrainConfig) -> list[str]:
+    """What keeps ``--cp`` from this run (the model's own attention is checked apart, by
+    :func:`pipetrain.hf.sequence_attention.check_model`, where the model is opened)."""
+    if cfg.cp == 1:
+        return []
+    problems = []
+    if cfg.seq_len % cfg.cp:
+        problems.append(f"--cp {cfg.cp} cuts each sequence into {cfg.cp} equal slices: "
+                        f"--seq-len {cfg.seq_len} does not divide; use a multiple of {cfg.cp}")
+    elif cfg.tp > 1 and cfg.sequence_parallel and (cfg.seq_len // cfg.cp) % cfg.tp:
+        problems.append(f"--cp {cfg.cp} with --tp {cfg.tp}: each slice of {cfg.seq_len // cfg.cp}"
+                        f" tokens must divide by tp for sequence parallelism; use a --seq-len "
+                        f"that divides by {cfg.cp * cfg.tp}, or --no-sequence-parallel")
+    if not cfg.hf:
+        from pipetrain.models.gpt import PRESETS
+
+        preset = PRESETS.get(cfg.preset)
+        if preset is not None and (preset.n_heads // max(cfg.tp, 1)) % cfg.cp:
+            problems.append(f"--cp {cfg.cp}: the {cfg.preset} preset's {preset.n_heads} heads"
+                            f"{f' over --tp {cfg.tp}' if cfg.tp > 1 else ''} do not divide "
+                            "among the cp ranks (attention splits its heads among them); use "
+                            "a --cp that divides them")
+    for flag, on in (("--ep", cfg.ep > 1), ("--compile", cfg.compile),
+                     ("--schedule pipedream-2bw", cfg.schedule == "pipedream-2bw"),
+                     ("--ft", cfg.ft)):
+        if on:
+            problems.append(f"--cp with {flag} is not supported yet: drop one of them")
     return problems

@@ -76,7 +76,7 @@ class TrainConfig:
     nproc: int = 2
     """Processes a local launch starts (ignored under torchrun, which sets the world)."""
     pp: int | None = None
-    """Pipeline ranks; None: world size // (dp x fsdp x tp)."""
+    """Pipeline ranks; None: world size // (dp x fsdp x cp x tp)."""
     dp: int = 1
     """Data-parallel replicas of the whole pipeline; on the command line, when left out with
     ``pp`` given, world size // (pp x fsdp x tp)."""
@@ -87,6 +87,10 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel ranks per pipeline rank: they split each block's attention heads and
     MLP (Megatron style), see the same rows, and each hold a slice of those weights."""
+    cp: int = 1
+    """Context-parallel ranks per data-parallel rank: they take the same rows, each a slice
+    of every sequence (seq_len / cp tokens), and attention exchanges heads for tokens among
+    them (all-to-all); for sequences too long for one device's activations."""
     ep: int = 1
     """Expert-parallel ranks (--hf mixtures of experts): this many consecutive data-parallel
     ranks share each MoE layer's experts, each holding 1/ep of them; tokens travel to their

@@ -1,6 +1,6 @@
 """Degrees: the layout dimension a ``pipetrain train`` command leaves open, taken from the world.
 
-The world is ``pp x dp x fsdp x tp`` ranks. A command line names some of them and the world
+The world is ``pp x dp x fsdp x cp x tp`` ranks. A command line names some of them and the world
 size (``--nproc``, or torchrun's ``WORLD_SIZE``) fixes the product, so one left open follows,
 as torchtitan's ``-1`` does. Which one, in this order:
 
@@ -12,7 +12,8 @@ no ``--pp``            ``--pp``          ``--dp 2`` -> pp 4 (what every run did 
 ``--pp`` and ``--dp``  ``--fsdp``        ``--pp 2 --dp 2`` -> fsdp 2
 =====================  ================  ==============================================
 
-``--tp`` is never inferred (1 unless given): it splits layers, a choice of the model's.
+``--tp`` and ``--cp`` are never inferred (1 unless given): they split layers and sequences,
+choices of the model's and the data's.
 :func:`open_degree` says what it inferred, so the command can print it.
 """
 
@@ -39,11 +40,12 @@ def open_degree(given: Mapping[str, Any], world: int) -> dict[str, int]:
     """
     if given.get("pp") is None:
         return {}
-    pp, tp = int(given["pp"]), int(given.get("tp", 1))
+    pp, tp, cp = int(given["pp"]), int(given.get("tp", 1)), int(given.get("cp", 1))
     if "dp" not in given:
-        open_name, fixed = "dp", {"pp": pp, "fsdp": int(given.get("fsdp", 1)), "tp": tp}
+        open_name, fixed = "dp", {"pp": pp, "fsdp": int(given.get("fsdp", 1)), "cp": cp,
+                                  "tp": tp}
     elif "fsdp" not in given:
-        open_name, fixed = "fsdp", {"pp": pp, "dp": int(given["dp"]), "tp": tp}
+        open_name, fixed = "fsdp", {"pp": pp, "dp": int(given["dp"]), "cp": cp, "tp": tp}
     else:
         return {}
     if min(fixed.values()) < 1:  # refused, naming the flag, by the command's checks
@@ -61,7 +63,8 @@ def said(inferred: Mapping[str, int], world: int, given: Mapping[str, Any]) -> s
     """The line that says what was inferred, from what: ``--dp 2 (inferred: 4 ranks / pp=2;
     give --dp to set it)``."""
     (name, degree), = inferred.items()
-    fixed = [f"{k}={given[k]}" for k in ("pp", "dp", "fsdp", "tp")
-             if given.get(k) is not None and k != name and (k != "tp" or given[k] != 1)]
+    fixed = [f"{k}={given[k]}" for k in ("pp", "dp", "fsdp", "cp", "tp")
+             if given.get(k) is not None and k != name and (k not in ("tp", "cp")
+                                                             or given[k] != 1)]
     return (f"--{name} {degree} (inferred: {world} ranks / {' x '.join(fixed)}; give "
             f"--{name} to set it)")

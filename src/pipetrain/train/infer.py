@@ -55,7 +55,8 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
              context: int, top_k: int = 0, seed: int = 0, step: int | None = None,
              feed: Callable[[torch.Tensor], Any] | None = None,
              logits: Callable[[Any], torch.Tensor] | None = None,
-             multiple: int = 1) -> list[int]:
+             multiple: int = 1, slices: int = 1,
+             whole: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
     """``n_tokens`` new tokens after ``prompt``, the same list on every rank of the replica.
 
     Args:
@@ -72,6 +73,9 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
         multiple: windows are padded at the end to a multiple of this many positions (a
             sequence-parallel model splits positions evenly); a causal model's next-token
             logits do not see the padding.
+        slices: context parallelism's ranks: ``feed`` cuts each window into this many slices
+            (so a captured pipeline's window is its positions times this), and ``whole``
+            joins the last stage's logits of the slices again.
 
     Raises:
         ValueError: for an empty prompt.
@@ -88,13 +92,15 @@ def generate(pipe: Pipeline, mesh: Mesh, prompt: Sequence[int], n_tokens: int, *
     for _ in range(n_tokens):
         window = ids[-context:]
         last = len(window) - 1
-        pad = positions - len(window) if positions else -len(window) % multiple
+        pad = (positions * slices - len(window) if positions
+               else -len(window) % (multiple * slices))
         window = window + window[-1:] * pad  # after the last token: causal, unseen
         batch = torch.tensor(window, dtype=torch.long).repeat(rows, 1)
         outputs = pipe.eval_step(batch if feed is None else feed(batch), step=step).outputs
         token = torch.zeros(1, dtype=torch.long, device=mesh.comm_device)
         if pipe.rank == holder:
             scores = outputs if logits is None else logits(outputs)
+            scores = scores if whole is None else whole(scores)
             token[0] = pick(scores[0, last], top_k, generator)
         dist.broadcast(token, src=src, group=mesh.pp_group)
         ids.append(int(token))

@@ -164,6 +164,16 @@ def run(cfg: TrainConfig, reporter: Reporter) -> dict[str, Any]:
         summary = run(TrainConfig(preset="tiny", steps=50), NullReporter())
     """
     trainer = build(cfg, progress=cfg.progress)
+    try:
+        return _run(trainer, reporter)
+    finally:
+        if trainer.sequence is not None:  # --cp: the tag of its group, for the next run
+            trainer.sequence.close()
+
+
+def _run(trainer: Trainer, reporter: Reporter) -> dict[str, Any]:
+    """:func:`run` on the rank's built ``trainer``."""
+    cfg = trainer.cfg
     resumed = restore(trainer)
     if trainer.replicas is not None:  # --ft: what a recovering replica loads from this one
         trainer.replicas.serve(lambda: peer_state(trainer),
@@ -255,8 +265,10 @@ def _save_hf(trainer: Trainer, reporter: Reporter) -> None:
     source, mesh = trainer.source, trainer.mesh
     if not source.exports or not trainer.cfg.out or mesh.dp_rank >= max(mesh.fsdp, mesh.ep):
         return
+    if mesh.cp_rank and mesh.fsdp == 1:  # (with FSDP2 the cp ranks hold shards too)
+        return
     state = {k: whole(v) for k, v in trainer.pipe.state_dict().items()}  # over the shards
-    if mesh.dp_rank != 0 or mesh.tp_rank != 0:
+    if mesh.dp_rank != 0 or mesh.tp_rank != 0 or mesh.cp_rank != 0:
         return
     path = source.save(Path(trainer.cfg.out) / "hf", state, mesh.pp_group)
     if path is not None:
@@ -407,11 +419,13 @@ def _job_world(trainer: Trainer) -> int:
 
 
 def _degrees(trainer: Trainer) -> dict[str, int]:
-    """Every degree of the layout, 1s included: ``pp``, ``dp`` (replicas), ``fsdp``, ``tp``,
-    ``ep``; their product (``ep`` aside, a part of ``dp x fsdp``) is the start's ``world``."""
+    """Every degree of the layout, 1s included: ``pp``, ``dp`` (replicas), ``fsdp``,
+    ``cp``, ``tp``, ``ep``; their product (``ep`` aside, a part of ``dp x fsdp``) is the
+    start's ``world``."""
     mesh = trainer.mesh
     replicas = trainer.cfg.dp if trainer.replicas is not None else mesh.dp // mesh.fsdp
-    return {"pp": mesh.pp, "dp": replicas, "fsdp": mesh.fsdp, "tp": mesh.tp, "ep": mesh.ep}
+    return {"pp": mesh.pp, "dp": replicas, "fsdp": mesh.fsdp, "cp": mesh.cp, "tp": mesh.tp,
+            "ep": mesh.ep}
 
 
 def _every_rank(value: dict[str, Any]) -> list[dict[str, Any]]:

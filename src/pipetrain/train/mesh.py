@@ -1,4 +1,4 @@
-"""Mesh: the pp x dp x fsdp x tp layout of a training job and the data-parallel all-reduce.
+"""Mesh: the pp x dp x fsdp x cp x tp layout of a training job and the data-parallel all-reduce.
 
 The world is a grid of ranks: ``pp`` pipeline ranks, each held by ``dp`` data-parallel ranks.
 Ranks that hold the same stages in different replicas form a ``dp`` group; the ranks of one
@@ -36,6 +36,13 @@ innermost, as it talks most; then the shards, whose all-gathers and reduce-scatt
 most bytes), from one ``init_device_mesh`` with dimensions ``(pp, dp_replicate, dp_shard, tp)``
 whenever ``fsdp`` or ``tp`` is more than 1; ``dp-outer`` makes it ``(dp_replicate, dp_shard,
 pp, tp)``, rank ``((replica * fsdp + shard) * pp + pipeline rank) * tp + tensor-parallel rank``.
+
+With ``cp`` context-parallel ranks (between the shards and tp,
+:mod:`pipetrain.train.placement`) each data-parallel rank is ``cp`` ranks that take the same
+rows, each a slice of every sequence (:mod:`pipetrain.runtime.sequence`). They train like
+data-parallel ranks on other tokens: the gradients are averaged over ``dp x fsdp x cp`` ranks
+(the reducer's group, :attr:`Mesh.data_group`; with ``fsdp`` FSDP2 shards every weight over
+``fsdp x cp`` ranks, as torchtitan's ``dp_shard_cp``), and the losses are averaged over them.
 """
 
 from __future__ import annotations
@@ -103,25 +110,48 @@ class Mesh:
     expert_group: dist.ProcessGroup | None = None
     """With ``ep > 1``: the data-parallel ranks holding the same experts as this one (one per
     expert-parallel group), over which the experts' gradients are summed."""
+    cp: int = 1
+    """Ranks that each hold a slice of every sequence (context parallel; 1: none)."""
+    cp_rank: int = 0
+    """Which slice of each sequence this rank holds (0 .. cp-1)."""
+    cp_group: dist.ProcessGroup | None = None
+    """With ``cp > 1``: the ranks holding the other slices of this rank's sequences."""
+    data_group: dist.ProcessGroup | None = None
+    """With ``cp > 1``: the ``dp x fsdp x cp`` ranks holding this rank's stages, over which
+    gradients and losses are averaged (None: :attr:`dp_group`)."""
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
+
+    @property
+    def averaged(self) -> int:
+        """The ranks whose gradients and losses are averaged: ``dp x fsdp x cp``."""
+        return self.dp * self.cp
+
+    @property
+    def mean_group(self) -> dist.ProcessGroup:
+        """The group of those ranks."""
+        return self.dp_group if self.data_group is None else self.data_group
 
     @property
     def placement(self) -> Placement:
         """The whole mesh's placement (every rank's coordinates and groups)."""
-        return Placement(self.pp, self.dp // self.fsdp, self.fsdp, self.tp, self.order)
+        return Placement(self.pp, self.dp // self.fsdp, self.fsdp, self.tp, self.order,
+                         self.cp)
 
     def global_rank(self, dp_rank: int, pp_rank: int) -> int:
-        """The rank at (dp_rank, pp_rank) with this rank's tensor-parallel rank."""
+        """The rank at (dp_rank, pp_rank) with this rank's tensor- and context-parallel
+        ranks."""
         return self.placement.rank(pp_rank, dp_rank // self.fsdp, dp_rank % self.fsdp,
-                                   self.tp_rank)
+                                   self.tp_rank, self.cp_rank)
 
     def describe(self) -> dict[str, int | str]:
-        """The layout's degrees (those above 1 of fsdp and tp), and the mesh order where the
-        orders place ranks differently (a resume at another order restores no RNG stream)."""
+        """The layout's degrees (those above 1 of fsdp, cp and tp), and the mesh order where
+        the orders place ranks differently (a resume at another order restores no RNG
+        stream)."""
         shards = {"fsdp": self.fsdp} if self.fsdp > 1 else {}
+        shards |= {"cp": self.cp} if self.cp > 1 else {}
         split = {"tp": self.tp} if self.tp > 1 else {}
         split |= {"ep": self.ep} if self.ep > 1 else {}
         order = {"mesh_order": self.order} if self.placement.matters else {}
@@ -149,12 +179,13 @@ class Mesh:
         return tensor
 
     def dp_mean(self, value: float) -> float:
-        """The mean of ``value`` over this rank's dp group (call on every rank at once)."""
-        if self.dp == 1:
+        """The mean of ``value`` over the ranks holding this rank's stages, ``dp x fsdp x
+        cp`` (call on every rank at once)."""
+        if self.averaged == 1:
             return value
         t = torch.tensor(value, dtype=torch.float64, device=self.comm_device)
-        job_failure.all_reduce(t, "the dp mean", group=self.dp_group)
-        return float(t) / self.dp
+        job_failure.all_reduce(t, "the dp mean", group=self.mean_group)
+        return float(t) / self.averaged
 
     def pp_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` in place over this rank's pipeline group; return it."""
@@ -170,21 +201,21 @@ class Mesh:
 
 
 
-def layout(world: int, dp: int, pp: int | None, fsdp: int = 1, tp: int = 1) -> tuple[int, int]:
+def layout(world: int, dp: int, pp: int | None, fsdp: int = 1, tp: int = 1,
+           cp: int = 1) -> tuple[int, int]:
     """``(dp, pp)`` for a world of ``world`` ranks; ``pp=None`` takes
-    ``world // (dp x fsdp x tp)``.
+    ``world // (dp x fsdp x cp x tp)``.
 
     Raises:
-        ValueError: when ``dp x fsdp x pp x tp`` is not the world size.
+        ValueError: when ``dp x fsdp x cp x pp x tp`` is not the world size.
     """
-    if dp < 1 or fsdp < 1 or tp < 1 or (pp is not None and pp < 1):
-        raise ValueError(f"dp, fsdp, tp and pp must be >= 1, got dp={dp}, fsdp={fsdp}, "
-                         f"tp={tp}, pp={pp}")
-    data = dp * fsdp * tp
-    named = " x ".join(f"{k}={v}" for k, v in (("dp", dp), ("fsdp", fsdp), ("tp", tp))
-                       if v > 1 or k == "dp")
-    flags = "/".join(f"--{k}" for k, v in (("dp", dp), ("fsdp", fsdp), ("tp", tp))
-                     if v > 1 or k == "dp")
+    if dp < 1 or fsdp < 1 or tp < 1 or cp < 1 or (pp is not None and pp < 1):
+        raise ValueError(f"dp, fsdp, cp, tp and pp must be >= 1, got dp={dp}, fsdp={fsdp}, "
+                         f"cp={cp}, tp={tp}, pp={pp}")
+    data = dp * fsdp * cp * tp
+    degrees = (("dp", dp), ("fsdp", fsdp), ("cp", cp), ("tp", tp))
+    named = " x ".join(f"{k}={v}" for k, v in degrees if v > 1 or k == "dp")
+    flags = "/".join(f"--{k}" for k, v in degrees if v > 1 or k == "dp")
     if pp is None:
         if world % data:
             raise ValueError(f"the world has {world} ranks, which {named} does not divide; "
@@ -197,7 +228,7 @@ def layout(world: int, dp: int, pp: int | None, fsdp: int = 1, tp: int = 1) -> t
 
 
 def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
-               tp: int = 1, order: str = MESH_ORDERS[0], ep: int = 1) -> Mesh:
+               tp: int = 1, order: str = MESH_ORDERS[0], ep: int = 1, cp: int = 1) -> Mesh:
     """The mesh of the current ``torch.distributed`` job (call on every rank at once).
 
     Args:
@@ -209,9 +240,11 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
         order: ``pp-outer`` (pipeline outermost, the default) or ``dp-outer`` (each
             replica's pipeline on consecutive ranks); see the module.
         ep: consecutive data-parallel ranks that share each MoE layer's experts.
+        cp: ranks that each hold a slice of every sequence (context parallel), between the
+            shards and tp.
 
     Raises:
-        ValueError: when the world is not ``dp x fsdp x pp x tp`` ranks, the order is
+        ValueError: when the world is not ``dp x fsdp x cp x pp x tp`` ranks, the order is
             unknown, or CUDA is asked for but absent.
         RuntimeError: when torch.distributed is not initialised.
     """
@@ -219,28 +252,50 @@ def build_mesh(dp: int, pp: int | None, device: str = "auto", fsdp: int = 1,
         raise RuntimeError("torch.distributed is not initialised: start the job with "
                            "`pipetrain train` (or torchrun), or pt.launch in tests")
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp, pp = layout(world, dp, pp, fsdp, tp)
-    place = Placement(pp, dp, fsdp, tp, order)
+    dp, pp = layout(world, dp, pp, fsdp, tp, cp)
+    place = Placement(pp, dp, fsdp, tp, order, cp)
     nccl = dist.get_backend() == "nccl"
     where = _device(device, nccl, rank)
-    shard_mesh, shard_group, tp_mesh = None, None, None
-    if fsdp > 1 or tp > 1:  # before any other group: see _my_group
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(where.type, place.sizes, mesh_dim_names=place.names)
-        # replicas of sharded stages (HSDP): FSDP2 shards over dp_shard, all-reduces over
-        # dp_replicate
-        if fsdp > 1:
-            shard_mesh = mesh["dp_replicate", "dp_shard"] if dp > 1 else mesh["dp_shard"]
-            shard_group = mesh["dp_shard"].get_group()
-        tp_mesh = mesh["tp"] if tp > 1 else None
+    shard_mesh, shard_group, tp_mesh = _device_meshes(place, where.type)
     pp_group = _my_group(place.groups("pp"), rank)
     dp_group = _my_group(place.groups("dp_replicate", "dp_shard"), rank)
     at = place.coords(rank)
     experts = _expert_groups(place, ep, rank, where.type)
+    cp_group = data_group = None
+    if cp > 1:
+        cp_group = _my_group(place.groups("cp"), rank)
+        data_group = _my_group(place.groups("dp_replicate", "dp_shard", "cp"), rank)
     return Mesh(dp * fsdp, pp, rank, at.replica * fsdp + at.shard, at.pp, pp_group, dp_group,
                 where, where if nccl else torch.device("cpu"), fsdp, shard_mesh, shard_group,
-                tp, at.tp, tp_mesh, order, ep, *experts)
+                tp, at.tp, tp_mesh, order, ep, *experts, cp, at.cp, cp_group, data_group)
+
+
+def _device_meshes(place: Placement, device_type: str
+                   ) -> tuple[DeviceMesh | None, dist.ProcessGroup | None, DeviceMesh | None]:
+    """(FSDP2's mesh, its shard group, the tensor-parallel mesh), those a layout has (made
+    before any other group: see :func:`_my_group`).
+
+    Replicas of sharded stages (HSDP): FSDP2 shards over ``dp_shard`` and all-reduces over
+    ``dp_replicate``. With context parallelism it shards over ``fsdp x cp`` ranks, one
+    dimension ``dp_shard_cp`` of the device mesh (``dp_shard`` and ``cp`` are neighbours in
+    both orders, so the ranks are the same).
+    """
+    fsdp, tp, cp = place.fsdp, place.tp, place.cp
+    if fsdp == 1 and tp == 1:
+        return None, None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names, sizes = list(place.names), list(place.sizes)
+    if fsdp > 1 and cp > 1:  # one dimension for both
+        at = names.index("dp_shard")
+        names[at:at + 2], sizes[at:at + 2] = ["dp_shard_cp"], [fsdp * cp]
+    mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+    shard_mesh = shard_group = None
+    if fsdp > 1:
+        shard = "dp_shard_cp" if cp > 1 else "dp_shard"
+        shard_mesh = mesh["dp_replicate", shard] if place.dp > 1 else mesh[shard]
+        shard_group = mesh[shard].get_group()
+    return shard_mesh, shard_group, mesh["tp"] if tp > 1 else None
 
 
 def _expert_groups(place: Placement, ep: int, rank: int, device_type: str

@@ -1,13 +1,20 @@
-"""Placement: which global rank holds which (pp, dp, fsdp, tp) coordinates, and the rank map.
+"""Placement: which global rank holds which (pp, dp, fsdp, cp, tp) coordinates, and the rank map.
 
 A launcher numbers the ranks node by node, so consecutive global ranks share a node, and the
 innermost dimensions of the mesh are the ones that stay inside a node. Two orders, outermost
 first::
 
-    pp-outer (default)   (pp, dp_replicate, dp_shard, tp)
-                         r = ((pp_rank * dp + replica) * fsdp + shard) * tp + tp_rank
-    dp-outer             (dp_replicate, dp_shard, pp, tp)
-                         r = ((replica * fsdp + shard) * pp + pp_rank) * tp + tp_rank
+    pp-outer (default)   (pp, dp_replicate, dp_shard, cp, tp)
+                         r = (((pp_rank * dp + replica) * fsdp + shard) * cp + cp_rank) * tp
+                             + tp_rank
+    dp-outer             (dp_replicate, dp_shard, cp, pp, tp)
+                         r = (((replica * fsdp + shard) * cp + cp_rank) * pp + pp_rank) * tp
+                             + tp_rank
+
+The context-parallel ranks (``cp``, each holding a slice of every sequence) sit between the
+shards and the tensor-parallel ranks, as in torchtitan: their attention exchanges activations
+every layer, less than tensor parallelism and more than the shards. A run with ``cp == 1``
+places every rank as before.
 
 ``pp-outer`` is torchtitan's and Megatron's: the stages cross nodes (one activation per
 micro-batch each way), while the FSDP shards of a stage, whose all-gathers and reduce-scatters
@@ -33,8 +40,8 @@ __all__ = ["MESH_ORDERS", "Coords", "Placement", "check_order", "gather_rank_map
 
 MESH_ORDERS = ("pp-outer", "dp-outer")
 """The values of ``--mesh-order``; the first is the default."""
-_DIMS = {"pp-outer": ("pp", "dp_replicate", "dp_shard", "tp"),
-         "dp-outer": ("dp_replicate", "dp_shard", "pp", "tp")}
+_DIMS = {"pp-outer": ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+         "dp-outer": ("dp_replicate", "dp_shard", "cp", "pp", "tp")}
 
 
 @dataclass(frozen=True)
@@ -49,11 +56,13 @@ class Coords:
     """FSDP shard within the replica (0 .. fsdp-1)."""
     tp: int
     """Tensor-parallel rank (0 .. tp-1)."""
+    cp: int = 0
+    """Context-parallel rank (0 .. cp-1): which slice of each sequence it holds."""
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The mesh of ``pp x dp x fsdp x tp`` ranks laid out in ``order`` (see the module).
+    """The mesh of ``pp x dp x fsdp x cp x tp`` ranks laid out in ``order`` (see the module).
 
     Example:
         >>> p = Placement(pp=2, fsdp=2)
@@ -70,16 +79,17 @@ class Placement:
     fsdp: int = 1
     tp: int = 1
     order: str = MESH_ORDERS[0]
+    cp: int = 1
 
     def __post_init__(self) -> None:
         check_order(self.order)
-        if min(self.pp, self.dp, self.fsdp, self.tp) < 1:
-            raise ValueError(f"pp, dp, fsdp and tp must be >= 1, got pp={self.pp}, "
-                             f"dp={self.dp}, fsdp={self.fsdp}, tp={self.tp}")
+        if min(self.pp, self.dp, self.fsdp, self.tp, self.cp) < 1:
+            raise ValueError(f"pp, dp, fsdp, cp and tp must be >= 1, got pp={self.pp}, "
+                             f"dp={self.dp}, fsdp={self.fsdp}, cp={self.cp}, tp={self.tp}")
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.fsdp * self.tp
+        return self.pp * self.dp * self.fsdp * self.cp * self.tp
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -89,17 +99,18 @@ class Placement:
     @property
     def sizes(self) -> tuple[int, ...]:
         """The dimensions' sizes, in the order of :attr:`names`."""
-        size = {"pp": self.pp, "dp_replicate": self.dp, "dp_shard": self.fsdp, "tp": self.tp}
+        size = {"pp": self.pp, "dp_replicate": self.dp, "dp_shard": self.fsdp, "cp": self.cp,
+                "tp": self.tp}
         return tuple(size[name] for name in self.names)
 
     @property
     def matters(self) -> bool:
         """Whether the two orders place the ranks differently (pipeline and data both > 1)."""
-        return self.pp > 1 and self.dp * self.fsdp > 1
+        return self.pp > 1 and self.dp * self.fsdp * self.cp > 1
 
-    def rank(self, pp: int, replica: int = 0, shard: int = 0, tp: int = 0) -> int:
+    def rank(self, pp: int, replica: int = 0, shard: int = 0, tp: int = 0, cp: int = 0) -> int:
         """The global rank at these coordinates."""
-        at = {"pp": pp, "dp_replicate": replica, "dp_shard": shard, "tp": tp}
+        at = {"pp": pp, "dp_replicate": replica, "dp_shard": shard, "cp": cp, "tp": tp}
         r = 0
         for name, size in zip(self.names, self.sizes, strict=True):
             if not 0 <= at[name] < size:
@@ -114,14 +125,15 @@ class Placement:
         at: dict[str, int] = {}
         for name, size in reversed(list(zip(self.names, self.sizes, strict=True))):
             rank, at[name] = divmod(rank, size)
-        return Coords(at["pp"], at["dp_replicate"], at["dp_shard"], at["tp"])
+        return Coords(at["pp"], at["dp_replicate"], at["dp_shard"], at["tp"], at["cp"])
 
     def groups(self, *varying: str) -> list[list[int]]:
         """The ranks that differ only in the ``varying`` dimensions, one ascending list per
         group, the groups in the order of the other dimensions (outermost first).
 
         ``groups("pp")``: the pipelines; ``groups("dp_replicate", "dp_shard")``: the
-        data-parallel groups; ``groups("dp_shard")``: the FSDP shard groups.
+        data-parallel groups; ``groups("dp_shard")``: the FSDP shard groups; ``groups("cp")``:
+        the ranks holding the slices of the same sequences.
         """
         unknown = set(varying) - set(self.names)
         if unknown:
@@ -136,7 +148,7 @@ class Placement:
                 at = {**dict(zip(fixed, held, strict=True)), **dict(zip(moving, moved,
                                                                         strict=True))}
                 ranks.append(self.rank(at["pp"], at["dp_replicate"], at["dp_shard"],
-                                       at["tp"]))
+                                       at["tp"], at["cp"]))
             out.append(sorted(ranks))
         return out
 
@@ -154,7 +166,7 @@ def gather_rank_map(placement: Placement) -> list[dict[str, Any]]:
 
     Each entry: ``rank``, ``node`` (torchrun's ``GROUP_RANK`` when set, else the host's index
     in order of its lowest rank), ``host``, ``local_rank`` (``LOCAL_RANK`` when set, else the
-    rank's position on its node), ``pp``, ``dp`` (replica), ``shard`` and ``tp``.
+    rank's position on its node), ``pp``, ``dp`` (replica), ``shard``, ``cp`` and ``tp``.
     """
     import torch.distributed as dist
 
@@ -174,7 +186,7 @@ def gather_rank_map(placement: Placement) -> list[dict[str, Any]]:
             1 for e in ranks if e["node"] == node)
         c = placement.coords(r)
         ranks.append({"rank": r, "node": node, "host": s["host"], "local_rank": local_rank,
-                      "pp": c.pp, "dp": c.replica, "shard": c.shard, "tp": c.tp})
+                      "pp": c.pp, "dp": c.replica, "shard": c.shard, "cp": c.cp, "tp": c.tp})
     return ranks
 
 
@@ -185,9 +197,9 @@ def format_rank_map(ranks: list[dict[str, Any]], order: str | None = None) -> li
     if not ranks:
         return []
     shown = [("pp", "pp")] + [(key, short) for key, short in (("dp", "dp"), ("shard", "s"),
-                                                               ("tp", "t"))
-                              if any(e[key] for e in ranks)]
-    legend = {"dp": "dp replica", "s": "s fsdp shard", "t": "t tp rank"}
+                                                               ("cp", "c"), ("tp", "t"))
+                              if any(e.get(key) for e in ranks)]
+    legend = {"dp": "dp replica", "s": "s fsdp shard", "c": "c cp rank", "t": "t tp rank"}
     what = ", ".join(["r global rank", "L local rank", "pp pipeline rank",
                       *(legend[short] for _, short in shown[1:])])
     head = f"ranks by node ({what}" + (f"; --mesh-order {order}" if order else "") + "):"

@@ -8,6 +8,7 @@ pipeline itself, the whole window again per token (:func:`pipetrain.train.infer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,8 +51,24 @@ def sample(trainer: Trainer) -> str | None:
                        context=cfg.seq_len, top_k=cfg.sample_top_k, seed=cfg.seed,
                        step=last_step(trainer), feed=trainer.feed,
                        logits=source.logits,
-                       multiple=trainer.mesh.tp if _split_sequence(trainer) else 1)
+                       multiple=trainer.mesh.tp if _split_sequence(trainer) else 1,
+                       slices=trainer.mesh.cp, whole=_joined(trainer))
     return source.decode(prompt + ids)
+
+
+def _joined(trainer: Trainer) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """With ``--cp``: the logits of every slice of the window, in order (an all-gather over
+    the last pipeline rank's context-parallel ranks, which all call it)."""
+    mesh = trainer.mesh
+    if mesh.cp_group is None:
+        return None
+    group = mesh.cp_group
+
+    def join(logits: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(logits) for _ in range(mesh.cp)]
+        torch.distributed.all_gather(parts, logits.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+    return join
 
 
 def _cached_sample(trainer: Trainer, prompt: list[int]) -> list[int] | None:

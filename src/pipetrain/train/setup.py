@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipetrain.parallel.context_parallel import ContextParallel
 from pipetrain.parallel.parallelize import Composed
 from pipetrain.parallel.sharded import ShardedStages
 from pipetrain.pipeline import Pipeline
@@ -107,6 +108,9 @@ class Trainer:
     """Into how many parts each global batch is cut (data-parallel ranks of all replicas)."""
     part: int = 0
     """Which part this rank trains on."""
+    sequence: ContextParallel | None = None
+    """With ``--cp``: this rank's slice of every sequence (the pipeline's input and targets
+    are cut to it), and the group its attention exchanges with."""
 
     @property
     def job_rank(self) -> int:
@@ -143,25 +147,34 @@ class Trainer:
         """How the run is laid out: a resumed run with the same layout restores RNG streams."""
         s = self.pipe.schedule
         replicas = {} if self.replicas is None else {"replicas": self.cfg.dp}
-        return {**self.mesh.describe(), **replicas, "schedule": s.name,
+        tokens = {"tokens_per_rank": self.cfg.seq_len // self.mesh.cp} if self.mesh.cp > 1 \
+            else {}
+        return {**self.mesh.describe(), **tokens, **replicas, "schedule": s.name,
                 "microbatches": s.n_microbatches,
                 "stages": s.n_stages, "stages_per_rank": s.n_stages // s.n_ranks,
                 "placement": list(s.placement), "balance": list(self.pipe.balance),
                 "precision": self.cfg.precision}
 
     def batch(self, step: int) -> Batch:
-        """This replica's rows of global batch ``step``."""
+        """This replica's rows of global batch ``step`` (with ``--cp``, the targets of this
+        rank's slice of each sequence)."""
         return self.rows(self.batches.batch(step))
 
     def feed(self, ids: torch.Tensor) -> Any:
-        """The pipeline's input for token ids (a dict of keyword arguments for ``--hf``)."""
-        return self.source.feed(ids)
+        """The pipeline's input for token ids (a dict of keyword arguments for ``--hf``);
+        with ``--cp``, of this rank's slice of each sequence."""
+        fed = self.source.feed(ids)
+        if self.sequence is None:
+            return fed
+        return self.sequence.take(fed, pytree.tree_leaves(ids)[0].shape[-1])
 
     def rows(self, batch: Batch) -> Batch:
         n = pytree.tree_leaves(batch)[0].size(0) // self.parts
         lo = self.part * n
-        taken: Batch = pytree.tree_map(lambda t: t[lo:lo + n], batch)
-        return taken
+        inputs, targets = pytree.tree_map(lambda t: t[lo:lo + n], batch)
+        if self.sequence is not None:
+            targets = self.sequence.take(targets, self.cfg.seq_len)
+        return inputs, targets
 
 
 def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
@@ -173,7 +186,21 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     replicas = cfg.dp if cfg.ft else 1  # --ft: this world is one replica of cfg.dp
     check_config(cfg, world * replicas)
     mesh = build_mesh(cfg.dp // replicas, cfg.pp, cfg.device, cfg.fsdp, cfg.tp,
-                      cfg.mesh_order, cfg.ep)
+                      cfg.mesh_order, cfg.ep, cfg.cp)
+    sequence = (None if mesh.cp == 1  # bound before the model is captured
+                else ContextParallel(mesh.cp_group, documents=cfg.pack))
+    try:
+        return _build(cfg, mesh, sequence, progress=progress)
+    except BaseException:
+        if sequence is not None:
+            sequence.close()
+        raise
+
+
+def _build(cfg: TrainConfig, mesh: Mesh, sequence: ContextParallel | None, *,
+           progress: bool) -> Trainer:
+    """:func:`build` on the rank's mesh (and its slices of the sequences, with ``--cp``)."""
+    replicas = cfg.dp if cfg.ft else 1
     replica = _replicas(cfg, mesh)
     ranks = gather_rank_map(mesh.placement)
     source = source_for(cfg)
@@ -189,7 +216,8 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     spread = None if mesh.ep_mesh is None else source.expert_parallel(cfg, mesh, load)
     if spread is not None and sharded is not None:
         sharded.ignored = spread.params  # filled by the time FSDP2 shards a stage
-    hooks = [h for h in (spread, split, sharded) if h is not None]  # experts, tp, FSDP2
+    hooks = [h for h in (sequence, spread, split, sharded)  # cp, experts, tp, FSDP2
+             if h is not None]
     with across(dist.group.WORLD):  # every replica builds it now: one export for the job
         pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap,
                                group=mesh.pp_group, device=mesh.device, timeout=cfg.timeout,
@@ -203,8 +231,8 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
     batches: Batches | ExampleBatches
     if isinstance(corpus, ExampleCorpus):  # a data set: padded examples, held-out ones too
         make = packed_batches if cfg.pack else example_batches
-        batches, held_out, data = make(corpus, cfg.batch_size, cfg.seq_len, cfg.seed, parts,
-                                       cfg.eval_batches)
+        batches, held_out, data = make(corpus, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                       parts * mesh.cp, cfg.eval_batches)  # averaged ranks
     else:
         batches = Batches(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
         held_out = _eval_batches(corpus, cfg)
@@ -221,7 +249,7 @@ def build(cfg: TrainConfig, *, progress: bool = False) -> Trainer:
                            split is not None),
         loaded=loaded, sharded=sharded, tensor_parallel=split, ranks=ranks, experts=experts,
         expert_load=load, expert_reducer=expert_reducer, replicas=replica, parts=parts,
-        part=part)
+        part=part, sequence=sequence)
     trainer.eval_set = [trainer.rows(b) for b in held_out]
     trainer.data = data
     return trainer
@@ -245,7 +273,7 @@ def _reducers(pipe: Pipeline, mesh: Mesh, sharded: bool, experts: set[int]
         return {s: [p for p in st.parameters() if (id(p) in experts) == spread]
                 for s, st in pipe.stages.items()}
 
-    reducer = GradReducer(params(False), mesh.dp_group, 1 if sharded else mesh.dp)
+    reducer = GradReducer(params(False), mesh.mean_group, 1 if sharded else mesh.averaged)
     if mesh.expert_group is None:
         return reducer, None
     return reducer, GradReducer(params(True), mesh.expert_group, mesh.dp // mesh.ep,

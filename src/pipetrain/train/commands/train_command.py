@@ -276,7 +276,7 @@ def check(cfg: TrainConfig, *, training: bool = True) -> None:
         raise ValueError(f"--fsdp-reshard must be one of {', '.join(RESHARD)}, "
                          f"got {cfg.fsdp_reshard!r}")
     for name in ("nproc", "steps", "seq_len", "batch_size", "microbatches", "dp", "fsdp",
-                 "tp", "ep"):
+                 "tp", "ep", "cp"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(cfg, name)}")
     if cfg.pp is not None and cfg.pp < 1:
@@ -371,6 +371,12 @@ def run(args: argparse.Namespace) -> int:
         from pipetrain.train.data.packing import check_model
 
         check_model(open_model(cfg.hf).config, cfg.hf)
+    if cfg.cp > 1 and cfg.hf:  # and one whose attention cannot be sliced
+        from pipetrain.hf import sequence_attention
+        from pipetrain.hf.model import open_model
+        from pipetrain.train.commands.verify_hf import shrink
+
+        sequence_attention.check_model(shrink(open_model(cfg.hf).config, 2, 32), cfg.hf)
     if elastic.under_torchrun():
         elastic.worker(cfg, tuned=tuned)  # exits 1 itself on failure, naming the rank
         return EXIT_OK

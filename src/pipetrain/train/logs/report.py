@@ -337,11 +337,17 @@ def timeline_trace(measured: Timeline, simulated: Timeline) -> dict[str, object]
 
 def describe_layout(layout: dict[str, Any]) -> str:
     """``2 ranks (dp 1 x pp 2), zbv, 8 micro-batches, 4 stages (2 per rank), ...`` (the mesh
-    order after the degrees, where it places the ranks: ``4 ranks (dp 2 x pp 2, pp-outer)``)."""
+    order after the degrees, where it places the ranks: ``4 ranks (dp 2 x pp 2, pp-outer)``;
+    context parallelism with the tokens each rank holds: ``dp 1 x cp 2, 32 tokens of each
+    sequence per rank x pp 2``)."""
     parts = []
     if {"world", "dp", "pp"} <= layout.keys():
         shards = f" x fsdp {layout['fsdp']}" if "fsdp" in layout else ""
         split = f" x tp {layout['tp']}" if "tp" in layout else ""
+        if "cp" in layout:  # context parallel: the slice of each sequence a rank holds
+            tokens = layout.get("tokens_per_rank")
+            held = f", {tokens} tokens of each sequence per rank" if tokens else ""
+            shards += f" x cp {layout['cp']}{held}"
         order = f", {layout['mesh_order']}" if "mesh_order" in layout else ""
         parts.append(f"{layout['world']} ranks (dp {layout['dp']}{shards} x pp {layout['pp']}"
                      f"{split}{order})")

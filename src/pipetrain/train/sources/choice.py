@@ -118,6 +118,14 @@ class HFKind(Kind):
                 require_weights(bool(opened.weights), cfg.hf)
             except ValueError as e:
                 return [str(e)]
+        if cfg.cp > 1:  # the heads' split, from the config alone
+            from pipetrain.hf.model import transformers
+            from pipetrain.hf.sequence_attention import problems
+
+            config = transformers().AutoConfig.from_pretrained(cfg.hf, local_files_only=True)
+            found = problems(config, cfg.cp, cfg.tp)
+            if found:
+                return found
         return _image_problems(cfg, False)
 
     def source(self, cfg: TrainConfig) -> Source:

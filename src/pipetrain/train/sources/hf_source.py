@@ -101,6 +101,13 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
     image-text model's processor outputs); ``dynamic``: captured with symbolic shapes instead,
     for inputs whose sizes change (:func:`pipetrain.hf.image_text.varying_inputs`).
     """
+    if example is None and cfg.cp > 1:  # a slice of each sequence, at its positions
+        from pipetrain.hf.sequence_attention import shard_attention
+
+        shard_attention(model)
+        length = cfg.seq_len // cfg.cp
+        example = {"input_ids": torch.zeros(rows, length, dtype=torch.long),
+                   "position_ids": torch.arange(length).repeat(rows, 1)}
     if example is None:
         example = {"input_ids": torch.zeros(rows, cfg.seq_len, dtype=torch.long)}
         if examples and cfg.pack:  # packed rows: positions restart at each example, no mask
@@ -118,6 +125,19 @@ def hf_pipeline(model: nn.Module, cfg: TrainConfig, schedule: Schedule, rows: in
                     split_points=points, balance=balance, recompute=cfg.recompute,
                     init_seed=cfg.seed, example_inputs=example, dynamic=dynamic,
                     loss_reduction="sum" if examples else "mean", **where)
+
+
+def _sequences(ids: Any) -> dict[str, torch.Tensor]:
+    """The input of a context-parallel pipeline: ``{input_ids, position_ids}``, the positions
+    given (packed rows) or counted from 0 along each row. A padded row's attention mask is
+    left out: its padding is at the end, where causal attention keeps every trained token
+    from seeing it, so the loss and its gradients are those of the masked row."""
+    inputs = ids if isinstance(ids, dict) else {"input_ids": ids}
+    tokens = inputs["input_ids"]
+    positions = inputs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    return {"input_ids": tokens, "position_ids": positions.contiguous()}
 
 
 class HFSource(Source):
@@ -247,6 +267,8 @@ class HFSource(Source):
     def feed(self, ids: Any) -> Any:
         """``{"input_ids": ids}``; padded examples come as such a dict already, and text for
         a pipeline captured with a mask (a sample) gets one of ones."""
+        if self.cfg.cp > 1:  # every slice at its positions, no mask (see _sequences)
+            return _sequences(ids)
         if isinstance(ids, dict):
             return ids
         if self.examples and self.cfg.pack:
@@ -258,6 +280,12 @@ class HFSource(Source):
 
     def logits(self, outputs: Any) -> torch.Tensor:
         return outputs.logits  # type: ignore[no-any-return]
+
+    def context_problems(self, cfg: TrainConfig) -> list[str]:
+        """What keeps this model from ``--cp`` (:mod:`pipetrain.hf.sequence_attention`)."""
+        from pipetrain.hf.sequence_attention import problems
+
+        return problems(self.hf.config, cfg.cp, cfg.tp)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)

@@ -87,7 +87,7 @@ def image_text_problems(cfg: TrainConfig, image_text: bool) -> list[str]:
                     ("--freeze-projector", cfg.freeze_projector)) if on]
     problems = []
     for flag, on in (("--pack", cfg.pack), ("--tp", cfg.tp > 1), ("--ep", cfg.ep > 1),
-                     ("--compile", cfg.compile)):
+                     ("--compile", cfg.compile), ("--cp", cfg.cp > 1)):
         if on:
             problems.append(f"{flag} is not supported for image-text models yet: drop it "
                             "(--fsdp and --dp compose)")
