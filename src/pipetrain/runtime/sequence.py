@@ -43,7 +43,7 @@ import torch.distributed as dist
 from pipetrain.runtime.failure import job_failure
 
 __all__ = ["TAG", "Shards", "bound", "document_mask", "gather_seq", "heads_to_seq",
-           "kv_repeats", "seq_to_heads"]
+           "kv_repeats", "seq_to_heads", "state"]
 
 TAG = "cp"
 """The tag of a training job's context-parallel group."""
@@ -104,6 +104,12 @@ def bound(tag: str) -> Shards:
                            "context parallelism runs inside the Shards (or train --cp job) "
                            "that bound it")
     return found
+
+
+def state() -> tuple[tuple[str, int, bool], ...]:
+    """What the groups bound now change in a captured model: each tag's ranks and whether it
+    holds packed documents (part of a capture's reuse key)."""
+    return tuple(sorted((tag, s.size, s.documents) for tag, s in _BOUND.items()))
 
 
 def kv_repeats(heads: int, kv_heads: int, cp: int) -> int:

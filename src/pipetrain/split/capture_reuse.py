@@ -5,9 +5,11 @@ script that builds a pipeline per schedule, a test that builds one per case, eve
 local run. :func:`key` describes what a capture depends on: the model's class, every module's
 class, training flag and plain attributes (as ``repr``: a config, a dropout probability, a
 hook's function), every parameter's and buffer's name, shape, dtype, device and which names
-share one tensor, the example's structure, shapes and plain values, and the grad mode and
-default dtype. Two models with the same key run the same ATen ops on inputs of the same
-shapes, so the graph of one serves the other, its parameters read from the other by name.
+share one tensor, the example's structure, shapes and plain values, the grad mode and
+default dtype, and the context-parallel groups bound
+(:func:`pipetrain.runtime.sequence.state`: their exchanges and masks are in the graph). Two
+models with the same key run the same ATen ops on inputs of the same shapes, so the graph of
+one serves the other, its parameters read from the other by name.
 
 A tensor kept as a plain attribute (not a parameter or buffer) may be baked into the graph
 as a constant: its identity is part of the key, so it never matches another model's. What
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pipetrain.runtime import sequence
 from pipetrain.runtime.torch_private import MODULE_DICTS, pytree
 
 __all__: list[str] = []
@@ -48,7 +51,7 @@ def key(model: nn.Module, example: Any, dynamic: bool = True) -> Hashable:
     flat, spec = pytree.tree_flatten(example)
     inputs = tuple((tuple(v.shape), str(v.dtype), v.device.type) if isinstance(v, torch.Tensor)
                    else (type(v).__qualname__, repr(v)) for v in flat)
-    state = (torch.is_grad_enabled(), str(torch.get_default_dtype()))
+    state = (torch.is_grad_enabled(), str(torch.get_default_dtype()), sequence.state())
     return (modules, tensors, str(spec), inputs, state, dynamic)
 
 
