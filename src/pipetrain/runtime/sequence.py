@@ -114,20 +114,18 @@ def state() -> tuple[tuple[str, int, bool], ...]:
 
 def kv_repeats(heads: int, kv_heads: int, cp: int) -> int:
     """How many times each key-value head is repeated so that the key-value heads divide by
-    ``cp`` while each still serves whole groups of query heads (1: none).
+    ``cp`` (1: none). Each repeated head still serves whole groups of query heads: with
+    ``d = gcd(kv_heads, cp)``, ``cp`` dividing ``heads = kv_heads x groups`` means ``cp / d``
+    divides ``groups``.
 
     Raises:
-        ValueError: when ``cp`` does not divide ``heads``, or no repetition serves.
+        ValueError: when ``cp`` does not divide ``heads``.
     """
     if heads % cp:
         raise ValueError(f"context parallelism splits the attention heads among the cp ranks: "
                          f"{heads} heads (per tensor-parallel rank) do not divide by cp={cp}; "
                          "use a cp that divides them")
-    repeats = cp // math.gcd(kv_heads, cp)
-    if (heads // kv_heads) % repeats:
-        raise ValueError(f"{kv_heads} key-value heads for {heads} heads cannot be spread over "
-                         f"cp={cp} ranks; use a cp that divides {kv_heads}")
-    return repeats
+    return cp // math.gcd(kv_heads, cp)
 
 
 def _exchange(send: torch.Tensor, tag: str, what: str) -> torch.Tensor:
