@@ -224,6 +224,24 @@ def test_the_table_run_writes_a_timeline_and_a_config_train_accepts(tmp_path: Pa
     check_config(cfg, cfg.nproc)  # pipetrain train --config runs it as it is
 
 
+def test_a_context_parallel_plan_writes_a_config_train_runs(tmp_path: Path) -> None:
+    """A layout with cp (a long sequence) is no longer predicted only: its plan.toml holds
+    the cp degree, and train --config accepts it as it is."""
+    import dataclasses
+
+    from pipetrain.train.checks import check_config
+    from pipetrain.train.commands.train_command import load_toml
+    from pipetrain.train.config import TrainConfig
+
+    done = _command("--cluster", "H100", "--gpus", "16", "--preset", "1b", "--seq-len", "2048",
+                    "--global-batch", "16", "--pp", "2", "--cp", "2", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "no plan.toml" not in done.stdout
+    cfg = dataclasses.replace(TrainConfig(), **load_toml(tmp_path / "plan.toml"))
+    assert (cfg.nproc, cfg.pp, cfg.cp) == (16, 2, 2)
+    check_config(cfg, cfg.nproc)
+
+
 def test_the_table_reads_whole_at_80_columns_and_boxed_at_120(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from pipetrain.plan.cluster.cluster_command import _print

@@ -82,8 +82,7 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 def predicted_only(layout: Layout) -> list[str]:
     """What of ``layout`` pipetrain train does not run yet (predicted, not trainable)."""
-    return ([f"cp {layout.cp}"] if layout.cp > 1 else []) + (
-        [f"recompute {layout.recompute}"] if layout.recompute in ("selective", "op") else [])
+    return [f"recompute {layout.recompute}"] if layout.recompute in ("selective", "op") else []
 
 
 def _write(args: argparse.Namespace, job: Job, best: Prediction) -> list[str]:
@@ -109,7 +108,7 @@ def _write(args: argparse.Namespace, job: Job, best: Prediction) -> list[str]:
     toml.write_text(config_toml(TrainConfig(
         preset=args.preset, hf=getattr(args, "hf_spec", args.hf), seq_len=job.seq,
         batch_size=job.global_batch,
-        nproc=job.gpus, pp=lay.pp, dp=lay.dp, fsdp=lay.fsdp, tp=lay.tp, ep=lay.ep,
+        nproc=job.gpus, pp=lay.pp, dp=lay.dp, fsdp=lay.fsdp, tp=lay.tp, ep=lay.ep, cp=lay.cp,
         schedule=lay.schedule, stages_per_rank=lay.stages_per_rank,
         microbatches=lay.microbatches, recompute=lay.recompute, precision="bf16",
         device="cuda")))

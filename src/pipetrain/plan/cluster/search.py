@@ -3,7 +3,7 @@
 A flag given pins its dimension; every other is searched::
 
     tp    divisors of the GPUs per node that divide the heads and the key-value heads
-    cp    1, 2, 4, 8, 16 dividing the sequence (context parallelism: predicted only)
+    cp    1, 2, 4, 8, 16 dividing the sequence (context parallelism, priced as a ring)
     pp    divisors of what is left, up to the layers
     dp x fsdp  what is left: all replicated (dp), all sharded (fsdp), or within a node
                sharded and replicated across (HSDP)
