@@ -11,6 +11,8 @@ run whole, one after another, on one process (:func:`pipetrain.testing.reference
 - FSDP2 sharding every weight over the 2 context-parallel ranks of each stage (pp 2, as
   ``train --fsdp`` shards over ``dp_shard_cp``), and pipetrain's tensor parallelism on cp 2 x
   tp 2 (GPT).
+
+CI runs :data:`IN_CI` and GPT under FSDP2; the long tier the other cases and Llama under FSDP2.
 """
 
 from __future__ import annotations
@@ -159,25 +161,36 @@ def _groups(cp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return mine["cp"], mine["pp"]
 
 
-def _slices(ctx: pt.RankContext) -> list[str]:
+CASES = [(name, schedule, 2, False) for name in ("llama", "qwen2", "mistral", "gpt")
+         for schedule in ("1f1b", "zbv")] + [("llama", "zbv", 2, True), ("llama", "1f1b", 4, False),
+                                             ("gpt", "1f1b", 4, False)]
+"""(model, schedule, cp, packed): every case, pp = 4 / cp."""
+IN_CI = [("llama", "1f1b", 2, False), ("qwen2", "zbv", 2, False), ("mistral", "1f1b", 2, False),
+         ("gpt", "zbv", 2, False), ("llama", "zbv", 2, True), ("llama", "1f1b", 4, False)]
+"""The cases CI runs (CI's time, CONTRIBUTING.md: tests): each model, each schedule, packed
+documents and cp 4 at least once; the others in the long tier."""
+
+
+def _slices(ctx: pt.RankContext, cases: list[tuple[str, str, int, bool]]) -> list[str]:
     problems: list[str] = []
-    cp_group, pp_group = _groups(2)
-    for name in ("llama", "qwen2", "mistral", "gpt"):
-        for schedule in ("1f1b", "zbv"):
-            problems += _case(name, schedule, cp_group, pp_group)
-    problems += _case("llama", "zbv", cp_group, pp_group, packed=True)
-    cp_group, pp_group = _groups(4)
-    for name in ("llama", "gpt"):
-        problems += _case(name, "1f1b", cp_group, pp_group)
+    groups = {cp: _groups(cp) for cp in sorted({c[2] for c in cases})}
+    for name, schedule, cp, packed in cases:
+        problems += _case(name, schedule, *groups[cp], packed=packed)
     return problems
 
 
 def test_sliced_sequences_give_one_process_loss_and_gradients() -> None:
-    results = pt.launch(_slices, 4, timeout=600)
+    results = pt.launch(_slices, 4, IN_CI, timeout=600)
     assert [p for r in results for p in r] == []
 
 
-def _sharded(ctx: pt.RankContext) -> list[str]:
+@pytest.mark.long  # beside test_sliced_sequences_give_one_process_loss_and_gradients
+def test_sliced_sequences_give_one_process_loss_and_gradients_in_every_case() -> None:
+    results = pt.launch(_slices, 4, [c for c in CASES if c not in IN_CI], timeout=600)
+    assert [p for r in results for p in r] == []
+
+
+def _sharded(ctx: pt.RankContext, cases: tuple[str, ...]) -> list[str]:
     """FSDP2 over each stage's cp ranks (pp 2 x dp_shard_cp 2), then cp 2 x tp 2 (GPT)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -187,7 +200,8 @@ def _sharded(ctx: pt.RankContext) -> list[str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard_cp"))
     cp_group, pp_group = mesh["dp_shard_cp"].get_group(), mesh["pp"].get_group()
     problems = []
-    for name, schedule in (("gpt", "1f1b"), ("gpt", "zbv"), ("llama", "1f1b")):
+    for name, schedule in ((n, s) for n, s in (("gpt", "zbv"), ("llama", "1f1b"))
+                           if n in cases):
         problems += _case(name, schedule, cp_group, pp_group,
                           parallelize=ShardedStages(mesh["dp_shard_cp"], "part"))
     rank = dist.get_rank()  # cp 2 x tp 2, one pipeline rank: ranks (c * 2 + t)
@@ -200,5 +214,11 @@ def _sharded(ctx: pt.RankContext) -> list[str]:
 
 
 def test_sliced_sequences_compose_with_fsdp_and_tensor_parallel() -> None:
-    results = pt.launch(_sharded, 4, timeout=600)
+    results = pt.launch(_sharded, 4, ("gpt",), timeout=600)
+    assert [p for r in results for p in r] == []
+
+
+@pytest.mark.long  # beside test_sliced_sequences_compose_with_fsdp_and_tensor_parallel
+def test_sliced_sequences_compose_with_fsdp_on_a_transformers_llama() -> None:
+    results = pt.launch(_sharded, 4, ("gpt", "llama"), timeout=600)
     assert [p for r in results for p in r] == []

@@ -3,7 +3,8 @@ holds less per rank, resumes across cp degrees, and refuses what it cannot slice
 
 The float64 equivalence of every model and schedule is ``tests/test_context_parallel_dist.py``;
 here the whole command runs in float32, so step losses agree within 1e-4 (rounding, amplified
-by Adam over the steps)."""
+by Adam over the steps). CI runs the GPT preset's and the refusals; the long tier the stored
+Llama's (and its resume across cp), packed chats, LoRA, and FSDP and TP beside cp."""
 
 from __future__ import annotations
 
@@ -47,6 +48,22 @@ def test_cp_2_trains_the_gpt_preset_as_cp_1_with_less_memory_a_rank(tmp_path: Pa
     assert max(two["peak_memory_bytes"]) < max(one["peak_memory_bytes"])
 
 
+@pytest.mark.long  # beside test_cp_2_trains_the_gpt_preset_as_cp_1_with_less_memory_a_rank
+def test_cp_composes_with_fsdp_and_tp_through_the_command(tmp_path: Path) -> None:
+    """8 ranks: pp 2 x fsdp 2 x cp 2 (FSDP2 over dp_shard_cp) trains as pp 2 x dp 2, and
+    pp 2 x cp 2 x tp 2 as pp 2."""
+    runs = {"dp": ["--nproc", "4", "--dp", "2"], "fsdp_cp": ["--nproc", "8", "--fsdp", "2",
+                                                             "--cp", "2", "--dp", "1"],
+            "one": ["--nproc", "2"], "cp_tp": ["--nproc", "8", "--cp", "2", "--tp", "2"]}
+    for name, args in runs.items():
+        train(["train", "--pp", "2", *args, *COMMON, "--out", str(tmp_path / name)],
+              tmp_path / name)
+    assert _close(_losses(tmp_path / "dp"), _losses(tmp_path / "fsdp_cp"))
+    assert _close(_losses(tmp_path / "one"), _losses(tmp_path / "cp_tp"))
+    (start,) = records(tmp_path / "fsdp_cp", "start")
+    assert start["layout"]["fsdp"] == 2 and start["layout"]["cp"] == 2
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cp")
@@ -62,6 +79,7 @@ def _hf(place: Path, out: Path, *args: str) -> dict[str, Any]:
                  out)
 
 
+@pytest.mark.long  # beside test_cp_2_trains_the_gpt_preset_as_cp_1_with_less_memory_a_rank
 def test_cp_2_trains_a_stored_llama_as_cp_1_and_resumes_across_cp(llama: Path,
                                                                   tmp_path: Path) -> None:
     """Four steps at cp 2 and cp 1 agree; a checkpoint of step 2 at cp 2 resumes at cp 1 and
@@ -81,6 +99,18 @@ def test_cp_2_trains_a_stored_llama_as_cp_1_and_resumes_across_cp(llama: Path,
         assert _close(_losses(out), _losses(runs[saved])[2:], 2e-6), (saved, resumed)
 
 
+@pytest.mark.long  # beside test_cp_2_trains_a_stored_llama_as_cp_1_and_resumes_across_cp
+def test_cp_2_trains_lora_adapters_as_cp_1(llama: Path, tmp_path: Path) -> None:
+    """LoRA's adapters (per-token linear layers beside the frozen ones) at cp 2 as at cp 1."""
+    pytest.importorskip("peft")
+    for cp in (1, 2):
+        _hf(llama, tmp_path / f"cp{cp}", "--nproc", str(2 * cp), "--pp", "2", "--cp", str(cp),
+            "--lora-r", "4")
+    assert _close(_losses(tmp_path / "cp1"), _losses(tmp_path / "cp2"))
+    assert (tmp_path / "cp2" / "adapter" / "adapter_config.json").is_file()
+
+
+@pytest.mark.long  # beside test_context_parallel_dist.py's packed documents (IN_CI)
 def test_cp_2_trains_packed_chats_as_cp_1(tmp_path: Path) -> None:
     """Packed examples (positions restarting inside a slice and across slices) at cp 2 and
     under ZB-V against cp 1: each example attends to itself only on every rank."""

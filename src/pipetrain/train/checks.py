@@ -146,7 +146,7 @@ def _cp_problems(cfg: TrainConfig) -> list[str]:
                             "a --cp that divides them")
     for flag, on in (("--ep", cfg.ep > 1), ("--compile", cfg.compile),
                      ("--schedule pipedream-2bw", cfg.schedule == "pipedream-2bw"),
-                     ("--ft", cfg.ft)):
+                     ("--ft", cfg.ft), ("--verify", cfg.verify)):
         if on:
             problems.append(f"--cp with {flag} is not supported yet: drop one of them")
     return problems
