@@ -7,7 +7,9 @@ run whole, one after another, on one process (:func:`pipetrain.testing.reference
 - pp 2 x cp 2: transformers' Llama (GQA), Qwen2 (a sliding-window layer beside a full one),
   Mistral (a window shorter than the sequence) and pipetrain's GPT, each under 1F1B and ZB-V
   (split backward: the exchanges run in I); Llama on packed documents (positions restarting);
-- pp 1 x cp 4: Llama (2 key-value heads, repeated to spread over 4 ranks) and GPT;
+- pp 1 x cp 4: each of them (Llama's, Qwen2's and Mistral's 2 key-value heads repeated to
+  spread over 4 ranks); Mistral's window on packed documents; GPT under interleaved 1F1B and
+  Llama under DualPipeV;
 - FSDP2 sharding every weight over the 2 context-parallel ranks of each stage (pp 2, as
   ``train --fsdp`` shards over ``dp_shard_cp``), and pipetrain's tensor parallelism on cp 2 x
   tp 2 (GPT).
@@ -161,9 +163,11 @@ def _groups(cp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return mine["cp"], mine["pp"]
 
 
-CASES = [(name, schedule, 2, False) for name in ("llama", "qwen2", "mistral", "gpt")
-         for schedule in ("1f1b", "zbv")] + [("llama", "zbv", 2, True), ("llama", "1f1b", 4, False),
-                                             ("gpt", "1f1b", 4, False)]
+NAMES = ("llama", "qwen2", "mistral", "gpt")
+CASES = ([(name, schedule, 2, False) for name in NAMES for schedule in ("1f1b", "zbv")]
+         + [(name, "1f1b", 4, False) for name in NAMES]
+         + [("llama", "zbv", 2, True), ("mistral", "1f1b", 2, True),
+            ("gpt", "interleaved-1f1b", 2, False), ("llama", "dualpipev", 2, False)])
 """(model, schedule, cp, packed): every case, pp = 4 / cp."""
 IN_CI = [("llama", "1f1b", 2, False), ("qwen2", "zbv", 2, False), ("mistral", "1f1b", 2, False),
          ("gpt", "zbv", 2, False), ("llama", "zbv", 2, True), ("llama", "1f1b", 4, False)]

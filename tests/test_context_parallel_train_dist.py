@@ -4,7 +4,8 @@ holds less per rank, resumes across cp degrees, and refuses what it cannot slice
 The float64 equivalence of every model and schedule is ``tests/test_context_parallel_dist.py``;
 here the whole command runs in float32, so step losses agree within 1e-4 (rounding, amplified
 by Adam over the steps). CI runs the GPT preset's and the refusals; the long tier the stored
-Llama's (and its resume across cp), packed chats, LoRA, and FSDP and TP beside cp."""
+Llama's (and its resume across cp), packed chats, LoRA, a mixture of experts under --ep, and
+FSDP and TP beside cp."""
 
 from __future__ import annotations
 
@@ -62,6 +63,33 @@ def test_cp_composes_with_fsdp_and_tp_through_the_command(tmp_path: Path) -> Non
     assert _close(_losses(tmp_path / "one"), _losses(tmp_path / "cp_tp"))
     (start,) = records(tmp_path / "fsdp_cp", "start")
     assert start["layout"]["fsdp"] == 2 and start["layout"]["cp"] == 2
+
+
+@pytest.mark.long  # beside test_cp_2_trains_the_gpt_preset_as_cp_1_with_less_memory_a_rank
+def test_cp_2_with_ep_2_trains_a_mixture_of_experts_as_ep_2_alone(tmp_path: Path) -> None:
+    """``benchmarks/moe.py --tiny``'s stored Mixtral (no router loss: its balance term is not
+    additive over tokens): pp 2 x dp 2 x ep 2 x cp 2 on 8 ranks trains as pp 2 x dp 2 x ep 2,
+    the experts' gradients summed over every cp rank holding them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "moe_bench", Path(__file__).parents[1] / "benchmarks" / "moe.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    size = bench.SIZES["tiny"]
+    bench.save_model(tmp_path, size)
+    base = bench.train_args(tmp_path, size, "pp2 x ep2")
+    outs = {}
+    for cp in (1, 2):
+        out = tmp_path / f"cp{cp}"
+        argv = [*base, "--steps", "3", "--nproc", str(4 * cp), "--cp", str(cp),
+                "--out", str(out)]
+        train(argv, out)
+        outs[cp] = out
+    assert _close(_losses(outs[1]), _losses(outs[2]))
+    norms = [[r["grad_norm"] for r in records(outs[cp], "step")] for cp in (1, 2)]
+    assert _close(*norms)
 
 
 @pytest.fixture(scope="module")

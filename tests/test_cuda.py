@@ -162,3 +162,70 @@ def test_asynchronous_schedules_on_one_gpu() -> None:
     for n, q in ref_model.named_parameters():
         assert got[n].is_cuda
         torch.testing.assert_close(got[n], q, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def _sliced(ctx: pt.RankContext) -> list[str]:
+    """Context parallelism under NCCL: cp 2 on 2 GPUs, GPT's loss and gradients as one's."""
+    import copy
+
+    import torch.distributed as dist
+
+    from pipetrain.models.gpt import GPTConfig, gpt_layers, lm_loss
+    from pipetrain.parallel.context_parallel import ContextParallel
+
+    config = GPTConfig(seq_len=32, d_model=64, n_heads=4, n_layers=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(*gpt_layers(config)).double().to(ctx.device)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, config.vocab_size, (4, 33), device=ctx.device)
+    x, y = ids[:, :-1], ids[:, 1:]
+    alone = dist.new_group([ctx.rank])
+    with ContextParallel(dist.group.WORLD) as cp:
+        pipe = pt.Pipeline(model, "1f1b", 2, lm_loss, group=alone, parallelize=cp,
+                           device=ctx.device)
+        got = pipe.step(cp.take(x, 32), cp.take(y, 32))
+        want = reference_step(ref, x, y, lm_loss, 2, device=ctx.device)
+        assert got.loss is not None
+        loss = got.loss.detach().clone()
+        dist.all_reduce(loss)
+        problems = [] if abs(float(loss) / 2 - float(want)) < 1e-9 else ["loss"]
+        refs = dict(ref.named_parameters())
+        for n, p in pipe.named_parameters():
+            grad = p.grad.detach().clone()
+            dist.all_reduce(grad)
+            if not torch.allclose(grad / 2, refs[n].grad, rtol=1e-9, atol=1e-12):
+                problems.append(n)
+        pipe.close()
+    return problems
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_context_parallel_under_nccl_on_two_gpus() -> None:
+    assert pt.launch(_sliced, 2, backend="nccl", timeout=300) == [[], []]
+
+
+@needs_cuda
+def test_the_sliced_attention_path_on_cuda_kernels() -> None:
+    """On one GPU: transformers' Llama and Mistral (a window) through the sliced path's mask
+    and CUDA SDPA kernels give the logits of their own attention on packed documents."""
+    transformers = pytest.importorskip("transformers")
+    from pipetrain.hf.sequence_attention import attend
+    from pipetrain.runtime.sequence import Shards
+
+    transformers.logging.set_verbosity_error()
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=97, use_cache=False)
+    for config in (transformers.LlamaConfig(**common),
+                   transformers.MistralConfig(**common, sliding_window=3)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model.cuda().eval()
+        ids = torch.randint(0, 97, (2, 12), device="cuda")
+        positions = torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1).cuda()
+        with torch.no_grad():
+            want = model(input_ids=ids, position_ids=positions).logits
+            transformers.AttentionInterface.register("pipetrain_cp_cuda_check", attend)
+            model.set_attn_implementation("pipetrain_cp_cuda_check")
+            with Shards(None, documents=True):
+                got = model(input_ids=ids, position_ids=positions).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

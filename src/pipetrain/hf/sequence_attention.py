@@ -24,7 +24,6 @@ or call it with another meaning, is refused before any process starts.
 from __future__ import annotations
 
 import copy
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -152,9 +151,11 @@ def problems(config: Any, cp: int, tp: int = 1) -> list[str]:
 def check_model(small: Any, where: str) -> None:
     """Refuse ``--cp`` for a model whose attention does not go through this path as it
     should: a copy of config ``small`` (the model's, a few layers narrow: ``pipetrain train``
-    gives 2 of width 32 at most), in float64, on one rank, its sliding window (if any) cut to
-    3, reads two packed documents through :func:`attend` and through transformers' SDPA;
-    every layer must call :func:`attend` and the logits must agree.
+    gives 2 of width 32 at most), in float32 (a mixture of experts' grouped multiplies take
+    no float64), on one rank, its sliding window (if any) cut to 3, reads two packed
+    documents through :func:`attend` and through transformers' SDPA; every layer must call
+    :func:`attend` and the logits must agree within 1e-5 of their largest (a wrong mask moves
+    them by tenths).
 
     Raises:
         ValueError: naming the architecture and what went wrong.
@@ -166,7 +167,7 @@ def check_model(small: Any, where: str) -> None:
     if getattr(small, "sliding_window", None):
         small.sliding_window = 3
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(small, dtype=torch.float64).eval()
+    model = tf.AutoModelForCausalLM.from_config(small, dtype=torch.float32).eval()
     name = type(model).__name__
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, int(small.vocab_size), (1, 12), generator=g)
@@ -194,7 +195,7 @@ def check_model(small: Any, where: str) -> None:
         raise ValueError(f"--cp: {name} ({where}) runs {layers - calls[0]} of its {layers} "
                          "attention layers without transformers' attention interface, so "
                          "they would see only their rank's slice; train it without --cp")
-    if not math.isclose(float((got - want).abs().max()), 0.0, abs_tol=1e-9):
+    if float((got - want).abs().max()) > 1e-5 * max(float(want.abs().max()), 1.0):
         raise ValueError(f"--cp: {name} ({where}) attends differently through the sliced "
                          "path than through its own (its mask is not causal, windowed and "
                          "by document as this path draws it); train it without --cp")

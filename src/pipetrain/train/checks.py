@@ -144,7 +144,7 @@ def _cp_problems(cfg: TrainConfig) -> list[str]:
                             f"{f' over --tp {cfg.tp}' if cfg.tp > 1 else ''} do not divide "
                             "among the cp ranks (attention splits its heads among them); use "
                             "a --cp that divides them")
-    for flag, on in (("--ep", cfg.ep > 1), ("--compile", cfg.compile),
+    for flag, on in (("--compile", cfg.compile),
                      ("--schedule pipedream-2bw", cfg.schedule == "pipedream-2bw"),
                      ("--ft", cfg.ft), ("--verify", cfg.verify)):
         if on:

@@ -308,13 +308,18 @@ def _expert_groups(place: Placement, ep: int, rank: int, device_type: str
     """
     if ep == 1:
         return None, None, None
-    data = place.groups("dp_replicate", "dp_shard")  # each ordered by dp rank
+    data = place.groups("dp_replicate", "dp_shard")  # each ordered by dp rank, cp fixed
     if len(data[0]) % ep:
         raise ValueError(f"--ep {ep} must divide the {len(data[0])} data-parallel ranks "
                          "(dp x fsdp) that hold each stage; use a divisor of them")
     shared = _my_group([ranks[k:k + ep] for ranks in data
                         for k in range(0, len(ranks), ep)], rank)
-    same = _my_group([ranks[j::ep] for ranks in data for j in range(ep)], rank)
+    # the same experts: the ranks at one place of their expert-parallel groups, every
+    # context-parallel rank's (each trains them on its slice of the sequences)
+    averaged = place.groups("dp_replicate", "dp_shard", "cp")  # by dp rank, then cp rank
+    cp = place.cp
+    same = _my_group([[r for i, r in enumerate(ranks) if (i // cp) % ep == j]
+                      for ranks in averaged for j in range(ep)], rank)
     alone = _my_group([[r] for r in range(place.world)], rank)
     return (DeviceMesh.from_group(shared, device_type),
             DeviceMesh.from_group(alone, device_type), same)

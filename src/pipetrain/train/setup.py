@@ -276,8 +276,8 @@ def _reducers(pipe: Pipeline, mesh: Mesh, sharded: bool, experts: set[int]
     reducer = GradReducer(params(False), mesh.mean_group, 1 if sharded else mesh.averaged)
     if mesh.expert_group is None:
         return reducer, None
-    return reducer, GradReducer(params(True), mesh.expert_group, mesh.dp // mesh.ep,
-                                divisor=mesh.dp)
+    return reducer, GradReducer(params(True), mesh.expert_group, mesh.averaged // mesh.ep,
+                                divisor=mesh.averaged)
 
 
 def _count_forwards(load: Any, pipe: Pipeline, *, tapped: bool) -> None:
