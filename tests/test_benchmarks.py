@@ -199,6 +199,16 @@ def test_parallel_memory_tiny_prints_each_layout_against_dp(
         assert row["vs_dp2"] == [p / b for p, b in zip(row["peak_mib"], rows[0]["peak_mib"])]
 
 
+def test_long_context_tiny_prints_cp_against_cp_1(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "long.json"
+    _module("long_context").main(["--tiny", "--steps", "2", "--json", str(out)])
+    assert "longest sequence under" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert [(r["cp"], r["seq_len"]) for r in rows] == [(1, 128), (2, 128), (1, 256), (2, 256)]
+    assert all(r["peak_mib"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+
+
 def test_peers_tiny_puts_each_installed_peer_beside_pipetrain() -> None:
     for peer in ("deepspeed", "torchgpipe"):  # the bench extra; CI runs without it
         pytest.importorskip(peer, reason=f"{peer} is not installed (pip install -e '.[bench]')")
