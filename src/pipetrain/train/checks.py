@@ -123,8 +123,8 @@ def _ep_problems(cfg: TrainConfig, dp: int) -> list[str]:
 
 
 def _cp_problems(cfg: TrainConfig) -> list[str]:
-    """What keeps ``--cp`` from this run (the model's own attention is checked apart, by
-    :func:`pipetrain.hf.sequence_attention.check_model`, where the model is opened)."""
+    """What keeps ``--cp`` from this run, whatever the model (the model's heads and attention
+    are its source kind's to check: :mod:`pipetrain.train.sources.choice`)."""
     if cfg.cp == 1:
         return []
     problems = []
@@ -135,15 +135,6 @@ def _cp_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"--cp {cfg.cp} with --tp {cfg.tp}: each slice of {cfg.seq_len // cfg.cp}"
                         f" tokens must divide by tp for sequence parallelism; use a --seq-len "
                         f"that divides by {cfg.cp * cfg.tp}, or --no-sequence-parallel")
-    if not cfg.hf:
-        from pipetrain.models.gpt import PRESETS
-
-        preset = PRESETS.get(cfg.preset)
-        if preset is not None and (preset.n_heads // max(cfg.tp, 1)) % cfg.cp:
-            problems.append(f"--cp {cfg.cp}: the {cfg.preset} preset's {preset.n_heads} heads"
-                            f"{f' over --tp {cfg.tp}' if cfg.tp > 1 else ''} do not divide "
-                            "among the cp ranks (attention splits its heads among them); use "
-                            "a --cp that divides them")
     for flag, on in (("--compile", cfg.compile),
                      ("--schedule pipedream-2bw", cfg.schedule == "pipedream-2bw"),
                      ("--ft", cfg.ft), ("--verify", cfg.verify)):

@@ -77,6 +77,11 @@ class GPTKind(Kind):
         if cfg.tp > 1 and cfg.sequence_parallel and cfg.seq_len % cfg.tp:
             problems.append(f"seq_len={cfg.seq_len} must divide by tp={cfg.tp} under sequence "
                             "parallelism; change --seq-len, or pass --no-sequence-parallel")
+        if cfg.cp > 1 and (c.n_heads // max(cfg.tp, 1)) % cfg.cp:
+            problems.append(f"--cp {cfg.cp}: the {cfg.preset} preset's {c.n_heads} heads"
+                            f"{f' over --tp {cfg.tp}' if cfg.tp > 1 else ''} do not divide "
+                            "among the cp ranks (attention splits its heads among them); use "
+                            "a --cp that divides them")
         if cfg.ep > 1:
             problems.append(f"--ep {cfg.ep} spreads a mixture of experts' experts over ranks; "
                             "the built-in GPT has none: give --hf an MoE model, or leave --ep "
@@ -96,6 +101,25 @@ class GPTKind(Kind):
 
     def label(self, cfg: TrainConfig) -> str:
         return cfg.preset
+
+
+def _cp_problems(cfg: TrainConfig) -> list[str]:
+    """What keeps ``--hf``'s model from ``--cp``: heads that do not spread, or attention that
+    does not go through the sliced path as it should
+    (:func:`pipetrain.hf.sequence_attention.check_model`, on 2 layers of width 32)."""
+    from pipetrain.hf.model import transformers
+    from pipetrain.hf.sequence_attention import check_model, problems
+    from pipetrain.train.commands.verify_hf import shrink
+
+    config = transformers().AutoConfig.from_pretrained(cfg.hf, local_files_only=True)
+    found = problems(config, cfg.cp, cfg.tp)
+    if found:
+        return found
+    try:
+        check_model(shrink(config, 2, 32), cfg.hf)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 class HFKind(Kind):
@@ -118,12 +142,8 @@ class HFKind(Kind):
                 require_weights(bool(opened.weights), cfg.hf)
             except ValueError as e:
                 return [str(e)]
-        if cfg.cp > 1:  # the heads' split, from the config alone
-            from pipetrain.hf.model import transformers
-            from pipetrain.hf.sequence_attention import problems
-
-            config = transformers().AutoConfig.from_pretrained(cfg.hf, local_files_only=True)
-            found = problems(config, cfg.cp, cfg.tp)
+        if cfg.cp > 1:  # the heads' split, then a small copy through the sliced path
+            found = _cp_problems(cfg)
             if found:
                 return found
         return _image_problems(cfg, False)
