@@ -14,7 +14,8 @@ run whole, one after another, on one process (:func:`pipetrain.testing.reference
   ``train --fsdp`` shards over ``dp_shard_cp``), and pipetrain's tensor parallelism on cp 2 x
   tp 2 (GPT).
 
-CI runs :data:`IN_CI` and GPT under FSDP2 and tp; the long tier the other cases and Llama under FSDP2.
+CI runs :data:`IN_CI` and GPT under FSDP2 and tp; the long tier the other cases and Llama
+under FSDP2.
 """
 
 from __future__ import annotations
