@@ -371,6 +371,11 @@ def run(args: argparse.Namespace) -> int:
         from pipetrain.train.data.packing import check_model
 
         check_model(open_model(cfg.hf).config, cfg.hf)
+    if cfg.cp > 1:  # a model whose attention the slices would get wrong is refused here
+        from pipetrain.train.commands.verify_hf import shrink
+
+        for problem in kind_of(cfg).slicing_problems(cfg, shrink):
+            raise ValueError(problem)
     if elastic.under_torchrun():
         elastic.worker(cfg, tuned=tuned)  # exits 1 itself on failure, naming the rank
         return EXIT_OK

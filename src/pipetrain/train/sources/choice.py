@@ -14,7 +14,7 @@ import json
 import sys
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipetrain.models.gpt import PRESETS
 from pipetrain.train.config import TrainConfig
@@ -54,6 +54,11 @@ class Kind(ABC):
     def provenance(self, cfg: TrainConfig) -> dict[str, str]:
         """Where the model came from, kept in each checkpoint's metadata."""
         return {}
+
+    def slicing_problems(self, cfg: TrainConfig, shrink: Any) -> list[str]:
+        """What keeps this model's attention from ``--cp``'s slices, found by running a small
+        copy (``shrink(config, layers, width)`` makes its config); none by default."""
+        return []
 
     def meta_model(self, cfg: TrainConfig) -> nn.Module | None:
         """The whole model on ``meta``, for the planner to size (None: it needs none)."""
@@ -104,22 +109,13 @@ class GPTKind(Kind):
 
 
 def _cp_problems(cfg: TrainConfig) -> list[str]:
-    """What keeps ``--hf``'s model from ``--cp``: heads that do not spread, or attention that
-    does not go through the sliced path as it should
-    (:func:`pipetrain.hf.sequence_attention.check_model`, on 2 layers of width 32)."""
+    """What keeps ``--hf``'s model from ``--cp`` by its config: heads that do not spread,
+    ALiBi, chunked attention (:func:`pipetrain.hf.sequence_attention.problems`)."""
     from pipetrain.hf.model import transformers
-    from pipetrain.hf.sequence_attention import check_model, problems
-    from pipetrain.train.commands.verify_hf import shrink
+    from pipetrain.hf.sequence_attention import problems
 
     config = transformers().AutoConfig.from_pretrained(cfg.hf, local_files_only=True)
-    found = problems(config, cfg.cp, cfg.tp)
-    if found:
-        return found
-    try:
-        check_model(shrink(config, 2, 32), cfg.hf)
-    except ValueError as e:
-        return [str(e)]
-    return []
+    return problems(config, cfg.cp, cfg.tp)
 
 
 class HFKind(Kind):
@@ -142,11 +138,14 @@ class HFKind(Kind):
                 require_weights(bool(opened.weights), cfg.hf)
             except ValueError as e:
                 return [str(e)]
-        if cfg.cp > 1:  # the heads' split, then a small copy through the sliced path
+        if cfg.cp > 1:  # the heads' split, from the config (the slices are run: slicing_problems)
             found = _cp_problems(cfg)
             if found:
                 return found
         return _image_problems(cfg, False)
+
+    def slicing_problems(self, cfg: TrainConfig, shrink: Any) -> list[str]:
+        return _hf_slicing(cfg, shrink) if cfg.cp > 1 else []
 
     def source(self, cfg: TrainConfig) -> Source:
         from pipetrain.train.sources.hf_source import HFSource
@@ -172,6 +171,20 @@ class HFKind(Kind):
 
     def label(self, cfg: TrainConfig) -> str:
         return cfg.hf
+
+
+def _hf_slicing(cfg: TrainConfig, shrink: Any) -> list[str]:
+    """A 2-layer copy of width 32 through the sliced path against transformers' own
+    (:func:`pipetrain.hf.sequence_attention.check_model`)."""
+    from pipetrain.hf.model import transformers
+    from pipetrain.hf.sequence_attention import check_model
+
+    config = transformers().AutoConfig.from_pretrained(cfg.hf, local_files_only=True)
+    try:
+        check_model(shrink(config, 2, 32), cfg.hf)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 class ImageTextKind(HFKind):
