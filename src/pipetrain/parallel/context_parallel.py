@@ -47,8 +47,6 @@ class ContextParallel:
                  tag: str = TAG) -> None:
         self.shards = Shards(group, tag, documents=documents)
         self.tag = tag
-        self.layers = 0
-        """GPT layers this hook made context-parallel (embeddings and attentions)."""
 
     @property
     def size(self) -> int:
@@ -63,7 +61,6 @@ class ContextParallel:
             for module in layer.modules():
                 if isinstance(module, (Attention, Embedding)):
                     module.sequence = self.tag
-                    self.layers += 1
 
     def take(self, tree: Any, length: int) -> Any:
         """This rank's slice of every tensor in ``tree`` whose second dimension is

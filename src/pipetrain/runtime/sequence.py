@@ -18,7 +18,8 @@ al., "DeepSpeed Ulysses", 2023)::
              (B, H, s, D)  this rank's tokens again
 
 Each all-to-all is the other's gradient, so a backward costs the same two exchanges; both are
-on the path to a stage's input, so a split backward runs them in I, never in W. Every rank
+on the path to a stage's input, so a split backward runs them in I (on the first stage, whose
+input has no gradient, its whole backward is W, and they run there). Every rank
 attends over all S queries of its heads: the causal work is the same on every rank without
 reordering the sequence (a ring passing key-value blocks needs each rank to hold a head and a
 tail slice for that). The heads must divide by cp (key-value heads too, or they are repeated
