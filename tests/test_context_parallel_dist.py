@@ -110,7 +110,6 @@ def _case(name: str, schedule: str, cp_group: dist.ProcessGroup, pp_group: dist.
     ref = copy.deepcopy(model)
     ids, labels, positions = _data(97 if hf else GPT.vocab_size, packed)
     with ContextParallel(cp_group, documents=packed) as cp:
-        hooks = cp if parallelize is None else pt_composed(cp, parallelize)
         if hf:
             from pipetrain.hf.sequence_attention import shard_attention
 
@@ -122,12 +121,12 @@ def _case(name: str, schedule: str, cp_group: dist.ProcessGroup, pp_group: dist.
             pipe = pt.Pipeline(model, schedule, M, _hf_loss,
                                split_points=[f"model.layers.{i}" for i in cuts],
                                example_inputs=cp.take(inputs, SEQ), group=pp_group,
-                               parallelize=hooks, timeout=60)
+                               parallelize=parallelize, timeout=60)
             got = pipe.step(pipe.pack(**cp.take(inputs, SEQ)), cp.take(labels, SEQ))
             want = reference_step(lambda x: ref(**x), inputs, labels, _hf_loss, M)
         else:
-            pipe = pt.Pipeline(nn.Sequential(*model), schedule, M, gpt_loss, group=pp_group,
-                               parallelize=hooks, timeout=60)
+            pipe = pt.Pipeline(cp.apply(nn.Sequential(*model)), schedule, M, gpt_loss,
+                               group=pp_group, parallelize=parallelize, timeout=60)
             got = pipe.step(cp.take(ids, SEQ), cp.take(labels, SEQ))
             ref = nn.Sequential(*ref)
             want = reference_step(ref, ids, labels, gpt_loss, M)
@@ -137,12 +136,6 @@ def _case(name: str, schedule: str, cp_group: dist.ProcessGroup, pp_group: dist.
         problems = _compare(pipe, got, want, ref, cp, grad_group or cp_group, label)
         pipe.close()
     return problems
-
-
-def pt_composed(*hooks: Any) -> Any:
-    from pipetrain.parallel.parallelize import Composed
-
-    return Composed(*hooks)
 
 
 def _gpt() -> list[nn.Module]:

@@ -228,15 +228,57 @@ def test_the_start_line_says_cp_and_tokens_a_rank() -> None:
     assert line == "4 ranks (dp 1 x cp 2, 16 tokens of each sequence per rank x pp 2)"
 
 
-def test_what_cp_does_not_compose_with_yet_is_each_named() -> None:
-    """The flags docs/long-context.md lists as not yet composed with --cp, each refused."""
+def test_cp_refuses_only_what_cannot_slice() -> None:
+    """--compile, pipedream-2bw, --ft and --verify compose with --cp (the long tier's tests
+    below); the option checks refuse a --seq-len that does not slice, and nothing else."""
     from pipetrain.train.checks import _cp_problems
     from pipetrain.train.config import TrainConfig
 
-    found = _cp_problems(TrainConfig(cp=2, compile=True, schedule="pipedream-2bw", ft=True,
-                                     verify=True))
-    for flag in ("--compile", "--schedule pipedream-2bw", "--ft", "--verify"):
-        assert f"--cp with {flag} is not supported yet: drop one of them" in found, flag
-    assert _cp_problems(TrainConfig(cp=2)) == []
+    assert _cp_problems(TrainConfig(cp=2, compile=True, schedule="pipedream-2bw", ft=True,
+                                    verify=True)) == []
     (slice_problem,) = _cp_problems(TrainConfig(cp=4, seq_len=24, tp=4))
     assert "each slice of 6 tokens must divide by tp" in slice_problem
+
+
+@pytest.mark.long  # beside test_cp_2_trains_the_gpt_preset_as_cp_1_with_less_memory_a_rank
+@pytest.mark.parametrize("flags", [["--schedule", "pipedream-2bw"], ["--compile"]],
+                         ids=["pipedream-2bw", "compile"])
+def test_cp_2_trains_as_cp_1_under_pipedream_2bw_and_compile(flags: list[str],
+                                                             tmp_path: Path) -> None:
+    """The exchanges are operators of the model (no hook on its weights), so the asynchronous
+    schedule's weight versions and torch.compile's graphs hold them as any other."""
+    for name, args in (("one", ["--nproc", "2"]), ("two", ["--nproc", "4", "--cp", "2"])):
+        train(["train", "--pp", "2", *args, *flags, *COMMON, "--out", str(tmp_path / name)],
+              tmp_path / name)
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert one[0] is None if flags[0] == "--schedule" else one[0] is not None
+    assert _close([x for x in one if x is not None], [x for x in two if x is not None])
+
+
+@pytest.mark.long  # 12 processes; beside test_cp_2_trains_the_gpt_preset_as_cp_1_with_less_...
+def test_cp_2_replicas_under_ft_train_as_dp_2(tmp_path: Path) -> None:
+    """--ft with 2 replicas of pp 2 x cp 2 (8 processes) trains as pp 2 x dp 2 without
+    torchft: each replica averages over its cp ranks, then torchft over the replicas."""
+    train(["train", "--nproc", "4", "--pp", "2", "--dp", "2", *COMMON, "--out",
+           str(tmp_path / "dp")], tmp_path / "dp")
+    assert main(["train", "--nproc", "8", "--pp", "2", "--dp", "2", "--cp", "2", "--ft",
+                 *COMMON, "--out", str(tmp_path / "ft")]) == 0
+    want = _losses(tmp_path / "dp")
+    for replica in (0, 1):
+        out = tmp_path / "ft" / f"replica-{replica}"
+        assert _close(_losses(out), want)
+        (end,) = records(out, "end")
+        assert end["replicas_bitwise_equal"]
+        (start,) = records(out, "start")
+        assert start["layout"]["cp"] == 2
+
+
+@pytest.mark.long  # beside test_cp_2_trains_a_stored_llama_as_cp_1_and_resumes_across_cp
+def test_verify_checks_the_pipeline_then_cp_trains(llama: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--verify under --cp checks the run's pipeline on whole sequences (the sliced
+    attention has its own check, run first), then trains."""
+    _hf(llama, tmp_path / "out", "--nproc", "4", "--pp", "2", "--cp", "2", "--verify")
+    assert "PASS: the loss and all" in capsys.readouterr().out
+    (start,) = records(tmp_path / "out", "start")
+    assert start["layout"]["cp"] == 2 and len(_losses(tmp_path / "out")) == 4

@@ -181,7 +181,7 @@ def _sliced(ctx: pt.RankContext) -> list[str]:
     x, y = ids[:, :-1], ids[:, 1:]
     alone = dist.new_group([ctx.rank])
     with ContextParallel(dist.group.WORLD) as cp:
-        pipe = pt.Pipeline(model, "1f1b", 2, lm_loss, group=alone, parallelize=cp,
+        pipe = pt.Pipeline(cp.apply(model), "1f1b", 2, lm_loss, group=alone,
                            device=ctx.device)
         got = pipe.step(cp.take(x, 32), cp.take(y, 32))
         want = reference_step(ref, x, y, lm_loss, 2, device=ctx.device)

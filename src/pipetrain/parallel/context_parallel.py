@@ -2,10 +2,12 @@
 
 :class:`ContextParallel` binds a group of ``cp`` ranks for the attention exchanges of
 :mod:`pipetrain.runtime.sequence` (for as long as it is open), cuts a batch into this rank's
-slice of each sequence (:meth:`ContextParallel.take`), and, as a ``Pipeline(parallelize=...)``
-hook, points pipetrain's GPT layers at it: the embedding adds the positions of its slice, the
-attention exchanges heads for tokens. A Hugging Face model takes it through transformers'
-attention interface instead (:mod:`pipetrain.hf.sequence_attention`), before it is captured.
+slice of each sequence (:meth:`ContextParallel.take`), and points pipetrain's GPT layers at it
+(:meth:`ContextParallel.apply`, before the model goes to ``Pipeline``): the embedding adds the
+positions of its slice, the attention exchanges heads for tokens. A Hugging Face model takes it
+through transformers' attention interface instead (:mod:`pipetrain.hf.sequence_attention`),
+also before it is captured. Neither touches a weight, so every schedule and ``compile=`` run
+with it as without.
 
     sequence of S tokens:  [ t0 ... t(s-1) | ts ... t(2s-1) | ... ]    s = S / cp
     held by cp rank:              0                1
@@ -27,7 +29,18 @@ from pipetrain.models.gpt import Attention, Embedding
 from pipetrain.runtime.sequence import TAG, Shards
 from pipetrain.runtime.torch_private import pytree
 
-__all__ = ["ContextParallel"]
+__all__ = ["ContextParallel", "slice_attention"]
+
+
+def slice_attention(model: nn.Module, tag: str = TAG) -> nn.Module:
+    """``model`` with its GPT embeddings and attention pointed at the group bound under
+    ``tag``: the embedding adds its slice's positions, attention exchanges heads for tokens.
+
+    The group need not be open yet: the layers look it up when they run."""
+    for module in model.modules():
+        if isinstance(module, (Attention, Embedding)):
+            module.sequence = tag
+    return model
 
 
 class ContextParallel:
@@ -56,11 +69,9 @@ class ContextParallel:
     def rank(self) -> int:
         return self.shards.rank
 
-    def __call__(self, stage: int, layers: list[nn.Module]) -> None:
-        for layer in layers:
-            for module in layer.modules():
-                if isinstance(module, (Attention, Embedding)):
-                    module.sequence = self.tag
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Point pipetrain's GPT layers in ``model`` at this group (before ``Pipeline``)."""
+        return slice_attention(model, self.tag)
 
     def take(self, tree: Any, length: int) -> Any:
         """This rank's slice of every tensor in ``tree`` whose second dimension is

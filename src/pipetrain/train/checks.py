@@ -135,9 +135,4 @@ def _cp_problems(cfg: TrainConfig) -> list[str]:
         problems.append(f"--cp {cfg.cp} with --tp {cfg.tp}: each slice of {cfg.seq_len // cfg.cp}"
                         f" tokens must divide by tp for sequence parallelism; use a --seq-len "
                         f"that divides by {cfg.cp * cfg.tp}, or --no-sequence-parallel")
-    for flag, on in (("--compile", cfg.compile),
-                     ("--schedule pipedream-2bw", cfg.schedule == "pipedream-2bw"),
-                     ("--ft", cfg.ft), ("--verify", cfg.verify)):
-        if on:
-            problems.append(f"--cp with {flag} is not supported yet: drop one of them")
     return problems

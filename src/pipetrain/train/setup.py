@@ -216,8 +216,7 @@ def _build(cfg: TrainConfig, mesh: Mesh, sequence: ContextParallel | None, *,
     spread = None if mesh.ep_mesh is None else source.expert_parallel(cfg, mesh, load)
     if spread is not None and sharded is not None:
         sharded.ignored = spread.params  # filled by the time FSDP2 shards a stage
-    hooks = [h for h in (sequence, spread, split, sharded)  # cp, experts, tp, FSDP2
-             if h is not None]
+    hooks = [h for h in (spread, split, sharded) if h is not None]  # experts, tp, FSDP2
     with across(dist.group.WORLD):  # every replica builds it now: one export for the job
         pipe = source.pipeline(cfg, schedule, rows, mesh.pp_rank, scale.wrap,
                                group=mesh.pp_group, device=mesh.device, timeout=cfg.timeout,

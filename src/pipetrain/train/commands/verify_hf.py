@@ -230,8 +230,8 @@ def before_training(cfg: TrainConfig, announce: Callable[[str], None] | None = N
                     ) -> Verification:
     """``pipetrain train --verify``: :func:`verify_hf` of the run's model at hidden size
     :data:`WIDTH` with all its layers, under the run's pipeline layout (ranks, schedule,
-    stages per rank, micro-batches, balance, recomputation, seed, sequence length);
-    ``announce`` as in :func:`verify_hf`.
+    stages per rank, micro-batches, balance, recomputation, seed, sequence length; whole
+    sequences under ``--cp``); ``announce`` as in :func:`verify_hf`.
 
     Raises:
         ValueError: without ``--hf``, or for a layout the run cannot have.
@@ -242,5 +242,7 @@ def before_training(cfg: TrainConfig, announce: Callable[[str], None] | None = N
         raise ValueError("--verify checks a --hf model; the built-in GPT's pipeline is "
                          "checked by the test suite (tests/test_runtime_dist.py)")
     world = int(os.environ.get("WORLD_SIZE", cfg.nproc))
-    _, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp, cfg.tp)
-    return verify_hf(cfg, pp, width=WIDTH, announce=announce)
+    _, pp = layout(world, cfg.dp, cfg.pp, cfg.fsdp, cfg.tp, cfg.cp)
+    # whole sequences: with --cp the sliced attention has its own check, which the command
+    # runs first (pipetrain.hf.sequence_attention.check_model)
+    return verify_hf(dataclasses.replace(cfg, cp=1), pp, width=WIDTH, announce=announce)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pipetrain.models.gpt import PRESETS, GPTConfig, gpt_layers, lm_loss
+from pipetrain.parallel.context_parallel import slice_attention
 from pipetrain.pipeline import Pipeline
 from pipetrain.schedules.schedule import Schedule
 from pipetrain.split.balance import plan_balance
@@ -133,6 +134,8 @@ class GPTSource(Source):
             torch.manual_seed(cfg.seed)
             layers = gpt_layers(self.model, keep=None if hosted is None else hosted.__contains__)
         self.no_decay = _no_decay(nn.Sequential(*layers))
+        if cfg.cp > 1:  # each rank a slice of every sequence (train/setup.py binds the group)
+            slice_attention(nn.Sequential(*layers))
         return Pipeline(layers, schedule, cfg.microbatches, wrap(lm_loss),
                         balance=parse_balance(cfg.balance), recompute=cfg.recompute,
                         init_seed=cfg.seed,
