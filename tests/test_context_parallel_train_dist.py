@@ -159,13 +159,9 @@ def test_cp_2_trains_packed_chats_as_cp_1(tmp_path: Path) -> None:
     (["--nproc", "4", "--pp", "1", "--cp", "4", "--seq-len", "30"],
      "--seq-len 30 does not divide; use a multiple of 4"),
     (["--nproc", "8", "--pp", "1", "--cp", "8"], "preset's 4 heads do not divide"),
-    (["--nproc", "4", "--pp", "2", "--cp", "2", "--compile"],
-     "--cp with --compile is not supported yet"),
-    (["--nproc", "4", "--pp", "2", "--cp", "2", "--schedule", "pipedream-2bw"],
-     "--cp with --schedule pipedream-2bw is not supported yet"),
     (["--nproc", "4", "--pp", "2", "--cp", "3"], "the world has 4 ranks"),
     (["--cp", "0"], "--cp must be at least 1"),
-], ids=["seq-len", "heads", "compile", "pipedream-2bw", "world", "zero"])
+], ids=["seq-len", "heads", "world", "zero"])
 def test_bad_cp_exits_2_naming_the_fix(args: list[str], said: str,
                                        capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["train", *args, "--steps", "1", "--out", ""]) == 2
