@@ -1,6 +1,9 @@
 """Published runs against ``pipetrain plan --cluster``'s prediction for the same job and layout.
 
-For every run of :mod:`pipetrain.plan.cluster.published` (Megatron-LM's Table 1, the selective
+Every figure comes from the command a user types: each row's ``pipetrain plan --cluster ...
+--json`` (:meth:`pipetrain.plan.cluster.published_record.Published.command`, printed with
+``--commands``; ``--configs DIR`` writes the models' ``config.json`` files it names). For every
+run of :mod:`pipetrain.plan.cluster.published` (Megatron-LM's Table 1, the selective
 recomputation paper's, the Zero Bubble paper's, torchtitan's, Llama 3's, MegaScale's), the
 predicted figure in the metric the source published, their ratio, and the fastest layout the
 search finds for the same GPUs, batch and memory::
@@ -8,77 +11,90 @@ search finds for the same GPUs, batch and memory::
     python benchmarks/published.py                 # every row, ten minutes (--no-search: seconds)
     python benchmarks/published.py --rows megatron- --json out.json
 
-What each source's trainer did that the cost model must be told (not fitted): Megatron-LM in
-2021 had no flash attention, no sequence parallelism, no distributed optimizer and reduced its
-gradients after the backward; the 2022 selective recomputation paper added sequence
-parallelism; the Zero Bubble paper's runs kept attention's scores in memory, without a
-dropout over them (what its published peak memory says: see its rows' ``assumed``), and ZB-2p
-is zb-auto under twice 1F1B's stage-activations; the later trainers use flash attention and
+What each source's trainer did that the cost model must be told (not fitted) is the command's
+``--trainer`` (:mod:`pipetrain.plan.cluster.trainers`): Megatron-LM in 2021 had no flash
+attention, no sequence parallelism, no distributed optimizer and reduced its gradients after
+the backward; the 2022 selective recomputation paper added sequence parallelism; the Zero
+Bubble paper's runs kept attention's scores in memory, without a dropout over them (what its
+published peak memory says: see its rows' ``assumed``), and ZB-2p is zb-auto under twice
+1F1B's stage-activations (``--activation-limit``); the later trainers use flash attention and
 overlap their gradient reduction. The "pub." column is the peak memory a source published.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import shlex
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from pipetrain.plan.cluster.arch import Arch
-from pipetrain.plan.cluster.hardware import gpu
-from pipetrain.plan.cluster.job import Job, Layout, Prediction, predict
+from pipetrain.cli import main as pipetrain
 from pipetrain.plan.cluster.published import Published, rows
-from pipetrain.plan.cluster.search import Pins, search
 
-OLD_MEGATRON = ("megatron-", "megascale-")  # 2021's Megatron-LM: see the module docstring
-
-
-def job_of(row: Published) -> Job:
-    """The job of ``row``, with what its trainer did."""
-    m = row.model
-    arch = Arch(layers=m["layers"], hidden=m["hidden"], heads=m["heads"],
-                kv_heads=m["kv_heads"], ffn=m["ffn"], vocab=m["vocab"],
-                gated=m["ffn"] != 4 * m["hidden"], experts=m.get("experts", 0),
-                top_k=m.get("top_k", 0), name=row.key)
-    old = row.key.startswith(("megatron-", "korthikanti-"))
-    zb = row.key.startswith("zb-")  # see the module docstring
-    return Job(arch, gpu(row.gpu), row.gpus, m["seq_len"], row.global_batch,
-               precision=row.precision, flash_attention=not old and not zb,
-               attention_dropout=not zb,
-               sequence_parallel=not row.key.startswith("megatron-"),
-               distributed_optimizer=not old, overlap_grad_reduce=not old)
+PINS = ("--tp", "--pp", "--dp", "--fsdp", "--cp", "--ep", "--schedule", "--stages-per-rank",
+        "--micro-batch-size", "--recompute")
+"""The flags of a row's command that pin its layout (the search leaves them out)."""
 
 
-def layout_of(row: Published) -> Layout:
-    dp = row.dp * row.fsdp
-    return Layout(tp=row.tp, pp=row.pp, dp=row.dp, fsdp=row.fsdp, cp=row.cp, ep=row.ep,
-                  schedule=row.schedule if row.pp > 1 else "1f1b",
-                  stages_per_rank=row.stages_per_rank,
-                  microbatches=row.global_batch // (dp * row.micro_batch),
-                  micro_batch_size=row.micro_batch, recompute=row.recompute,
-                  activation_limit=row.activation_limit)
+def run(argv: list[str]) -> dict[str, Any]:
+    """``pipetrain`` with ``argv`` (a ``plan --cluster ... --json`` command): its JSON.
+
+    Raises:
+        RuntimeError: when the command fails (exit other than 0, or 3: nothing fits).
+    """
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = pipetrain(argv)
+    if code not in (0, 3):
+        raise RuntimeError(f"pipetrain {shlex.join(argv)} exited {code}: {err.getvalue()}")
+    return json.loads(out.getvalue())  # type: ignore[no-any-return]
 
 
-def figure(p: Prediction, metric: str) -> float:
-    return float(p.step_s if metric == "step_s" else getattr(p, metric))
+def unpinned(argv: list[str]) -> list[str]:
+    """``argv`` without the flags (and their values) that pin the layout."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in PINS:
+            skip = True
+        else:
+            out.append(arg)
+    return out
 
 
-def compare(row: Published, with_search: bool) -> dict[str, Any]:
-    job = job_of(row)
-    got = predict(job, layout_of(row))
-    predicted = figure(got, row.metric)
+def compare(row: Published, with_search: bool, configs: Path | None = None) -> dict[str, Any]:
+    """``row``'s command's prediction against its published figure (and the search's best
+    layout for the same job, ``with_search``); the model's ``config.json`` is written to
+    ``configs`` (default: a temporary directory)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        config = (configs or Path(scratch)) / f"{row.key}.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(row.config(), indent=1))
+        argv = row.command(str(config))
+        got = run(argv)
+        found = run(unpinned(argv))["best"] if with_search else None
+    best = got["best"]
+    predicted = float(best[row.metric])
     out: dict[str, Any] = {"key": row.key, "metric": row.metric, "published": row.value,
                            "predicted": predicted, "ratio": predicted / row.value,
-                           "fits": got.fits, "peak_gib": got.peak_bytes_per_gpu / 2**30,
-                           "step_s": got.step_s, "peak_bytes": got.peak_bytes_per_gpu,
-                           "published_peak_bytes": row.peak_memory}
-    if with_search:
-        best = search(job, Pins(), limit=1)[0]
-        out["search_step_s"] = best.step_s
-        out["search_layout"] = {k: v for k, v in vars(best.layout).items()}
+                           "fits": best["fits"], "peak_gib": best["peak_bytes_per_gpu"] / 2**30,
+                           "step_s": best["step_s"], "peak_bytes": best["peak_bytes_per_gpu"],
+                           "published_peak_bytes": row.peak_memory,
+                           "command": "pipetrain " + shlex.join(row.command(
+                               str(config) if configs else ""))}
+    if found is not None:
+        out["search_step_s"] = found["step_s"]
+        out["search_layout"] = found["layout"]
     return out
 
 
@@ -87,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="*", help="keys or prefixes (default: all)")
     parser.add_argument("--no-search", action="store_true", help="skip the layout search")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--configs", type=Path,
+                        help="write each row's config.json here (to run its command)")
+    parser.add_argument("--commands", action="store_true",
+                        help="print each row's command under it")
     args = parser.parse_args(argv)
     started = time.time()
     print(f"{'run':<34}{'metric':<24}{'published':>10}{'predicted':>10}{'ratio':>7}"
@@ -94,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     results = []
     for row in rows(args.rows or None):
-        r = compare(row, not args.no_search)
+        r = compare(row, not args.no_search, args.configs)
         results.append(r)
         found = ""
         if "search_step_s" in r:
@@ -107,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{r['ratio']:>7.3f}{'yes' if r['fits'] else 'NO':>6}{r['peak_gib']:>6.1f}"
               f"{r['published_peak_bytes'] / 2**30 or float('nan'):>6.1f}  {found}",
               flush=True)
+        if args.commands:
+            print(f"  $ {r['command']}", flush=True)
     ratios = [r["ratio"] for r in results]
     memory = [r["peak_bytes"] / r["published_peak_bytes"] for r in results
               if r["published_peak_bytes"]]

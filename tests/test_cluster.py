@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -307,3 +308,103 @@ def test_published_peak_memory_is_predicted_within_ten_percent(key: str) -> None
     (row,) = rows([key])
     got = compare(row, with_search=False)
     assert math.isclose(got["peak_bytes"] / row.peak_memory, 1.0, abs_tol=0.10), got
+
+
+def _table_rows() -> dict[str, list[str]]:
+    """docs/planning.md's published-vs-predicted table: its cells by run."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and any(cells[0] == r.key for r in rows()):
+            out[cells[0]] = cells
+    return out
+
+
+def test_every_documented_row_is_its_command_s_figure() -> None:
+    """Each row of docs/planning.md's table, recomputed by the row's own ``pipetrain plan
+    --cluster ... --json`` command (its ``--trainer`` included): the figure as printed (4
+    significant digits) and whether it fits."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from published import compare
+
+    table = _table_rows()
+    assert set(table) == {r.key for r in rows()}
+    for row in rows():
+        got = compare(row, with_search=False)
+        cells = table[row.key]
+        assert f"{got['predicted']:.4g}" == cells[3], (row.key, got["predicted"], cells)
+        assert ("yes" if got["fits"] else "no") == cells[5], (row.key, cells)
+        assert got["command"].startswith("pipetrain plan --cluster ") \
+            and f"--trainer {row.trainer}" in got["command"]
+
+
+def test_the_trainer_changes_the_figure_a_user_types(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Megatron-LM's 145.6B run typed as published: 2021's Megatron-LM (no flash attention, no
+    sequence parallelism, gradients reduced after the backward) gives the documented figure;
+    today's trainers are faster on the same layout, and a flag overrides a preset's
+    setting."""
+    from pipetrain.cli import main
+
+    (row,) = rows(["megatron-145b"])
+    config = tmp_path / "gpt.json"
+    config.write_text(json.dumps(row.config()))
+
+    def hardware(*extra: str) -> tuple[float, dict[str, Any]]:
+        argv = [a for a in row.command(str(config)) if a not in ("--trainer", row.trainer)]
+        assert main([*argv, *extra]) == 0
+        report = json.loads(capsys.readouterr().out)
+        return report["best"]["hardware_tflops_per_gpu"], report["trainer"]
+
+    old, said = hardware("--trainer", "megatron-lm-2021")
+    assert f"{old:.4g}" == _table_rows()["megatron-145b"][3]
+    assert said == {"preset": "megatron-lm-2021", "flash_attention": False,
+                    "attention_dropout": True, "sequence_parallel": False,
+                    "distributed_optimizer": False, "overlap_grad_reduce": False,
+                    "cp_exchange": "ring"}
+    core, _ = hardware("--trainer", "megatron-core")
+    assert core > old * 1.1
+    flash_only, said = hardware("--trainer", "megatron-lm-2021", "--flash-attention")
+    assert said["flash_attention"] is True and old < flash_only < core
+    assert hardware()[1]["preset"] == "pipetrain"  # the default: what pipetrain train runs
+
+
+def test_context_parallel_over_heads_costs_its_four_all_to_alls() -> None:
+    """The all-to-all exchange (what pipetrain train runs) against a hand count: Q, K, V and
+    the output of this GPU's tokens and tp rank's heads, each an all-to-all over cp, in F and
+    again in I; the ring's K and V hide under attention instead."""
+    fabric, kernels = Fabric.of(gpu("H100")), Kernels.of(gpu("H100"))
+    link = fabric.group(4, 2)
+    seq, tp, cp = 32768, 2, 4
+    kwargs = {"tp_link": fabric.group(tp, 1), "ep_link": link}
+    a2a = Shard(tp, cp, 1, cp_link=link, cp_exchange="all-to-all", **kwargs)
+    ring = Shard(tp, cp, 1, cp_link=link, cp_exchange="ring", **kwargs)
+    one = layer_cost(LLAMA, kernels, 1, seq, a2a, "never")
+    other = layer_cost(LLAMA, kernels, 1, seq, ring, "never")
+    tokens = seq / cp
+    row = tokens * LLAMA.dim * 2  # a head's bytes
+    kv = math.lcm(LLAMA.kv_heads // tp, cp)  # 4 key-value heads a tp rank: divide by 4
+    want = sum(link.all_to_all(row * n, cp) for n in (16, kv, kv, 16))
+    assert one.f - other.f == pytest.approx(want, rel=1e-9)
+    assert one.i - other.i == pytest.approx(want, rel=1e-9)
+
+
+def test_all_to_all_context_parallelism_needs_heads_that_divide(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Heads per tp rank that cp does not divide: refused with the fix under the default
+    (all-to-all) exchange, accepted as a ring."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1536,
+                                  "num_hidden_layers": 8, "num_attention_heads": 12,
+                                  "num_key_value_heads": 4, "intermediate_size": 4096,
+                                  "vocab_size": 32000, "hidden_act": "silu"}))
+    base = ("--cluster", "H100", "--gpus", "16", "--config-json", str(config), "--seq-len",
+            "16384", "--global-batch", "16", "--cp", "8", "--json")
+    code, err = _in_process(capsys, *base)
+    assert code == 2 and "the 12 heads of each tp rank must divide by it" in err
+    assert "--cp-exchange ring" in err
+    code, _ = _in_process(capsys, *base, "--cp-exchange", "ring")
+    assert code == 0
+    code, _ = _in_process(capsys, *base, "--trainer", "megatron-core")
+    assert code == 0

@@ -23,6 +23,7 @@ from pipetrain.plan.cluster.arch import Arch
 from pipetrain.plan.cluster.hardware import GPUS, gpu, load_toml, with_overrides
 from pipetrain.plan.cluster.job import Job, Layout, Prediction, simulation
 from pipetrain.plan.cluster.search import RECOMPUTE, Pins, search
+from pipetrain.plan.cluster.trainers import CP_EXCHANGES, TRAINERS, Trainer, trainer
 from pipetrain.train.config import TrainConfig, config_toml
 
 __all__ = ["configure_cluster", "run_cluster"]
@@ -50,6 +51,24 @@ def configure_cluster(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stages-per-rank", type=int, metavar="V")
     group.add_argument("--recompute", choices=RECOMPUTE)
     group.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
+    group.add_argument("--activation-limit", type=float, metavar="N", default=0.0,
+                       help="zb-auto: stage-activations a rank may hold (default: pp)")
+    stack = parser.add_argument_group(
+        "the trainer (--cluster): a preset, each setting overridable by its own flag")
+    stack.add_argument("--trainer", choices=TRAINERS, default="pipetrain",
+                       help="the stack whose costs to predict (default: %(default)s, what "
+                            "pipetrain train runs; docs/planning.md has the table)")
+    for flag, what in (("flash-attention", "flash attention (no s x s scores in memory)"),
+                       ("attention-dropout", "a dropout over attention's scores (without "
+                                             "flash attention)"),
+                       ("sequence-parallel", "norms and residuals split by --tp too"),
+                       ("distributed-optimizer", "AdamW's states sharded over the dp replicas"),
+                       ("overlap-grad-reduce", "gradients reduced under the backward")):
+        stack.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=None,
+                           dest=f"cluster_{flag.replace('-', '_')}",
+                           help=f"{what} (default: the trainer's)")
+    stack.add_argument("--cp-exchange", choices=CP_EXCHANGES, default=None,
+                       help="how cp ranks attend (default: the trainer's)")
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -63,6 +82,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     best = found[0]
     report = {"best": _row(best, job), "candidates": [_row(p, job) for p in found[:50]],
               "predicted_only": predicted_only(best.layout),
+              "trainer": {"preset": args.trainer, **_trainer(args).job_options()},
               "job": {"gpu": job.gpu.name, "gpus": job.gpus, "seq_len": job.seq,
                       "global_batch": job.global_batch, "params": job.arch.params(),
                       "active_params": job.arch.active_params()}}
@@ -127,11 +147,20 @@ def _job(args: argparse.Namespace) -> tuple[Job, Pins]:
 
         limit = float(size_bytes(args.memory_limit, "--memory-limit"))
     job = Job(_arch(args), card, args.gpus, args.seq_len, args.global_batch,
-              precision=args.precision, memory_limit=limit)
+              precision=args.precision, memory_limit=limit, **_trainer(args).job_options())
     pins = Pins(tp=args.tp, pp=args.pp, dp=args.dp, fsdp=args.fsdp, cp=args.cp, ep=args.ep,
                 schedule=args.schedule, stages_per_rank=args.stages_per_rank,
-                micro_batch_size=args.micro_batch_size, recompute=args.recompute)
+                micro_batch_size=args.micro_batch_size, recompute=args.recompute,
+                activation_limit=args.activation_limit)
     return job, pins
+
+
+def _trainer(args: argparse.Namespace) -> Trainer:
+    """``--trainer`` with the settings its own flags override."""
+    names = ("flash_attention", "attention_dropout", "sequence_parallel",
+             "distributed_optimizer", "overlap_grad_reduce")
+    return trainer(args.trainer, cp_exchange=args.cp_exchange,
+                   **{n: getattr(args, f"cluster_{n}") for n in names})
 
 
 def _arch(args: argparse.Namespace) -> Arch:

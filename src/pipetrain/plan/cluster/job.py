@@ -96,6 +96,8 @@ class Job:
     """Without flash attention: a dropout over the scores (Megatron-LM's default, 0.1)."""
     sequence_parallel: bool = True
     """Norms and residuals split by tp too (Korthikanti et al. 2022); False: replicated."""
+    cp_exchange: str = "ring"
+    """How cp ranks attend: "ring" or "all-to-all" (:mod:`.trainers`)."""
 
     def __post_init__(self) -> None:
         if self.precision == "fp8" and self.gpu.fp8_flops is None:
@@ -189,7 +191,8 @@ def _pipeline(job: Job, layout: Layout
                   fabric.group(layout.tp, 1), fabric.group(layout.cp, layout.tp),
                   fabric.group(layout.ep, layout.tp * layout.cp),
                   sequence_parallel=job.sequence_parallel, fp8=job.precision == "fp8",
-                  flash=job.flash_attention, attention_dropout=job.attention_dropout)
+                  flash=job.flash_attention, attention_dropout=job.attention_dropout,
+                  cp_exchange=job.cp_exchange)
     layer = _sharded(layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard,
                                 layout.recompute), job, layout, fabric)
     head = head_cost(arch, kernels, layout.micro_batch_size, job.seq, shard)

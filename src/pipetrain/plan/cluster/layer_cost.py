@@ -8,7 +8,9 @@ their activations split by ``t`` too)::
        attention core     causal flash attention of T queries against s keys, a/t heads
        memory-bound       two norms, two residual adds, the MLP's activation, rotary (bytes / HBM)
        tensor parallel    2 all-gathers + 2 reduce-scatters of T h x 2 bytes (on the critical path)
-       context parallel   K and V passed round the cp ring (overlapped with attention)
+       context parallel   K and V passed round the cp ring (overlapped with attention), or
+                          4 all-to-alls of Q, K, V and the output over the cp ranks (heads for
+                          tokens, DeepSpeed-Ulysses; on the critical path)
        expert parallel    2 all-to-alls of T top_k h x 2 bytes (dispatch, combine)
     I  the same multiplies with dX = dY W ("nn"), attention's backward, 2x the memory-bound
        work, the same collectives
@@ -23,6 +25,7 @@ only each layer's input.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pipetrain.plan.cluster.arch import Arch
@@ -64,6 +67,8 @@ class Shard:
     """Flash attention; False: the s x s scores in memory (a fused softmax, as before 2022)."""
     attention_dropout: bool = True
     """With the scores in memory: a dropout over them (its mask and output kept too)."""
+    cp_exchange: str = "ring"
+    """How cp ranks attend (:data:`pipetrain.plan.cluster.trainers.CP_EXCHANGES`)."""
 
 
 def _gemms(arch: Arch, tokens: float, t: int, ep: int) -> list[tuple[float, float, float]]:
@@ -190,10 +195,20 @@ def _ep_comm(arch: Arch, tokens: float, shard: Shard) -> float:
 
 def _cp_exposed(arch: Arch, tokens: float, shard: Shard, attn_f: float, attn_b: float
                 ) -> tuple[float, float]:
-    """Ring attention's K and V exchange beyond the attention it overlaps, F and I."""
+    """Context parallelism's exchanges on the critical path, F and I: a ring's K and V
+    beyond the attention it overlaps, or the four all-to-alls over heads (each holding this
+    GPU's tokens of its tp rank's heads; key-value heads repeated up to a multiple of cp),
+    again in the backward for their gradients."""
     if shard.cp <= 1:
         return 0.0, 0.0
-    kv = 2 * tokens * arch.kv_heads * arch.dim * BF16 / shard.tp
+    kv_heads = arch.kv_heads // shard.tp
+    if shard.cp_exchange == "all-to-all":
+        kv_heads = math.lcm(kv_heads, shard.cp)  # repeated until the cp ranks divide them
+        row = tokens * arch.dim * BF16  # one head's
+        a2a = sum(shard.cp_link.all_to_all(row * n, shard.cp)  # Q, K, V, the output
+                  for n in (arch.heads // shard.tp, kv_heads, kv_heads, arch.heads // shard.tp))
+        return a2a, a2a
+    kv = 2 * tokens * kv_heads * arch.dim * BF16
     ring = (shard.cp - 1) * shard.cp_link.send(kv)
     return max(0.0, ring - attn_f), max(0.0, 2 * ring - attn_b)
 

@@ -36,6 +36,7 @@ def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int,
         schedule = "no pipeline (pp = 1): gradient accumulation over the micro-batches"
     tp_vocab = {1: 50304, 2: 50432, 4: 50688, 8: 51200}[tp]
     return Published(
+        trainer="megatron-lm-2021",
         key=f"megatron-{size.lower()}", model=gpt_shape(layers, hidden, heads, 2048, 51200),
         gpu="A100-80GB", gpus=gpus, tp=tp, pp=pp, dp=dp, global_batch=batch, micro_batch=micro,
         schedule="interleaved-1f1b" if chunks > 1 else "1f1b", stages_per_rank=chunks,
@@ -99,6 +100,7 @@ def _korthikanti(size: str, heads: int, hidden: int, layers: int, tp: int, pp: i
                   "the non-interleaved 1F1B schedule (the transcription gives interleaving "
                   "only for 175B and 530B)" if pp > 1 else "no pipeline")
     return Published(
+        trainer="megatron-lm-2022",
         key=f"korthikanti-{size.lower()}-{'selective' if selective else 'full'}",
         model=gpt_shape(layers, hidden, heads, 2048, 51200), gpu="A100-80GB", gpus=gpus, tp=tp,
         pp=pp, dp=gpus // (tp * pp), global_batch=batch, micro_batch=micro,
@@ -158,6 +160,7 @@ _MEGASCALE_ASSUMED = (
 
 def _megascale(gpus: int, batch: int, step: float, tokens: str, mfu: float) -> Published:
     return Published(
+        trainer="megatron-core",
         key=f"megascale-megatron-175b-{gpus}gpu", model=gpt_shape(96, 12288, 128, 2048, 64000),
         gpu="A100-80GB", gpus=gpus, tp=8, pp=8, dp=gpus // 64, global_batch=batch,
         micro_batch=1, schedule="interleaved-1f1b", stages_per_rank=6, recompute="selective",

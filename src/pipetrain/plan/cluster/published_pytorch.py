@@ -34,6 +34,7 @@ def _zb(size: str, layers: int, heads: int, hidden: int, gpus: int, micro: int, 
                  "activations (Target(memory_limit=2 * pp)), the paper's 2 p M_B"),
     }[kind]
     return Published(
+        trainer="zero-bubble",
         key=f"zb-{size.lower()}-{kind}", model=gpt_shape(layers, hidden, heads, 1024, 32000),
         gpu="A100-80GB", gpus=gpus, tp=1, pp=gpus, dp=1, global_batch=micro * m,
         micro_batch=micro, schedule=schedule, stages_per_rank=1, recompute="never",
@@ -111,6 +112,7 @@ def _torchtitan(key: str, size: str, seq_len: int, gpus: int, fsdp: int, tp: int
                 cp: int, local_batch: int, micro: int, schedule: str, chunks: int,
                 recompute: str, fp8: bool, tps: float, table: str, extra: str) -> Published:
     return Published(
+        trainer="torchtitan",
         key=key, model=llama3_shape(size, seq_len), gpu="H100-SXM", gpus=gpus, tp=tp, pp=pp, dp=1,
         cp=cp, fsdp=fsdp, global_batch=local_batch * fsdp, micro_batch=micro,
         schedule=schedule, stages_per_rank=chunks, recompute=recompute,
@@ -205,6 +207,7 @@ _LLAMA3_ASSUMED = (
 def _llama3_row(key: str, gpus: int, cp: int, dp: int, seq_len: int, per_dp: int,
                 tflops: float, mfu: int) -> Published:
     return Published(
+        trainer="torchtitan",
         key=key, model=llama3_shape("405b", seq_len), gpu="H100-SXM", gpus=gpus, tp=8, pp=16,
         dp=1, cp=cp, fsdp=dp, global_batch=dp * per_dp, micro_batch=1,
         schedule="interleaved-1f1b", stages_per_rank=2, recompute="selective",

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pipetrain.plan.cluster.hardware import GPUS
+from pipetrain.plan.cluster.trainers import TRAINERS
 
 __all__ = ["Published", "METRICS", "SCHEDULES", "RECOMPUTE", "PRECISIONS", "check", "gpt_shape",
            "llama3_shape"]
@@ -44,8 +45,47 @@ class Published:
     value: float  # the published figure in that metric's unit (TFLOP/s, fraction, tokens/s, s)
     source: str  # paper, table, row; URL
     assumed: str  # every detail not given in the source and assumed here, and why ("" if none)
+    trainer: str  # a preset of pipetrain.plan.cluster.trainers (the stack that ran it)
     activation_limit: float = 0.0  # zb-auto's stage-activations per rank (0: pp, ZB-1p's)
     peak_memory: float = 0.0  # bytes per GPU as the source gives it (0: not given)
+
+    def config(self) -> dict[str, object]:
+        """The model as a Hugging Face ``config.json``'s keys (``plan --config-json``): a
+        GPT-3-like model (a 4h GeLU MLP) as GPT-2's, any other as Llama's, with experts as
+        Mixtral's."""
+        m = self.model
+        gpt = m["ffn"] == 4 * m["hidden"] and "experts" not in m
+        out: dict[str, object] = {
+            "model_type": "gpt2" if gpt else "mixtral" if "experts" in m else "llama",
+            "hidden_act": "gelu_new" if gpt else "silu", "num_hidden_layers": m["layers"],
+            "hidden_size": m["hidden"], "num_attention_heads": m["heads"],
+            "num_key_value_heads": m["kv_heads"], "intermediate_size": m["ffn"],
+            "vocab_size": m["vocab"], "max_position_embeddings": m["seq_len"]}
+        if "experts" in m:
+            out |= {"num_local_experts": m["experts"], "num_experts_per_tok": m["top_k"]}
+        return out
+
+    def command(self, config: str = "") -> list[str]:
+        """``pipetrain plan --cluster ... --json`` for this run, every published detail pinned
+        (``config``: the path of :meth:`config`'s file; default ``KEY.json``)."""
+        dp = self.dp * self.fsdp
+        argv = ["plan", "--cluster", self.gpu, "--gpus", str(self.gpus),
+                "--config-json", config or f"{self.key}.json",
+                "--seq-len", str(self.model["seq_len"]),
+                "--global-batch", str(self.global_batch),
+                "--micro-batch-size", str(self.micro_batch),
+                "--tp", str(self.tp), "--pp", str(self.pp), "--dp", str(self.dp),
+                "--fsdp", str(self.fsdp), "--cp", str(self.cp), "--ep", str(self.ep),
+                "--schedule", self.schedule if self.pp > 1 else "1f1b",
+                "--stages-per-rank", str(self.stages_per_rank),
+                "--recompute", self.recompute, "--trainer", self.trainer]
+        if self.precision == "fp8":
+            argv += ["--precision", "fp8"]
+        if self.activation_limit:
+            argv += ["--activation-limit", f"{self.activation_limit:g}"]
+        if self.global_batch % (dp * self.micro_batch):
+            raise ValueError(f"published row {self.key!r}: the batch does not split")
+        return argv + ["--json"]
 
 
 def gpt_shape(layers: int, hidden: int, heads: int, seq_len: int, vocab: int) -> dict[str, int]:
@@ -96,3 +136,6 @@ def check(published: Iterable[Published]) -> None:
                              f"{r.schedule!r}")
         if not r.value > 0 or not r.source:
             raise ValueError(f"{where}: no value or no source")
+        if r.trainer not in TRAINERS:
+            raise ValueError(f"{where}: trainer {r.trainer!r} is not a preset of "
+                             f"{', '.join(TRAINERS)}")

@@ -3,7 +3,8 @@
 A flag given pins its dimension; every other is searched::
 
     tp    divisors of the GPUs per node that divide the heads and the key-value heads
-    cp    1, 2, 4, 8, 16 dividing the sequence (context parallelism, priced as a ring)
+    cp    1, 2, 4, 8, 16 dividing the sequence (context parallelism: a ring, or an all-to-all
+          over heads, whose cp must divide each tp rank's heads: the trainer's, .trainers)
     pp    divisors of what is left, up to the layers
     dp x fsdp  what is left: all replicated (dp), all sharded (fsdp), or within a node
                sharded and replicated across (HSDP)
@@ -54,6 +55,8 @@ class Pins:
     stages_per_rank: int | None = None
     micro_batch_size: int | None = None
     recompute: str | None = None
+    activation_limit: float = 0.0
+    """zb-auto's stage-activations per rank (0: pp)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -75,11 +78,21 @@ def check_layout(job: Job, layout: Layout) -> None:
                          f"the model's {arch.layers} layers: lower --pp")
     if job.seq % layout.cp:
         raise ValueError(f"--cp {layout.cp} must divide the sequence of {job.seq} tokens")
+    _check_heads(job, layout.tp, layout.cp)
     if layout.ep > 1 and (not arch.moe or arch.experts % layout.ep
                           or (layout.dp * layout.fsdp) % layout.ep):
         raise ValueError(f"--ep {layout.ep} must divide the model's {arch.experts} experts "
                          f"and dp x fsdp = {layout.dp * layout.fsdp}")
     with_microbatches(job, layout)
+
+
+def _check_heads(job: Job, tp: int, cp: int) -> None:
+    """Context parallelism over heads (all-to-all) needs each tp rank's heads to divide."""
+    heads = job.arch.heads // tp
+    if cp > 1 and job.cp_exchange == "all-to-all" and heads % cp:
+        raise ValueError(f"--cp {cp} exchanges heads for tokens (--cp-exchange all-to-all, "
+                         f"the trainer's): the {heads} heads of each tp rank must divide by it; "
+                         f"choose a cp that divides them, or --cp-exchange ring")
 
 
 def _shapes(job: Job, pins: Pins) -> Iterator[Layout]:
@@ -130,7 +143,8 @@ def _variants(job: Job, shape: Layout, pins: Pins) -> Iterator[Layout]:
         if pins.stages_per_rank and not pins.schedule:
             v = pins.stages_per_rank
         yield replace(shape, schedule=name, stages_per_rank=v, micro_batch_size=b,
-                      recompute=pins.recompute or "never")
+                      recompute=pins.recompute or "never",
+                      activation_limit=pins.activation_limit)
 
 
 def _fitting(job: Job, layout: Layout, pins: Pins, rough: bool = False) -> Prediction:
@@ -157,7 +171,9 @@ def check_pins(job: Job, pins: Pins) -> None:
         raise ValueError(f"--pp {pins.pp} exceeds the model's {arch.layers} layers: lower it")
     if pins.cp and job.seq % pins.cp:
         raise ValueError(f"--cp {pins.cp} must divide the sequence of {job.seq} tokens")
-    if pins.ep and (not arch.moe or arch.experts % pins.ep):
+    if pins.cp:
+        _check_heads(job, pins.tp or 1, pins.cp)
+    if pins.ep and pins.ep > 1 and (not arch.moe or arch.experts % pins.ep):
         raise ValueError(f"--ep {pins.ep} must divide the model's experts ({arch.experts})")
     fixed = 1
     for name in ("tp", "pp", "dp", "fsdp", "cp"):
