@@ -408,3 +408,30 @@ def test_all_to_all_context_parallelism_needs_heads_that_divide(
     assert code == 0
     code, _ = _in_process(capsys, *base, "--trainer", "megatron-core")
     assert code == 0
+
+
+def test_fp8_says_its_speed_up_over_bf16_on_the_same_layout(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--precision fp8's report carries the best layout's bf16 step and peak, which the bf16
+    command pinned to that layout predicts too, and their ratio."""
+    from pipetrain.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096,
+                                  "num_hidden_layers": 32, "num_attention_heads": 32,
+                                  "num_key_value_heads": 8, "intermediate_size": 14336,
+                                  "vocab_size": 128256, "hidden_act": "silu"}))
+    base = ["plan", "--cluster", "H100", "--gpus", "8", "--config-json", str(config),
+            "--seq-len", "8192", "--global-batch", "32", "--fsdp", "8", "--json"]
+    assert main([*base, "--precision", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    lay = fp8["best"]["layout"]
+    assert main([*base, "--micro-batch-size", str(lay["micro_batch_size"]), "--recompute",
+                 lay["recompute"], "--pp", "1"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert "bf16" not in bf16 and bf16["best"]["layout"] == lay
+    assert fp8["bf16"]["step_s"] == pytest.approx(bf16["best"]["step_s"], rel=1e-9)
+    assert fp8["bf16"]["peak_bytes_per_gpu"] == bf16["best"]["peak_bytes_per_gpu"]
+    assert fp8["bf16"]["speedup"] == pytest.approx(
+        bf16["best"]["step_s"] / fp8["best"]["step_s"], rel=1e-9)
+    assert 1.0 < fp8["bf16"]["speedup"] < 2.0

@@ -14,6 +14,7 @@ fix it), 3 when no layout fits the memory (the closest is shown, with what would
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, Literal
 
 from pipetrain.plan.cluster.arch import Arch
 from pipetrain.plan.cluster.hardware import GPUS, gpu, load_toml, with_overrides
-from pipetrain.plan.cluster.job import Job, Layout, Prediction, simulation
+from pipetrain.plan.cluster.job import Job, Layout, Prediction, predict, simulation
 from pipetrain.plan.cluster.search import RECOMPUTE, Pins, search
 from pipetrain.plan.cluster.trainers import CP_EXCHANGES, TRAINERS, Trainer, trainer
 from pipetrain.train.config import TrainConfig, config_toml
@@ -81,6 +82,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     best = found[0]
     report = {"best": _row(best, job), "candidates": [_row(p, job) for p in found[:50]],
+              **_beside_bf16(job, best),
               "predicted_only": predicted_only(best.layout),
               "trainer": {"preset": args.trainer, **_trainer(args).job_options()},
               "job": {"gpu": job.gpu.name, "gpus": job.gpus, "seq_len": job.seq,
@@ -90,6 +92,10 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         _print(found[:args.top], job)
+        if "bf16" in report:
+            print(f"fp8: {report['bf16']['speedup']:.2f}x the step of bf16 on the best layout "
+                  f"({report['bf16']['step_s']:.3f} s in bf16, its peak "
+                  f"{report['bf16']['peak_bytes_per_gpu'] / 2**30:.1f} GiB)")
         for line in _write(args, job, best):
             print(line)
     if not best.fits:
@@ -98,6 +104,16 @@ def run_cluster(args: argparse.Namespace) -> int:
               f"needs {best.peak_bytes_per_gpu / 2**30:.1f} GiB ({_fix(best)})", file=sys.stderr)
         return EXIT_NONE_FITS
     return 0
+
+
+def _beside_bf16(job: Job, best: Prediction) -> dict[str, Any]:
+    """Under ``--precision fp8``: the best layout's step and peak in bf16, and fp8's
+    speed-up over it (``{"bf16": {...}}``; nothing otherwise)."""
+    if job.precision != "fp8":
+        return {}
+    bf16 = predict(dataclasses.replace(job, precision="bf16"), best.layout)
+    return {"bf16": {"step_s": bf16.step_s, "peak_bytes_per_gpu": bf16.peak_bytes_per_gpu,
+                     "speedup": bf16.step_s / best.step_s}}
 
 
 def predicted_only(layout: Layout) -> list[str]:
