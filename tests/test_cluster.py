@@ -177,15 +177,22 @@ def _in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
     return code, capsys.readouterr().err
 
 
+def _llama_config(where: Path, hidden: int, layers: int, heads: int, ffn: int, *,
+                  kv_heads: int = 8, vocab: int = 32000) -> Path:
+    """A Llama's ``config.json`` of this shape, written under ``where``."""
+    config = where / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": hidden,
+                                  "num_hidden_layers": layers, "num_attention_heads": heads,
+                                  "num_key_value_heads": kv_heads, "intermediate_size": ffn,
+                                  "vocab_size": vocab, "hidden_act": "silu"}))
+    return config
+
+
 def test_the_command_prints_the_json_contract_and_its_exit_codes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The JSON contract through a process of its own; the exit codes of bad input in this
     process (a process each costs seconds of imports)."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 2048,
-                                  "num_hidden_layers": 16, "num_attention_heads": 16,
-                                  "num_key_value_heads": 8, "intermediate_size": 5632,
-                                  "vocab_size": 32000, "hidden_act": "silu"}))
+    config = _llama_config(tmp_path, 2048, 16, 16, 5632)
     base = ("--cluster", "H100", "--gpus", "16", "--config-json", str(config), "--seq-len",
             "4096", "--global-batch", "64")
     done = _command(*base, "--pp", "2", "--json")
@@ -394,11 +401,7 @@ def test_all_to_all_context_parallelism_needs_heads_that_divide(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Heads per tp rank that cp does not divide: refused with the fix under the default
     (all-to-all) exchange, accepted as a ring."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 1536,
-                                  "num_hidden_layers": 8, "num_attention_heads": 12,
-                                  "num_key_value_heads": 4, "intermediate_size": 4096,
-                                  "vocab_size": 32000, "hidden_act": "silu"}))
+    config = _llama_config(tmp_path, 1536, 8, 12, 4096, kv_heads=4)
     base = ("--cluster", "H100", "--gpus", "16", "--config-json", str(config), "--seq-len",
             "16384", "--global-batch", "16", "--cp", "8", "--json")
     code, err = _in_process(capsys, *base)
@@ -416,11 +419,7 @@ def test_fp8_says_its_speed_up_over_bf16_on_the_same_layout(
     command pinned to that layout predicts too, and their ratio."""
     from pipetrain.cli import main
 
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096,
-                                  "num_hidden_layers": 32, "num_attention_heads": 32,
-                                  "num_key_value_heads": 8, "intermediate_size": 14336,
-                                  "vocab_size": 128256, "hidden_act": "silu"}))
+    config = _llama_config(tmp_path, 4096, 32, 32, 14336, vocab=128256)
     base = ["plan", "--cluster", "H100", "--gpus", "8", "--config-json", str(config),
             "--seq-len", "8192", "--global-batch", "32", "--fsdp", "8", "--json"]
     assert main([*base, "--precision", "fp8"]) == 0
