@@ -65,6 +65,7 @@ def memory_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str,
     return _run("memory", tmp_path_factory.mktemp("memory"))
 
 
+@pytest.mark.long  # beside test_real_compute_tiny
 def test_memory_tiny(memory_run: tuple[str, dict[str, Any]]) -> None:
     stdout, data = memory_run
     assert "meas/pred" in stdout
@@ -87,6 +88,7 @@ def test_memory_tiny(memory_run: tuple[str, dict[str, Any]]) -> None:
     assert zb["i_held"][1] > zb["i_held"][0] >= 0 and zb["sim_i_units"][1] > zb["sim_units"][1]
 
 
+@pytest.mark.long  # beside test_real_compute_tiny
 def test_memory_recompute_keeps_less(memory_run: tuple[str, dict[str, Any]]) -> None:
     by = {(r["schedule"], r["recompute"]): r for r in memory_run[1]["rows"]}
     # recomputation keeps less on the first rank, where micro-batches wait longest

@@ -65,6 +65,7 @@ def test_dropout_and_batch_norm_evaluate_as_eval_mode(ranks: int) -> None:
     assert step.loss is not None and torch.allclose(step.loss, expect, rtol=1e-12, atol=0)
 
 
+@pytest.mark.long  # beside test_dropout_and_batch_norm_evaluate_as_eval_mode
 def test_hf_gpt2_with_dropout_evaluates_as_eval_mode() -> None:
     import transformers as tf
 

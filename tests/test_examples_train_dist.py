@@ -102,6 +102,7 @@ def test_step0_loss_is_transformers_masked_loss_and_a_resume_continues_the_examp
     assert second["eval_loss"] == pytest.approx(first["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.long  # beside test_step0_loss_is_transformers_masked_loss_and_a_resume_continues_...
 def test_the_hf_page_chat_example_runs_at_a_tiny_size(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/hf.md's make_tiny.py and make_chat.py snippets, then its ``--chat`` command for 2

@@ -41,6 +41,9 @@ HANG_S = 600.0  # the hung rank never wakes by itself: the test ends its process
 # fails in the stage that reads it
 CASES = [(4, "raise", 1, 1), (4, "kill", 2, 2), (4, "shape", 1, 2), (4, "hang", 2, 2),
          (8, "raise", 5, 5), (8, "kill", 3, 3), (8, "shape", 6, 7), (8, "hang", 4, 4)]
+IN_CI = [(8, "kill", 3, 3), (8, "hang", 4, 4)]
+"""CI's (its time, CONTRIBUTING.md: tests): a killed and a hung rank at 8 ranks; the raise,
+the wrong shape and the 4-rank cases in the long tier."""
 # a survivor was aborted at exit (SIGABRT, "terminate called without an active exception") in
 # most runs of these before lifetime.py: the long tier runs each twice more, one round after
 # another (not retries)
@@ -184,7 +187,15 @@ def _run(cases: list[tuple[int, str, int, int]], rounds: list[list[tuple[int, st
 
 def test_every_survivor_exits_soon_and_normally_after_a_failure_naming_the_culprit(
         tmp_path: Path) -> None:
-    wrong = [line for job in _run(CASES, [], tmp_path) for line in _verdict(job)]
+    wrong = [line for job in _run(IN_CI, [], tmp_path) for line in _verdict(job)]
+    assert wrong == [], "\n".join(wrong)
+
+
+@pytest.mark.long  # beside test_every_survivor_exits_soon_and_normally_after_a_failure_naming_...
+def test_every_survivor_exits_soon_and_normally_after_a_failure_in_every_case(
+        tmp_path: Path) -> None:
+    rest = [case for case in CASES if case not in IN_CI]
+    wrong = [line for job in _run(rest, [], tmp_path) for line in _verdict(job)]
     assert wrong == [], "\n".join(wrong)
 
 

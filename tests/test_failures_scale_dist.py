@@ -107,6 +107,7 @@ def test_a_killed_rank_is_named_on_every_rank(tmp_path: Path) -> None:
     _check(tmp_path, cases, [0, 2, 3])
 
 
+@pytest.mark.long  # beside test_failures_dist.py::test_hung_peer_times_out
 def test_a_hung_rank_is_named_with_its_action_on_every_rank(tmp_path: Path) -> None:
     """At 4 ranks (8 ranks wait the same timeout and probe the same way; the raise above runs
     at 8, and the suite's time budget takes one hang)."""

@@ -71,6 +71,7 @@ def test_one_prompt_streams_whole_characters(saved: Path,
     assert printed[:2] == ["def ", "é"] and not any("\ufffd" in p for p in printed)
 
 
+@pytest.mark.long  # beside test_one_prompt_is_transformers_text
 def test_several_prompts_as_json(saved: Path, tmp_path: Path) -> None:
     """Three prompts from a file, in groups of 2, sampled: the tokens of one process (the
     greedy text against transformers is the test above, and tests/test_generation.py's)."""
@@ -158,6 +159,7 @@ def test_a_directory_without_config_exits_2(tmp_path: Path,
     assert "has no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.long  # beside test_train_launch.py::test_a_failed_rank_stops_every_rank_within_...
 def test_a_failed_rank_exits_1(saved: Path, tmp_path: Path,
                                capsys: pytest.CaptureFixture[str]) -> None:
     """Stored tensors that do not fit the config: each rank refuses them, the job exits 1."""

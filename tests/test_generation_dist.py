@@ -2,8 +2,9 @@
 others: each rank holding one stage and its KV caches, a Llama's greedy tokens equal
 transformers' own ``generate(do_sample=False)`` on one process, on every rank; seeded sampling
 gives the tokens of a one-process run; a saved checkpoint is read by each rank for its own
-stage only. (Every family at 2 and 4 ranks in one process, the same action lists:
-tests/test_generation.py; 2 processes: tests/test_generate_cli.py, tests/test_docs.py.)"""
+stage only. (Llama and Mixtral at 2 and 4 ranks in one process, the same action lists, in
+CI, every family in the long tier: tests/test_generation.py; 2 processes:
+tests/test_generate_cli.py, tests/test_docs.py.)"""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def _ranks(ctx: pt.RankContext, directory: str) -> dict[str, object]:
     return out
 
 
+@pytest.mark.long  # beside test_generate_cli.py::test_one_prompt_is_transformers_text
 def test_generation_across_processes(tmp_path: Path) -> None:
     n = 4
     stored = causal_lm("llama", seed=4)

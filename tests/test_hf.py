@@ -5,6 +5,7 @@ micro-batches run one after another through the unsplit model."""
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -62,7 +63,8 @@ def run_case(name: str, schedule: str, dtype: torch.dtype, ranks: int = 2,
     return got.loss, want, differences(pipe, ref, rtol)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "resnet"])
+@pytest.mark.parametrize("name", [  # llama: long tier, beside the gpt2 case
+    "gpt2", pytest.param("llama", marks=pytest.mark.long), "bert", "resnet"])
 def test_float64_matches_one_process(name: str) -> None:  # more schedules: test_hf_dist.py
     got, want, bad = run_case(name, "1f1b", torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
@@ -76,8 +78,14 @@ def test_fp32_is_bitwise_where_nothing_is_tied(name: str) -> None:
     assert bad == []
 
 
-@pytest.mark.parametrize("schedule", ["looped-bfs", "zb-auto", "v-half", "v-min"])
-@pytest.mark.parametrize("name", ["bert", "resnet"])
+MEMORY = list(itertools.product(["bert", "resnet"], ["looped-bfs", "zb-auto", "v-half", "v-min"]))
+MEMORY_CI = (("bert", "looped-bfs"), ("resnet", "zb-auto"), ("bert", "v-half"))
+"""The memory-controlled cases CI runs (its time, CONTRIBUTING.md: tests): each model, a looped
+schedule, a split-backward one and a V; the others in the long tier."""
+
+
+@pytest.mark.parametrize(("name", "schedule"), [
+    case if case in MEMORY_CI else pytest.param(*case, marks=pytest.mark.long) for case in MEMORY])
 def test_memory_controlled_schedules_are_bitwise_on_models_we_did_not_write(
         name: str, schedule: str) -> None:
     got, want, bad = run_case(name, schedule, torch.float32)
@@ -85,6 +93,7 @@ def test_memory_controlled_schedules_are_bitwise_on_models_we_did_not_write(
     assert bad == []
 
 
+@pytest.mark.long  # beside test_fp32_is_bitwise_where_nothing_is_tied
 def test_gpt2_fp32_bitwise_except_the_tied_embedding() -> None:
     got, want, bad = run_case("gpt2", "dualpipev", torch.float32)
     assert torch.equal(got, want)
@@ -94,6 +103,7 @@ def test_gpt2_fp32_bitwise_except_the_tied_embedding() -> None:
     assert all(b.startswith(tied) and float(b[len(tied):]) <= 1e-7 for b in bad), bad
 
 
+@pytest.mark.long  # beside test_fp32_is_bitwise_where_nothing_is_tied
 def test_llama_fp32_is_bitwise_to_its_capture_and_rounding_to_eager() -> None:
     # under capture, transformers builds an explicit causal mask where eager passes
     # is_causal=True to SDPA (masking_utils), so fp32 gradients differ from eager in the last
@@ -180,6 +190,8 @@ def test_meta_llama_materialised_per_rank_equals_the_whole_model() -> None:
     assert torch.equal(got.loss, want)
 
 
+# frozen parameters under split backward in CI: test_lora.py's zbv case
+@pytest.mark.long  # beside test_batchnorm_statistics_update_once_per_micro_batch_under_recompute
 def test_recompute_and_frozen_parameters_on_llama_under_split_backward() -> None:
     model = build("llama", torch.float64)
     model.model.embed_tokens.weight.requires_grad_(False)  # frozen, on the first stage

@@ -125,6 +125,7 @@ def test_pickle_only_weights_are_refused_with_what_to_do(tmp_path: Path,
     assert hub.local("acme/old", hub.CONFIG) == str(snapshot)  # a plan needs no weights
 
 
+@pytest.mark.long  # beside test_a_hub_id_resolves_to_its_cached_snapshot
 def test_commands_take_a_hub_id(offline: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """verify (the config), plan --cluster (the config only) and generate (weights and
     tokenizer, two processes) on ``acme/tiny-llama`` from the cache."""

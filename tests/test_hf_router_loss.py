@@ -110,7 +110,9 @@ def routers_changed(got: dict[str, torch.Tensor | None], name: str, inputs: Any)
 
 @pytest.mark.parametrize(("name", "schedule", "ranks", "padded"), [
     ("mixtral", "1f1b", 4, False), ("mixtral", "zbv", 2, True),
-    ("qwen3_moe", "zb-h1", 4, False), ("qwen3_moe", "zbv", 2, False)])
+    # long tier, beside the zbv cases (whose backward is split into I and W too)
+    pytest.param("qwen3_moe", "zb-h1", 4, False, marks=pytest.mark.long),
+    ("qwen3_moe", "zbv", 2, False)])
 def test_router_loss_and_every_gradient_match_transformers(
         name: str, schedule: str, ranks: int, padded: bool) -> None:
     model = build(name)

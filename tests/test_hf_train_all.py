@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 __all__ = ["place"]  # the fixture, shared with tests/test_hf_train_dist.py
 
 
-# in CI: each feature alone: test_hf_train_dist.py, test_train_torchrun.py
+# in CI: each feature alone: test_examples_train_dist.py, test_train_torchrun.py
 @pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_every_feature_at_once_then_a_torchrun_resume_at_another_layout(place: Path) -> None:
     first = _train(place, "llama", "all", "--nproc", "4", "--dp", "2", "--schedule", "zbv",

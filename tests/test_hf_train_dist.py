@@ -106,9 +106,11 @@ def _transformers_loss(place: Path, name: str, weights: Path | None = None,
                                                         labels=window).loss)
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.long)])
-# gpt2 (Conv1D, tied head) in the long tier for CI's time (CONTRIBUTING.md: tests); in CI: llama
-# here, and gpt2 split across processes in tests/test_hf_dist.py
+@pytest.mark.long  # beside test_examples_train_dist.py::test_step0_loss_is_transformers_masked_...
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+# in CI: --hf training against transformers' loss, test_examples_train_dist.py; OUT/hf loaded
+# back, tests/test_docs.py::test_the_hf_page_runs_at_a_tiny_size; gpt2 split across processes
+# in tests/test_hf_dist.py
 def test_two_layouts_end_with_the_same_weights_that_transformers_loads(place: Path,
                                                                         name: str) -> None:
     import transformers as tf
@@ -145,6 +147,7 @@ def test_two_layouts_end_with_the_same_weights_that_transformers_loads(place: Pa
     assert _records(place / f"{name}-pp2", "sample")[0]["kv_cache"]  # from OUT/hf, cached
 
 
+@pytest.mark.long  # beside test_image_text_train_dist.py::test_gemma3_parts_under_fsdp_and_zbv_...
 def test_fsdp_trains_a_stored_llama_like_dp_and_writes_it_whole(place: Path) -> None:
     """pp=2 x fsdp=2 on 4 processes loads the stored weights into its shards, trains with the
     losses of the pp=2 run above (same global batch), and writes OUT/hf whole, equal to that

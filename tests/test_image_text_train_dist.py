@@ -164,6 +164,8 @@ def test_gemma3_parts_under_fsdp_and_zbv_with_the_vision_tower_frozen(place: Pat
     assert any("language_model" in k for k in moved)
 
 
+@pytest.mark.long  # beside
+# test_verify_checks_an_image_text_model_on_its_processors_chats[mllama-flags2]
 def test_mllama_cross_attends_to_padded_image_slots_and_its_loss_is_transformers(
         place: Path) -> None:
     """Mllama gives each row an axis of images: every batch gets as many slots as the data's
@@ -174,6 +176,8 @@ def test_mllama_cross_attends_to_padded_image_slots_and_its_loss_is_transformers
     assert logged == pytest.approx(_reference(place, "mllama", "trl.jsonl", 0), rel=1e-5)
 
 
+@pytest.mark.long  # beside tests/test_image_chats.py::
+# test_paligemma_trains_the_answer_of_each_prompt
 def test_paligemma_trains_each_answer_and_its_loss_is_transformers(place: Path) -> None:
     """PaliGemma has no chat template: each row is a prompt with its image and an answer, the
     processor's prefix and suffix; the step-0 loss is transformers' on the processor's batch
@@ -239,12 +243,13 @@ def _saved(place: Path, model: str) -> Path:
 @pytest.mark.parametrize("model", [
     pytest.param("llava", marks=pytest.mark.long), pytest.param("gemma3", marks=pytest.mark.long),
     "paligemma",
-    pytest.param("mllama", marks=pytest.mark.long), "llava_next",
+    pytest.param("mllama", marks=pytest.mark.long),
+    pytest.param("llava_next", marks=pytest.mark.long),
     pytest.param("idefics3", marks=pytest.mark.long),
     *(pytest.param(f, marks=_VISION) for f in VISION)])
-# llava, gemma3, mllama and idefics3 in the long tier for CI's time (CONTRIBUTING.md: tests); in
-# CI: LLaVA-NeXT (LLaVA's path, and image sizes) and PaliGemma here, whose token types go through
-# generation as Gemma 3's do, and the others in tests/test_generation_images.py
+# all but PaliGemma in the long tier for CI's time (CONTRIBUTING.md: tests); in CI: PaliGemma
+# here (the command's path; its token types go through generation as Gemma 3's do), and Qwen3-VL
+# and Mllama in tests/test_generation_images.py
 def test_generate_with_an_image_gives_transformers_greedy_tokens(place: Path, model: str,
                                                                  tmp_path: Path) -> None:
     """``pipetrain generate --hf DIR --image PATH --prompt TEXT --prompt TEXT --batch 2`` on 2
@@ -296,10 +301,13 @@ def test_generate_refuses_an_image_for_a_text_model_and_none_for_an_image_text_o
     assert "'nowhere.png' does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("model", "flags"), [("llava", ["--schedule", "zbv"]),
-                                              ("gemma3", ["--layers", "2", "--width", "16"]),
-                                              ("mllama", []), ("paligemma", []),
-                                              ("idefics3", [])])
+@pytest.mark.parametrize(("model", "flags"), [
+    pytest.param("llava", ["--schedule", "zbv"], marks=pytest.mark.long),
+    pytest.param("gemma3", ["--layers", "2", "--width", "16"], marks=pytest.mark.long),
+    ("mllama", []), pytest.param("paligemma", [], marks=pytest.mark.long),
+    pytest.param("idefics3", [], marks=pytest.mark.long)])
+# all but Mllama in the long tier for CI's time (CONTRIBUTING.md: tests); in CI: Mllama, its
+# processor's chats fed with a row's axis of image slots, padded as the training feed pads them
 def test_verify_checks_an_image_text_model_on_its_processors_chats(
         place: Path, model: str, flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """``pipetrain verify --hf DIR``: one float64 step on chats with random images made by the
@@ -316,8 +324,8 @@ def test_verify_checks_an_image_text_model_on_its_processors_chats(
     assert "is shorter than the check's chats" in capsys.readouterr().err
 
 
-@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests); in CI: the LLaVA train and generate
-# tests above run the same two commands with other flags
+@pytest.mark.long  # CI's time (CONTRIBUTING.md: tests); in CI: the LLaVA train and PaliGemma
+# generate tests above run the same two commands with other flags
 def test_the_page_recipe_runs_at_a_tiny_size(place: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/multimodal.md's two commands, as written but for the steps: a tiny LLaVA
@@ -361,10 +369,10 @@ def test_an_image_text_model_without_chat_data_is_refused_before_any_process(
 
 
 @pytest.mark.parametrize("family", [
-    # the long tier for CI's time (CONTRIBUTING.md: tests); in CI: LLaVA-NeXT's generate
-    # command above (on meta), its split of mixed sizes and its feed
-    # (tests/test_vision_language.py, tests/test_image_chats.py); Mllama's train test above
-    # has a row's axis of images too, and verify[idefics3] runs in CI
+    # the long tier for CI's time (CONTRIBUTING.md: tests); in CI: LLaVA-NeXT on meta, its
+    # split of mixed sizes and its feed (tests/test_vision_language.py,
+    # tests/test_image_chats.py); verify[mllama] above has a row's axis of images too, and
+    # Idefics3's split of it runs in tests/test_vision_language.py
     pytest.param("llava_next", marks=pytest.mark.long),
     pytest.param("idefics3", marks=pytest.mark.long),
     *(pytest.param(f, marks=_VISION) for f in VISION)])

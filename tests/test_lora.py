@@ -33,8 +33,14 @@ def _adapted(targets: list[str] | None = None) -> Any:
     return model
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv",
-                                      "dualpipev"])
+IN_CI = ("1f1b", "interleaved-1f1b", "zbv")
+"""The schedules CI runs LoRA under (its time, CONTRIBUTING.md: tests): one stage a rank,
+interleaved, and ZB-V (split backward, a V); GPipe, ZB-H1 and DualPipeV in the long tier."""
+
+
+@pytest.mark.parametrize("schedule", [
+    s if s in IN_CI else pytest.param(s, marks=pytest.mark.long)
+    for s in ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")])
 def test_every_schedule_gives_peft_models_gradients(schedule: str) -> None:
     model = _adapted(["q_proj", "v_proj", "down_proj"])
     inner = model.get_base_model()  # the model peft changed in place: what a run cuts

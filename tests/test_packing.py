@@ -82,7 +82,8 @@ def _grads(model: Any) -> list[torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("name", ["LlamaConfig", "Qwen2Config"])
+@pytest.mark.parametrize("name", ["LlamaConfig",
+                                  pytest.param("Qwen2Config", marks=pytest.mark.long)])
 def test_a_packed_step_equals_the_examples_apart(name: str, corpus: Any) -> None:
     batches = _packed(corpus)
     model = _model(name, 320)
@@ -121,6 +122,7 @@ def test_a_model_that_lets_packed_examples_meet_is_refused(config: Any) -> None:
     check_model(_model("LlamaConfig", 64).config, "x")  # passes
 
 
+@pytest.mark.long  # beside test_a_packed_step_equals_the_examples_apart
 def test_a_packed_run_prints_both_paddings(saved: Path, corpus: Any, tmp_path: Path,
                                            capfd: pytest.CaptureFixture[str]) -> None:
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in conversations(40)])

@@ -48,6 +48,7 @@ def _coords(start: dict[str, Any]) -> list[tuple[int, int]]:
     return [(e["pp"], e["shard"]) for e in start["ranks"]]
 
 
+@pytest.mark.long  # beside test_train_torchrun.py::test_two_torchrun_agents_rendezvous_and_...
 def test_a_dp_outer_run_resumes_under_pp_outer_with_the_uninterrupted_losses(
         tmp_path: Path) -> None:
     from pipetrain.train.placement import format_rank_map

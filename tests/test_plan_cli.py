@@ -113,6 +113,7 @@ def test_memory_limit_defaults_to_the_device(tmp_path: Path,
         limit.memory_limit(None, "auto", 8)
 
 
+@pytest.mark.long  # beside test_plan_module.py::test_a_hugging_face_llama_from_a_tiny_config_...
 def test_plan_of_a_hugging_face_llama_cuts_its_decoder_layers(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
@@ -189,6 +190,7 @@ def test_layout_flags_no_layout_satisfies_exit_2(argv: list[str], match: str, tm
     assert re.search(match, capsys.readouterr().err)
 
 
+@pytest.mark.long  # beside test_a_calibration_term_is_fitted_to_the_measured_steps
 def test_calibrated_plan_of_sharded_layouts(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     cwd = tmp_path / "cwd"

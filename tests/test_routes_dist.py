@@ -71,6 +71,7 @@ def test_skip_lm_every_schedule_two_ranks() -> None:
     assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
 
 
+@pytest.mark.long  # beside test_skip_lm_every_schedule_two_ranks
 def test_skip_lm_four_ranks() -> None:
     results = pt.launch(_train, 4, ["1f1b", "interleaved-1f1b", "zbv"], timeout=240)
     assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []

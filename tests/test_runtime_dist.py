@@ -122,5 +122,6 @@ def test_every_schedule_two_ranks() -> None:
     assert _flatten(pt.launch(_two_ranks, 2, timeout=240)) == []
 
 
+@pytest.mark.long  # beside test_every_schedule_two_ranks
 def test_every_schedule_four_ranks() -> None:
     assert _flatten(pt.launch(_four_ranks, 4, timeout=240)) == []

@@ -156,8 +156,10 @@ def test_a_sharded_checkpoint_loads_into_replicated_stages_and_back(tmp_path: Pa
 FOREIGN = (("gpt2", "zbv", "part"),  # its tied head on rank 0
            ("llama-lora", "zb-h1", "layer"),  # peft's adapters
            ("resnet", "zb-h1", "part"), ("gpt2", "1f1b", "part"), ("llama", "zb-h1", "layer"))
-"""(model, schedule, reshard) of the models we did not write; CI runs the first three (its
-time, CONTRIBUTING.md: tests), the long tier the other two."""
+"""(model, schedule, reshard) of the models we did not write."""
+IN_CI = [FOREIGN[1]]
+"""CI's (its time, CONTRIBUTING.md: tests): HF Llama with peft's adapters, its base frozen; the
+others in the long tier (a weight tied on rank 0 under zbv: CASES, in CI)."""
 
 
 def _foreign(ctx: pt.RankContext, cases: Sequence[tuple[str, str, str]]) -> list[str]:
@@ -229,12 +231,12 @@ def _adapted(model: nn.Module) -> nn.Module:
 
 def test_models_we_did_not_write_shard_like_one_device() -> None:
     pytest.importorskip("transformers")
-    results = pt.launch(_foreign, 4, FOREIGN[:3], timeout=300)
+    results = pt.launch(_foreign, 4, IN_CI, timeout=300)
     assert [p for r in results for p in r] == []
 
 
 @pytest.mark.long  # beside test_models_we_did_not_write_shard_like_one_device
 def test_models_we_did_not_write_shard_like_one_device_in_every_case() -> None:
     pytest.importorskip("transformers")
-    results = pt.launch(_foreign, 4, FOREIGN[3:], timeout=300)
+    results = pt.launch(_foreign, 4, [c for c in FOREIGN if c not in IN_CI], timeout=300)
     assert [p for r in results for p in r] == []

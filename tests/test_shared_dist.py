@@ -179,7 +179,9 @@ class _Branchy(nn.Module):
         return x * 2 if float(x.sum()) > 0 else x - 1
 
 
-# in CI: the shared capture: this file's other tests
+# in CI: the shared capture's own path (rank 0 exports, the others load) in every multi-process
+# run of a transformers model, e.g. test_hf_dist.py::test_hf_models_and_a_cnn_on_two_ranks; its
+# fallbacks here only
 @pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_rank_1_loads_rank_0s_capture_and_falls_back_where_it_cannot() -> None:
     assert [f"rank {r}: {p}" for r, ps in enumerate(pt.launch(_cases, 2, timeout=300))

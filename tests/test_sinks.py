@@ -91,6 +91,7 @@ def test_bad_log_values_are_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch
         check(TrainConfig(log="wandb"))
 
 
+@pytest.mark.long  # beside test_tensorboard_event_files_hold_every_step_and_eval
 def test_a_two_process_run_writes_tensorboard_scalars(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"

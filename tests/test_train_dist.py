@@ -451,6 +451,7 @@ def _fsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     return problems
 
 
+@pytest.mark.long  # beside test_tp_trains_like_fsdp_and_resumes_across_them
 def test_fsdp_trains_like_dp_and_resumes_across_them(tmp_path: Path) -> None:
     assert _corpus_and_launch(_fsdp, 4, tmp_path) == []
 
@@ -507,7 +508,7 @@ def _hsdp(ctx: pt.RankContext, tmp: str) -> list[str]:
     return problems
 
 
-# in CI: fsdp and tp alone: test_fsdp_trains_like_dp..., test_tp_trains_like_fsdp...
+# in CI: fsdp and tp alone: test_tp_trains_like_fsdp...
 @pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_hsdp_and_fsdp_by_tp_train_like_dp_and_resume_sharded(tmp_path: Path) -> None:
     assert _corpus_and_launch(_hsdp, 8, tmp_path) == []
@@ -529,12 +530,13 @@ def test_dp_x_pp_equivalence_and_a_save_at_pp4(four_ranks: tuple[str, list[str]]
     assert four_ranks[1] == []
 
 
-# in CI: pp2 training and resume: test_train_launch.py, test_hf_train_dist.py
+# in CI: pp2 training and resume: test_train_launch.py, test_examples_train_dist.py
 @pytest.mark.long  # CI's time (CONTRIBUTING.md: tests)
 def test_training_on_two_ranks_and_resuming_at_pp2(four_ranks: tuple[str, list[str]]) -> None:
     results = pt.launch(_two, 2, four_ranks[0], timeout=300)
     assert [f"rank {r}: {p}" for r, probs in enumerate(results) for p in probs] == []
 
 
+@pytest.mark.long  # beside test_train_launch.py::test_killed_rank_restarts_from_checkpoint_...
 def test_pipedream_2bw_trains_resumes_bitwise_and_at_another_layout(tmp_path: Path) -> None:
     assert _corpus_and_launch(_pipedream, 2, tmp_path) == []

@@ -57,7 +57,7 @@ def test_raise_names_rank_and_step(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     assert faults.at_step(2, 0) is None
 
 
-@pytest.mark.parametrize("kind", ["kill", "hang"])
+@pytest.mark.parametrize("kind", ["kill", pytest.param("hang", marks=pytest.mark.long)])
 def test_kill_and_hang_in_a_child(tmp_path: Path, kind: str) -> None:
     code = "from pipetrain.train.launch import faults; faults.at_step(1, 0); print('survived')"
     env = {faults.ENV: f"{kind}@rank0:step1", faults.DIR_ENV: str(tmp_path)}

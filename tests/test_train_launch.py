@@ -173,8 +173,9 @@ def test_train_writes_every_file_and_listens_on_loopback_only(tmp_path: Path) ->
     assert "schedule=zbv" in out and "step 3/4" in out
 
 
-@pytest.mark.parametrize(("fault", "first", "cause"), [
-    ("kill@rank1:step2", "rank 1 failed first: killed by SIGKILL", None),
+@pytest.mark.parametrize(("fault", "first", "cause"), [  # kill: the long tier, beside hang
+    pytest.param("kill@rank1:step2", "rank 1 failed first: killed by SIGKILL", None,
+                 marks=pytest.mark.long),
     ("hang@rank1:step2", "rank 0 failed first: exit code 1",
      "the cause, found by rank 0's watchdog: rank 1 is outside the pipeline for"),
 ], ids=["kill", "hang"])

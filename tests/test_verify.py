@@ -76,6 +76,7 @@ def test_a_layer_list_passes_under_1f1b() -> None:
     assert result.passed and result.balance == (2, 2), result.table()
 
 
+@pytest.mark.long  # beside test_the_command_passes_on_a_shrunk_saved_llama
 def test_a_hugging_face_llama_passes_on_its_own_loss() -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1))
@@ -180,7 +181,8 @@ def test_the_command_passes_on_a_shrunk_saved_llama(saved: Path,
     assert "units per stage 1,1,1,1" in out and "PASS" in out
 
 
-@pytest.mark.parametrize("name", ["Qwen3MoeConfig", "MixtralConfig"])
+@pytest.mark.parametrize("name", ["Qwen3MoeConfig",
+                                  pytest.param("MixtralConfig", marks=pytest.mark.long)])
 def test_the_command_passes_on_a_stored_moe_at_its_defaults(
         name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Their experts default to grouped_mm, which has no float64 kernel: verify runs them as
@@ -215,6 +217,7 @@ def _page() -> str:
     return (Path(__file__).resolve().parents[1] / "docs" / "verify.md").read_text()
 
 
+@pytest.mark.long  # beside test_the_command_passes_on_a_shrunk_saved_llama
 def test_the_docs_command_passes_as_written(saved: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """docs/verify.md's ``pipetrain verify`` line, on this smaller saved Llama: same layout."""

@@ -281,8 +281,21 @@ def differences(pipe: pt.Pipeline, ref: nn.Module) -> list[str]:
     return zoo_differences(pipe, ref, TOL)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+TRAIN_CI = (("llava", "1f1b"), ("qwen2_vl", "1f1b"), ("gemma3", "zbv"), ("paligemma", "1f1b"))
+"""The cases CI trains (its time, CONTRIBUTING.md: tests), each schedule at least once: LLaVA
+(a tower and a projector), Qwen2-VL (grids, M-RoPE), Gemma 3 and PaliGemma (token types); the
+others in the long tier. Mllama's cross-attention runs its pipeline against the model in CI
+through ``pipetrain verify`` (test_image_text_train_dist.py). Some of those families train in CI in
+the tests below: LLaVA-NeXT and Mistral 3 on images of different sizes, LLaVA-OneVision on its
+``batch_num_images``, Qwen3-VL on its deepstack features; the rest take the paths of those in
+CI (Qwen2.5-VL Qwen2-VL's, InternVL LLaVA's, Idefics3 and SmolVLM a row's axis of images,
+split by rows as Mllama's)."""
+TRAINED = [pytest.param(f, s, id=f"{f.name}-{s}",
+                        marks=() if (f.name, s) in TRAIN_CI else pytest.mark.long)
+           for f in FAMILIES for s in ("1f1b", "zbv")]
+
+
+@pytest.mark.parametrize(("family", "schedule"), TRAINED)
 def test_image_text_models_train_exactly(family: Family, schedule: str) -> None:
     pipe, ref, got, want = stepped(family.build(), family, schedule)
     assert abs(got - want) <= TOL * abs(want)
@@ -350,14 +363,13 @@ def test_placeholders_that_do_not_fit_the_images_are_refused() -> None:
         prefix.split(prefix.payload(dict(full, pixel_values=full["pixel_values"][:3])), 2)
 
 
-META_CI = ("llava", "qwen2_vl", "gemma3", "mllama", "llava_next")
+META_CI = ("llava_next",)
 ON_META = [f if f.name in META_CI else pytest.param(f, marks=pytest.mark.long) for f in FAMILIES]
-"""On meta, in CI: LLaVA (a tower and a projector), Qwen2-VL (grids, 3-D positions), Gemma 3
-(token types), Mllama (cross-attention) and LLaVA-NeXT (``image_newline``, a parameter its
+"""On meta, in CI: LLaVA-NeXT (a tower and a projector, and ``image_newline``, a parameter its
 model holds itself, made real alone); the other families in the long tier (CI's time,
-CONTRIBUTING.md: tests): each is trained materialised in CI
-(test_image_text_models_train_exactly), and on meta a stage makes real only the modules it
-holds, whatever their family."""
+CONTRIBUTING.md: tests): on meta a stage makes real only the modules it holds, whatever their
+family, and every command builds its model on meta (LLaVA's train test in CI,
+tests/test_image_text_train_dist.py)."""
 
 
 @pytest.mark.parametrize("family", ON_META, ids=[f.name for f in FAMILIES])
@@ -383,6 +395,8 @@ def test_a_meta_image_text_model_needs_a_real_example() -> None:
                     local_ranks=2)
 
 
+@pytest.mark.long  # beside test_image_text_train_dist.py::
+# test_gemma3_parts_under_fsdp_and_zbv_with_the_vision_tower_frozen (--freeze-vision)
 def test_a_frozen_vision_tower_trains_the_rest_exactly() -> None:
     """The usual fine-tuning recipe: the vision tower frozen, the projector and the language
     model trained."""
@@ -397,6 +411,7 @@ def test_a_frozen_vision_tower_trains_the_rest_exactly() -> None:
     assert all(g is not None for n, g in grads.items() if ".visual.merger." in n)
 
 
+@pytest.mark.long  # beside test_eval_mode.py::test_dropout_and_batch_norm_evaluate_as_eval_mode
 def test_an_eval_step_with_dropout_in_the_config_is_the_models_eval_forward() -> None:
     """Dropout in the language model and the vision tower: the eval step runs the eval graph
     and the prefix in eval mode, and gives the unsplit model's eval loss."""
@@ -420,6 +435,7 @@ def test_an_eval_step_with_dropout_in_the_config_is_the_models_eval_forward() ->
     assert got is not None and abs(got.item() - want) <= TOL * abs(want)
 
 
+@pytest.mark.long  # beside test_lora.py::test_every_schedule_gives_peft_models_gradients
 def test_a_peft_lora_model_trains_its_adapters_exactly() -> None:
     """peft's adapters in the model (as ``pipetrain train --lora-r`` puts them: the base
     model changed in place), on the language model's attention only."""
