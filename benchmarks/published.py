@@ -40,7 +40,7 @@ from pipetrain.cli import main as pipetrain
 from pipetrain.plan.cluster.published import Published, rows
 
 PINS = ("--tp", "--pp", "--dp", "--fsdp", "--cp", "--ep", "--schedule", "--stages-per-rank",
-        "--micro-batch-size", "--recompute")
+        "--micro-batch-size", "--recompute", "--recompute-layers")
 """The flags of a row's command that pin its layout (the search leaves them out)."""
 
 
@@ -90,12 +90,20 @@ def compare(row: Published, with_search: bool, configs: Path | None = None) -> d
                            "fits": best["fits"], "peak_gib": best["peak_bytes_per_gpu"] / 2**30,
                            "step_s": best["step_s"], "peak_bytes": best["peak_bytes_per_gpu"],
                            "published_peak_bytes": row.peak_memory,
+                           "recompute": _recompute(best["layout"]),
                            "command": "pipetrain " + shlex.join(row.command(
                                str(config) if configs else ""))}
     if found is not None:
         out["search_step_s"] = found["step_s"]
         out["search_layout"] = found["layout"]
     return out
+
+
+def _recompute(layout: dict[str, Any]) -> str:
+    """A layout's recomputation as the command's table shows it (``never+3``: 3 of each
+    stage's layers wholly, the rest never)."""
+    k = layout.get("recompute_layers", 0)
+    return str(layout["recompute"]) + (f"+{k}" if k else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,7 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
     print(f"{'run':<34}{'metric':<24}{'published':>10}{'predicted':>10}{'ratio':>7}"
-          f"{'fits':>6}{'GiB':>6}{'pub.':>6}  search: step / published step, layout",
+          f"{'fits':>6}{'GiB':>6}{'pub.':>6} {'recompute':<10} "
+          "search: step / published step, layout",
           flush=True)
     results = []
     for row in rows(args.rows or None):
@@ -122,10 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             found = (f"{r['search_step_s'] / r['step_s']:.3f}  tp{lay['tp']} pp{lay['pp']} "
                      f"dp{lay['dp']} fsdp{lay['fsdp']} cp{lay['cp']} {lay['schedule']} "
                      f"v{lay['stages_per_rank']} b{lay['micro_batch_size']} "
-                     f"{lay['recompute']}")
+                     f"{_recompute(lay)}")
         print(f"{r['key']:<34}{r['metric']:<24}{r['published']:>10.4g}{r['predicted']:>10.4g}"
               f"{r['ratio']:>7.3f}{'yes' if r['fits'] else 'NO':>6}{r['peak_gib']:>6.1f}"
-              f"{r['published_peak_bytes'] / 2**30 or float('nan'):>6.1f}  {found}",
+              f"{r['published_peak_bytes'] / 2**30 or float('nan'):>6.1f} "
+              f"{r['recompute']:<10} {found}",
               flush=True)
         if args.commands:
             print(f"  $ {r['command']}", flush=True)

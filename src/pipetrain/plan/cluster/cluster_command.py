@@ -51,6 +51,9 @@ def configure_cluster(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--schedule", metavar="NAME")
     group.add_argument("--stages-per-rank", type=int, metavar="V")
     group.add_argument("--recompute", choices=RECOMPUTE)
+    group.add_argument("--recompute-layers", type=int, metavar="K",
+                       help="of each stage's layers, K recomputed wholly, the rest as "
+                            "--recompute says (searched when --recompute is not given)")
     group.add_argument("--precision", choices=("bf16", "fp8"), default="bf16")
     group.add_argument("--activation-limit", type=float, metavar="N", default=0.0,
                        help="zb-auto: stage-activations a rank may hold (default: pp)")
@@ -118,7 +121,10 @@ def _beside_bf16(job: Job, best: Prediction) -> dict[str, Any]:
 
 def predicted_only(layout: Layout) -> list[str]:
     """What of ``layout`` pipetrain train does not run yet (predicted, not trainable)."""
-    return [f"recompute {layout.recompute}"] if layout.recompute in ("selective", "op") else []
+    kinds = [f"recompute {layout.recompute}"] if layout.recompute in ("selective", "op") else []
+    if layout.recompute_layers:
+        kinds.append(f"recompute of {layout.recompute_layers} layers a stage")
+    return kinds
 
 
 def _write(args: argparse.Namespace, job: Job, best: Prediction) -> list[str]:
@@ -167,7 +173,7 @@ def _job(args: argparse.Namespace) -> tuple[Job, Pins]:
     pins = Pins(tp=args.tp, pp=args.pp, dp=args.dp, fsdp=args.fsdp, cp=args.cp, ep=args.ep,
                 schedule=args.schedule, stages_per_rank=args.stages_per_rank,
                 micro_batch_size=args.micro_batch_size, recompute=args.recompute,
-                activation_limit=args.activation_limit)
+                recompute_layers=args.recompute_layers, activation_limit=args.activation_limit)
     return job, pins
 
 
@@ -198,6 +204,13 @@ def _row(p: Prediction, job: Job) -> dict[str, Any]:
     d = p.to_dict()
     d["layout"]["microbatches"] = p.layout.microbatches
     return d
+
+
+def recompute_label(layout: Layout) -> str:
+    """``never``, ..., or ``selective+2`` (2 of each stage's layers wholly, the rest
+    selectively)."""
+    return layout.recompute + (f"+{layout.recompute_layers}" if layout.recompute_layers
+                               else "")
 
 
 def _fix(p: Prediction) -> str:
@@ -259,7 +272,7 @@ def _table(shown: list[Prediction], boxed: bool, style: dict[str, Any]) -> Any:
     for p in shown:
         lay = p.layout
         table.add_row(_layout_label(lay), lay.schedule, str(lay.stages_per_rank),
-                      str(lay.microbatches), str(lay.micro_batch_size), lay.recompute,
+                      str(lay.microbatches), str(lay.micro_batch_size), recompute_label(lay),
                       f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu:.3f}",
                       f"{p.peak_bytes_per_gpu / 2**30:.1f}", "yes" if p.fits else "NO")
     return table

@@ -17,8 +17,8 @@ pipeline hop's send as the delay between ranks; then what follows the pipeline::
 
     peak bytes = weights, gradients, AdamW states (sharded by fsdp; the optimizer's by dp when
                  distributed) + the stage-activations the simulator finds alive at once x what
-                 one keeps + the last stage's fp32 logits + a fixed 2 GiB for CUDA's and NCCL's
-                 own buffers
+                 one keeps + the last stage's fp32 logits + (fp8) the running layer's fp8
+                 weights + a fixed 2 GiB for CUDA's and NCCL's own buffers
 
 Ranks are placed tp innermost, then cp, dp and fsdp, pp outermost (Megatron-LM's order): a
 group whose ranks all fit in one node talks over NVLink, any other over the NIC.
@@ -26,10 +26,11 @@ group whose ranks all fit in one node talks over NVLink, any other over the NIC.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from typing import Any
 
+from pipetrain.plan.cluster import fp8
 from pipetrain.plan.cluster.arch import Arch
 from pipetrain.plan.cluster.collectives import Fabric
 from pipetrain.plan.cluster.hardware import Gpu
@@ -65,6 +66,10 @@ class Layout:
     activation_limit: float = 0.0
     """zb-auto's limit on the stage-activations one rank holds (0: pp, ZB-1p's; 2 pp is
     ZB-2p's); ignored by every other schedule."""
+    recompute_layers: int = 0
+    """Of each stage's layers, this many recomputed wholly and the rest as ``recompute`` says
+    (Megatron-LM's ``--recompute-method block --recompute-num-layers``); 0: all as
+    ``recompute``."""
 
     @property
     def gpus(self) -> int:
@@ -123,8 +128,9 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         layout = asdict(self.layout)
-        if not layout["activation_limit"]:  # zb-auto's only; the contract's keys otherwise
-            del layout["activation_limit"]
+        for key in ("activation_limit", "recompute_layers"):  # the contract's keys otherwise
+            if not layout[key]:
+                del layout[key]
         return {"layout": layout, "step_s": self.step_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
@@ -140,7 +146,7 @@ def predict(job: Job, layout: Layout, rough: bool = False) -> Prediction:
     arch, gpu = job.arch, job.gpu
     kernels, fabric = Kernels.of(gpu), Fabric.of(gpu)
     dpf = layout.dp * layout.fsdp
-    per_stage, layer, head, costs, hop = _pipeline(job, layout)
+    per_stage, layers, head, costs, hop = _pipeline(job, layout)
     n_stages = len(per_stage)
     makespan, peak_units = (_rough(layout.schedule, layout.pp, layout.microbatches,
                                    layout.stages_per_rank, costs, hop) if rough else
@@ -168,8 +174,8 @@ def predict(job: Job, layout: Layout, rough: bool = False) -> Prediction:
     optimizer = kernels.memory(params_here / opt_shard * 32)
     step = makespan + exposed + gather + optimizer
     model = arch.model_flops(job.seq) * job.global_batch * job.seq
-    hardware = arch.hardware_flops(job.seq, layout.recompute) * job.global_batch * job.seq
-    peak = _peak(job, layout, params_here, peak_units, per_stage, layer, head)
+    hardware = _hardware_flops(arch, job.seq, layout, per_stage) * job.global_batch * job.seq
+    peak = _peak(job, layout, params_here, peak_units, per_stage, layers, head)
     limit = job.memory_limit or gpu.hbm_bytes
     busy = (sum(costs[op][s] for op in "FIW" for s in range(n_stages)) / layout.pp
             * layout.microbatches)
@@ -181,10 +187,11 @@ def predict(job: Job, layout: Layout, rough: bool = False) -> Prediction:
          "optimizer": optimizer, "busy_per_rank": busy, "bubble": makespan - busy})
 
 
-def _pipeline(job: Job, layout: Layout
-              ) -> tuple[list[int], LayerCost, LayerCost, dict[str, tuple[float, ...]], float]:
-    """Layers per stage, one layer's and the head's costs, every stage's F, I, W and B, and
-    one pipeline hop's delay."""
+def _pipeline(job: Job, layout: Layout) -> tuple[
+        list[int], list[LayerCost], LayerCost, dict[str, tuple[float, ...]], float]:
+    """Layers per stage, each stage's layers' costs (a stage's first ``recompute_layers``
+    recomputed wholly), the head's cost, every stage's F, I, W and B, and one pipeline hop's
+    delay."""
     arch, fabric = job.arch, Fabric.of(job.gpu)
     kernels = Kernels.of(job.gpu)
     shard = Shard(layout.tp, layout.cp, layout.ep,
@@ -193,14 +200,38 @@ def _pipeline(job: Job, layout: Layout
                   sequence_parallel=job.sequence_parallel, fp8=job.precision == "fp8",
                   flash=job.flash_attention, attention_dropout=job.attention_dropout,
                   cp_exchange=job.cp_exchange)
-    layer = _sharded(layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard,
-                                layout.recompute), job, layout, fabric)
+    def cost(recompute: str) -> LayerCost:
+        return _sharded(layer_cost(arch, kernels, layout.micro_batch_size, job.seq, shard,
+                                   recompute), job, layout, fabric)
+
+    layer = cost(layout.recompute)
+    whole = cost("always") if layout.recompute_layers else layer
     head = head_cost(arch, kernels, layout.micro_batch_size, job.seq, shard)
     per_stage = _layers_per_stage(arch.layers, layout.pp * layout.stages_per_rank)
+    layers = [_blend(whole, layer, min(layout.recompute_layers, n), n) for n in per_stage]
     tokens = layout.micro_batch_size * job.seq / layout.cp
     hop = fabric.hop(layout.tp * layout.cp * layout.dp * layout.fsdp).send(
         tokens * arch.hidden * BF16 / layout.tp)
-    return per_stage, layer, head, _stage_costs(per_stage, layer, head), hop
+    return per_stage, layers, head, _stage_costs(per_stage, layers, head), hop
+
+
+def _blend(whole: LayerCost, rest: LayerCost, k: int, n: int) -> LayerCost:
+    """A stage's average layer when ``k`` of its ``n`` layers are recomputed wholly."""
+    if k == 0 or n == 0:
+        return rest
+    mix = [(getattr(whole, f.name) * k + getattr(rest, f.name) * (n - k)) / n
+           for f in fields(LayerCost)]
+    return LayerCost(*mix)
+
+
+def _hardware_flops(arch: Arch, seq: int, layout: Layout, per_stage: list[int]) -> float:
+    """FLOPs per token the devices run under ``layout``'s recomputation (of each stage's
+    layers, ``recompute_layers`` wholly)."""
+    base = arch.hardware_flops(seq, layout.recompute)
+    whole = sum(min(layout.recompute_layers, n) for n in per_stage)
+    if not whole:
+        return base
+    return base + (arch.hardware_flops(seq, "always") - base) * whole / sum(per_stage)
 
 
 def _sharded(layer: LayerCost, job: Job, layout: Layout, fabric: Fabric) -> LayerCost:
@@ -209,8 +240,9 @@ def _sharded(layer: LayerCost, job: Job, layout: Layout, fabric: Fabric) -> Laye
     gradients reduce-scattered after, each micro-batch, over the fsdp group; each overlaps the
     compute of the layer before it, so only what exceeds that compute is added. A pipelined
     stage keeps its parameters gathered and its gradients whole across the step's micro-batches
-    (as Llama 3's training did, Dubey et al. 2024 section 3.3.2): one gather and one
-    reduce-scatter a step, and the whole stage's weights and gradients in memory."""
+    (torch's pipelining under FSDP2; Llama 3 kept its parameters gathered too, Dubey et al.
+    2024 section 3.3.2): one gather and one reduce-scatter a step, and the whole stage's
+    weights and gradients in memory."""
     if layout.fsdp <= 1 or layout.pp > 1:  # pipelined: gathered once a step (_peak)
         return layer
     link = fabric.group(layout.fsdp, layout.tp * layout.cp * layout.dp)
@@ -250,14 +282,14 @@ def _layer_params(arch: Arch, layout: Layout) -> float:
     return (arch.layer_params() - experts) / layout.tp + experts / layout.tp / layout.ep
 
 
-def _stage_costs(per_stage: list[int], layer: LayerCost, head: LayerCost
+def _stage_costs(per_stage: list[int], layers: list[LayerCost], head: LayerCost
                  ) -> dict[str, tuple[float, ...]]:
     last = len(per_stage) - 1
     out: dict[str, tuple[float, ...]] = {}
     for op in "fiw":
-        own = getattr(layer, op)
-        out[op.upper()] = tuple(n * own + (getattr(head, op) if s == last else 0.0)
-                                for s, n in enumerate(per_stage))
+        out[op.upper()] = tuple(n * getattr(layer, op) + (getattr(head, op) if s == last
+                                                          else 0.0)
+                                for s, (n, layer) in enumerate(zip(per_stage, layers)))
     out["B"] = tuple(i + w for i, w in zip(out["I"], out["W"]))
     return out
 
@@ -336,13 +368,15 @@ def _schedule(name: str, pp: int, m: int, v: int, costs: Frozen, hop: float, lim
 
 
 def _peak(job: Job, layout: Layout, params_here: float, units: float, per_stage: list[int],
-          layer: LayerCost, head: LayerCost) -> float:
+          layers: list[LayerCost], head: LayerCost) -> float:
     shard_opt = layout.fsdp * (layout.dp if job.distributed_optimizer else 1)
     whole = layout.pp > 1 and layout.fsdp > 1  # gathered for the step: see _sharded
     state = params_here * ((BF16 + job.grad_bytes) / (1 if whole else layout.fsdp)
                            + 12 / shard_opt)
-    activations = units * max(per_stage) * layer.kept
-    return state + activations + head.kept + RESERVED_BYTES
+    activations = units * max(n * layer.kept for n, layer in zip(per_stage, layers))
+    running = fp8.weight_copy_bytes(_layer_params(job.arch, layout)) \
+        if job.precision == "fp8" else 0.0
+    return state + activations + head.kept + running + RESERVED_BYTES
 
 
 def with_microbatches(job: Job, layout: Layout) -> Layout:

@@ -15,6 +15,8 @@ their activations split by ``t`` too)::
     I  the same multiplies with dX = dY W ("nn"), attention's backward, 2x the memory-bound
        work, the same collectives
     W  the weight gradients dW = dY^T X ("tn")
+    fp8 (``--precision fp8``)  the multiplies at the measured fp8 rate, and each operand's cast
+       and scale (:mod:`.fp8`)
 
 Activation bytes per micro-batch follow Korthikanti et al. 2022 (section 4.1: 34 s b h bytes per
 GPT layer with sequence parallelism, over ``t``; 10 s b h + 24 s b h / t without), generalised
@@ -28,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pipetrain.plan.cluster import fp8
 from pipetrain.plan.cluster.arch import Arch
 from pipetrain.plan.cluster.collectives import Link
 from pipetrain.plan.cluster.kernels import Kernels
@@ -122,10 +125,13 @@ def layer_cost(arch: Arch, kernels: Kernels, micro_batch: int, seq: int, shard: 
     tokens = micro_batch * seq / shard.cp
     gemms = _gemms(arch, tokens, shard.tp, shard.ep)
     q = shard.fp8
-    f = sum(kernels.gemm(m, n, k, "nt", q) + _cast(kernels, q, m * k + n * k)
-            for m, n, k in gemms)
-    i = sum(kernels.gemm(m, k, n, "nn", q) + _cast(kernels, q, m * n) for m, n, k in gemms)
-    w = sum(kernels.gemm(n, k, m, "tn", q) for m, n, k in gemms)  # its inputs cast for F, I
+    f = sum(kernels.gemm(m, n, k, "nt", q) for m, n, k in gemms)
+    i = sum(kernels.gemm(m, k, n, "nn", q) for m, n, k in gemms)
+    w = sum(kernels.gemm(n, k, m, "tn", q) for m, n, k in gemms)
+    if q:  # the operands' casts and the tp ranks' maxima (.fp8)
+        cast, scales = fp8.casts(kernels, gemms), fp8.scale_reductions(gemms, shard.tp,
+                                                                       shard.tp_link)
+        f, i, w = f + cast[0] + scales[0], i + cast[1] + scales[1], w + cast[2] + scales[2]
     heads = micro_batch * arch.heads / shard.tp
     attn_f, attn_b, scores = (_flash(kernels, heads, tokens / micro_batch, seq, arch.dim)
                               if shard.flash else
@@ -148,12 +154,6 @@ def layer_cost(arch: Arch, kernels: Kernels, micro_batch: int, seq: int, shard: 
                                                           else 0.0)  # selective: rebuilt
     return LayerCost(f_total, i_total, w, kept,
                      comm + ring_f, comm + ring_b + (comm if recompute == "always" else 0.0))
-
-
-def _cast(kernels: Kernels, fp8: bool, elements: float) -> float:
-    """Seconds to cast a matrix multiply's bf16 inputs to fp8 (read 2 bytes, write 1, each
-    element; the scale's max over the tensor fused in): memory-bound work fp8 adds."""
-    return kernels.memory(3 * elements) if fp8 else 0.0
 
 
 def _flash(kernels: Kernels, heads: float, seq_q: float, seq: int, dim: int

@@ -199,8 +199,13 @@ _LLAMA3_ASSUMED = (
     "'interleaved-1f1b' with 2 stages per rank, the stage count per rank not verified here; "
     "data parallelism as FSDP over all DP ranks (fsdp = DP, dp = 1): from memory the paper "
     "shards optimizer states and gradients but keeps parameters gathered after the forward "
-    "(no reshard), which this layout cannot say; 'selective' recomputation is a guess (the "
-    "table does not say); metric: the paper's TFLOPs/GPU, model FLOPs (its MFU is "
+    "(no reshard), which this layout cannot say; recomputation is not given: the table does "
+    "not say, and sec. 3.3.2's pre-training of 8K sequences without activation checkpointing "
+    "(from memory, not verified here) does not fit 80 GB at this layout in this model (in "
+    "the interleaved warm-up rank 0 holds 47 stage-activations of 4 layers each, 120 GB at "
+    "8K), so the command searches it: the fewest of each stage's layers recomputed wholly "
+    "that fit (Megatron-LM's block method), which the table's recompute column shows; "
+    "metric: the paper's TFLOPs/GPU, model FLOPs (its MFU is "
     "TFLOPs / 989), bf16")
 
 
@@ -210,7 +215,7 @@ def _llama3_row(key: str, gpus: int, cp: int, dp: int, seq_len: int, per_dp: int
         trainer="torchtitan",
         key=key, model=llama3_shape("405b", seq_len), gpu="H100-SXM", gpus=gpus, tp=8, pp=16,
         dp=1, cp=cp, fsdp=dp, global_batch=dp * per_dp, micro_batch=1,
-        schedule="interleaved-1f1b", stages_per_rank=2, recompute="selective",
+        schedule="interleaved-1f1b", stages_per_rank=2, recompute="",
         precision="bf16", metric="model_tflops_per_gpu", value=tflops,
         source=(f"{_LLAMA3_PAPER}. Row: {gpus:,} GPUs, TP 8, CP {cp}, PP 16, DP {dp}, "
                 f"sequence {seq_len:,}, batch size/DP {per_dp}, 16M tokens per batch: "

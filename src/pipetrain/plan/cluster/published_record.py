@@ -39,7 +39,8 @@ class Published:
     micro_batch: int  # sequences per micro-batch
     schedule: str  # pipetrain names: "1f1b", "interleaved-1f1b", "gpipe", "zb-h1", ...
     stages_per_rank: int  # v for interleaved, 1 otherwise
-    recompute: str  # "always" (full activation recomputation), "selective", "op", "never"
+    recompute: str  # "always" (full activation recomputation), "selective", "op", "never";
+    # "" where the source does not say: the command searches it (the least that fits)
     precision: str  # "bf16" / "fp16" / "fp8"
     metric: str  # one of METRICS
     value: float  # the published figure in that metric's unit (TFLOP/s, fraction, tokens/s, s)
@@ -78,7 +79,8 @@ class Published:
                 "--fsdp", str(self.fsdp), "--cp", str(self.cp), "--ep", str(self.ep),
                 "--schedule", self.schedule if self.pp > 1 else "1f1b",
                 "--stages-per-rank", str(self.stages_per_rank),
-                "--recompute", self.recompute, "--trainer", self.trainer]
+                *(["--recompute", self.recompute] if self.recompute else []),
+                "--trainer", self.trainer]
         if self.precision == "fp8":
             argv += ["--precision", "fp8"]
         if self.activation_limit:
@@ -128,7 +130,7 @@ def check(published: Iterable[Published]) -> None:
         if r.global_batch % (r.dp * r.fsdp * r.micro_batch):
             raise ValueError(f"{where}: global_batch is not a whole number of micro-batches "
                              "per data-parallel rank")
-        if r.schedule not in SCHEDULES or r.recompute not in RECOMPUTE \
+        if r.schedule not in SCHEDULES or r.recompute not in (*RECOMPUTE, "") \
                 or r.precision not in PRECISIONS or r.metric not in METRICS:
             raise ValueError(f"{where}: unknown schedule, recompute, precision or metric")
         if (r.stages_per_rank > 1) != r.schedule.startswith("interleaved"):

@@ -11,16 +11,18 @@ A flag given pins its dimension; every other is searched::
     ep    divisors of the experts that divide dp x fsdp (expert parallelism: predicted only)
     schedule, stages per rank   1f1b, interleaved-1f1b (v = 2), zb-h1, zbv (v = 2) where pp > 1
     micro-batch size            1, 2, 4, 8 dividing a replica's share of the batch
-    recompute                   never, or where never does not fit always (first selective,
-                                where it saves memory: attention's scores without flash
-                                attention)
+    recompute                   never, or where never does not fit: first selective, where
+                                it saves memory (attention's scores without flash attention),
+                                then the fewest of each stage's layers recomputed wholly that
+                                fit (Megatron-LM's block method), then all of them
 
 Context parallelism is searched from 8192 tokens a sequence up, 16 from 65536.
 
 Every candidate is first predicted with a closed form of its pipeline (:func:`.cluster._rough`);
 the best :data:`SIMULATED` of those, and the best of each shape (tp, pp, dp, fsdp, cp, ep), are
 predicted again through the schedule simulator, and ranked by step time among those that fit
-the memory limit, then the rest.
+the memory limit, then the rest; the best :data:`PARTIAL` of those that recompute every layer
+are tried with the fewest layers a stage recomputed that fit, and ranked again.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ RECOMPUTE = ("never", "selective", "op", "always")  # what --recompute accepts
 search tries never, selective and always, and ``op`` where pinned."""
 SIMULATED = 32
 """How many of the layouts a closed form ranks best are simulated and ranked again."""
+PARTIAL = 8
+"""How many of the best simulated layouts that recompute every layer are tried with the fewest
+layers a stage recomputed that fit (:func:`_fewest_whole`)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,9 @@ class Pins:
     stages_per_rank: int | None = None
     micro_batch_size: int | None = None
     recompute: str | None = None
+    recompute_layers: int | None = None
+    """Of each stage's layers, how many are recomputed wholly (searched when --recompute is
+    not given: see :func:`_fitting`)."""
     activation_limit: float = 0.0
     """zb-auto's stage-activations per rank (0: pp)."""
 
@@ -78,6 +86,11 @@ def check_layout(job: Job, layout: Layout) -> None:
                          f"the model's {arch.layers} layers: lower --pp")
     if job.seq % layout.cp:
         raise ValueError(f"--cp {layout.cp} must divide the sequence of {job.seq} tokens")
+    most = -(-arch.layers // (layout.pp * layout.stages_per_rank))
+    if not 0 <= layout.recompute_layers < most:
+        raise ValueError(f"--recompute-layers {layout.recompute_layers} must be 0 to "
+                         f"{most - 1}, fewer than each stage's {most} layers (all of them "
+                         f"is --recompute always)")
     _check_heads(job, layout.tp, layout.cp)
     if layout.ep > 1 and (not arch.moe or arch.experts % layout.ep
                           or (layout.dp * layout.fsdp) % layout.ep):
@@ -144,21 +157,45 @@ def _variants(job: Job, shape: Layout, pins: Pins) -> Iterator[Layout]:
             v = pins.stages_per_rank
         yield replace(shape, schedule=name, stages_per_rank=v, micro_batch_size=b,
                       recompute=pins.recompute or "never",
+                      recompute_layers=pins.recompute_layers or 0,
                       activation_limit=pins.activation_limit)
 
 
-def _fitting(job: Job, layout: Layout, pins: Pins, rough: bool = False) -> Prediction:
+def _fitting(job: Job, layout: Layout, pins: Pins, rough: bool = False,
+             partial: bool = False) -> Prediction:
     """``layout``'s prediction; recomputed when it does not fit otherwise (unless pinned):
     selectively first where that saves memory (attention's s x s scores, without flash
-    attention), then wholly."""
+    attention), then (``partial``) the fewest of each stage's layers wholly that fit, then
+    all."""
     got = predict(job, layout, rough)
     if got.fits or pins.recompute or layout.recompute == "always":
         return got
     if not job.flash_attention and layout.recompute == "never":
-        selective = predict(job, replace(layout, recompute="selective"), rough)
-        if selective.fits:
-            return selective
-    return predict(job, replace(layout, recompute="always"), rough)
+        got = predict(job, replace(layout, recompute="selective"), rough)
+        if got.fits:
+            return got
+    fewer = _fewest_whole(job, got.layout) if partial else None
+    return fewer or predict(job, replace(layout, recompute="always", recompute_layers=0),
+                              rough)
+
+
+def _fewest_whole(job: Job, layout: Layout) -> Prediction | None:
+    """``layout`` with the fewest of each stage's layers recomputed wholly that fits, fewer
+    than all of them; None if none does. Memory falls as that number grows: a bisection
+    through the closed form finds it, the simulator then confirms it (or the next ones)."""
+    most = -(-job.arch.layers // (layout.pp * layout.stages_per_rank)) - 1
+    low, high = 1, most
+    while low < high:
+        k = (low + high) // 2
+        if predict(job, replace(layout, recompute_layers=k), rough=True).fits:
+            high = k
+        else:
+            low = k + 1
+    for k in range(low, most + 1):
+        got = predict(job, replace(layout, recompute_layers=k))
+        if got.fits:
+            return got
+    return None
 
 
 def check_pins(job: Job, pins: Pins) -> None:
@@ -167,6 +204,10 @@ def check_pins(job: Job, pins: Pins) -> None:
     if pins.tp and (arch.heads % pins.tp or arch.kv_heads % pins.tp):
         raise ValueError(f"--tp {pins.tp} must divide the model's {arch.heads} attention "
                          f"heads and {arch.kv_heads} key-value heads")
+    if pins.recompute_layers and pins.recompute in (None, "always"):
+        raise ValueError("--recompute-layers K recomputes K of each stage's layers wholly and "
+                         "the rest as --recompute says: give --recompute never, selective "
+                         "or op with it")
     if pins.pp and pins.pp * (pins.stages_per_rank or 1) > arch.layers:
         raise ValueError(f"--pp {pins.pp} exceeds the model's {arch.layers} layers: lower it")
     if pins.cp and job.seq % pins.cp:
@@ -202,8 +243,13 @@ def search(job: Job, pins: Pins, limit: int = 0) -> list[Prediction]:
     chosen = {p.layout: p for p in rough[:SIMULATED]}
     for p in rough:  # and the roughly best of each shape: the closed form ranks shapes worst
         chosen.setdefault(replace(p.layout, schedule="", stages_per_rank=0,
-                                  micro_batch_size=0, microbatches=0, recompute=""), p)
+                                  micro_batch_size=0, microbatches=0, recompute="",
+                                  recompute_layers=0), p)
     unique = {id(p): p for p in chosen.values()}.values()
     found = [_fitting(job, p.layout, pins) for p in unique]
+    found.sort(key=lambda p: (not p.fits, p.step_s))
+    for i, p in enumerate(found[:PARTIAL]):  # the best few recomputed wholly: fewer layers?
+        if p.layout.recompute == "always" and not pins.recompute:
+            found[i] = _fitting(job, replace(p.layout, recompute="never"), pins, partial=True)
     found.sort(key=lambda p: (not p.fits, p.step_s))
     return found[:limit] if limit else found
