@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.cli import main as pipetrain
+from pipetrain.plan.cluster.cluster_command import recompute_label
 from pipetrain.plan.cluster.published import Published, rows
 
 PINS = ("--tp", "--pp", "--dp", "--fsdp", "--cp", "--ep", "--schedule", "--stages-per-rank",
@@ -100,10 +101,8 @@ def compare(row: Published, with_search: bool, configs: Path | None = None) -> d
 
 
 def _recompute(layout: dict[str, Any]) -> str:
-    """A layout's recomputation as the command's table shows it (``never+3``: 3 of each
-    stage's layers wholly, the rest never)."""
-    k = layout.get("recompute_layers", 0)
-    return str(layout["recompute"]) + (f"+{k}" if k else "")
+    """A ``--json`` layout's recomputation as the command's table shows it."""
+    return recompute_label(layout["recompute"], layout.get("recompute_layers", 0))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

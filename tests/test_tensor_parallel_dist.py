@@ -174,8 +174,6 @@ def _foreign(ctx: pt.RankContext, cases: Sequence[tuple[str, str]]) -> list[str]
 
 
 def test_hugging_face_models_split_by_their_own_plan_give_one_devices_gradients() -> None:
-    import pytest
-
     pytest.importorskip("transformers")
     results = pt.launch(_foreign, 4, FOREIGN[:1], timeout=300)
     assert [p for r in results for p in r] == []

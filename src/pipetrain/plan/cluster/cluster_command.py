@@ -206,11 +206,10 @@ def _row(p: Prediction, job: Job) -> dict[str, Any]:
     return d
 
 
-def recompute_label(layout: Layout) -> str:
-    """``never``, ..., or ``selective+2`` (2 of each stage's layers wholly, the rest
-    selectively)."""
-    return layout.recompute + (f"+{layout.recompute_layers}" if layout.recompute_layers
-                               else "")
+def recompute_label(recompute: str, layers: int = 0) -> str:
+    """How the table shows a layout's recomputation: ``never``, ..., or ``selective+2`` (2 of
+    each stage's layers wholly, the rest selectively)."""
+    return recompute + (f"+{layers}" if layers else "")
 
 
 def _fix(p: Prediction) -> str:
@@ -272,7 +271,8 @@ def _table(shown: list[Prediction], boxed: bool, style: dict[str, Any]) -> Any:
     for p in shown:
         lay = p.layout
         table.add_row(_layout_label(lay), lay.schedule, str(lay.stages_per_rank),
-                      str(lay.microbatches), str(lay.micro_batch_size), recompute_label(lay),
+                      str(lay.microbatches), str(lay.micro_batch_size),
+                      recompute_label(lay.recompute, lay.recompute_layers),
                       f"{p.step_s:.3f}", f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu:.3f}",
                       f"{p.peak_bytes_per_gpu / 2**30:.1f}", "yes" if p.fits else "NO")
     return table

@@ -26,10 +26,12 @@ from __future__ import annotations
 from pipetrain.plan.cluster.collectives import Link
 from pipetrain.plan.cluster.kernels import Kernels
 
-__all__ = ["CAST_BYTES", "casts", "scale_reductions", "weight_copy_bytes"]
+__all__ = ["CAST_BYTES", "WEIGHT_BYTES", "casts", "scale_reductions"]
 
 CAST_BYTES = 5
 """Bytes of memory traffic per element cast: the maximum's read, the cast's read and write."""
+WEIGHT_BYTES = 1
+"""Bytes a parameter of the running layer takes once more: its fp8 copy."""
 
 Gemm = tuple[float, float, float]
 
@@ -52,8 +54,3 @@ def scale_reductions(gemms: list[Gemm], tp: int, link: Link) -> tuple[float, flo
     n = len(gemms)
     return n * one, n * one, 2 * n * one
 
-
-def weight_copy_bytes(layer_params: float) -> float:
-    """Bytes of a layer's weights' fp8 copy while the layer runs (``layer_params`` on this
-    GPU)."""
-    return layer_params

@@ -374,8 +374,8 @@ def _peak(job: Job, layout: Layout, params_here: float, units: float, per_stage:
     state = params_here * ((BF16 + job.grad_bytes) / (1 if whole else layout.fsdp)
                            + 12 / shard_opt)
     activations = units * max(n * layer.kept for n, layer in zip(per_stage, layers))
-    running = fp8.weight_copy_bytes(_layer_params(job.arch, layout)) \
-        if job.precision == "fp8" else 0.0
+    running = _layer_params(job.arch, layout) * fp8.WEIGHT_BYTES if job.precision == "fp8" \
+        else 0.0
     return state + activations + head.kept + running + RESERVED_BYTES
 
 

@@ -28,7 +28,7 @@ are tried with the fewest layers a stage recomputed that fit, and ranked again.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from pipetrain.plan.cluster.job import Job, Layout, Prediction, predict, with_microbatches
@@ -181,21 +181,31 @@ def _fitting(job: Job, layout: Layout, pins: Pins, rough: bool = False,
 
 def _fewest_whole(job: Job, layout: Layout) -> Prediction | None:
     """``layout`` with the fewest of each stage's layers recomputed wholly that fits, fewer
-    than all of them; None if none does. Memory falls as that number grows: a bisection
-    through the closed form finds it, the simulator then confirms it (or the next ones)."""
+    than all of them; None if none does. Memory falls as that number grows: a bisection, first
+    through the closed form, which bounds it from below, then through the simulator."""
     most = -(-job.arch.layers // (layout.pp * layout.stages_per_rank)) - 1
-    low, high = 1, most
+    low = _fewest(1, most, lambda k: predict(job, replace(layout, recompute_layers=k),
+                                             rough=True).fits)
+    found: dict[int, Prediction] = {}
+
+    def fits(k: int) -> bool:
+        found[k] = predict(job, replace(layout, recompute_layers=k))
+        return found[k].fits
+
+    k = _fewest(low, most, fits)
+    got = found.get(k) or predict(job, replace(layout, recompute_layers=k))
+    return got if got.fits else None
+
+
+def _fewest(low: int, high: int, fits: Callable[[int], bool]) -> int:
+    """The smallest k in [low, high] that ``fits`` (monotone: false, then true), else high."""
     while low < high:
         k = (low + high) // 2
-        if predict(job, replace(layout, recompute_layers=k), rough=True).fits:
+        if fits(k):
             high = k
         else:
             low = k + 1
-    for k in range(low, most + 1):
-        got = predict(job, replace(layout, recompute_layers=k))
-        if got.fits:
-            return got
-    return None
+    return low
 
 
 def check_pins(job: Job, pins: Pins) -> None:
