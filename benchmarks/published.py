@@ -4,12 +4,14 @@ Every figure comes from the command a user types: each row's ``pipetrain plan --
 --json`` (:meth:`pipetrain.plan.cluster.published_record.Published.command`, printed with
 ``--commands``; ``--configs DIR`` writes the models' ``config.json`` files it names). For every
 run of :mod:`pipetrain.plan.cluster.published` (Megatron-LM's Table 1, the selective
-recomputation paper's, the Zero Bubble paper's, torchtitan's, Llama 3's, MegaScale's), the
+recomputation paper's, the Zero Bubble paper's, torchtitan's, Llama 3's, MegaScale's,
+BLOOM's, NVIDIA's NeMo recipes'), the
 predicted figure in the metric the source published, their ratio, and the fastest layout the
 search finds for the same GPUs, batch and memory::
 
-    python benchmarks/published.py                 # every row, ten minutes (--no-search: seconds)
+    python benchmarks/published.py                 # every row, an hour (--no-search: seconds)
     python benchmarks/published.py --rows megatron- --json out.json
+    python benchmarks/published.py --markdown table.md   # docs/planning.md's table
 
 What each source's trainer did that the cost model must be told (not fitted) is the command's
 ``--trainer`` (:mod:`pipetrain.plan.cluster.trainers`): Megatron-LM in 2021 had no flash
@@ -114,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="write each row's config.json here (to run its command)")
     parser.add_argument("--commands", action="store_true",
                         help="print each row's command under it")
+    parser.add_argument("--markdown", help="write docs/planning.md's table of the rows here")
     args = parser.parse_args(argv)
     started = time.time()
     print(f"{'run':<34}{'metric':<24}{'published':>10}{'predicted':>10}{'ratio':>7}"
@@ -151,7 +154,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results, time.strftime("%Y-%m-%d")))
     return 0
+
+
+_UNITS = {"hardware_tflops_per_gpu": "hardware TFLOP/s/GPU",
+          "model_tflops_per_gpu": "model TFLOP/s/GPU", "mfu": "MFU",
+          "tokens_per_s_per_gpu": "tokens/s/GPU", "step_s": "s/step"}
+
+
+def markdown(results: list[dict[str, Any]], day: str) -> str:
+    """docs/planning.md's table of ``results`` (``compare``'s), searched on ``day`` (a row not
+    searched shows "-" in the last column)."""
+    lines = ["| run | metric | published | predicted | ratio | fits | peak GiB: predicted "
+             f"(published) | recompute | search's best ({day}): its step / the published "
+             "layout's, what it changed |", "|---" * 9 + "|"]
+    for r in results:
+        peak = f"{r['peak_gib']:.1f}"
+        if r["published_peak_bytes"]:
+            peak += f" ({r['published_peak_bytes'] / 2**30:.1f})"
+        found = "-"
+        if "search_step_s" in r:
+            lay = r["search_layout"]
+            found = (f"{r['search_step_s'] / r['step_s']:.2f}: tp {lay['tp']}, pp {lay['pp']}, "
+                     f"dp {lay['dp']}, fsdp {lay['fsdp']}, cp {lay['cp']}, {lay['schedule']} "
+                     f"v {lay['stages_per_rank']}, b {lay['micro_batch_size']}, recompute "
+                     f"{_recompute(lay)}")
+        cells = [r["key"], _UNITS[r["metric"]], f"{r['published']:.4g}",
+                 f"{r['predicted']:.4g}", f"{r['ratio']:.3f}", "yes" if r["fits"] else "no",
+                 peak, r["recompute"], found]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -292,10 +292,11 @@ def test_a_hardware_file_describes_another_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("key", [
-    "megatron-145b", "korthikanti-1t-full", "zb-6.2b-zb2p",
-    *(pytest.param(k, marks=pytest.mark.long)  # beside the three above
+    "megatron-145b", "korthikanti-1t-full", "zb-6.2b-zb2p", "nemo-llama3.1-70b-64gpu",
+    *(pytest.param(k, marks=pytest.mark.long)  # beside the four above
       for k in ("megatron-1.7b", "megatron-39b", "korthikanti-22b-selective",
-                "korthikanti-530b-full"))])
+                "korthikanti-530b-full", "nemo-nemotron4-340b-128gpu",
+                "nemo-llama3.1-405b-576gpu", "nemo-llama3.1-8b-8gpu"))])
 def test_published_runs_are_predicted_within_ten_percent(key: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from published import compare
@@ -373,7 +374,7 @@ def test_the_trainer_changes_the_figure_a_user_types(
     assert said == {"preset": "megatron-lm-2021", "flash_attention": False,
                     "attention_dropout": True, "sequence_parallel": False,
                     "distributed_optimizer": False, "overlap_grad_reduce": False,
-                    "cp_exchange": "ring"}
+                    "cp_exchange": "ring", "grad_bytes": 4, "state_bytes": 12}
     core, _ = hardware("--trainer", "megatron-core")
     assert core > old * 1.1
     flash_only, said = hardware("--trainer", "megatron-lm-2021", "--flash-attention")
@@ -507,3 +508,97 @@ def test_the_fewest_layers_recomputed_wholly_that_fit_are_chosen(
     assert "give --recompute never, selective or op" in capsys.readouterr().err
     assert main([*argv, "--recompute", "never", "--recompute-layers", "4"]) == 2
     assert "must be 0 to 3" in capsys.readouterr().err
+
+
+def test_cp_ranks_reduce_the_gradients_and_share_the_shards_of_the_states() -> None:
+    """Context-parallel ranks hold the same weights and compute gradients on other tokens: the
+    gradients are averaged over dp x fsdp x cp, FSDP shards over fsdp x cp (torchtitan's
+    ``dp_shard_cp``) and a distributed optimizer over dp x fsdp x cp (Megatron-core's)."""
+    h100 = gpu("H100-SXM")
+    job = Job(LLAMA, h100, 8, 8192, 16, overlap_grad_reduce=False)
+
+    def at(**degrees: Any) -> Any:
+        return predict(job, with_microbatches(job, Layout(micro_batch_size=1, **degrees)))
+
+    # no data parallelism, cp 2: the two cp ranks still all-reduce (or reduce-scatter) grads
+    alone = at(tp=4, cp=2)
+    assert alone.parts["grad_reduce"] > 0
+    params = LLAMA.params() / 4  # tp 4; the embedding and the output projection on one rank
+    sharded, whole = at(tp=4, cp=2), predict(
+        replace_job(job, distributed_optimizer=False),
+        with_microbatches(job, Layout(tp=4, cp=2, micro_batch_size=1)))
+    assert whole.peak_bytes_per_gpu - sharded.peak_bytes_per_gpu == pytest.approx(
+        params * 12 / 2, rel=0.02)  # the states halved over the two cp ranks
+    # FSDP over fsdp x cp: fsdp 2 x cp 2 shards weights, grads and states four ways
+    fsdp = predict(replace_job(job, distributed_optimizer=False),
+                   with_microbatches(job, Layout(fsdp=2, cp=2, tp=2, micro_batch_size=1)))
+    unsharded = predict(replace_job(job, distributed_optimizer=False),
+                        with_microbatches(job, Layout(dp=2, cp=2, tp=2, micro_batch_size=1)))
+    state = LLAMA.params() / 2 * (2 + 4 + 12)
+    assert unsharded.peak_bytes_per_gpu - fsdp.peak_bytes_per_gpu == pytest.approx(
+        state * 3 / 4, rel=0.02)
+
+
+def replace_job(job: Job, **changes: Any) -> Job:
+    from dataclasses import replace
+
+    return replace(job, **changes)
+
+
+def test_an_interleaved_rank_holds_one_vocabulary_matrix() -> None:
+    """pp 4 with 1 or 2 stages a rank: the same layers on each rank, and one embedding (or
+    output projection) whatever the stages per rank; without a pipeline, both."""
+    job = Job(LLAMA, gpu("H100-SXM"), 4, 4096, 32)
+
+    def state(**kw: Any) -> float:
+        layout = with_microbatches(job, Layout(micro_batch_size=1, recompute="always", **kw))
+        p = predict(job, layout)
+        return p.peak_bytes_per_gpu
+    one = state(pp=4, schedule="1f1b")
+    two = state(pp=4, schedule="interleaved-1f1b", stages_per_rank=2)
+    vocab = LLAMA.vocab * LLAMA.hidden * (2 + 4 + 12)
+    assert abs(two - one) < vocab / 4  # activations differ a little; not a second matrix
+    mono = Job(LLAMA, gpu("H100-SXM"), 1, 4096, 4)
+    a = predict(mono, with_microbatches(mono, Layout(micro_batch_size=1, recompute="always")))
+    assert a.peak_bytes_per_gpu > LLAMA.params() * (2 + 4 + 12)  # every weight, both ends
+
+
+def test_gpus_hold_the_memory_the_device_reports() -> None:
+    """The datasheets' '80 GB' is binary: the planner's limit is what nvidia-smi reports."""
+    assert gpu("A100-80GB").hbm_bytes == 81920 * 2**20
+    assert gpu("H100-SXM").hbm_bytes == 81559 * 2**20
+    assert gpu("A100-40GB").hbm_bytes == 40960 * 2**20
+
+
+def test_bf16_gradients_and_optimizer_states_are_flags_and_a_preset(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--grad-dtype and --optimizer-dtype change the memory by the bytes they save a
+    parameter; NeMo's preset syncs its gradients in bf16; a wrong value exits 2."""
+    from pipetrain.cli import main
+
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096,
+                                  "num_hidden_layers": 32, "num_attention_heads": 32,
+                                  "num_key_value_heads": 8, "intermediate_size": 14336,
+                                  "vocab_size": 128256}))
+    base = ["plan", "--cluster", "H100", "--gpus", "8", "--config-json", str(config),
+            "--seq-len", "4096", "--global-batch", "32", "--tp", "1", "--pp", "1", "--dp", "8",
+            "--micro-batch-size", "1", "--recompute", "always", "--trainer", "megatron-core",
+            "--json"]
+
+    def peak(*extra: str) -> tuple[float, dict[str, Any]]:
+        assert main([*base, *extra]) == 0
+        report = json.loads(capsys.readouterr().out)
+        return report["best"]["peak_bytes_per_gpu"], report["trainer"]
+
+    fp32, said = peak()
+    assert (said["grad_bytes"], said["state_bytes"]) == (4, 12)
+    bf16_grads, said = peak("--grad-dtype", "bf16")
+    assert said["grad_bytes"] == 2
+    assert fp32 - bf16_grads == pytest.approx(LLAMA.params() * 2, rel=1e-6)
+    bf16_states, _ = peak("--optimizer-dtype", "bf16")
+    assert fp32 - bf16_states == pytest.approx(LLAMA.params() * 6 / 8, rel=1e-6)  # over dp 8
+    nemo, said = peak("--trainer", "nemo")
+    assert said["grad_bytes"] == 2 and nemo == bf16_grads
+    assert main([*base, "--grad-dtype", "fp16"]) == 2
+    assert "--grad-dtype" in capsys.readouterr().err

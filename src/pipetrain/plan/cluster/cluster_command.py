@@ -24,7 +24,14 @@ from pipetrain.plan.cluster.arch import Arch
 from pipetrain.plan.cluster.hardware import GPUS, gpu, load_toml, with_overrides
 from pipetrain.plan.cluster.job import Job, Layout, Prediction, predict, simulation
 from pipetrain.plan.cluster.search import RECOMPUTE, Pins, search
-from pipetrain.plan.cluster.trainers import CP_EXCHANGES, TRAINERS, Trainer, trainer
+from pipetrain.plan.cluster.trainers import (
+    CP_EXCHANGES,
+    GRAD_BYTES,
+    STATE_BYTES,
+    TRAINERS,
+    Trainer,
+    trainer,
+)
 from pipetrain.train.config import TrainConfig, config_toml
 
 __all__ = ["configure_cluster", "run_cluster"]
@@ -73,6 +80,10 @@ def configure_cluster(parser: argparse.ArgumentParser) -> None:
                            help=f"{what} (default: the trainer's)")
     stack.add_argument("--cp-exchange", choices=CP_EXCHANGES, default=None,
                        help="how cp ranks attend (default: the trainer's)")
+    stack.add_argument("--grad-dtype", choices=tuple(GRAD_BYTES), default=None,
+                       help="gradients accumulated and reduced in (default: the trainer's)")
+    stack.add_argument("--optimizer-dtype", choices=tuple(STATE_BYTES), default=None,
+                       help="AdamW's weights and moments in (default: the trainer's)")
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -181,7 +192,10 @@ def _trainer(args: argparse.Namespace) -> Trainer:
     """``--trainer`` with the settings its own flags override."""
     names = ("flash_attention", "attention_dropout", "sequence_parallel",
              "distributed_optimizer", "overlap_grad_reduce")
-    return trainer(args.trainer, cp_exchange=args.cp_exchange,
+    grad = GRAD_BYTES[args.grad_dtype] if args.grad_dtype else None
+    state = STATE_BYTES[args.optimizer_dtype] if args.optimizer_dtype else None
+    return trainer(args.trainer, cp_exchange=args.cp_exchange, grad_bytes=grad,
+                   state_bytes=state,
                    **{n: getattr(args, f"cluster_{n}") for n in names})
 
 

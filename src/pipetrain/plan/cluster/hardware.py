@@ -63,7 +63,7 @@ class Gpu:
     name: str  # e.g. "H100-SXM"
     bf16_flops: float  # dense bf16 peak, FLOP/s (no sparsity)
     fp8_flops: float | None  # dense fp8 peak; None where the GPU has no fp8 tensor cores
-    hbm_bytes: float  # memory per GPU, bytes (the datasheet figure, e.g. 80e9 for 80 GB)
+    hbm_bytes: float  # memory per GPU, bytes: what the device reports (:data:`_REPORTED`)
     hbm_bw: float  # HBM bandwidth, bytes/s
     nvlink_bw: float  # NVLink bandwidth per GPU inside a node, one direction, bytes/s
     nic_bw: float  # scale-out network bandwidth per GPU, one direction, bytes/s
@@ -98,6 +98,15 @@ _HOPPER_SHEET = (
     "sparse; FP8 1,978.9 dense, 3,957.8 sparse; 80 GB HBM3, 3.35 TB/s; NVLink 4 900 GB/s "
     "bidirectional = 450 GB/s per direction). "
 )
+MIB = 2**20
+_REPORTED = (
+    "Memory: the total the device reports, not the datasheet's 'GB' (which are binary: an A100 "
+    "80 GB has 81,920 MiB): nvidia-smi's totals of 40,960 MiB (A100 40 GB), 81,920 MiB "
+    "(A100 80 GB) and 81,559 MiB (H100 80 GB HBM3), as listed in "
+    "https://github.com/modal-labs/modal-client/pull/2797 and seen in nvidia-smi output "
+    "quoted in https://github.com/NVIDIA/nccl/issues/1264; the H200's is torch's "
+    "total_memory on the H200 this project was lent (plan/data/kernels-h200-2026-11-28.json: "
+    "150,109,880,320 bytes). ")
 _DGX_HOPPER_NET = (
     "nic_bw: a DGX H100/H200 node, 8 GPUs and 'four OSFP ports serving eight single-port "
     "NVIDIA ConnectX-7 VPI, up to 400 Gb/s InfiniBand/Ethernet' (NVIDIA DGX BasePOD reference "
@@ -109,14 +118,16 @@ _DGX_HOPPER_NET = (
 GPUS: dict[str, Gpu] = {
     g.name: g
     for g in (
-        Gpu("A100-40GB", 312e12, None, 40e9, 1.555e12, 300e9, 25e9, 8,
-            "A100 SXM4 40 GB (HBM2). " + _A100_SHEET + _A100_NODE, A100_NVLINK_EFFICIENCY),
-        Gpu("A100-80GB", 312e12, None, 80e9, 2.039e12, 300e9, 25e9, 8,
-            "A100 SXM4 80 GB (HBM2e). " + _A100_SHEET + _A100_NODE, A100_NVLINK_EFFICIENCY),
-        Gpu("H100-SXM", 989.4e12, 1978.9e12, 80e9, 3.35e12, 450e9, 50e9, 8,
+        Gpu("A100-40GB", 312e12, None, 40960 * MIB, 1.555e12, 300e9, 25e9, 8,
+            "A100 SXM4 40 GB (HBM2). " + _A100_SHEET + _REPORTED + _A100_NODE,
+            A100_NVLINK_EFFICIENCY),
+        Gpu("A100-80GB", 312e12, None, 81920 * MIB, 2.039e12, 300e9, 25e9, 8,
+            "A100 SXM4 80 GB (HBM2e). " + _A100_SHEET + _REPORTED + _A100_NODE,
+            A100_NVLINK_EFFICIENCY),
+        Gpu("H100-SXM", 989.4e12, 1978.9e12, 81559 * MIB, 3.35e12, 450e9, 50e9, 8,
             "H100 SXM5 80 GB (HBM3, 700 W). " + _HOPPER_SHEET + "DGX H100: 640 GB total GPU "
-            "memory for 8 GPUs (DGX BasePOD page below). " + _DGX_HOPPER_NET),
-        Gpu("H200", 989.4e12, 1978.9e12, 141e9, 4.8e12, 450e9, 50e9, 8,
+            "memory for 8 GPUs (DGX BasePOD page below). " + _REPORTED + _DGX_HOPPER_NET),
+        Gpu("H200", 989.4e12, 1978.9e12, 150109880320, 4.8e12, 450e9, 50e9, 8,
             "H200 SXM (HBM3e). Same GH100 compute and NVLink 4 as H100 SXM, so the peaks are "
             "H100's: " + _HOPPER_SHEET + "Memory: DGX H200 '1,128 GB total GPU memory' for 8 "
             "GPUs = 141 GB each (DGX BasePOD page below); 4.8 TB/s from third-party pages "
@@ -124,10 +135,10 @@ GPUS: dict[str, Gpu] = {
             "https://uvation.com/articles/"
             "nvidia-dgx-h200-components-deep-dive-into-the-hardware-architecture); the H200 "
             "datasheet itself (BF16 1,979 TFLOP/s with sparsity) is from memory, not verified "
-            "here. " + _DGX_HOPPER_NET),
-        Gpu("H800", 989.4e12, 1978.9e12, 80e9, 3.35e12, 200e9, 50e9, 8,
+            "here. " + _REPORTED + _DGX_HOPPER_NET),
+        Gpu("H800", 989.4e12, 1978.9e12, 81559 * MIB, 3.35e12, 200e9, 50e9, 8,
             "H800 SXM (HBM3): the H100 SXM die with reduced NVLink and FP64; bf16/fp8 peaks, "
-            "memory and HBM bandwidth as H100 SXM (https://www.philisun.com/"
+            "memory (the H100's 81,559 MiB assumed) and HBM bandwidth as H100 SXM (https://www.philisun.com/"
             "technical-analysis/nvidia-h800-vs-h100-a-technical-deep-dive-into-politically-"
             "defined-ai-chips, third-party; no NVIDIA H800 datasheet stored). NVLink: 400 GB/s "
             "bidirectional (same third-party pages) = 200 GB/s per direction; early press "
@@ -143,7 +154,8 @@ GPUS: dict[str, Gpu] = {
             "TFLOP/s dense (4,500 sparse), FP8 4,500 dense (9,000 sparse), as tabulated at "
             "https://glennklockwood.com/garden/processors/B200 from NVIDIA's Blackwell "
             "datasheet; DGX B200 'FP8 72 PFLOPS sparse' for 8 GPUs agrees (9 PF sparse each). "
-            "Memory: DGX B200 '1,440 GB total HBM3e, 64 TB/s' for 8 GPUs = 180 GB and 8 TB/s "
+            "Memory: DGX B200 '1,440 GB total HBM3e, 64 TB/s' for 8 GPUs = 180 GB (the datasheet's "
+            "figure: no device-reported total was seen here) and 8 TB/s "
             "each (https://brent-newsom-nvidia.github.io/AIPS-Boom/wiki/NVIDIA-DGX-B200 citing "
             "https://www.nvidia.com/en-us/data-center/dgx-b200/); NVLink 5 1.8 TB/s "
             "bidirectional per GPU (DGX B200 14.4 TB/s over 8 GPUs) = 900 GB/s per direction. "

@@ -10,15 +10,16 @@ pipeline hop's send as the delay between ranks; then what follows the pipeline::
                                                    FSDP's per-layer gathers and scatters in each
                                                    F and backward where they outlast the compute
                                                    they overlap)
-         + gradient reduction over dp x fsdp      (overlapped with the backward but its last
+         + gradient reduction over dp x fsdp x cp (overlapped with the backward but its last
                                                    bucket: one stage-layer's gradients)
          + FSDP's first all-gather                (later ones prefetched under compute)
          + the optimizer step                     (memory-bound: every state byte read, written)
 
-    peak bytes = weights, gradients, AdamW states (sharded by fsdp; the optimizer's by dp when
-                 distributed) + the stage-activations the simulator finds alive at once x what
-                 one keeps + the last stage's fp32 logits + (fp8) the running layer's fp8
-                 weights + a fixed 2 GiB for CUDA's and NCCL's own buffers
+    peak bytes = the busiest rank's weights (its stages' layers and one vocabulary matrix),
+                 gradients, AdamW states (sharded by fsdp x cp; the optimizer's by dp x fsdp x
+                 cp when distributed) + the stage-activations the simulator finds alive at
+                 once x what one keeps + the last stage's fp32 logits + (fp8) the running
+                 layer's fp8 weights + a fixed 2 GiB for CUDA's and NCCL's own buffers
 
 Ranks are placed tp innermost, then cp, dp and fsdp, pp outermost (Megatron-LM's order): a
 group whose ranks all fit in one node talks over NVLink, any other over the NIC.
@@ -32,7 +33,7 @@ from typing import Any
 
 from pipetrain.plan.cluster import fp8
 from pipetrain.plan.cluster.arch import Arch
-from pipetrain.plan.cluster.collectives import Fabric
+from pipetrain.plan.cluster.collectives import Fabric, Link
 from pipetrain.plan.cluster.hardware import Gpu
 from pipetrain.plan.cluster.kernels import Kernels
 from pipetrain.plan.cluster.layer_cost import BF16, LayerCost, Shard, head_cost, layer_cost
@@ -93,6 +94,8 @@ class Job:
     overlap_grad_reduce: bool = True
     grad_bytes: int = 4
     """Bytes per gradient element as reduced (fp32 main gradients)."""
+    state_bytes: int = 12
+    """AdamW's bytes a parameter: fp32 weights and two fp32 moments (12), or all in bf16 (6)."""
     memory_limit: float = 0.0
     """Bytes per GPU; 0: the GPU's own."""
     flash_attention: bool = True
@@ -145,33 +148,32 @@ def predict(job: Job, layout: Layout, rough: bool = False) -> Prediction:
     for a search to choose what to simulate."""
     arch, gpu = job.arch, job.gpu
     kernels, fabric = Kernels.of(gpu), Fabric.of(gpu)
-    dpf = layout.dp * layout.fsdp
     per_stage, layers, head, costs, hop = _pipeline(job, layout)
     n_stages = len(per_stage)
     makespan, peak_units = (_rough(layout.schedule, layout.pp, layout.microbatches,
                                    layout.stages_per_rank, costs, hop) if rough else
                             _timeline(layout, costs, hop))
-    stage_params = max(per_stage) * _layer_params(arch, layout) + arch.vocab * arch.hidden \
-        / layout.tp
-    reduce_link = fabric.group(dpf, layout.tp * layout.cp)
-    grads = stage_params * layout.stages_per_rank * job.grad_bytes
-    weights = stage_params * layout.stages_per_rank * BF16  # gathered after a sharded update
-    if layout.fsdp > 1:  # scattered over fsdp (per micro-batch, or once a step when
+    params_here = _params_here(arch, layout, per_stage)
+    ranks, shards = _grad_ranks(layout), _shards(layout)
+    reduce_link, shard_link = fabric.group(ranks, layout.tp), _shard_link(fabric, layout)
+    grads = params_here * job.grad_bytes
+    weights = params_here * BF16  # gathered after a sharded update
+    if layout.fsdp > 1:  # scattered over fsdp x cp (per micro-batch, or once a step when
         # pipelined: :func:`_sharded`); then the replicas all-reduce their shards
         reduce = fabric.group(layout.dp, layout.tp * layout.cp).all_reduce(
-            grads / layout.fsdp, layout.dp)
+            grads / shards, layout.dp)
         if layout.pp > 1:
-            reduce += reduce_link.reduce_scatter(grads, layout.fsdp)
+            reduce += shard_link.reduce_scatter(grads, shards)
     elif job.distributed_optimizer:
-        reduce = reduce_link.reduce_scatter(grads, dpf) + reduce_link.all_gather(weights, dpf)
+        reduce = reduce_link.reduce_scatter(grads, ranks) + reduce_link.all_gather(weights, ranks)
     else:
-        reduce = reduce_link.all_reduce(grads, dpf)
+        reduce = reduce_link.all_reduce(grads, ranks)
     exposed = reduce / max(per_stage) if job.overlap_grad_reduce else reduce
-    gather = (reduce_link.all_gather(stage_params / max(per_stage) * BF16, layout.fsdp)
-              if layout.fsdp > 1 else 0.0)  # the first layer's, before anything overlaps it
-    params_here = stage_params * layout.stages_per_rank
-    opt_shard = layout.fsdp * (layout.dp if job.distributed_optimizer else 1)
-    optimizer = kernels.memory(params_here / opt_shard * 32)
+    first = (_layer_params(arch, layout) + arch.vocab * arch.hidden / layout.tp) * BF16
+    gather = (shard_link.all_gather(first, shards)  # the embedding's and the first layer's,
+              if layout.fsdp > 1 else 0.0)  # before anything overlaps them
+    optimizer = kernels.memory(params_here / _optimizer_shards(job, layout)  # states read and
+                               * (job.state_bytes * 2 + job.grad_bytes * 2))  # written, grads
     step = makespan + exposed + gather + optimizer
     model = arch.model_flops(job.seq) * job.global_batch * job.seq
     hardware = _hardware_flops(arch, job.seq, layout, per_stage) * job.global_batch * job.seq
@@ -234,6 +236,41 @@ def _hardware_flops(arch: Arch, seq: int, layout: Layout, per_stage: list[int]) 
     return base + (arch.hardware_flops(seq, "always") - base) * whole / sum(per_stage)
 
 
+def _params_here(arch: Arch, layout: Layout, per_stage: list[int]) -> float:
+    """The parameters of the busiest rank: its ``stages_per_rank`` stages of the most layers,
+    and one vocabulary matrix (the embedding on the first rank, the output projection on the
+    last; both on one rank without a pipeline, unless they are tied)."""
+    vocab = arch.vocab * arch.hidden / layout.tp * (2 if layout.pp == 1 and not arch.tied
+                                                    else 1)
+    return max(per_stage) * layout.stages_per_rank * _layer_params(arch, layout) + vocab
+
+
+def _grad_ranks(layout: Layout) -> int:
+    """The ranks a stage's gradients are averaged over: the data-parallel ones and the cp
+    ranks that hold the other slices of the same sequences (every trainer reduces over both)."""
+    return layout.dp * layout.fsdp * layout.cp
+
+
+def _shards(layout: Layout) -> int:
+    """The ranks FSDP shards a stage's weights over: ``fsdp x cp`` (torchtitan's and
+    pipetrain's ``dp_shard_cp``), 1 without FSDP."""
+    return layout.fsdp * layout.cp if layout.fsdp > 1 else 1
+
+
+def _optimizer_shards(job: Job, layout: Layout) -> int:
+    """The ranks AdamW's states are sharded over: FSDP's, or every rank the gradients are
+    averaged over under a distributed optimizer (Megatron-core's spans dp x cp)."""
+    return _grad_ranks(layout) if job.distributed_optimizer else _shards(layout)
+
+
+def _shard_link(fabric: Fabric, layout: Layout) -> Link:
+    """The link of FSDP's group: its cp ranks sit next to each other (stride tp), its fsdp
+    ranks beyond the cp and dp ones (tp innermost, then cp, dp and fsdp)."""
+    if layout.cp > 1 and layout.dp == 1:
+        return fabric.group(layout.fsdp * layout.cp, layout.tp)
+    return fabric.group(layout.fsdp * layout.cp, layout.tp * layout.cp * layout.dp)
+
+
 def _sharded(layer: LayerCost, job: Job, layout: Layout, fabric: Fabric) -> LayerCost:
     """``layer`` under FSDP without a pipeline (resharded after each layer's forward, as FSDP2
     by default): its parameters all-gathered before its F and again before its backward, its
@@ -245,10 +282,10 @@ def _sharded(layer: LayerCost, job: Job, layout: Layout, fabric: Fabric) -> Laye
     weights and gradients in memory."""
     if layout.fsdp <= 1 or layout.pp > 1:  # pipelined: gathered once a step (_peak)
         return layer
-    link = fabric.group(layout.fsdp, layout.tp * layout.cp * layout.dp)
+    link, shards = _shard_link(fabric, layout), _shards(layout)
     size = _layer_params(job.arch, layout) * BF16
-    gather = link.all_gather(size, layout.fsdp)
-    scatter = link.reduce_scatter(size / BF16 * job.grad_bytes, layout.fsdp)
+    gather = link.all_gather(size, shards)
+    scatter = link.reduce_scatter(size / BF16 * job.grad_bytes, shards)
     f = max(0.0, gather - layer.f)
     b = max(0.0, gather + scatter - layer.i - layer.w)
     return replace(layer, f=layer.f + f, i=layer.i + b, f_comm=layer.f_comm + f,
@@ -369,10 +406,9 @@ def _schedule(name: str, pp: int, m: int, v: int, costs: Frozen, hop: float, lim
 
 def _peak(job: Job, layout: Layout, params_here: float, units: float, per_stage: list[int],
           layers: list[LayerCost], head: LayerCost) -> float:
-    shard_opt = layout.fsdp * (layout.dp if job.distributed_optimizer else 1)
     whole = layout.pp > 1 and layout.fsdp > 1  # gathered for the step: see _sharded
-    state = params_here * ((BF16 + job.grad_bytes) / (1 if whole else layout.fsdp)
-                           + 12 / shard_opt)
+    state = params_here * ((BF16 + job.grad_bytes) / (1 if whole else _shards(layout))
+                           + job.state_bytes / _optimizer_shards(job, layout))
     activations = units * max(n * layer.kept for n, layer in zip(per_stage, layers))
     running = _layer_params(job.arch, layout) * fp8.WEIGHT_BYTES if job.precision == "fp8" \
         else 0.0

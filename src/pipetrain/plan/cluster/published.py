@@ -18,8 +18,9 @@ Metrics: ``hardware_tflops_per_gpu`` (FLOP/s per GPU counting recomputation, TFL
 ``model_tflops_per_gpu`` (without recomputation, TFLOP/s), ``mfu`` (a fraction),
 ``tokens_per_s_per_gpu`` and ``step_s`` (seconds per optimizer step).
 
-The rows are kept by source family: :mod:`~pipetrain.plan.cluster.published_megatron` and
-:mod:`~pipetrain.plan.cluster.published_pytorch`; the record and its rules are
+The rows are kept by source family: :mod:`~pipetrain.plan.cluster.published_megatron`,
+:mod:`~pipetrain.plan.cluster.published_pytorch`, :mod:`~pipetrain.plan.cluster.published_bloom`
+and :mod:`~pipetrain.plan.cluster.published_nemo`; the record and its rules are
 :mod:`~pipetrain.plan.cluster.published_record`.
 """
 
@@ -27,7 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pipetrain.plan.cluster import published_megatron, published_pytorch
+from pipetrain.plan.cluster import (
+    published_bloom,
+    published_megatron,
+    published_nemo,
+    published_pytorch,
+)
 from pipetrain.plan.cluster.published_record import (
     METRICS,
     PRECISIONS,
@@ -42,7 +48,7 @@ __all__ = ["Published", "PUBLISHED", "METRICS", "SCHEDULES", "RECOMPUTE", "PRECI
 PUBLISHED: list[Published] = [
     *published_megatron.MEGATRON, *published_megatron.KORTHIKANTI,
     *published_pytorch.ZERO_BUBBLE, *published_pytorch.TORCHTITAN, *published_pytorch.LLAMA3,
-    *published_megatron.MEGASCALE,
+    *published_megatron.MEGASCALE, *published_bloom.BLOOM, *published_nemo.NEMO,
 ]
 """Every row, in the order of ``benchmarks/published.py``'s table."""
 

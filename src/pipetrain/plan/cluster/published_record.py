@@ -49,6 +49,8 @@ class Published:
     trainer: str  # a preset of pipetrain.plan.cluster.trainers (the stack that ran it)
     activation_limit: float = 0.0  # zb-auto's stage-activations per rank (0: pp, ZB-1p's)
     peak_memory: float = 0.0  # bytes per GPU as the source gives it (0: not given)
+    optimizer_dtype: str = ""  # "bf16" where the source keeps AdamW's states so ("": fp32)
+    nic_gbps: float = 0.0  # the network per GPU, Gbit/s, where not the GPU entry's (0: its)
 
     def config(self) -> dict[str, object]:
         """The model as a Hugging Face ``config.json``'s keys (``plan --config-json``): a
@@ -83,6 +85,10 @@ class Published:
                 "--trainer", self.trainer]
         if self.precision == "fp8":
             argv += ["--precision", "fp8"]
+        if self.nic_gbps:
+            argv += ["--nic-gbps", f"{self.nic_gbps:g}"]
+        if self.optimizer_dtype:
+            argv += ["--optimizer-dtype", self.optimizer_dtype]
         if self.activation_limit:
             argv += ["--activation-limit", f"{self.activation_limit:g}"]
         if self.global_batch % (dp * self.micro_batch):
