@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -524,25 +525,19 @@ def test_cp_ranks_reduce_the_gradients_and_share_the_shards_of_the_states() -> N
     alone = at(tp=4, cp=2)
     assert alone.parts["grad_reduce"] > 0
     params = LLAMA.params() / 4  # tp 4; the embedding and the output projection on one rank
-    sharded, whole = at(tp=4, cp=2), predict(
-        replace_job(job, distributed_optimizer=False),
+    sharded, whole = alone, predict(
+        replace(job, distributed_optimizer=False),
         with_microbatches(job, Layout(tp=4, cp=2, micro_batch_size=1)))
     assert whole.peak_bytes_per_gpu - sharded.peak_bytes_per_gpu == pytest.approx(
         params * 12 / 2, rel=0.02)  # the states halved over the two cp ranks
     # FSDP over fsdp x cp: fsdp 2 x cp 2 shards weights, grads and states four ways
-    fsdp = predict(replace_job(job, distributed_optimizer=False),
+    fsdp = predict(replace(job, distributed_optimizer=False),
                    with_microbatches(job, Layout(fsdp=2, cp=2, tp=2, micro_batch_size=1)))
-    unsharded = predict(replace_job(job, distributed_optimizer=False),
+    unsharded = predict(replace(job, distributed_optimizer=False),
                         with_microbatches(job, Layout(dp=2, cp=2, tp=2, micro_batch_size=1)))
     state = LLAMA.params() / 2 * (2 + 4 + 12)
     assert unsharded.peak_bytes_per_gpu - fsdp.peak_bytes_per_gpu == pytest.approx(
         state * 3 / 4, rel=0.02)
-
-
-def replace_job(job: Job, **changes: Any) -> Job:
-    from dataclasses import replace
-
-    return replace(job, **changes)
 
 
 def test_an_interleaved_rank_holds_one_vocabulary_matrix() -> None:
